@@ -1,0 +1,56 @@
+"""The ``glm5`` console command: ``glm5 tiny``, ``glm5 parity``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="glm5", description="GLM-5 on Megatron-Core")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    t = sub.add_parser("tiny", help="write a tiny random GLM-5 HF checkpoint")
+    t.add_argument("--out", required=True)
+    t.add_argument("--mtp", action="store_true", help="add the MTP layer model.layers.{L}.*")
+    t.add_argument("--index-share", action="store_true", help="layer 2 reuses layer 1's top-k")
+    t.add_argument("--seed", type=int, default=0)
+
+    q = sub.add_parser("parity", help="compare our Megatron-Core model with transformers")
+    q.add_argument("--hf-dir", required=True)
+    q.add_argument("--input-ids", help="safetensors file with int64 input_ids [B, S]")
+    q.add_argument("--save-logits", help="write Megatron logits (safetensors, key 'logits')")
+    q.add_argument("--tp", type=int, default=1)
+    q.add_argument("--ep", type=int, default=1)
+    q.add_argument("--cp", type=int, default=1)
+    q.add_argument("--atol", type=float, default=1e-4)
+    q.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    q.add_argument("--batch", type=int, default=2, help="random input batch size")
+    q.add_argument("--seq-len", type=int, default=32, help="random input length")
+    q.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        if args.cmd == "tiny":
+            from glm5_mcore.tiny import write_tiny
+
+            out = write_tiny(args.out, mtp=args.mtp, index_share=args.index_share, seed=args.seed)
+            print(f"wrote tiny GLM-5 checkpoint to {out}")
+            return 0
+        if args.cmd == "parity":
+            from glm5_mcore.parity import main as parity_main
+
+            return parity_main(args)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"glm5 {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""GLM-5 DeepSeek Sparse Attention (DSA) as a Megatron-Core MLA ``core_attention``.
+
+The lightning indexer is Megatron-Core's own ``DSAIndexer`` (wq_b on the q latent, wk + LayerNorm,
+weights_proj, partial interleaved RoPE on the first ``qk_pos_emb_head_dim`` dims). This module adds
+what GLM-5 training needs around it:
+
+- ``compute_index_topk``: ReLU(q·k) scores weighted per head, causal + document bounds from the
+  packed-sequence boundaries, and a *deterministic* top-k (ties go to the lower key index, the same
+  on every device), computed in query chunks so the indexer's T² scoring is never held at once.
+- ``SparseMLAAttention``: attention over the selected keys only. Memory is O(T·k): scores are formed
+  per query chunk as [C, heads, k] and recomputed in backward (flash-style, saving only the
+  log-sum-exp); there is no [T, T] score or mask tensor.
+- ``GLM5SparseAttention``: the core attention module: THD packing, allgather context parallel,
+  IndexShare (a "shared" layer reuses the previous full layer's top-k), and a frozen-indexer switch.
+
+Legend: S query rows, T key rows, b batch, n heads, h head dim, K top-k, C query-chunk rows.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.experimental_attention_variant import dsa_layout
+from megatron.core.transformer.experimental_attention_variant.dsa import DSAttentionSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.utils import get_pg_size
+
+_SCORE_ELEMS_PER_CHUNK = 1 << 22
+
+
+# --------------------------------------------------------------------------------------------------
+# Indexer scoring and deterministic top-k
+# --------------------------------------------------------------------------------------------------
+def deterministic_topk(scores_CT: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k indices along the last dim with ties broken towards the lower index.
+
+    ``torch.topk`` leaves tie order to the kernel; a stable descending sort does not, so training
+    and rollout engines pick the same set. Entries that are ``-inf`` come back as -1.
+    """
+    order = torch.sort(scores_CT, dim=-1, descending=True, stable=True)
+    idx = order.indices[..., :k]
+    return idx.masked_fill(order.values[..., :k] == float("-inf"), -1)
+
+
+def compute_index_topk(
+    q_SbnD: torch.Tensor,
+    k_TbD: torch.Tensor,
+    w_Sbn: torch.Tensor,
+    topk: int,
+    q_pos_S: torch.Tensor,
+    doc_start_S: torch.Tensor,
+) -> torch.Tensor:
+    """Indexer top-k: I[t,u] = Σ_h w[t,h]·ReLU(q[t,h]·k[u]) over keys doc_start(t) ≤ u ≤ pos(t).
+
+    Args:
+        q_SbnD: indexer queries (RoPE applied), [S, b, nI, dI].
+        k_TbD: indexer keys in global key order, [T, b, dI].
+        w_Sbn: head weights, already scaled by nI^-0.5·dI^-0.5, [S, b, nI].
+        q_pos_S / doc_start_S: each query's key-order position and its document's first key, [S].
+    Returns:
+        int64 [b, S, K], K = min(topk, T), -1 where fewer than K keys are allowed.
+    """
+    S, b = q_SbnD.shape[:2]
+    T = k_TbD.shape[0]
+    K = min(topk, T)
+    key_pos_T = torch.arange(T, device=q_SbnD.device)
+    rows = max(1, _SCORE_ELEMS_PER_CHUNK // max(1, T * q_SbnD.shape[2]))
+    out = torch.empty(b, S, K, dtype=torch.int64, device=q_SbnD.device)
+    kf = k_TbD.float()
+    for bi in range(b):
+        for s0 in range(0, S, rows):
+            s1 = min(S, s0 + rows)
+            qc = q_SbnD[s0:s1, bi].float()
+            scores = torch.relu(torch.einsum("cnd,td->cnt", qc, kf[:, bi]))
+            scores = torch.einsum("cn,cnt->ct", w_Sbn[s0:s1, bi].float(), scores)
+            allowed = (key_pos_T[None, :] <= q_pos_S[s0:s1, None]) & (
+                key_pos_T[None, :] >= doc_start_S[s0:s1, None])
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            out[bi, s0:s1] = deterministic_topk(scores, K)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Sparse attention core
+# --------------------------------------------------------------------------------------------------
+def _chunk_rows(K: int, n: int) -> int:
+    return max(1, _SCORE_ELEMS_PER_CHUNK // (8 * max(1, K * n)))
+
+
+class SparseMLAAttention(torch.autograd.Function):
+    """softmax(q·k_sel·scale)·v_sel over each query's selected keys, O(S·K) memory.
+
+    q [S, n, h], k [T, n, h], v [T, n, hv], idx [S, K] (int64 into T, -1 = not selected).
+    Computed in fp32 per query chunk; backward recomputes the chunk's probabilities from the
+    saved log-sum-exp [S, n].
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, idx, scale):
+        S, n, _ = q.shape
+        out = torch.empty(S, n, v.shape[-1], dtype=torch.float32, device=q.device)
+        lse = torch.empty(S, n, dtype=torch.float32, device=q.device)
+        rows = _chunk_rows(idx.shape[1], n)
+        for s0 in range(0, S, rows):
+            s1 = min(S, s0 + rows)
+            sel = idx[s0:s1]
+            valid = sel >= 0
+            sel = sel.clamp(min=0)
+            kg, vg = k[sel].float(), v[sel].float()
+            logits = torch.einsum("cnh,cknh->cnk", q[s0:s1].float(), kg) * scale
+            logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+            lse_c = torch.logsumexp(logits, dim=-1)
+            p = torch.exp(logits - lse_c[..., None])
+            out[s0:s1] = torch.einsum("cnk,cknh->cnh", p, vg)
+            lse[s0:s1] = lse_c
+        ctx.save_for_backward(q, k, v, idx, out, lse)
+        ctx.scale = scale
+        return out.to(v.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, idx, out, lse = ctx.saved_tensors
+        scale = ctx.scale
+        S, n, _ = q.shape
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        dout = dout.float()
+        delta = (dout * out).sum(-1)
+        rows = _chunk_rows(idx.shape[1], n)
+        for s0 in range(0, S, rows):
+            s1 = min(S, s0 + rows)
+            sel = idx[s0:s1]
+            valid = sel >= 0
+            sel = sel.clamp(min=0)
+            kg, vg = k[sel].float(), v[sel].float()
+            qc, do = q[s0:s1].float(), dout[s0:s1]
+            logits = torch.einsum("cnh,cknh->cnk", qc, kg) * scale
+            p = torch.exp(logits - lse[s0:s1, :, None]).masked_fill(~valid[:, None, :], 0.0)
+            dp = torch.einsum("cnh,cknh->cnk", do, vg)
+            ds = p * (dp - delta[s0:s1, :, None]) * scale
+            dq[s0:s1] = torch.einsum("cnk,cknh->cnh", ds, kg)
+            flat = sel.reshape(-1)
+            dk.index_add_(0, flat, torch.einsum("cnk,cnh->cknh", ds, qc).reshape(flat.numel(), n, -1))
+            dv.index_add_(0, flat, torch.einsum("cnk,cnh->cknh", p, do).reshape(flat.numel(), n, -1))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def sparse_attention(q_SbnH, k_TbnH, v_TbnV, topk_bSK, scale):
+    """Batch wrapper: [S,b,n,h] queries, [T,b,n,h]/[T,b,n,hv] keys/values, [b,S,K] indices →
+    [S, b, n·hv]."""
+    S, b, n, _ = q_SbnH.shape
+    T = k_TbnH.shape[0]
+    offsets = (torch.arange(b, device=q_SbnH.device) * T)[:, None, None]
+    idx = torch.where(topk_bSK >= 0, topk_bSK + offsets, -1).reshape(b * S, -1)
+    q = q_SbnH.transpose(0, 1).reshape(b * S, n, -1)
+    k = k_TbnH.transpose(0, 1).reshape(b * T, n, -1)
+    v = v_TbnV.transpose(0, 1).reshape(b * T, n, -1)
+    out = SparseMLAAttention.apply(q, k, v, idx, scale)
+    return out.reshape(b, S, -1).transpose(0, 1).contiguous()
+
+
+def dense_attention(q_SbnH, k_TbnH, v_TbnV, q_pos_S, doc_start_S, scale):
+    """Plain causal (and document-bounded) attention; what DSA reduces to when K ≥ T."""
+    S, b, n, _ = q_SbnH.shape
+    T = k_TbnH.shape[0]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q_SbnH, k_TbnH, v_TbnV))
+    plain = S == T and bool((q_pos_S == torch.arange(S, device=q.device)).all()) and not bool(doc_start_S.any())
+    if plain:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        key_pos = torch.arange(T, device=q.device)
+        mask = (key_pos[None, :] <= q_pos_S[:, None]) & (key_pos[None, :] >= doc_start_S[:, None])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.permute(2, 0, 1, 3).reshape(S, b, -1)
+
+
+# --------------------------------------------------------------------------------------------------
+# The core attention module
+# --------------------------------------------------------------------------------------------------
+class GLM5SparseAttention(MegatronModule):
+    """DSA core attention for ``MLASelfAttention`` (non-absorbed: per-head q/k/v come in).
+
+    ``computes_topk=False`` builds an IndexShare layer: no indexer, top-k taken from the nearest
+    earlier full layer (linked by ``link_index_share``).
+    """
+
+    requires_dsa_inputs = True
+
+    def __init__(self, config, submodules: DSAttentionSubmodules, layer_number: int, attn_mask_type,
+                 attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, k_channels: Optional[int] = None,
+                 v_channels: Optional[int] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection: Optional[ProcessGroupCollection] = None, computes_topk: bool = True):
+        super().__init__(config=config)
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        self.pg_collection = pg_collection
+        self.layer_number = layer_number
+        self.index_topk = config.dsa_indexer_topk
+        if softmax_scale is None:
+            softmax_scale = (k_channels or config.qk_head_dim + config.qk_pos_emb_head_dim) ** -0.5
+        self.softmax_scale = softmax_scale
+        self.computes_topk = computes_topk
+        self.indexer = (build_module(submodules.indexer, config=config, pg_collection=pg_collection)
+                        if computes_topk else None)
+        self._topk_source: list = []
+        self.last_topk: Optional[torch.Tensor] = None
+
+    def _positions(self, sq: int, device, packed_seq_params: Optional[PackedSeqParams]):
+        """Each query's index in the (CP-gathered) key order and its document's first key."""
+        cp_group = self.pg_collection.cp
+        cp, rank = get_pg_size(cp_group), (cp_group.rank() if get_pg_size(cp_group) > 1 else 0)
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            cu_q, cu_kv = dsa_layout.get_packed_qk_cu_seqlens(packed_seq_params)
+            cu_q = cu_q.to(device=device, dtype=torch.int64)
+            q_pos, reorder = dsa_layout.build_packed_allgather_cp_query_positions_and_key_reorder(
+                cu_q, cu_kv, cp, rank, device, local_output_size=sq)
+            doc = torch.searchsorted(cu_q, q_pos, right=True) - 1
+            doc_start = cu_q[doc.clamp(max=cu_q.numel() - 1)]
+            return q_pos, doc_start, (reorder if cp > 1 else None)
+        q_pos = dsa_layout.build_zigzag_cp_local_positions(sq * cp, cp, rank, device)
+        reorder = dsa_layout.build_zigzag_allgather_cp_key_reorder(sq, cp, device) if cp > 1 else None
+        return q_pos, torch.zeros_like(q_pos), reorder
+
+    def _gather_cp(self, t: torch.Tensor, reorder: Optional[torch.Tensor]) -> torch.Tensor:
+        if reorder is None:
+            return t
+        t = gather_from_sequence_parallel_region(t, group=self.pg_collection.cp)
+        return t.index_select(0, reorder)
+
+    def forward(self, query, key, value, attention_mask, x, qr, attn_mask_type=None,
+                packed_seq_params: Optional[PackedSeqParams] = None, position_ids=None,
+                attention_bias=None, up_v_weight=None):
+        """query [S,b,n,h] (or THD [t,n,h]), key [S,b,n,h], value [S,b,n,hv], x [S',b,H],
+        qr [S',b,r_q] (S' = S/TP under sequence parallel). Returns [S, b, n·hv] (THD: [t, n·hv])."""
+        thd = query.dim() == 3
+        if thd:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        sq = query.shape[0]
+        q_pos, doc_start, reorder = self._positions(sq, query.device, packed_seq_params)
+        key = self._gather_cp(key, reorder)
+        value = self._gather_cp(value, reorder)
+        skv = key.shape[0]
+
+        if self.index_topk >= skv:
+            topk = None
+        elif self.computes_topk:
+            with torch.no_grad():
+                q_i, k_i, w_i = self.indexer.forward_before_topk(x.detach(), qr.detach(), packed_seq_params)
+                k_i = self._gather_cp(k_i, reorder)
+                topk = compute_index_topk(q_i, k_i, w_i, self.index_topk, q_pos, doc_start)
+        else:
+            if not self._topk_source:
+                raise RuntimeError(f"layer {self.layer_number}: IndexShare layer not linked to a full layer")
+            topk = self._topk_source[0].last_topk
+        self.last_topk = topk
+
+        if topk is None:
+            out = dense_attention(query, key, value, q_pos, doc_start, self.softmax_scale)
+        else:
+            out = sparse_attention(query, key, value, topk, self.softmax_scale)
+        return out.squeeze(1) if thd else out
+
+
+def link_index_share(modules) -> None:
+    """Point every IndexShare core at the nearest earlier full core (iteration order = layer order).
+
+    Raises if a shared layer has no earlier full layer on this pipeline stage.
+    """
+    last_full = None
+    for m in modules:
+        if not isinstance(m, GLM5SparseAttention):
+            continue
+        if m.computes_topk:
+            last_full = m
+        elif last_full is None:
+            raise ValueError(f"layer {m.layer_number}: IndexShare layer has no earlier full DSA layer "
+                             "on this pipeline stage")
+        else:
+            m._topk_source = [last_full]
+
+
+def set_indexer_frozen(model: torch.nn.Module, frozen: bool = True) -> int:
+    """Freeze (or unfreeze) every DSA indexer: no grads, hence no optimizer state. Returns #params."""
+    count = 0
+    for m in model.modules():
+        if isinstance(m, GLM5SparseAttention) and m.indexer is not None:
+            for p in m.indexer.parameters():
+                p.requires_grad_(not frozen)
+                count += p.numel()
+    return count

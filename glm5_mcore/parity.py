@@ -1,0 +1,183 @@
+"""``glm5 parity``: our Megatron-Core GLM-5 against transformers' ``GlmMoeDsaForCausalLM``.
+
+Both run the same HF checkpoint on the same tokens in fp32 (whatever the checkpoint stores). The
+JSON line reports the max / mean absolute logit difference, the fraction of indexer top-k sets and
+router expert sets that agree (as sets; top-k only on rows with at least k causal keys), the
+tolerance and the verdict. Under torchrun the Megatron side runs at the given TP/EP/CP (gloo on
+CPU); logits and choices are gathered to rank 0, which runs the reference and prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from glm5_mcore.config import GLM5Config, ParallelConfig, check_transformers_version
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _all_gather_cat(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    if group is None or dist.get_world_size(group) == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def load_input_ids(path: Optional[str], vocab_size: int, batch: int, seq: int, seed: int) -> torch.Tensor:
+    """``input_ids`` int64 [B, S] from a safetensors file, or random tokens."""
+    if path is None:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, vocab_size, (batch, seq), generator=g)
+    from safetensors.torch import load_file
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: --input-ids file does not exist")
+    d = load_file(path)
+    if "input_ids" not in d:
+        raise ValueError(f"{path}: no tensor called 'input_ids' (found {sorted(d)})")
+    ids = d["input_ids"]
+    if ids.dim() != 2:
+        raise ValueError(f"{path}: input_ids must be [B, S], got shape {tuple(ids.shape)}")
+    if int(ids.max()) >= vocab_size or int(ids.min()) < 0:
+        raise ValueError(f"{path}: input_ids outside [0, vocab_size={vocab_size})")
+    return ids.long()
+
+
+def megatron_forward(hf_dir: str, glm5: GLM5Config, input_ids: torch.Tensor, parallel: ParallelConfig,
+                     dtype: torch.dtype):
+    """Run our model on this rank's tokens; return (logits [B,S,V], topk per layer [B,S,K] or None,
+    router sets per MoE layer [B*S, E] bool), all gathered to natural token order."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.experimental_attention_variant import dsa_layout
+
+    from glm5_mcore.dsa import GLM5SparseAttention
+    from glm5_mcore.model import build_model, forward_logits, init_parallel, load_hf_weights
+
+    init_parallel(parallel)
+    model = build_model(glm5, parallel)
+    load_hf_weights(model, hf_dir, glm5)
+    model = model.to(dtype).eval()
+    B, S = input_ids.shape
+    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    pos = dsa_layout.build_zigzag_cp_local_positions(S, cp, cp_rank, torch.device("cpu"))
+    routers = []
+    hooks = [m.register_forward_hook(lambda mod, inp, out: routers.append(out[1].detach()))
+             for n, m in model.named_modules() if n.endswith("mlp.router")]
+    with torch.no_grad():
+        logits = forward_logits(model, input_ids[:, pos], pos[None].expand(B, -1).contiguous())
+    for h in hooks:
+        h.remove()
+    cp_group = ps.get_context_parallel_group() if cp > 1 else None
+    tp_group = ps.get_tensor_model_parallel_group()
+    order = torch.argsort(_all_gather_cat(pos, cp_group))
+    logits = _all_gather_cat(logits.float(), cp_group, dim=1)[:, order]
+    topks = []
+    for m in model.decoder.modules():
+        if isinstance(m, GLM5SparseAttention):
+            t = m.last_topk
+            topks.append(None if t is None else _all_gather_cat(t, cp_group, dim=1)[:, order])
+    router_sets = []
+    for r in routers:  # [S_local/TP * B, E], rows s-major
+        r = _all_gather_cat(r.int(), tp_group if model.config.sequence_parallel else None)
+        r = r.view(-1, B, r.shape[-1])
+        r = _all_gather_cat(r, cp_group, dim=0)[order]
+        router_sets.append(r.transpose(0, 1).reshape(B * S, -1).bool())
+    return logits, topks, router_sets
+
+
+def reference_forward(hf_dir: str, input_ids: torch.Tensor, dtype: torch.dtype):
+    """transformers' logits, indexer top-k per full layer and router sets per MoE layer."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
+    topks, routers = [], []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if getattr(attn, "indexer", None) is not None:
+            attn.indexer.register_forward_hook(lambda mod, inp, out: topks.append(out.long()))
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None:
+            gate.register_forward_hook(lambda mod, inp, out: routers.append(out[2]))
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits.float()
+    sets = []
+    for idx in routers:
+        m = torch.zeros(idx.shape[0], model.config.n_routed_experts, dtype=torch.bool)
+        sets.append(m.scatter_(1, idx, True))
+    return logits, topks, sets
+
+
+def topk_agreement(ours: list, ref: list, indexer_types: list[str], S: int) -> float:
+    """Fraction of (layer, batch, row) top-k sets equal, over rows t >= k-1 of full layers."""
+    agree = total = 0
+    ours_full = [t for t, kind in zip(ours, indexer_types) if kind == "full"]
+    for a, b in zip(ours_full, ref):
+        K = b.shape[-1]
+        if a is None:  # our side skipped the indexer: K >= T, every causal key selected
+            continue
+        for t in range(K - 1, S):
+            for bi in range(b.shape[0]):
+                agree += int(set(a[bi, t].tolist()) == set(b[bi, t].tolist()))
+                total += 1
+    return agree / total if total else 1.0
+
+
+def run_parity(hf_dir: str, input_ids: torch.Tensor, parallel: ParallelConfig, dtype: str = "fp32",
+               atol: float = 1e-4, save_logits: Optional[str] = None) -> Optional[dict]:
+    """Compare and return the report dict (rank 0) or None (other ranks)."""
+    glm5 = GLM5Config.from_hf_dir(hf_dir)
+    check_transformers_version()
+    td = DTYPES[dtype]
+    logits, topks, routers = megatron_forward(hf_dir, glm5, input_ids, parallel, td)
+    if dist.get_rank() != 0:
+        return None
+    if save_logits:
+        from safetensors.torch import save_file
+
+        tmp = f"{save_logits}.tmp"
+        save_file({"logits": logits.contiguous()}, tmp)
+        os.replace(tmp, save_logits)
+    ref_logits, ref_topks, ref_routers = reference_forward(hf_dir, input_ids, td)
+    diff = (logits - ref_logits).abs()
+    r_agree = (sum(int((a == b).all(-1).sum()) for a, b in zip(routers, ref_routers))
+               / max(1, sum(a.shape[0] for a in routers)))
+    report = {
+        "max_abs": float(diff.max()),
+        "mean_abs": float(diff.mean()),
+        "topk_agree": topk_agreement(topks, ref_topks, glm5.indexer_types, input_ids.shape[1]),
+        "router_agree": r_agree,
+        "atol": atol,
+        "pass": None if dtype != "fp32" else bool(diff.max() <= atol),
+        "dtype": dtype,
+        "tp": parallel.tp, "ep": parallel.ep, "cp": parallel.cp,
+        "shape": list(logits.shape),
+    }
+    return report
+
+
+def main(args) -> int:
+    """Entry for ``glm5 parity`` (argparse namespace from ``glm5_mcore.cli``)."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    hf_dir = args.hf_dir
+    glm5 = GLM5Config.from_hf_dir(hf_dir)
+    ids = load_input_ids(args.input_ids, glm5.vocab_size, args.batch, args.seq_len, args.seed)
+    parallel = ParallelConfig(tp=args.tp, ep=args.ep, cp=args.cp)
+    report = run_parity(hf_dir, ids, parallel, args.dtype, args.atol, args.save_logits)
+    code = 0
+    if report is not None:
+        print(json.dumps(report), flush=True)
+        code = 1 if report["pass"] is False else 0
+    if dist.is_initialized():
+        codes = torch.tensor([code])
+        dist.broadcast(codes, 0)
+        code = int(codes)
+        dist.destroy_process_group()
+    return code
