@@ -361,7 +361,7 @@ def glm5_744b() -> GLM5Config:
 def glm5_tiny(*, mtp: bool = False, index_share: bool = False) -> GLM5Config:
     """A debug GLM-5: 4 layers (1 dense + 3 MoE), every GLM-5 feature, ~0.5M parameters.
 
-    Sizes follow ``shared/notes/glm5-reference.md`` section 4.1; 8 indexer heads avoid ReLU ties.
+    Sizes follow ``shared/notes/glm5-reference.md`` section 4.1; 16 indexer heads make exact ReLU ties (all heads <= 0) rare.
     ``index_share`` makes layer 2 reuse layer 1's top-k (pattern FFSF).
     """
     return GLM5Config(
@@ -369,7 +369,7 @@ def glm5_tiny(*, mtp: bool = False, index_share: bool = False) -> GLM5Config:
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
         n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=32,
         qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, index_topk=8, index_head_dim=16,
-        index_n_heads=8, first_k_dense_replace=1, max_position_embeddings=512,
+        index_n_heads=16, first_k_dense_replace=1, max_position_embeddings=512,
         num_nextn_predict_layers=1 if mtp else 0, rope_theta=1e6, eos_token_id=1, bos_token_id=0,
         pad_token_id=2, index_topk_pattern="FFSF" if index_share else None, torch_dtype="float32",
     )

@@ -8,8 +8,6 @@ on a CUDA machine it does nothing. ``LocalBackend`` fills the gaps of Megatron-C
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from megatron.core.models.backends import LocalSpecProvider
 
@@ -64,21 +62,22 @@ def _cpu_device_as_current_device() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
 
 
-def _no_pin_memory() -> None:
-    """rope_utils.py:62 builds CP position tensors with ``pin_memory=True`` (needs CUDA)."""
-    import megatron.core.models.common.embeddings.rope_utils as rope_utils
+def _cp_pos_emb_on_cpu() -> None:
+    """rope_utils.py:62-64 builds the CP chunk index with ``pin_memory=True`` and ``.cuda()``; the
+    same zigzag selection on the embedding's own device. Re-bound where it was imported by name."""
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
 
-    real = torch.tensor
+    def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        if cp_group is None:
+            raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+        cp_size, cp_rank = cp_group.size(), cp_group.rank()
+        cp_idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+        pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+        pos_emb = pos_emb.index_select(seq_dim, cp_idx)
+        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
 
-    @functools.wraps(real)
-    def tensor(*args, pin_memory=False, **kwargs):
-        return real(*args, **kwargs)
-
-    class _TorchProxy:
-        def __getattr__(self, name):
-            return tensor if name == "tensor" else getattr(torch, name)
-
-    rope_utils.torch = _TorchProxy()
+    for mod in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        mod.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
 
 
 def _disable_torch_compile_jit() -> None:
@@ -94,6 +93,6 @@ def apply() -> None:
     if _applied or torch.cuda.is_available():
         return
     _cpu_device_as_current_device()
-    _no_pin_memory()
+    _cp_pos_emb_on_cpu()
     _disable_torch_compile_jit()
     _applied = True

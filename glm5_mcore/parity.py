@@ -70,7 +70,7 @@ def megatron_forward(hf_dir: str, glm5: GLM5Config, input_ids: torch.Tensor, par
     pos = dsa_layout.build_zigzag_cp_local_positions(S, cp, cp_rank, torch.device("cpu"))
     routers = []
     hooks = [m.register_forward_hook(lambda mod, inp, out: routers.append(out[1].detach()))
-             for n, m in model.named_modules() if n.endswith("mlp.router")]
+             for n, m in model.named_modules() if n.startswith("decoder.") and n.endswith("mlp.router")]
     with torch.no_grad():
         logits = forward_logits(model, input_ids[:, pos], pos[None].expand(B, -1).contiguous())
     for h in hooks:
