@@ -80,6 +80,59 @@ def _cp_pos_emb_on_cpu() -> None:
         mod.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
 
 
+class _CudaLiteralToCPU:
+    """Stands in for ``torch`` inside one Megatron module: tensor factories given ``device='cuda'``
+    (a string literal, so no device variable can be set) build on the CPU instead."""
+
+    _FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
+
+    def __getattr__(self, name):
+        real = getattr(torch, name)
+        if name not in self._FACTORIES:
+            return real
+
+        def factory(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return real(*args, **kwargs)
+
+        return factory
+
+
+def _cuda_literals_to_cpu() -> None:
+    """``device="cuda"`` literals: optimizer/optimizer.py:1249 (loss scale), utils.py:1332 (local l2
+    norm), pipeline_parallel/
+    schedules.py:749 (token count), optimizer/clip_grads.py:96,108,112,180,231 (norm buffers)."""
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core import utils
+    from megatron.core.pipeline_parallel import schedules
+
+    for mod in (optimizer, schedules, clip_grads, utils):
+        mod.torch = _CudaLiteralToCPU()
+
+
+def _clip_grads_on_cpu() -> None:
+    """optimizer/clip_grads.py:174 asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``; the
+    same in-place scaling by ``max_norm / (total_norm + 1e-6)`` capped at 1, for CPU grads."""
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        grads = [getattr(p, attr) for p in parameters if getattr(p, attr, None) is not None]
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if isinstance(clip_coeff, torch.Tensor):
+            clip_coeff = clip_coeff.clamp_max(1.0)
+        elif clip_coeff >= 1.0:
+            return
+        if grads:
+            torch._foreach_mul_(grads, clip_coeff)
+
+    clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
 def _disable_torch_compile_jit() -> None:
     """jit.py: ``jit_fuser`` is ``torch.compile``, ~20 s cold per fused function on CPU."""
     import torch._dynamo
@@ -94,5 +147,7 @@ def apply() -> None:
         return
     _cpu_device_as_current_device()
     _cp_pos_emb_on_cpu()
+    _cuda_literals_to_cpu()
+    _clip_grads_on_cpu()
     _disable_torch_compile_jit()
     _applied = True
