@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv with everything the project and its tests need (CPU). Idempotent.
+# megatron-core 0.19.2 declares Python >= 3.12 but builds and runs on 3.11, hence the --no-deps step;
+# torch is pinned first so pip takes the local CPU wheel instead of a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=".venv/bin/python -m pip install -q --disable-pip-version-check"
+$PIP torch==2.13.0
+$PIP numpy "packaging>=24.2" einops
+.venv/bin/python -c "import megatron.core" 2>/dev/null || \
+  $PIP --no-deps --ignore-requires-python megatron-core==0.19.2
+$PIP -e ".[test]"
