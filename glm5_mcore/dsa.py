@@ -97,29 +97,29 @@ def _chunk_rows(K: int, n: int) -> int:
 class SparseMLAAttention(torch.autograd.Function):
     """softmax(q·k_sel·scale)·v_sel over each query's selected keys, O(S·K) memory.
 
-    q [S, n, h], k [T, n, h], v [T, n, hv], idx [S, K] (int64 into T, -1 = not selected).
-    Computed in fp32 per query chunk; backward recomputes the chunk's probabilities from the
-    saved log-sum-exp [S, n].
+    Head-major inputs: q [n, S, h], k [n, T, h], v [n, T, hv], idx [S, K] (int64 into T, -1 = not
+    selected). Per query chunk the selected keys are gathered once as [n, C, K, h] and scored with
+    batched matmuls in fp32; backward recomputes the chunk's probabilities from the saved
+    log-sum-exp [n, S] and scatters key/value grads with ``index_add_``.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, idx, scale):
-        S, n, _ = q.shape
-        out = torch.empty(S, n, v.shape[-1], dtype=torch.float32, device=q.device)
-        lse = torch.empty(S, n, dtype=torch.float32, device=q.device)
+        n, S, _ = q.shape
+        out = torch.empty(n, S, v.shape[-1], dtype=torch.float32, device=q.device)
+        lse = torch.empty(n, S, dtype=torch.float32, device=q.device)
+        kf, vf = k.float(), v.float()
         rows = _chunk_rows(idx.shape[1], n)
         for s0 in range(0, S, rows):
             s1 = min(S, s0 + rows)
-            sel = idx[s0:s1]
-            valid = sel >= 0
-            sel = sel.clamp(min=0)
-            kg, vg = k[sel].float(), v[sel].float()
-            logits = torch.einsum("cnh,cknh->cnk", q[s0:s1].float(), kg) * scale
-            logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+            valid = idx[s0:s1] >= 0
+            sel = idx[s0:s1].clamp(min=0)
+            logits = torch.matmul(q[:, s0:s1, None].float(), kf[:, sel].transpose(-1, -2)).squeeze(2)
+            logits = logits.mul_(scale).masked_fill_(~valid, float("-inf"))
             lse_c = torch.logsumexp(logits, dim=-1)
             p = torch.exp(logits - lse_c[..., None])
-            out[s0:s1] = torch.einsum("cnk,cknh->cnh", p, vg)
-            lse[s0:s1] = lse_c
+            out[:, s0:s1] = torch.matmul(p[:, :, None], vf[:, sel]).squeeze(2)
+            lse[:, s0:s1] = lse_c
         ctx.save_for_backward(q, k, v, idx, out, lse)
         ctx.scale = scale
         return out.to(v.dtype)
@@ -128,8 +128,10 @@ class SparseMLAAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, idx, out, lse = ctx.saved_tensors
         scale = ctx.scale
-        S, n, _ = q.shape
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        n, S, h = q.shape
+        hv = v.shape[-1]
+        kf, vf = k.float(), v.float()
+        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
         dout = dout.float()
@@ -137,19 +139,18 @@ class SparseMLAAttention(torch.autograd.Function):
         rows = _chunk_rows(idx.shape[1], n)
         for s0 in range(0, S, rows):
             s1 = min(S, s0 + rows)
-            sel = idx[s0:s1]
-            valid = sel >= 0
-            sel = sel.clamp(min=0)
-            kg, vg = k[sel].float(), v[sel].float()
-            qc, do = q[s0:s1].float(), dout[s0:s1]
-            logits = torch.einsum("cnh,cknh->cnk", qc, kg) * scale
-            p = torch.exp(logits - lse[s0:s1, :, None]).masked_fill(~valid[:, None, :], 0.0)
-            dp = torch.einsum("cnh,cknh->cnk", do, vg)
-            ds = p * (dp - delta[s0:s1, :, None]) * scale
-            dq[s0:s1] = torch.einsum("cnk,cknh->cnh", ds, kg)
+            valid = idx[s0:s1] >= 0
+            sel = idx[s0:s1].clamp(min=0)
+            kg, vg = kf[:, sel], vf[:, sel]
+            qc, do = q[:, s0:s1, None].float(), dout[:, s0:s1, None]
+            logits = torch.matmul(qc, kg.transpose(-1, -2)).squeeze(2).mul_(scale)
+            p = torch.exp(logits - lse[:, s0:s1, None]).masked_fill_(~valid, 0.0)
+            dp = torch.matmul(do, vg.transpose(-1, -2)).squeeze(2)
+            ds = p * (dp - delta[:, s0:s1, None]) * scale
+            dq[:, s0:s1] = torch.matmul(ds[:, :, None], kg).squeeze(2)
             flat = sel.reshape(-1)
-            dk.index_add_(0, flat, torch.einsum("cnk,cnh->cknh", ds, qc).reshape(flat.numel(), n, -1))
-            dv.index_add_(0, flat, torch.einsum("cnk,cnh->cknh", p, do).reshape(flat.numel(), n, -1))
+            dk.index_add_(1, flat, (ds[..., None] * qc).reshape(n, -1, h))
+            dv.index_add_(1, flat, (p[..., None] * do).reshape(n, -1, hv))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
@@ -160,11 +161,11 @@ def sparse_attention(q_SbnH, k_TbnH, v_TbnV, topk_bSK, scale):
     T = k_TbnH.shape[0]
     offsets = (torch.arange(b, device=q_SbnH.device) * T)[:, None, None]
     idx = torch.where(topk_bSK >= 0, topk_bSK + offsets, -1).reshape(b * S, -1)
-    q = q_SbnH.transpose(0, 1).reshape(b * S, n, -1)
-    k = k_TbnH.transpose(0, 1).reshape(b * T, n, -1)
-    v = v_TbnV.transpose(0, 1).reshape(b * T, n, -1)
-    out = SparseMLAAttention.apply(q, k, v, idx, scale)
-    return out.reshape(b, S, -1).transpose(0, 1).contiguous()
+    q = q_SbnH.permute(2, 1, 0, 3).reshape(n, b * S, -1)
+    k = k_TbnH.permute(2, 1, 0, 3).reshape(n, b * T, -1)
+    v = v_TbnV.permute(2, 1, 0, 3).reshape(n, b * T, -1)
+    out = SparseMLAAttention.apply(q, k, v, idx, scale)  # [n, b*S, hv]
+    return out.reshape(n, b, S, -1).permute(2, 1, 0, 3).reshape(S, b, -1)
 
 
 def dense_attention(q_SbnH, k_TbnH, v_TbnV, q_pos_S, doc_start_S, scale):

@@ -20,6 +20,14 @@ from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.dsa import GLM5SparseAttention, link_index_share
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def init_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:
     """Start torch.distributed (gloo on CPU, NCCL on GPU; one process without torchrun) and
     Megatron's model-parallel groups for ``parallel``."""
@@ -28,7 +36,8 @@ def init_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:
     cpu_compat.apply()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        if "MASTER_PORT" not in os.environ:
+            os.environ["MASTER_PORT"] = str(_free_port())
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         backend = "nccl" if torch.cuda.is_available() else "gloo"

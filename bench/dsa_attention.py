@@ -1,0 +1,137 @@
+"""DSA sparse attention vs dense attention (same module) vs HF's attention, forward + backward.
+
+One MLA + DSA attention layer at GLM-5's proportions scaled down (hidden 512, 4 heads, q/k head
+64 = nope 48 + rope 16, v head 64, indexer 4 heads x 32), k = 512, T = 2048 / 4096 / 8192, batch 1,
+fp32, 1 thread. "dense" is the same module with index_topk >= T (the indexer is skipped, causal SDPA);
+"hf" is transformers' GlmMoeDsaAttention (eager, dense scores + DSA mask). Each (impl, T) runs in
+its own process so peak RSS is its own. The ideal speed-up counts FLOPs of the whole layer
+(projections, attention over the kept keys, and the indexer's own T² scoring).
+
+Usage: .venv/bin/python bench/dsa_attention.py [--seqs 2048 4096 8192] [--reps 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+H, NH, RQ, RKV, DN, DR, DV, NI, DI, K = 512, 4, 128, 64, 48, 16, 64, 4, 32, 512
+
+
+def flops(T: int, sparse: bool) -> float:
+    """Forward + backward (x3) FLOPs of one layer; the indexer runs forward only, over all T²."""
+    proj = 2 * T * (H * RQ + RQ * NH * (DN + DR) + H * (RKV + DR) + RKV * NH * (DN + DV) + NH * DV * H)
+    kept = T * min(K, T) - K * (K - 1) / 2 if sparse else T * (T + 1) / 2
+    attn = 2 * kept * NH * (DN + DR + DV)
+    indexer = 2 * T * T * NI * DI + 2 * T * (RQ * NI * DI + H * DI + H * NI) if sparse else 0
+    return 3 * (proj + attn) + indexer
+
+
+def _glm5():
+    from glm5_mcore.config import glm5_tiny
+
+    c = glm5_tiny()
+    for k, v in dict(hidden_size=H, num_attention_heads=NH, num_key_value_heads=NH, q_lora_rank=RQ,
+                     kv_lora_rank=RKV, qk_nope_head_dim=DN, qk_rope_head_dim=DR, v_head_dim=DV,
+                     index_n_heads=NI, index_head_dim=DI, index_topk=K, num_hidden_layers=1,
+                     first_k_dense_replace=1, mlp_layer_types=["dense"], indexer_types=["full"],
+                     max_position_embeddings=16384).items():
+        setattr(c, k, v)
+    return c
+
+
+def run_one(impl: str, T: int, reps: int) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    x = torch.randn(T, 1, H) * 0.5
+    if impl == "hf":
+        from transformers import GlmMoeDsaConfig
+        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
+            GlmMoeDsaAttention, GlmMoeDsaRotaryEmbedding)
+
+        cfg = GlmMoeDsaConfig(**_glm5().to_hf_dict())
+        cfg._attn_implementation = "eager"
+        attn = GlmMoeDsaAttention(cfg, layer_idx=0)
+        rope = GlmMoeDsaRotaryEmbedding(cfg)
+        xb = x.transpose(0, 1).contiguous().requires_grad_(True)
+        pos = torch.arange(T)[None]
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+
+        def step():
+            out = attn(xb, position_embeddings=rope(xb, pos), attention_mask=mask)[0]
+            out.sum().backward()
+    else:
+        from glm5_mcore.config import ParallelConfig
+        from glm5_mcore.model import build_model, init_parallel
+
+        glm5 = _glm5()
+        if impl == "dense":
+            glm5.index_topk = T
+        init_parallel(ParallelConfig())
+        model = build_model(glm5)
+        attn = model.decoder.layers[0].self_attention
+        xs = x.clone().requires_grad_(True)
+
+        def step():
+            out, _ = attn(xs, None)
+            out.sum().backward()
+
+    step()  # warm-up
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"impl": impl, "T": T, "time_s": min(times), "peak_rss_mib": peak / 1024, "rss_growth_mib": (peak - base) / 1024}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 8192])
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--one", nargs=2)
+    a = p.parse_args()
+    if a.one:
+        print(json.dumps(run_one(a.one[0], int(a.one[1]), a.reps)))
+        return
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    rows, out = [], {"k": K, "rows": [], "target_fraction_of_ideal_at_8192": 0.8}
+    for T in a.seqs:
+        res = {}
+        for impl in ("sparse", "dense", "hf"):
+            r = subprocess.run([sys.executable, __file__, "--one", impl, str(T), "--reps", str(a.reps)],
+                               env=env, capture_output=True, text=True)
+            line = [l for l in r.stdout.splitlines() if l.startswith("{")]
+            if r.returncode or not line:
+                raise SystemExit(f"{impl} T={T} failed:\n{r.stderr[-3000:]}")
+            res[impl] = json.loads(line[-1])
+        ideal = flops(T, False) / flops(T, True)
+        speed = res["dense"]["time_s"] / res["sparse"]["time_s"]
+        row = {"T": T, "sparse_s": res["sparse"]["time_s"], "dense_s": res["dense"]["time_s"],
+               "hf_s": res["hf"]["time_s"], "speedup_vs_dense": speed, "ideal_speedup": ideal,
+               "fraction_of_ideal": speed / ideal, "speedup_vs_hf": res["hf"]["time_s"] / res["sparse"]["time_s"],
+               "peak_rss_mib": {k: v["peak_rss_mib"] for k, v in res.items()},
+               "mem_ratio_sparse_vs_hf": res["sparse"]["peak_rss_mib"] / res["hf"]["peak_rss_mib"]}
+        out["rows"].append(row)
+        print(f"T={T:5d}  sparse {row['sparse_s']:.3f}s  dense {row['dense_s']:.3f}s  hf {row['hf_s']:.3f}s  "
+              f"speed-up vs dense {speed:.2f}x (ideal {ideal:.2f}x, {speed / ideal:.0%})  vs hf "
+              f"{row['speedup_vs_hf']:.2f}x  peak RSS MiB sparse/dense/hf "
+              f"{row['peak_rss_mib']['sparse']:.0f}/{row['peak_rss_mib']['dense']:.0f}/{row['peak_rss_mib']['hf']:.0f}",
+              flush=True)
+    last = out["rows"][-1]
+    out["fraction_of_ideal_at_max_T"] = last["fraction_of_ideal"]
+    out["pass"] = last["T"] == 8192 and last["fraction_of_ideal"] >= 0.8
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
