@@ -22,6 +22,7 @@ class HFCheckpoint:
 
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir)
+        self._handles: dict[Path, object] = {}
         if not self.dir.is_dir():
             raise FileNotFoundError(f"{self.dir}: HF checkpoint folder does not exist")
         index = self.dir / "model.safetensors.index.json"
@@ -39,19 +40,15 @@ class HFCheckpoint:
             for f in shards:
                 for n in self._open(f).keys():
                     self.files[n] = f
-        self._handles: dict[Path, object] = {}
 
     def _open(self, path: Path):
-        if path not in getattr(self, "_handles", {}):
+        if path not in self._handles:
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: shard listed in the index is missing")
             try:
-                h = safe_open(str(path), framework="pt")
+                self._handles[path] = safe_open(str(path), framework="pt")
             except Exception as e:  # safetensors raises its own error types
                 raise ValueError(f"{path}: unreadable safetensors file ({e})") from None
-            if not hasattr(self, "_handles"):
-                return h
-            self._handles[path] = h
         return self._handles[path]
 
     def keys(self) -> list[str]:
