@@ -1,4 +1,4 @@
-"""The ``glm5`` console command: ``glm5 tiny``, ``glm5 parity``."""
+"""The ``glm5`` console command: ``glm5 tiny``, ``glm5 parity``, ``glm5 convert``."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
 
     q = sub.add_parser("parity", help="compare our Megatron-Core model with transformers")
-    q.add_argument("--hf-dir", required=True)
+    q.add_argument("--hf-dir", help="HF folder (weights for the reference; our weights unless --ckpt)")
+    q.add_argument("--ckpt", help="a glm5-mcore checkpoint folder: our model loads it (latest iteration)")
     q.add_argument("--input-ids", help="safetensors file with int64 input_ids [B, S]")
     q.add_argument("--save-logits", help="write Megatron logits (safetensors, key 'logits')")
     q.add_argument("--tp", type=int, default=1)
@@ -29,6 +30,21 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--batch", type=int, default=2, help="random input batch size")
     q.add_argument("--seq-len", type=int, default=32, help="random input length")
     q.add_argument("--seed", type=int, default=0)
+
+    c = sub.add_parser("convert", help="HF safetensors <-> Megatron-Core checkpoint")
+    csub = c.add_subparsers(dest="direction", required=True)
+    h = csub.add_parser("hf-to-mcore", help="HF folder -> DIR/iter_0000000/model + DIR/hf + DIR/latest")
+    h.add_argument("--hf-dir", required=True)
+    h.add_argument("--out", required=True)
+    h.add_argument("--workers", type=int, default=1, help="writer threads (one file each)")
+    h.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="default: the HF config's dtype")
+    m = csub.add_parser("mcore-to-hf", help="checkpoint folder -> HF folder (on-disk layout, MTP included)")
+    m.add_argument("--ckpt", required=True)
+    m.add_argument("--out", required=True)
+    m.add_argument("--max-shard-size", default="5GB")
+    m.add_argument("--iteration", type=int, help="default: DIR/latest")
+    for x in (h, m):
+        x.add_argument("--no-progress", action="store_true")
     return p
 
 
@@ -41,6 +57,17 @@ def main(argv: list[str] | None = None) -> int:
 
             out = write_tiny(args.out, mtp=args.mtp, index_share=args.index_share, seed=args.seed)
             print(f"wrote tiny GLM-5 checkpoint to {out}")
+            return 0
+        if args.cmd == "convert":
+            from glm5_mcore import convert
+
+            if args.direction == "hf-to-mcore":
+                out = convert.hf_to_mcore(args.hf_dir, args.out, args.workers, args.dtype,
+                                          progress=not args.no_progress)
+            else:
+                out = convert.mcore_to_hf(args.ckpt, args.out, args.max_shard_size, args.iteration,
+                                          progress=not args.no_progress)
+            print(f"wrote {out}")
             return 0
         if args.cmd == "parity":
             from glm5_mcore.parity import main as parity_main

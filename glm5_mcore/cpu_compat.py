@@ -36,6 +36,36 @@ class TorchNorm:
         return norm
 
 
+_DUPLICATED_LINEAR = None
+
+
+def _duplicated_linear() -> type:
+    """Megatron-Core's replicated ``Linear`` (post_training/modelopt/layers.py:105) with TP-aware
+    checkpoint replicas.
+
+    Answers: in ``parallel_mode="duplicated"`` it drops its TP group (layers.py:138) and passes
+    ``tp_group=None`` to ``make_sharded_tensors_for_checkpoint`` (layers.py:184), so every TP rank
+    saves its copy as the main replica and a TP>1 save/load fails the access-integrity check.
+    """
+    global _DUPLICATED_LINEAR
+    if _DUPLICATED_LINEAR is None:
+        from megatron.core import parallel_state
+        from megatron.core.post_training.modelopt.layers import Linear
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        class DuplicatedLinear(Linear):
+            def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+                metadata = metadata or {}
+                dp_cp = metadata.get("dp_cp_group") or parallel_state.get_data_parallel_group(
+                    with_context_parallel=True)
+                return make_sharded_tensors_for_checkpoint(
+                    self.state_dict(prefix="", keep_vars=True), prefix, sharded_offsets=sharded_offsets,
+                    tp_group=parallel_state.get_tensor_model_parallel_group(), dp_cp_group=dp_cp)
+
+        _DUPLICATED_LINEAR = DuplicatedLinear
+    return _DUPLICATED_LINEAR
+
+
 class LocalBackend(LocalSpecProvider):
     """Megatron-Core's local backend plus ``linear()`` and an SP-capable torch norm.
 
@@ -45,9 +75,7 @@ class LocalBackend(LocalSpecProvider):
     """
 
     def linear(self) -> type:
-        from megatron.core.post_training.modelopt.layers import Linear
-
-        return Linear
+        return _duplicated_linear()
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False) -> type:
         return TorchNorm
@@ -133,6 +161,16 @@ def _clip_grads_on_cpu() -> None:
     optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
 
 
+def _dist_checkpointing_on_cpu() -> None:
+    """dist_checkpointing's save path: strategies/state_dict_saver.py:204 (``device='cuda'``
+    literal), filesystem_async.py:248 and async_utils.py:273 (``torch.cuda.synchronize()`` before
+    the write). On CPU there is nothing to wait for."""
+    from megatron.core.dist_checkpointing.strategies import state_dict_saver
+
+    state_dict_saver.torch = _CudaLiteralToCPU()
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+
+
 def _disable_torch_compile_jit() -> None:
     """jit.py: ``jit_fuser`` is ``torch.compile``, ~20 s cold per fused function on CPU."""
     import torch._dynamo
@@ -149,5 +187,6 @@ def apply() -> None:
     _cp_pos_emb_on_cpu()
     _cuda_literals_to_cpu()
     _clip_grads_on_cpu()
+    _dist_checkpointing_on_cpu()
     _disable_torch_compile_jit()
     _applied = True

@@ -105,7 +105,19 @@ def build_model(glm5: GLM5Config, parallel: Optional[ParallelConfig] = None, bac
         mtp_block_spec=mtp,
     )
     link_index_share(m for m in model.decoder.modules() if isinstance(m, GLM5SparseAttention))
+    keep_router_fp32(model)
     return model
+
+
+def keep_router_fp32(model) -> None:
+    """GLM-5's router weight is fp32 in the release and in transformers (``_keep_in_fp32_modules``);
+    Megatron-Core casts it to ``params_dtype`` (moe/router.py:81). Keep it fp32 so bf16 checkpoints
+    round-trip losslessly (the router computes in fp32 anyway: ``moe_router_dtype="fp32"``)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for m in model.modules():
+        if isinstance(m, TopKRouter) and m.weight.dtype != torch.float32:
+            m.weight.data = m.weight.data.float()
 
 
 def _rank_offsets(model) -> tuple[int, int, int, int, int, int]:

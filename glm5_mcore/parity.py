@@ -51,9 +51,10 @@ def load_input_ids(path: Optional[str], vocab_size: int, batch: int, seq: int, s
     return ids.long()
 
 
-def megatron_forward(hf_dir: str, glm5: GLM5Config, input_ids: torch.Tensor, parallel: ParallelConfig,
-                     dtype: torch.dtype):
-    """Run our model on this rank's tokens; return (logits [B,S,V], topk per layer [B,S,K] or None,
+def megatron_forward(hf_dir: Optional[str], glm5: GLM5Config, input_ids: torch.Tensor,
+                     parallel: ParallelConfig, dtype: torch.dtype, ckpt: Optional[str] = None):
+    """Run our model (weights from the Megatron checkpoint ``ckpt`` when given, else from the HF
+    folder) on this rank's tokens; return (logits [B,S,V], topk per layer [B,S,K] or None,
     router sets per MoE layer [B*S, E] bool), all gathered to natural token order."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.experimental_attention_variant import dsa_layout
@@ -63,7 +64,12 @@ def megatron_forward(hf_dir: str, glm5: GLM5Config, input_ids: torch.Tensor, par
 
     init_parallel(parallel)
     model = build_model(glm5, parallel)
-    load_hf_weights(model, hf_dir, glm5)
+    if ckpt is not None:
+        from glm5_mcore.checkpoint import load_model, model_dir
+
+        load_model(model, model_dir(ckpt))
+    else:
+        load_hf_weights(model, hf_dir, glm5)
     model = model.to(dtype).eval()
     B, S = input_ids.shape
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
@@ -131,12 +137,14 @@ def topk_agreement(ours: list, ref: list, indexer_types: list[str], S: int) -> f
 
 
 def run_parity(hf_dir: str, input_ids: torch.Tensor, parallel: ParallelConfig, dtype: str = "fp32",
-               atol: float = 1e-4, save_logits: Optional[str] = None) -> Optional[dict]:
-    """Compare and return the report dict (rank 0) or None (other ranks)."""
-    glm5 = GLM5Config.from_hf_dir(hf_dir)
+               atol: float = 1e-4, save_logits: Optional[str] = None,
+               ckpt: Optional[str] = None) -> Optional[dict]:
+    """Compare and return the report dict (rank 0) or None (other ranks). With ``ckpt`` our model
+    loads that Megatron checkpoint and the reference runs the HF weights in ``hf_dir``."""
+    glm5 = GLM5Config.from_hf_dir(f"{ckpt}/hf" if ckpt else hf_dir)
     check_transformers_version()
     td = DTYPES[dtype]
-    logits, topks, routers = megatron_forward(hf_dir, glm5, input_ids, parallel, td)
+    logits, topks, routers = megatron_forward(hf_dir, glm5, input_ids, parallel, td, ckpt)
     if dist.get_rank() != 0:
         return None
     if save_logits:
@@ -166,11 +174,20 @@ def run_parity(hf_dir: str, input_ids: torch.Tensor, parallel: ParallelConfig, d
 def main(args) -> int:
     """Entry for ``glm5 parity`` (argparse namespace from ``glm5_mcore.cli``)."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    hf_dir = args.hf_dir
-    glm5 = GLM5Config.from_hf_dir(hf_dir)
+    hf_dir, ckpt = args.hf_dir, getattr(args, "ckpt", None)
+    if ckpt is not None and hf_dir is None:
+        from glm5_mcore.checkpoint import hf_source_dir
+
+        hf_dir = hf_source_dir(ckpt)
+        if hf_dir is None:
+            raise FileNotFoundError(f"{ckpt}/hf/source.json: missing; pass --hf-dir with the HF weights")
+        hf_dir = str(hf_dir)
+    if hf_dir is None:
+        raise ValueError("give --hf-dir (and/or --ckpt)")
+    glm5 = GLM5Config.from_hf_dir(f"{ckpt}/hf" if ckpt else hf_dir)
     ids = load_input_ids(args.input_ids, glm5.vocab_size, args.batch, args.seq_len, args.seed)
     parallel = ParallelConfig(tp=args.tp, ep=args.ep, cp=args.cp)
-    report = run_parity(hf_dir, ids, parallel, args.dtype, args.atol, args.save_logits)
+    report = run_parity(hf_dir, ids, parallel, args.dtype, args.atol, args.save_logits, ckpt)
     code = 0
     if report is not None:
         print(json.dumps(report), flush=True)

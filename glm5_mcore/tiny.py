@@ -10,14 +10,12 @@ reference comparison is not decided by float noise.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from glm5_mcore.atomic import atomic_dir
 from glm5_mcore.config import GLM5Config, glm5_tiny
 
 CHAT_TEMPLATE = (
@@ -118,28 +116,36 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
 def write_hf_checkpoint(cfg: GLM5Config, state_dict: dict[str, torch.Tensor], out: str | Path,
                         tokenizer: bool = True) -> Path:
     """Write config.json + model.safetensors (+ tokenizer) into ``out`` atomically (temp + rename)."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
         save_file(state_dict, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer:
             write_tokenizer(tmp, cfg.vocab_size)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return Path(out)
 
 
 def write_tiny(out: str | Path, mtp: bool = False, index_share: bool = False, seed: int = 0) -> Path:
     """The ``glm5 tiny`` command: a tiny random GLM-5 checkpoint in ``out``."""
     cfg = glm5_tiny(mtp=mtp, index_share=index_share)
     return write_hf_checkpoint(cfg, random_hf_state_dict(cfg, seed), out)
+
+
+def fuse_experts(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same weights in transformers' in-memory expert layout: per layer
+    ``mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows then up rows) and ``mlp.experts.down_proj [E, H, I]``."""
+    import re
+
+    pat = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    out, experts = {}, {}
+    for k, v in state_dict.items():
+        m = pat.match(k)
+        if m:
+            experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = v
+        else:
+            out[k] = v
+    for prefix, d in experts.items():
+        n = 1 + max(e for e, _ in d)
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([d[(e, "gate_proj")], d[(e, "up_proj")]]) for e in range(n)]).contiguous()
+        out[f"{prefix}.down_proj"] = torch.stack([d[(e, "down_proj")] for e in range(n)]).contiguous()
+    return out

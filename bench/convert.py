@@ -1,0 +1,201 @@
+"""Checkpoint conversion throughput and peak memory, against a plain safetensors read of the same files.
+
+Makes a synthetic GLM-5 checkpoint of a few GB (GLM-5 layer structure, sizes scaled down: hidden
+2048, 48 routed experts of 512, MLA 768/256, indexer 16x64, 8 layers + the MTP layer, bf16, shards of
+1 GB), then runs each step in its own process so each peak RSS is its own:
+
+- read:        safetensors ``safe_open`` + ``get_tensor`` of every tensor (the baseline);
+- copy:        ``shutil.copytree`` of the HF folder + sync: what merely writing the bytes costs here;
+- hf-to-mcore: ``glm5 convert hf-to-mcore`` (streaming DCP write);
+- mcore-to-hf: ``glm5 convert mcore-to-hf`` (layer-at-a-time load, 1 GB output shards).
+
+The page cache is dropped before each step (root only; the JSON says whether it was) and each
+writing step ends with ``sync``. Throughput ratio = baseline read time / conversion time on the same
+bytes (target >= 0.5x), also shown against the copy;
+memory ratio = conversion peak RSS / largest input shard (target <= 2x).
+
+Usage: .venv/bin/python bench/convert.py [--workdir DIR] [--layers 8] [--experts 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHARD_BYTES = 1 << 30
+
+
+def make_checkpoint(out: Path, layers: int, experts: int) -> dict:
+    import torch
+    from safetensors.torch import save_file
+
+    from glm5_mcore.config import glm5_tiny
+    from glm5_mcore.tiny import write_tokenizer
+
+    cfg = glm5_tiny(mtp=True)
+    for k, v in dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=768,
+                     kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+                     index_n_heads=16, index_head_dim=64, n_routed_experts=experts, moe_intermediate_size=512,
+                     intermediate_size=4096, vocab_size=32000, num_hidden_layers=layers, first_k_dense_replace=1,
+                     mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), indexer_types=["full"] * layers,
+                     torch_dtype="bfloat16").items():
+        setattr(cfg, k, v)
+    cfg.validate()
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    write_tokenizer(out, cfg.vocab_size)
+    g = torch.Generator().manual_seed(0)
+
+    def tensors():
+        from glm5_mcore.tiny import _layer_tensors
+
+        yield "model.embed_tokens.weight", torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+        for i in range(layers + 1):
+            moe = i >= 1
+            yield from _layer_tensors(cfg, f"model.layers.{i}.", moe, True, g).items()
+            if i == layers:
+                H = cfg.hidden_size
+                yield f"model.layers.{i}.enorm.weight", torch.ones(H)
+                yield f"model.layers.{i}.hnorm.weight", torch.ones(H)
+                yield f"model.layers.{i}.eh_proj.weight", torch.randn(H, 2 * H, generator=g) / 64
+                yield f"model.layers.{i}.shared_head.norm.weight", torch.ones(H)
+        yield "model.norm.weight", torch.ones(cfg.hidden_size)
+        yield "lm_head.weight", torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) / 45
+
+    shard, size, files, weight_map = {}, 0, [], {}
+
+    def flush():
+        nonlocal shard, size
+        name = f"model-{len(files) + 1:05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        files.append(name)
+        weight_map.update({k: name for k in shard})
+        shard, size = {}, 0
+
+    for name, t in tensors():
+        keep32 = name.endswith(("mlp.gate.weight", "e_score_correction_bias"))
+        t = t.float() if keep32 else t.bfloat16()
+        nb = t.numel() * t.element_size()
+        if shard and size + nb > SHARD_BYTES:
+            flush()
+        shard[name] = t.contiguous()
+        size += nb
+    flush()
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    sizes = [(out / f).stat().st_size for f in files]
+    return {"bytes": sum(sizes), "largest_shard": max(sizes), "shards": len(files)}
+
+
+def _drop_page_cache() -> bool:
+    """Cold reads, as when converting a 1.5 TB release (needs root; otherwise the cache stays warm)."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def _read_all(hf_dir: str) -> None:
+    from safetensors import safe_open
+
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                h.get_tensor(k)
+
+
+def run_step(step: str, a: argparse.Namespace) -> dict:
+    work = Path(a.workdir)
+    if step != "read":  # library import time (torch, megatron-core: a few s) is not conversion time
+        from glm5_mcore.convert import hf_to_mcore, mcore_to_hf
+    t0 = time.perf_counter()
+    if step == "read":
+        _read_all(str(work / "hf"))
+    elif step == "copy":
+        shutil.copytree(work / "hf", work / "hf_copy")
+        os.sync()
+    elif step == "hf-to-mcore":
+        hf_to_mcore(work / "hf", work / "mc", workers=a.workers, progress=False)
+    elif step == "mcore-to-hf":
+        mcore_to_hf(work / "mc", work / "hf_back", max_shard_size=SHARD_BYTES, progress=False)
+    if step != "read":
+        os.sync()  # the bytes are on disk, as for the copy
+    dt = time.perf_counter() - t0
+    return {"step": step, "time_s": dt, "peak_rss_bytes": _vm_hwm()}
+
+
+def _vm_hwm() -> int:
+    """Peak RSS of this process image (``ru_maxrss`` survives exec and would report the parent's)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--workdir", default="runs/bench_convert")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--experts", type=int, default=48)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint and outputs")
+    p.add_argument("--one")
+    a = p.parse_args()
+    if a.one:
+        print(json.dumps(run_step(a.one, a)))
+        return
+    work = Path(a.workdir)
+    shutil.rmtree(work, ignore_errors=True)
+    info = make_checkpoint(work / "hf", a.layers, a.experts)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    res = {}
+    cold = True
+    for step in ("read", "copy", "hf-to-mcore", "read", "mcore-to-hf"):
+        cold &= _drop_page_cache()  # every step starts cold, with no dirty pages of the previous one
+        r = subprocess.run([sys.executable, __file__, "--one", step, "--workdir", str(work),
+                            "--workers", str(a.workers)], env=env, capture_output=True, text=True)
+        line = [l for l in r.stdout.splitlines() if l.startswith("{")]
+        if r.returncode or not line:
+            raise SystemExit(f"{step} failed:\n{r.stderr[-3000:]}")
+        got = json.loads(line[-1])
+        if step == "read" and step in res:
+            res[step]["time_s"] = min(res[step]["time_s"], got["time_s"])
+        else:
+            res[step] = got
+    gb = info["bytes"] / 1e9
+    out = {"checkpoint_gb": gb, "shards": info["shards"], "largest_shard_gb": info["largest_shard"] / 1e9,
+           "workers": a.workers, "cold_cache": cold, "rows": [],
+           "targets": {"throughput_ratio_min": 0.5, "rss_ratio_max": 2.0}}
+    print(f"synthetic GLM-5 checkpoint: {gb:.2f} GB in {info['shards']} shards (largest "
+          f"{info['largest_shard'] / 1e9:.2f} GB)")
+    print(f"{'step':<12} {'time s':>8} {'GB/s':>7} {'vs read':>8} {'vs copy':>8} {'peak RSS GB':>12} "
+          f"{'RSS/shard':>10}")
+    ok = True
+    for step in ("read", "copy", "hf-to-mcore", "mcore-to-hf"):
+        r = res[step]
+        ratio = res["read"]["time_s"] / r["time_s"]
+        vs_copy = res["copy"]["time_s"] / r["time_s"]
+        mem = r["peak_rss_bytes"] / info["largest_shard"]
+        print(f"{step:<12} {r['time_s']:8.2f} {gb / r['time_s']:7.2f} {ratio:7.2f}x {vs_copy:7.2f}x "
+              f"{r['peak_rss_bytes'] / 1e9:12.2f} {mem:9.2f}x")
+        out["rows"].append({"step": step, "time_s": r["time_s"], "gb_per_s": gb / r["time_s"],
+                            "throughput_vs_read": ratio, "throughput_vs_copy": vs_copy,
+                            "peak_rss_gb": r["peak_rss_bytes"] / 1e9, "rss_vs_largest_shard": mem})
+        if step not in ("read", "copy"):
+            ok &= ratio >= 0.5 and mem <= 2.0
+    out["pass"] = ok
+    if not a.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

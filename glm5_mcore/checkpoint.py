@@ -1,0 +1,132 @@
+"""The checkpoint layout every part of the project reads and writes.
+
+    DIR/
+      latest                      the newest complete iteration, as text ("0", "120", ...)
+      hf/                         config.json + tokenizer of the model's HF origin, source.json
+      iter_{N:07d}/
+        model/                    Megatron-Core distributed checkpoint (torch_dist): loads at any TP/EP/PP
+        adapters/{name}/          LoRA adapters (the LoRA issue)
+        optimizer/                optimizer + scheduler state (the SFT recipe)
+        trainer_state.json        step, consumed samples, RNG / data position
+
+An iteration folder is written under a temporary name and renamed when complete, then ``latest``
+is replaced in one rename: a crash leaves the previous iteration as ``latest``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from glm5_mcore import cpu_compat
+from glm5_mcore.atomic import atomic_write_text
+
+HF_META_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "chat_template.jinja", "tokenizer.model")
+
+
+def iter_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def latest_iteration(root: str | Path) -> int:
+    """The iteration named by ``DIR/latest``; errors name the file."""
+    path = Path(root) / "latest"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing; {root} is not a glm5-mcore checkpoint folder")
+    text = path.read_text().strip()
+    if not text.isdigit():
+        raise ValueError(f"{path}: expected an iteration number, found {text[:40]!r}")
+    it = int(text)
+    if not (iter_dir(root, it) / "model").is_dir():
+        raise FileNotFoundError(f"{iter_dir(root, it) / 'model'}: named by {path} but missing")
+    return it
+
+
+def write_latest(root: str | Path, iteration: int) -> None:
+    atomic_write_text(Path(root) / "latest", f"{iteration}\n")
+
+
+def model_dir(root: str | Path, iteration: Optional[int] = None) -> Path:
+    """``DIR/iter_N/model`` for ``iteration`` (default: ``latest``)."""
+    it = latest_iteration(root) if iteration is None else iteration
+    return iter_dir(root, it) / "model"
+
+
+def write_hf_meta(dst: Path, hf_dir: str | Path, config: Optional[dict] = None) -> None:
+    """Fill ``DIR/hf``: the HF config (``config`` when given), tokenizer files and where they came from."""
+    dst.mkdir(parents=True, exist_ok=True)
+    src = Path(hf_dir)
+    for name in HF_META_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+    if config is not None:
+        (dst / "config.json").write_text(json.dumps(config, indent=2))
+    (dst / "source.json").write_text(json.dumps({"hf_dir": str(src.resolve())}, indent=2))
+
+
+def hf_source_dir(root: str | Path) -> Optional[Path]:
+    """The HF folder a checkpoint was converted from, as recorded in ``DIR/hf/source.json``."""
+    path = Path(root) / "hf" / "source.json"
+    if not path.is_file():
+        return None
+    return Path(json.loads(path.read_text())["hf_dir"])
+
+
+def save_model(model, path: str | Path) -> None:
+    """Megatron-Core distributed save of ``model`` (every rank calls it) into the empty folder ``path``."""
+    from megatron.core import dist_checkpointing
+
+    cpu_compat.apply()
+    path = Path(path)
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), str(path))
+
+
+@torch.no_grad()
+def load_model(model, path: str | Path) -> None:
+    """Load a Megatron-Core distributed checkpoint into ``model`` at this process's TP/EP/PP layout."""
+    from megatron.core import dist_checkpointing
+
+    cpu_compat.apply()
+    path = Path(path)
+    if not (path / "metadata.json").is_file():
+        raise FileNotFoundError(f"{path}: not a Megatron-Core distributed checkpoint (no metadata.json)")
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    try:
+        state = dist_checkpointing.load(model.sharded_state_dict(), str(path))
+    except (Exception, CheckpointException) as e:
+        raise ValueError(f"{path}: could not load the checkpoint ({type(e).__name__}: {str(e)[:500]})") from None
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"{path}: checkpoint does not fit the model (missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]})")
+
+
+def save_checkpoint(root: str | Path, iteration: int, model, trainer_state: Optional[dict] = None) -> Path:
+    """Write ``DIR/iter_N`` (model + trainer_state.json) atomically, then point ``latest`` at it."""
+    root = Path(root)
+    final = iter_dir(root, iteration)
+    tmp = final.with_name(final.name + ".tmp")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    save_model(model, tmp / "model")
+    if dist.get_rank() == 0:
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state or {"iteration": iteration}, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        write_latest(root, iteration)
+    dist.barrier()
+    return final
