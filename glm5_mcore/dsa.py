@@ -41,12 +41,19 @@ _SCORE_ELEMS_PER_CHUNK = 1 << 22
 def deterministic_topk(scores_CT: torch.Tensor, k: int) -> torch.Tensor:
     """Top-k indices along the last dim with ties broken towards the lower index.
 
-    ``torch.topk`` leaves tie order to the kernel; a stable descending sort does not, so training
-    and rollout engines pick the same set. Entries that are ``-inf`` come back as -1.
+    ``torch.topk`` leaves tie order to the kernel; here the k-th largest value is found with
+    ``topk`` and the set is rebuilt from it: every entry above it, then entries equal to it in
+    index order until k are taken. Same set as a stable descending sort (training and rollout
+    engines agree) at the cost of a few linear passes instead of a sort. Indices come back in
+    ascending order; entries that are ``-inf`` come back as -1.
     """
-    order = torch.sort(scores_CT, dim=-1, descending=True, stable=True)
-    idx = order.indices[..., :k]
-    return idx.masked_fill(order.values[..., :k] == float("-inf"), -1)
+    kth = torch.topk(scores_CT, k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    above = scores_CT > kth
+    tied = scores_CT == kth
+    need = k - above.sum(-1, keepdim=True)
+    chosen = above | (tied & (tied.cumsum(-1) <= need))
+    idx = chosen.nonzero()[:, -1].view(*scores_CT.shape[:-1], k)
+    return idx.masked_fill(scores_CT.gather(-1, idx) == float("-inf"), -1)
 
 
 def compute_index_topk(
@@ -72,18 +79,22 @@ def compute_index_topk(
     K = min(topk, T)
     key_pos_T = torch.arange(T, device=q_SbnD.device)
     rows = max(1, _SCORE_ELEMS_PER_CHUNK // max(1, T * q_SbnD.shape[2]))
-    out = torch.empty(b, S, K, dtype=torch.int64, device=q_SbnD.device)
+    out = torch.full((b, S, K), -1, dtype=torch.int64, device=q_SbnD.device)
     kf = k_TbD.float()
-    for bi in range(b):
-        for s0 in range(0, S, rows):
-            s1 = min(S, s0 + rows)
+    for s0 in range(0, S, rows):
+        s1 = min(S, s0 + rows)
+        # only the keys some query of the chunk may see: causal (and document) bounds
+        lo, hi = int(doc_start_S[s0:s1].min()), int(q_pos_S[s0:s1].max()) + 1
+        kk = min(K, hi - lo)
+        allowed = (key_pos_T[None, lo:hi] <= q_pos_S[s0:s1, None]) & (
+            key_pos_T[None, lo:hi] >= doc_start_S[s0:s1, None])
+        for bi in range(b):
             qc = q_SbnD[s0:s1, bi].float()
-            scores = torch.relu(torch.einsum("cnd,td->cnt", qc, kf[:, bi]))
+            scores = torch.relu(torch.einsum("cnd,td->cnt", qc, kf[lo:hi, bi]))
             scores = torch.einsum("cn,cnt->ct", w_Sbn[s0:s1, bi].float(), scores)
-            allowed = (key_pos_T[None, :] <= q_pos_S[s0:s1, None]) & (
-                key_pos_T[None, :] >= doc_start_S[s0:s1, None])
             scores = scores.masked_fill(~allowed, float("-inf"))
-            out[bi, s0:s1] = deterministic_topk(scores, K)
+            idx = deterministic_topk(scores, kk)
+            out[bi, s0:s1, :kk] = torch.where(idx >= 0, idx + lo, -1)
     return out
 
 

@@ -7,8 +7,20 @@ from glm5_mcore.dsa import compute_index_topk, deterministic_topk, sparse_attent
 
 def test_deterministic_topk_breaks_ties_to_lower_index():
     s = torch.tensor([[0.0, 1.0, 0.0, 1.0, 0.0, float("-inf")]])
-    assert deterministic_topk(s, 3).tolist() == [[1, 3, 0]]
-    assert deterministic_topk(s, 6).tolist()[0][-1] == -1
+    assert deterministic_topk(s, 3).tolist() == [[0, 1, 3]]
+    assert sorted(deterministic_topk(s, 6).tolist()[0]) == [-1, 0, 1, 2, 3, 4]
+
+
+def test_deterministic_topk_is_the_stable_sort_set():
+    g = torch.Generator().manual_seed(0)
+    s = torch.randint(0, 4, (64, 200), generator=g).float()  # heavy ties
+    s[:, 150:] = float("-inf")
+    s[:3] = float("-inf")
+    for k in (1, 7, 64, 180):
+        ref = torch.sort(s, dim=-1, descending=True, stable=True)
+        ref_idx = ref.indices[:, :k].masked_fill(ref.values[:, :k] == float("-inf"), -1)
+        got = deterministic_topk(s, k)
+        assert torch.equal(got.sort(-1).values, ref_idx.sort(-1).values), k
 
 
 def _dense_reference(q, k, v, topk, scale):
