@@ -66,6 +66,25 @@ def _duplicated_linear() -> type:
     return _DUPLICATED_LINEAR
 
 
+def mla_replicated_down_proj() -> type:
+    """The q/kv down projections for MLA without Transformer Engine: a replicated linear.
+
+    Answers: multi_latent_attention.py:69-75 imports the replicated ``Linear`` only when TE is
+    installed, so without TE the down projections must be ``ColumnParallelLinear`` (MLA then
+    gathers their output over TP). On that path the RoPE key (``k_pos_emb``) is cut out of the
+    TP-gathered ``kv_combined`` (multi_latent_attention.py:739-746) and its gradient, which each TP
+    rank only holds for its own heads, is never summed over TP: at TP>1 every layer below the last
+    gets wrong gradients. With the replicated linear MLA takes the sequence-parallel branch
+    (multi_latent_attention.py:750-754), whose gather sums that gradient.
+    """
+    from megatron.core.transformer import multi_latent_attention
+
+    cls = _duplicated_linear()
+    if multi_latent_attention.Linear is None:
+        multi_latent_attention.Linear = cls
+    return multi_latent_attention.Linear
+
+
 class LocalBackend(LocalSpecProvider):
     """Megatron-Core's local backend plus ``linear()`` and an SP-capable torch norm.
 
@@ -171,6 +190,25 @@ def _dist_checkpointing_on_cpu() -> None:
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
 
 
+class _NullStream:
+    """A CUDA stream stand-in whose waits are no-ops (CPU ops run in order)."""
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+def _ddp_grad_sync_on_cpu() -> None:
+    """distributed/param_and_grad_buffer.py:632,814 take ``torch.cuda.current_stream()`` to order
+    the gradient all-reduce after CUDA-graph replays; on CPU there is one in-order stream."""
+    torch.cuda.current_stream = lambda device=None: _NullStream()  # type: ignore[assignment]
+
+
 def _disable_torch_compile_jit() -> None:
     """jit.py: ``jit_fuser`` is ``torch.compile``, ~20 s cold per fused function on CPU."""
     import torch._dynamo
@@ -188,5 +226,6 @@ def apply() -> None:
     _cuda_literals_to_cpu()
     _clip_grads_on_cpu()
     _dist_checkpointing_on_cpu()
+    _ddp_grad_sync_on_cpu()
     _disable_torch_compile_jit()
     _applied = True

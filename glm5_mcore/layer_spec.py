@@ -65,10 +65,11 @@ def fixed_eps_norm(norm_builder, eps: float):
 
 
 def _down_proj(backend: BackendSpecProvider) -> type:
-    """q/kv down projections: replicated with TE (``TELinear``), column-parallel + gather on the local
-    backend (Megatron-Core's MLA accepts its replicated ``Linear`` only when TE is installed)."""
+    """q/kv down projections: replicated, as ``TELinear`` with TE and as Megatron-Core's replicated
+    ``Linear`` on the local backend (see ``cpu_compat.mla_replicated_down_proj`` for why not
+    column-parallel)."""
     if isinstance(backend, cpu_compat.LocalBackend):
-        return backend.column_parallel_linear()
+        return cpu_compat.mla_replicated_down_proj()
     return backend.linear()
 
 

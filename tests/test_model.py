@@ -106,6 +106,7 @@ def test_three_optimizer_steps_lower_the_loss(tiny_mtp_dir, single_rank):
 
     losses = []
     for _ in range(4):
+        m.zero_grad_buffer()  # DDP main_grad buffers; opt.zero_grad() alone leaves them accumulating
         opt.zero_grad()
         res = get_forward_backward_func()(forward_step_func=step, data_iterator=iter([0]), model=[m],
                                           num_microbatches=1, seq_length=SEQ, micro_batch_size=2)
