@@ -78,6 +78,11 @@ def hf_source_dir(root: str | Path) -> Optional[Path]:
     return Path(json.loads(path.read_text())["hf_dir"])
 
 
+def base_sharded_state_dict(model) -> dict:
+    """``model.sharded_state_dict()`` without LoRA adapters (saved on their own, under adapters/)."""
+    return {k: v for k, v in model.sharded_state_dict().items() if ".lora." not in k}
+
+
 def save_model(model, path: str | Path) -> None:
     """Megatron-Core distributed save of ``model`` (every rank calls it) into the empty folder ``path``."""
     from megatron.core import dist_checkpointing
@@ -87,7 +92,7 @@ def save_model(model, path: str | Path) -> None:
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(model.sharded_state_dict(), str(path))
+    dist_checkpointing.save(base_sharded_state_dict(model), str(path))
 
 
 @torch.no_grad()
@@ -102,11 +107,11 @@ def load_model(model, path: str | Path) -> None:
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     try:
-        state = dist_checkpointing.load(model.sharded_state_dict(), str(path))
+        state = dist_checkpointing.load(base_sharded_state_dict(model), str(path))
     except (Exception, CheckpointException) as e:
         raise ValueError(f"{path}: could not load the checkpoint ({type(e).__name__}: {str(e)[:500]})") from None
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
+    missing = [k for k in missing if not k.endswith("_extra_state") and ".lora." not in k]
     if missing or unexpected:
         raise ValueError(f"{path}: checkpoint does not fit the model (missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]})")

@@ -138,8 +138,8 @@ def mcore_to_hf_sources(model, num_hidden_layers: int):
 
     tp_rank, tp_size, etp_rank, etp_size, layer_offset, expert_offset = _rank_offsets(model)
     for name, t in model.state_dict(keep_vars=True).items():
-        if name.endswith("_extra_state") or "local_tokens_per_expert" in name:
-            continue
+        if name.endswith("_extra_state") or "local_tokens_per_expert" in name or ".lora." in name:
+            continue  # LoRA adapters are not HF base weights
         is_expert = ".experts." in name
         src = hf_source(name, num_hidden_layers, layer_offset, expert_offset if is_expert else 0)
         yield name, t, src, (etp_rank if is_expert else tp_rank), (etp_size if is_expert else tp_size)
