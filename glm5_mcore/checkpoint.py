@@ -43,8 +43,8 @@ def latest_iteration(root: str | Path) -> int:
     if not text.isdigit():
         raise ValueError(f"{path}: expected an iteration number, found {text[:40]!r}")
     it = int(text)
-    if not (iter_dir(root, it) / "model").is_dir():
-        raise FileNotFoundError(f"{iter_dir(root, it) / 'model'}: named by {path} but missing")
+    if not iter_dir(root, it).is_dir():
+        raise FileNotFoundError(f"{iter_dir(root, it)}: named by {path} but missing")
     return it
 
 
@@ -53,9 +53,13 @@ def write_latest(root: str | Path, iteration: int) -> None:
 
 
 def model_dir(root: str | Path, iteration: Optional[int] = None) -> Path:
-    """``DIR/iter_N/model`` for ``iteration`` (default: ``latest``)."""
+    """``DIR/iter_N/model`` for ``iteration`` (default: ``latest``), or, for a LoRA run that saves
+    only adapters, the newest earlier iteration that has base weights."""
     it = latest_iteration(root) if iteration is None else iteration
-    return iter_dir(root, it) / "model"
+    for i in sorted((int(p.name[5:]) for p in Path(root).glob("iter_*") if p.name[5:].isdigit()), reverse=True):
+        if i <= it and (iter_dir(root, i) / "model").is_dir():
+            return iter_dir(root, i) / "model"
+    raise FileNotFoundError(f"{iter_dir(root, it) / 'model'}: missing (and no earlier iteration has base weights)")
 
 
 def write_hf_meta(dst: Path, hf_dir: str | Path, config: Optional[dict] = None) -> None:
@@ -117,8 +121,22 @@ def load_model(model, path: str | Path) -> None:
                          f"unexpected {unexpected[:5]})")
 
 
-def save_checkpoint(root: str | Path, iteration: int, model, trainer_state: Optional[dict] = None) -> Path:
-    """Write ``DIR/iter_N`` (model + trainer_state.json) atomically, then point ``latest`` at it."""
+def adapter_dir(root: str | Path, name: str, iteration: Optional[int] = None) -> Path:
+    """``DIR/iter_N/adapters/{name}`` (default: the ``latest`` iteration); errors name the folder."""
+    it = latest_iteration(root) if iteration is None else iteration
+    path = iter_dir(root, it) / "adapters" / name
+    if not path.is_dir():
+        have = sorted(p.name for p in (iter_dir(root, it) / "adapters").glob("*")) if (
+            iter_dir(root, it) / "adapters").is_dir() else []
+        raise FileNotFoundError(f"{path}: no adapter {name!r} in this checkpoint (have {have})")
+    return path
+
+
+def save_checkpoint(root: str | Path, iteration: int, model, trainer_state: Optional[dict] = None,
+                    adapters: Optional[dict] = None, save_base: bool = True) -> Path:
+    """Write ``DIR/iter_N`` (model, ``adapters/{name}`` for each ``{name: LoRAConfig}`` in
+    ``adapters``, trainer_state.json) atomically, then point ``latest`` at it. ``save_base=False``
+    skips the (frozen) base weights of a LoRA run."""
     root = Path(root)
     final = iter_dir(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
@@ -126,7 +144,12 @@ def save_checkpoint(root: str | Path, iteration: int, model, trainer_state: Opti
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    save_model(model, tmp / "model")
+    if save_base:
+        save_model(model, tmp / "model")
+    for name, cfg in (adapters or {}).items():
+        from glm5_mcore.adapters import save_adapter
+
+        save_adapter(model, name, tmp / "adapters" / name, cfg)
     if dist.get_rank() == 0:
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state or {"iteration": iteration}, indent=2))
         if final.exists():

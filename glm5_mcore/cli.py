@@ -1,4 +1,4 @@
-"""The ``glm5`` console command: ``glm5 tiny``, ``glm5 parity``, ``glm5 convert``."""
+"""The ``glm5`` console command: ``glm5 tiny``, ``glm5 parity``, ``glm5 convert``, ``glm5 lora``."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ def _parser() -> argparse.ArgumentParser:
     q = sub.add_parser("parity", help="compare our Megatron-Core model with transformers")
     q.add_argument("--hf-dir", help="HF folder (weights for the reference; our weights unless --ckpt)")
     q.add_argument("--ckpt", help="a glm5-mcore checkpoint folder: our model loads it (latest iteration)")
+    q.add_argument("--adapter", help="HF PEFT adapter folder: ours imports it, the reference loads it with peft")
     q.add_argument("--input-ids", help="safetensors file with int64 input_ids [B, S]")
     q.add_argument("--save-logits", help="write Megatron logits (safetensors, key 'logits')")
     q.add_argument("--tp", type=int, default=1)
@@ -43,7 +44,16 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True)
     m.add_argument("--max-shard-size", default="5GB")
     m.add_argument("--iteration", type=int, help="default: DIR/latest")
-    for x in (h, m):
+    lo = sub.add_parser("lora", help="LoRA adapters")
+    losub = lo.add_subparsers(dest="action", required=True)
+    ex = losub.add_parser("export", help="checkpoint adapter -> HF PEFT folder (or merged HF checkpoint)")
+    ex.add_argument("--ckpt", required=True)
+    ex.add_argument("--adapter", default="default")
+    ex.add_argument("--iteration", type=int, help="default: DIR/latest")
+    ex.add_argument("--out", required=True)
+    ex.add_argument("--merged", action="store_true", help="full HF checkpoint with the adapter merged")
+    ex.add_argument("--max-shard-size", default="5GB")
+    for x in (h, m, ex):
         x.add_argument("--no-progress", action="store_true")
     return p
 
@@ -67,6 +77,13 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 out = convert.mcore_to_hf(args.ckpt, args.out, args.max_shard_size, args.iteration,
                                           progress=not args.no_progress)
+            print(f"wrote {out}")
+            return 0
+        if args.cmd == "lora":
+            from glm5_mcore.peft_io import export_checkpoint_adapter
+
+            out = export_checkpoint_adapter(args.ckpt, args.out, args.adapter, args.iteration, args.merged,
+                                            args.max_shard_size, progress=not args.no_progress)
             print(f"wrote {out}")
             return 0
         if args.cmd == "parity":

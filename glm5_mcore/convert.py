@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch
 
 from glm5_mcore.atomic import atomic_dir, publish_file
-from glm5_mcore.checkpoint import HF_META_FILES, iter_dir, latest_iteration, write_hf_meta
+from glm5_mcore.checkpoint import HF_META_FILES, iter_dir, write_hf_meta
 from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.hf_io import FP8, HFCheckpoint, PlannedSafetensorsWriter
 from glm5_mcore.hf_names import FP32_HF_SUFFIXES, hf_source
@@ -249,15 +249,19 @@ def _layer_groups(model) -> list[str]:
 
 @torch.no_grad()
 def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "5GB",
-                iteration: Optional[int] = None, progress: bool = True) -> Path:
-    """Write an HF GLM-5 folder (on-disk per-expert layout, MTP layer included) from a checkpoint."""
+                iteration: Optional[int] = None, progress: bool = True, merge_adapter=None) -> Path:
+    """Write an HF GLM-5 folder (on-disk per-expert layout, MTP layer included) from a checkpoint.
+
+    ``merge_adapter`` (an ``AdapterState``): its ``scale·B·A`` is added to each Megatron weight
+    before the weight is split into HF tensors (gate/up halves, per-expert names)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
+    from glm5_mcore.checkpoint import model_dir
+
     root = Path(ckpt)
-    it = latest_iteration(root) if iteration is None else iteration
-    model_path = iter_dir(root, it) / "model"
+    model_path = model_dir(root, iteration)
     if not (model_path / "metadata.json").is_file():
         raise FileNotFoundError(f"{model_path}: not a Megatron-Core distributed checkpoint (no metadata.json)")
     if not (root / "hf" / "config.json").is_file():
@@ -279,6 +283,7 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
     try:
         with atomic_dir(out) as tmp:
             writer = PlannedSafetensorsWriter(tmp, plan, max_bytes)
+            merged: set[str] = set()
             for group in groups:
                 module = model.get_submodule(group)
                 module.to_empty(device="cpu")
@@ -294,6 +299,10 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
                     if name.endswith("_extra_state") or not torch.is_tensor(t):
                         continue
                     src = hf_source(name, glm5.num_hidden_layers)
+                    target = name[: -len(".weight")] if name.endswith(".weight") else None
+                    if merge_adapter is not None and target in merge_adapter.A:
+                        t = (t.float() + merge_adapter.delta(target)).to(t.dtype)
+                        merged.add(target)
                     parts = t.chunk(2, dim=0) if src.is_glu else (t,)
                     for h, part in zip(src.names, parts):
                         writer.write(h, part.to(torch.float32 if h.endswith(FP32_HF_SUFFIXES) else td))
@@ -301,6 +310,9 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
                 del loaded, sharded
                 module.to_empty(device="meta")
             writer.finish()
+            if merge_adapter is not None and set(merge_adapter.A) - merged:
+                left = sorted(set(merge_adapter.A) - merged)
+                raise ValueError(f"adapter modules {left[:3]} have no weight in {model_path}")
             for f in tmp.glob("*.safetensors"):
                 publish_file(f)
             config = json.loads((root / "hf" / "config.json").read_text())

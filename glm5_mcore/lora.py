@@ -159,8 +159,6 @@ class LoRALayer(torch.nn.Module):
 
     def add(self, name: str, rank: int, alpha: float, dropout: float, init: str, seed: int,
             dtype: torch.dtype, device) -> None:
-        if name in self.A:
-            raise ValueError(f"{self.module_name}: adapter {name!r} already exists")
         if rank > min(self.in_features, self.out_features):
             raise ValueError(f"{self.module_name}: LoRA rank {rank} does not fit a "
                              f"{self.out_features}x{self.in_features} weight")
@@ -175,14 +173,41 @@ class LoRALayer(torch.nn.Module):
         b = torch.zeros(self.out_features, rank)
         if init == "random":
             b.normal_(0.0, 1.0 / math.sqrt(rank), generator=g)
-        a, b = self._shard(a, 1, "row"), self._shard(b, 0, "column")
+        self.install(name, a, b, alpha / rank, dropout, dtype, device)
+
+    def install(self, name: str, a_full: torch.Tensor, b_full: torch.Tensor, scale: float, dropout: float,
+                dtype: torch.dtype, device) -> None:
+        """Add adapter ``name`` from full (unsharded) ``A [r, in]`` and ``B [out, r]``; this rank keeps
+        its shard."""
+        if name in self.A:
+            raise ValueError(f"{self.module_name}: adapter {name!r} already exists")
+        r = a_full.shape[0]
+        if a_full.shape != (r, self.in_features) or b_full.shape != (self.out_features, r):
+            raise ValueError(f"{self.module_name}: adapter {name!r} has A {list(a_full.shape)} and B "
+                             f"{list(b_full.shape)}, expected [r, {self.in_features}] and [{self.out_features}, r]")
+        a, b = self._shard(a_full, 1, "row"), self._shard(b_full, 0, "column")
         self.A[name] = torch.nn.Parameter(a.to(device=device, dtype=dtype))
         self.B[name] = torch.nn.Parameter(b.to(device=device, dtype=dtype))
         self._tag(self.A[name], self.B[name])
-        self.scale[name] = alpha / rank
+        self.scale[name] = float(scale)
         self.dropout[name] = dropout
         if self.active is None:
             self.active = name
+
+    def full(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, B) of adapter ``name`` gathered over TP (collective over the base's TP group)."""
+        a, b = self.A[name].detach(), self.B[name].detach()
+        p = self.par
+        if p.mode == "none":
+            return a.clone(), b.clone()
+        sharded, dim = (a, 1) if p.mode == "row" else (b, 0)
+        parts = [torch.empty_like(sharded) for _ in range(p.tp_size)]
+        torch.distributed.all_gather(parts, sharded.contiguous(), group=p.group)
+        if self.glu and dim == 0:
+            full = torch.cat([x.chunk(2)[0] for x in parts] + [x.chunk(2)[1] for x in parts])
+        else:
+            full = torch.cat(parts, dim)
+        return (full, b.clone()) if p.mode == "row" else (a.clone(), full)
 
     def _shard(self, full: torch.Tensor, dim: int, mode: str) -> torch.Tensor:
         if self.par.mode != mode:

@@ -52,7 +52,8 @@ def load_input_ids(path: Optional[str], vocab_size: int, batch: int, seq: int, s
 
 
 def megatron_forward(hf_dir: Optional[str], glm5: GLM5Config, input_ids: torch.Tensor,
-                     parallel: ParallelConfig, dtype: torch.dtype, ckpt: Optional[str] = None):
+                     parallel: ParallelConfig, dtype: torch.dtype, ckpt: Optional[str] = None,
+                     adapter: Optional[str] = None):
     """Run our model (weights from the Megatron checkpoint ``ckpt`` when given, else from the HF
     folder) on this rank's tokens; return (logits [B,S,V], topk per layer [B,S,K] or None,
     router sets per MoE layer [B*S, E] bool), all gathered to natural token order."""
@@ -70,6 +71,11 @@ def megatron_forward(hf_dir: Optional[str], glm5: GLM5Config, input_ids: torch.T
         load_model(model, model_dir(ckpt))
     else:
         load_hf_weights(model, hf_dir, glm5)
+    if adapter is not None:
+        from glm5_mcore.adapters import load_adapter_state
+        from glm5_mcore.peft_io import import_peft
+
+        load_adapter_state(model, import_peft(adapter, glm5.num_hidden_layers), "default", trainable=False)
     model = model.to(dtype).eval()
     B, S = input_ids.shape
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
@@ -99,13 +105,18 @@ def megatron_forward(hf_dir: Optional[str], glm5: GLM5Config, input_ids: torch.T
     return logits, topks, router_sets
 
 
-def reference_forward(hf_dir: str, input_ids: torch.Tensor, dtype: torch.dtype):
-    """transformers' logits, indexer top-k per full layer and router sets per MoE layer."""
+def reference_forward(hf_dir: str, input_ids: torch.Tensor, dtype: torch.dtype, adapter: Optional[str] = None):
+    """transformers' logits, indexer top-k per full layer and router sets per MoE layer (with the
+    PEFT ``adapter`` loaded by ``peft`` when given)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).eval()
     topks, routers = [], []
-    for layer in model.model.layers:
+    for layer in model.get_base_model().model.layers if adapter is not None else model.model.layers:
         attn = layer.self_attn
         if getattr(attn, "indexer", None) is not None:
             attn.indexer.register_forward_hook(lambda mod, inp, out: topks.append(out.long()))
@@ -138,13 +149,13 @@ def topk_agreement(ours: list, ref: list, indexer_types: list[str], S: int) -> f
 
 def run_parity(hf_dir: str, input_ids: torch.Tensor, parallel: ParallelConfig, dtype: str = "fp32",
                atol: float = 1e-4, save_logits: Optional[str] = None,
-               ckpt: Optional[str] = None) -> Optional[dict]:
+               ckpt: Optional[str] = None, adapter: Optional[str] = None) -> Optional[dict]:
     """Compare and return the report dict (rank 0) or None (other ranks). With ``ckpt`` our model
     loads that Megatron checkpoint and the reference runs the HF weights in ``hf_dir``."""
     glm5 = GLM5Config.from_hf_dir(f"{ckpt}/hf" if ckpt else hf_dir)
     check_transformers_version()
     td = DTYPES[dtype]
-    logits, topks, routers = megatron_forward(hf_dir, glm5, input_ids, parallel, td, ckpt)
+    logits, topks, routers = megatron_forward(hf_dir, glm5, input_ids, parallel, td, ckpt, adapter)
     if dist.get_rank() != 0:
         return None
     if save_logits:
@@ -153,7 +164,7 @@ def run_parity(hf_dir: str, input_ids: torch.Tensor, parallel: ParallelConfig, d
         tmp = f"{save_logits}.tmp"
         save_file({"logits": logits.contiguous()}, tmp)
         os.replace(tmp, save_logits)
-    ref_logits, ref_topks, ref_routers = reference_forward(hf_dir, input_ids, td)
+    ref_logits, ref_topks, ref_routers = reference_forward(hf_dir, input_ids, td, adapter)
     diff = (logits - ref_logits).abs()
     r_agree = (sum(int((a == b).all(-1).sum()) for a, b in zip(routers, ref_routers))
                / max(1, sum(a.shape[0] for a in routers)))
@@ -165,7 +176,7 @@ def run_parity(hf_dir: str, input_ids: torch.Tensor, parallel: ParallelConfig, d
         "atol": atol,
         "pass": None if dtype != "fp32" else bool(diff.max() <= atol),
         "dtype": dtype,
-        "tp": parallel.tp, "ep": parallel.ep, "cp": parallel.cp,
+        "tp": parallel.tp, "ep": parallel.ep, "cp": parallel.cp, "adapter": adapter,
         "shape": list(logits.shape),
     }
     return report
@@ -187,7 +198,8 @@ def main(args) -> int:
     glm5 = GLM5Config.from_hf_dir(f"{ckpt}/hf" if ckpt else hf_dir)
     ids = load_input_ids(args.input_ids, glm5.vocab_size, args.batch, args.seq_len, args.seed)
     parallel = ParallelConfig(tp=args.tp, ep=args.ep, cp=args.cp)
-    report = run_parity(hf_dir, ids, parallel, args.dtype, args.atol, args.save_logits, ckpt)
+    report = run_parity(hf_dir, ids, parallel, args.dtype, args.atol, args.save_logits, ckpt,
+                        getattr(args, "adapter", None))
     code = 0
     if report is not None:
         print(json.dumps(report), flush=True)

@@ -53,6 +53,9 @@ def main(hf_dir: str, tp: int, ep: int, out: str) -> None:
         assert ok
     with torch.no_grad():
         losses.append(float(step(0, m)[0].float().mean()))  # after the 3rd update
+    from glm5_mcore.adapters import save_adapter
+
+    save_adapter(m.module, "default", out + ".adapter")  # gathered over TP / EP into full tensors
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(losses, f)

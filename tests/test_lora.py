@@ -123,7 +123,14 @@ def _lora_steps(hf_dir, tp, ep, out):
 def test_lora_training_steps_match_one_rank_at_tp2_ep2(tiny_dir, tmp_path):
     ref = _lora_steps(tiny_dir, 1, 1, tmp_path / "one.json")
     assert ref[3] < ref[2] < ref[1] < ref[0], ref  # 3 updates, each lowers the loss
+    from glm5_mcore.adapters import read_adapter_state
+
+    ref_adapter = read_adapter_state(f"{tmp_path / 'one.json'}.adapter")
     for tp, ep in ((2, 1), (1, 2), (2, 2)):
         got = _lora_steps(tiny_dir, tp, ep, tmp_path / f"{tp}{ep}.json")
         rel = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
         assert rel <= 1e-6, (tp, ep, got, ref)
+        adapter = read_adapter_state(f"{tmp_path / f'{tp}{ep}.json'}.adapter")  # gathered: layout-free
+        assert sorted(adapter.A) == sorted(ref_adapter.A)
+        for k in ref_adapter.A:
+            assert torch.allclose(adapter.delta(k), ref_adapter.delta(k), rtol=1e-4, atol=1e-6), (tp, ep, k)
