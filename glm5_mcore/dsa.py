@@ -10,6 +10,9 @@ what GLM-5 training needs around it:
 - ``SparseMLAAttention``: attention over the selected keys only. Memory is O(T·k): scores are formed
   per query chunk as [C, heads, k] and recomputed in backward (flash-style, saving only the
   log-sum-exp); there is no [T, T] score or mask tensor.
+- ``SparseLatentAttention``: the same in the absorbed MLA form (FlashMLA-sparse style): scores
+  ``(q_nope·W_uk)·c + q_rope·k_rope`` over the shared kv latent ``c``, gathered once per query for
+  all heads; the default wherever the core can capture its MLA's normalised latent.
 - ``GLM5SparseAttention``: the core attention module: THD packing, allgather context parallel,
   IndexShare (a "shared" layer reuses the previous full layer's top-k), and a frozen-indexer switch.
 
@@ -179,6 +182,85 @@ def sparse_attention(q_SbnH, k_TbnH, v_TbnV, topk_bSK, scale):
     return out.reshape(n, b, S, -1).permute(2, 1, 0, 3).reshape(S, b, -1)
 
 
+class SparseLatentAttention(torch.autograd.Function):
+    """Absorbed-MLA sparse attention: every head attends over the selected rows of one shared latent.
+
+    q [S, n, D] (absorbed query: q_nope·W_uk ⊕ q_rope), lat [T, D] (kv latent ⊕ rope key), idx [S, K]
+    (-1 = not selected) → out [S, n, dc], the attention-weighted latent (its first ``dc`` dims).
+    Per query chunk the selected latent rows are gathered once for all heads as [C, K, D] — n times
+    less gathered memory than per-head keys and values — and scored with batched matmuls in fp32;
+    backward recomputes the probabilities from the saved log-sum-exp [S, n].
+    """
+
+    @staticmethod
+    def forward(ctx, q, lat, idx, scale, dc):
+        S, n, D = q.shape
+        K = idx.shape[1]
+        out = torch.empty(S, n, dc, dtype=torch.float32, device=q.device)
+        lse = torch.empty(S, n, dtype=torch.float32, device=q.device)
+        latf = lat.float()
+        rows = max(1, _SCORE_ELEMS_PER_CHUNK // max(1, K * D))
+        for s0 in range(0, S, rows):
+            s1 = min(S, s0 + rows)
+            valid = (idx[s0:s1] >= 0)[:, None, :]
+            lg = latf[idx[s0:s1].clamp(min=0)]  # [C, K, D]
+            logits = torch.bmm(q[s0:s1].float(), lg.transpose(1, 2)).mul_(scale).masked_fill_(~valid, float("-inf"))
+            lse_c = torch.logsumexp(logits, dim=-1)
+            p = torch.exp(logits - lse_c[..., None])
+            out[s0:s1] = torch.bmm(p, lg[..., :dc])
+            lse[s0:s1] = lse_c
+        ctx.save_for_backward(q, lat, idx, out, lse)
+        ctx.scale, ctx.dc = scale, dc
+        return out.to(lat.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, lat, idx, out, lse = ctx.saved_tensors
+        scale, dc = ctx.scale, ctx.dc
+        S, n, D = q.shape
+        K = idx.shape[1]
+        latf = lat.float()
+        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        dlat = torch.zeros(lat.shape, dtype=torch.float32, device=q.device)
+        dout = dout.float()
+        delta = (dout * out).sum(-1)  # [S, n]
+        rows = max(1, _SCORE_ELEMS_PER_CHUNK // max(1, K * D))
+        for s0 in range(0, S, rows):
+            s1 = min(S, s0 + rows)
+            valid = (idx[s0:s1] >= 0)[:, None, :]
+            sel = idx[s0:s1].clamp(min=0)
+            lg = latf[sel]
+            qc = q[s0:s1].float()
+            logits = torch.bmm(qc, lg.transpose(1, 2)).mul_(scale)
+            p = torch.exp(logits - lse[s0:s1, :, None]).masked_fill_(~valid, 0.0)  # [C, n, K]
+            dp = torch.bmm(dout[s0:s1], lg[..., :dc].transpose(1, 2))
+            ds = p * (dp - delta[s0:s1, :, None]) * scale
+            dq[s0:s1] = torch.bmm(ds, lg)
+            dlg = torch.bmm(ds.transpose(1, 2), qc)  # [C, K, D]
+            dlg[..., :dc] += torch.bmm(p.transpose(1, 2), dout[s0:s1])
+            dlat.index_add_(0, sel.reshape(-1), dlg.reshape(-1, D))
+        return dq.to(q.dtype), dlat.to(lat.dtype), None, None, None
+
+
+def absorbed_sparse_attention(q_SbnH, k_rope_Tbr, c_Tbc, w_kv_up, topk_bSK, scale, dn, dv):
+    """Sparse MLA in the absorbed form. q [S, b, n, dn+dr], k_rope [T, b, dr], latent c [T, b, dc],
+    ``w_kv_up`` [n·(dn+dv), dc] (per head: dn key rows then dv value rows) → [S, b, n·dv].
+
+    q·k = (q_nope·W_uk)·c + q_rope·k_rope and Σ p·v = W_uv·(Σ p·c): the same function as attention over
+    the expanded per-head keys and values."""
+    S, b, n, _ = q_SbnH.shape
+    T, dc = c_Tbc.shape[0], c_Tbc.shape[-1]
+    w = w_kv_up.view(n, dn + dv, dc)
+    q_abs = torch.einsum("sbnd,ndc->bsnc", q_SbnH[..., :dn], w[:, :dn])
+    q_cat = torch.cat([q_abs, q_SbnH[..., dn:].transpose(0, 1)], dim=-1).reshape(b * S, n, -1)
+    lat = torch.cat([c_Tbc, k_rope_Tbr.to(c_Tbc.dtype)], dim=-1).transpose(0, 1).reshape(b * T, -1)
+    offsets = (torch.arange(b, device=q_SbnH.device) * T)[:, None, None]
+    idx = torch.where(topk_bSK >= 0, topk_bSK + offsets, -1).reshape(b * S, -1)
+    o = SparseLatentAttention.apply(q_cat.contiguous(), lat.contiguous(), idx, scale, dc)  # [b*S, n, dc]
+    out = torch.einsum("xnc,nvc->xnv", o, w[:, dn:])  # [b*S, n, dv]
+    return out.reshape(b, S, n * dv).transpose(0, 1).contiguous()
+
+
 def dense_attention(q_SbnH, k_TbnH, v_TbnV, q_pos_S, doc_start_S, scale):
     """Plain causal (and document-bounded) attention; what DSA reduces to when K ≥ T."""
     S, b, n, _ = q_SbnH.shape
@@ -225,6 +307,8 @@ class GLM5SparseAttention(MegatronModule):
                         if computes_topk else None)
         self._topk_source: list = []
         self.last_topk: Optional[torch.Tensor] = None
+        self._latent: Optional[torch.Tensor] = None  # kv_layernorm output of this forward (absorbed path)
+        self._kv_up: list = []  # [the parent MLA's linear_kv_up_proj], set by link_absorbed_mla
 
     def _positions(self, sq: int, device, packed_seq_params: Optional[PackedSeqParams]):
         """Each query's index in the (CP-gathered) key order and its document's first key."""
@@ -275,11 +359,37 @@ class GLM5SparseAttention(MegatronModule):
             topk = self._topk_source[0].last_topk
         self.last_topk = topk
 
+        latent, self._latent = self._latent, None
         if topk is None:
             out = dense_attention(query, key, value, q_pos, doc_start, self.softmax_scale)
+        elif self._kv_up and latent is not None:
+            out = self._absorbed(query, key, latent, topk, reorder, value.shape[-1])
         else:
             out = sparse_attention(query, key, value, topk, self.softmax_scale)
         return out.squeeze(1) if thd else out
+
+    def _absorbed(self, query, key, latent, topk, reorder, v_out: int):
+        """Sparse attention over the shared latent (see ``absorbed_sparse_attention``); the kv_up
+        weight includes an active LoRA adapter's delta, as the unabsorbed path would apply it."""
+        from megatron.core.utils import get_pg_size as _size
+
+        cfg = self.config
+        dn, dv = cfg.qk_head_dim, cfg.v_head_dim
+        if latent.dim() == 2:  # THD
+            latent = latent.unsqueeze(1)
+        if cfg.sequence_parallel and _size(self.pg_collection.tp) > 1:
+            latent = gather_from_sequence_parallel_region(latent, group=self.pg_collection.tp)
+        latent = self._gather_cp(latent, reorder)
+        kv_up = self._kv_up[0]
+        w = kv_up.weight
+        lora = getattr(kv_up, "lora", None)
+        if lora is not None and not lora.disabled and lora.active is not None and lora.active not in lora.merged:
+            w = w + lora.local_delta_weight(lora.active).to(w.dtype)
+        out = absorbed_sparse_attention(query, key[:, :, 0, dn:], latent, w, topk, self.softmax_scale, dn, dv)
+        if v_out > dv:  # MLA padded the value heads (THD) and trims the padding from our output
+            S, b, n = query.shape[:3]
+            out = F.pad(out.view(S, b, n, dv), [0, v_out - dv]).view(S, b, n * v_out)
+        return out
 
 
 def link_index_share(modules) -> None:
@@ -298,6 +408,31 @@ def link_index_share(modules) -> None:
                              "on this pipeline stage")
         else:
             m._topk_source = [last_full]
+
+
+def link_absorbed_mla(model: torch.nn.Module) -> int:
+    """Let every DSA core compute sparse attention in the absorbed form: it captures its MLA's
+    normalised kv latent (a forward hook on ``kv_layernorm``) and reads ``linear_kv_up_proj``.
+    Skipped where the norm is fused into the up projection (Transformer Engine's
+    LayerNorm-linear), which leaves no normalised latent to capture. Returns #linked cores."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    n = 0
+    for attn in model.modules():
+        core = getattr(attn, "core_attention", None)
+        kv_up, norm = getattr(attn, "linear_kv_up_proj", None), getattr(attn, "kv_layernorm", None)
+        if not isinstance(core, GLM5SparseAttention) or kv_up is None or norm is None:
+            continue
+        if isinstance(norm, IdentityOp) or getattr(kv_up, "layer_norm_weight", None) is not None:
+            continue
+        core._kv_up = [kv_up]  # a list: not registered as a submodule of the core
+
+        def stash(_mod, _inp, out, core=core):
+            core._latent = out
+
+        norm.register_forward_hook(stash)
+        n += 1
+    return n
 
 
 def set_indexer_frozen(model: torch.nn.Module, frozen: bool = True) -> int:

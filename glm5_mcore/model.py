@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from glm5_mcore import cpu_compat
 from glm5_mcore.config import GLM5Config, ParallelConfig
-from glm5_mcore.dsa import GLM5SparseAttention, link_index_share
+from glm5_mcore.dsa import GLM5SparseAttention, link_absorbed_mla, link_index_share
 
 
 def _free_port() -> int:
@@ -105,6 +105,7 @@ def build_model(glm5: GLM5Config, parallel: Optional[ParallelConfig] = None, bac
         mtp_block_spec=mtp,
     )
     link_index_share(m for m in model.decoder.modules() if isinstance(m, GLM5SparseAttention))
+    link_absorbed_mla(model)
     keep_router_fp32(model)
     return model
 

@@ -69,3 +69,64 @@ def test_topk_respects_causal_and_document_bounds():
         sel = topk[0, s][topk[0, s] >= 0]
         assert (sel <= s).all() and (sel >= doc_start[s]).all()
         assert len(sel) == min(5, s - int(doc_start[s]) + 1)
+
+
+def test_absorbed_sparse_attention_equals_expanded_keys_values():
+    from glm5_mcore.dsa import absorbed_sparse_attention, sparse_attention
+
+    g = torch.Generator().manual_seed(0)
+    S, b, n, dn, dr, dv, dc, K = 24, 2, 3, 8, 4, 6, 10, 5
+    q = torch.randn(S, b, n, dn + dr, generator=g, requires_grad=True)
+    c = torch.randn(S, b, dc, generator=g, requires_grad=True)
+    kr = torch.randn(S, b, dr, generator=g, requires_grad=True)
+    w = torch.randn(n * (dn + dv), dc, generator=g, requires_grad=True)
+    scores = torch.randn(b, S, S, generator=g).masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    topk = torch.stack([deterministic_topk(scores[i], K) for i in range(b)])
+    kv = torch.einsum("tbc,oc->tbo", c, w).view(S, b, n, dn + dv)
+    key = torch.cat([kv[..., :dn], kr[:, :, None].expand(-1, -1, n, -1)], -1)
+    ref = sparse_attention(q, key, kv[..., dn:], topk, 0.3)
+    got = absorbed_sparse_attention(q, kr, c, w, topk, 0.3, dn, dv)
+    assert (got - ref).abs().max() <= 1e-5
+    gr = torch.autograd.grad(ref.square().sum(), (q, c, kr, w))
+    gg = torch.autograd.grad(got.square().sum(), (q, c, kr, w))
+    for a, bb in zip(gr, gg):
+        assert (a - bb).abs().max() <= 1e-4 * (1 + a.abs().max())
+
+
+def test_model_absorbed_path_matches_unabsorbed_and_takes_kv_up_lora(tiny_dir, single_rank):
+    from glm5_mcore.config import GLM5Config, ParallelConfig
+    from glm5_mcore.dsa import GLM5SparseAttention
+    from glm5_mcore.lora import LoRAConfig, apply_lora
+    from glm5_mcore.model import build_model, forward_logits, load_hf_weights
+
+    glm5 = GLM5Config.from_hf_dir(tiny_dir)
+    m = build_model(glm5, ParallelConfig())
+    load_hf_weights(m, tiny_dir, glm5)
+    cores = [x for x in m.modules() if isinstance(x, GLM5SparseAttention)]
+    assert cores and all(x._kv_up for x in cores)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(2))
+
+    def run(absorbed: bool):
+        saved = [x._kv_up for x in cores]
+        if not absorbed:
+            for x in cores:
+                x._kv_up = []
+        m.zero_grad(set_to_none=True)
+        out = forward_logits(m, ids)
+        out.square().mean().backward()
+        for x, s in zip(cores, saved):
+            x._kv_up = s
+        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+        return out.detach(), grads
+
+    base_a, ga = run(True)
+    base_p, gp = run(False)
+    assert (base_a - base_p).abs().max() <= 1e-5
+    assert ga.keys() == gp.keys() and all((ga[k] - gp[k]).abs().max() <= 1e-4 * (1 + gp[k].abs().max()) for k in ga)
+    apply_lora(m, LoRAConfig(rank=4, targets=("linear_kv_up_proj",), init="random"))
+    lora_a, ga = run(True)
+    lora_p, gp = run(False)
+    assert (lora_a - base_a).abs().max() > 1e-3  # the adapter changes the absorbed path...
+    assert (lora_a - lora_p).abs().max() <= 1e-5  # ...exactly as it changes the plain one
+    lora_grads = [k for k in ga if ".lora." in k]
+    assert lora_grads and all((ga[k] - gp[k]).abs().max() <= 1e-4 * (1 + gp[k].abs().max()) for k in lora_grads)
