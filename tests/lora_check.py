@@ -36,6 +36,9 @@ def main(hf_dir: str, tp: int, ep: int, out: str) -> None:
     m.config.finalize_model_grads_func = finalize_model_grads  # DP/EP grad sync + SP/TP all-reduces
     m = DistributedDataParallel(m.config, DistributedDataParallelConfig(), m)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer=OPT, lr=LR, clip_grad=1.0), [m])
+    in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
+    adapters = {id(p) for n, p in m.named_parameters() if ".lora." in n}
+    assert in_opt == adapters  # only adapters get optimizer state: no base weight, no (frozen) indexer
     ids = load_input_ids(None, glm5.vocab_size, 2, SEQ + 1, seed=7)
 
     def step(_it, model):
