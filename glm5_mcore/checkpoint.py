@@ -133,10 +133,12 @@ def adapter_dir(root: str | Path, name: str, iteration: Optional[int] = None) ->
 
 
 def save_checkpoint(root: str | Path, iteration: int, model, trainer_state: Optional[dict] = None,
-                    adapters: Optional[dict] = None, save_base: bool = True) -> Path:
+                    adapters: Optional[dict] = None, save_base: bool = True,
+                    rank_state: Optional[dict] = None) -> Path:
     """Write ``DIR/iter_N`` (model, ``adapters/{name}`` for each ``{name: LoRAConfig}`` in
     ``adapters``, trainer_state.json) atomically, then point ``latest`` at it. ``save_base=False``
-    skips the (frozen) base weights of a LoRA run."""
+    skips the (frozen) base weights of a LoRA run. ``rank_state`` (optimizer, scheduler, RNG) is saved
+    by every rank as ``optimizer/rank_{r}.pt`` (resumed at the same layout)."""
     root = Path(root)
     final = iter_dir(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
@@ -150,6 +152,10 @@ def save_checkpoint(root: str | Path, iteration: int, model, trainer_state: Opti
         from glm5_mcore.adapters import save_adapter
 
         save_adapter(model, name, tmp / "adapters" / name, cfg)
+    if rank_state is not None:
+        (tmp / "optimizer").mkdir(exist_ok=True)
+        torch.save(rank_state, tmp / "optimizer" / f"rank_{dist.get_rank():05d}.pt")
+    dist.barrier()
     if dist.get_rank() == 0:
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state or {"iteration": iteration}, indent=2))
         if final.exists():

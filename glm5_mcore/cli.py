@@ -10,6 +10,7 @@ import sys
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="glm5", description="GLM-5 on Megatron-Core")
     sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("sft", help="SFT / continued pretraining (Hydra overrides: glm5 sft key=value ...)")
 
     t = sub.add_parser("tiny", help="write a tiny random GLM-5 HF checkpoint")
     t.add_argument("--out", required=True)
@@ -59,6 +60,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "sft":  # Hydra-style overrides: glm5 sft key=value ...
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        try:
+            from recipes.cli import sft_main
+
+            return sft_main(argv[1:])
+        except (ValueError, FileNotFoundError, KeyError) as e:
+            print(f"glm5 sft: error: {e}", file=sys.stderr)
+            return 2
     args = _parser().parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:

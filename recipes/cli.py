@@ -1,0 +1,39 @@
+"""Hydra entry point of the recipes: ``glm5 sft [overrides...]``. Hydra stops here: the recipe gets
+a plain ``SFTConfig``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def compose(name: str, overrides: list[str]) -> dict:
+    """The resolved config ``configs/{name}.yaml`` with command-line ``overrides`` as a plain dict."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        cfg = hydra_compose(config_name=name, overrides=overrides)
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+
+
+def sft_main(overrides: list[str]) -> int:
+    import json
+
+    import torch.distributed as dist
+
+    from recipes.sft import SFTConfig, run
+
+    cfg = SFTConfig.from_dict(compose("sft", overrides))
+    out = run(cfg)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        hist = out["history"]
+        print(json.dumps({"steps": out["state"]["step"], "first_loss": hist[0]["loss"] if hist else None,
+                          "last_loss": hist[-1]["loss"] if hist else None, "val": out["val"],
+                          "losses": [h["loss"] for h in hist],
+                          "skipped_rows": out["data"]["skipped"]}))
+    return 0

@@ -1,0 +1,202 @@
+"""SFT / pretraining data: jsonl rows → token documents with loss masks → THD-packed micro-batches.
+
+Row formats (one JSON object per line):
+- ``{"prompt": str, "response": str}``: prompt through the chat template as a user turn (with the
+  generation prompt), the response and EOS after it; loss on the response and EOS only.
+- ``{"messages": [{"role", "content"}, ...]}``: the tokenizer's chat template; loss on every
+  assistant turn (the tokens a turn adds to the conversation), nothing else.
+- ``{"text": str}``: pretraining; loss on every token, EOS appended.
+
+A document of tokens t[0..n) trains to predict t[i+1] from t[..i]: inputs t[:-1], labels t[1:],
+loss mask = mask of the label token. Packing puts whole documents back to back into micro-batches
+of at most ``micro_batch_tokens`` tokens ([1, T] with ``cu_seqlens``; positions restart per
+document) — no pad tokens, except when sequence parallelism needs T divisible by TP, which adds one
+masked filler document.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class Document:
+    tokens: list[int]
+    mask: list[int]  # 1 where the token is a training target
+    source: str = ""  # "file:line"
+
+    def __len__(self) -> int:
+        return len(self.tokens) - 1  # training positions
+
+
+@dataclass
+class DataStats:
+    rows: int = 0
+    skipped: int = 0
+    truncated: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class DataError(ValueError):
+    """A malformed row; the message names the file and line."""
+
+
+def _ids(enc) -> list[int]:
+    return list(enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc)
+
+
+def encode_row(row: dict, tokenizer, where: str) -> Document:
+    """One jsonl row as a ``Document``; raises ``DataError`` naming ``where`` on a bad row."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    eos = tokenizer.eos_token_id
+    if "messages" in row:
+        msgs = row["messages"]
+        if not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs):
+            raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} strings")
+        tokens, mask = [], []
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            prefix = _ids(tokenizer.apply_chat_template(msgs[:i], tokenize=True, add_generation_prompt=True))
+            full = _ids(tokenizer.apply_chat_template(msgs[: i + 1], tokenize=True))
+            if full[: len(prefix)] != prefix:
+                raise DataError(f"{where}: the chat template does not extend turn {i}'s prefix")
+            mask += [0] * (len(prefix) - len(tokens)) + [1] * (len(full) - len(prefix))
+            tokens = full
+        if not any(mask):
+            raise DataError(f"{where}: no assistant turn to train on")
+        full = _ids(tokenizer.apply_chat_template(msgs, tokenize=True))
+        mask += [0] * (len(full) - len(tokens))
+        tokens = full
+        if eos is not None:
+            tokens, mask = tokens + [eos], mask + [1 if msgs[-1]["role"] == "assistant" else 0]
+        return Document(tokens, mask, where)
+    if "prompt" in row or "response" in row:
+        p, r = row.get("prompt"), row.get("response")
+        if not isinstance(p, str) or not isinstance(r, str) or not r:
+            raise DataError(f"{where}: 'prompt' and a non-empty 'response' must be strings")
+        prompt = _ids(tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True,
+                                                    add_generation_prompt=True))
+        resp = _ids(tokenizer(r, add_special_tokens=False)) + ([eos] if eos is not None else [])
+        return Document(prompt + resp, [0] * len(prompt) + [1] * len(resp), where)
+    if "text" in row:
+        if not isinstance(row["text"], str) or not row["text"]:
+            raise DataError(f"{where}: 'text' must be a non-empty string")
+        toks = _ids(tokenizer(row["text"], add_special_tokens=False)) + ([eos] if eos is not None else [])
+        return Document(toks, [1] * len(toks), where)
+    raise DataError(f"{where}: a row needs 'messages', 'prompt'+'response' or 'text' (got keys {sorted(row)})")
+
+
+def read_jsonl(path: str | Path, tokenizer, max_tokens: int, skip_bad_rows: bool = False,
+               stats: Optional[DataStats] = None) -> list[Document]:
+    """Documents of a jsonl file. Bad rows raise ``DataError`` (file:line), or are skipped and counted
+    with ``skip_bad_rows``; documents longer than ``max_tokens`` are truncated and counted."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: data file does not exist")
+    stats = stats if stats is not None else DataStats()
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            stats.rows += 1
+            try:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+                doc = encode_row(row, tokenizer, where)
+                if len(doc.tokens) < 2 or not any(doc.mask[1:]):
+                    raise DataError(f"{where}: fewer than 2 tokens or nothing to train on")
+            except DataError as e:
+                if not skip_bad_rows:
+                    raise
+                stats.skipped += 1
+                stats.errors.append(str(e))
+                continue
+            if len(doc.tokens) > max_tokens + 1:
+                doc = Document(doc.tokens[: max_tokens + 1], doc.mask[: max_tokens + 1], where)
+                stats.truncated += 1
+            docs.append(doc)
+    if not docs:
+        raise DataError(f"{path}: no usable rows ({stats.skipped} skipped)")
+    return docs
+
+
+@dataclass
+class PackedBatch:
+    """One THD micro-batch: [1, T] tensors and the document boundaries."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor  # int32 [n_docs + 1]
+    sources: list[str]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def packed_seq_params(self):
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        lengths = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+        m = int(lengths.max())
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+                               max_seqlen_q=m, max_seqlen_kv=m)
+
+
+def _batch(docs: list[Document], multiple_of: int = 1, pad_id: int = 0) -> PackedBatch:
+    ids, labels, mask, pos, cu, src = [], [], [], [], [0], []
+    for d in docs:
+        ids += d.tokens[:-1]
+        labels += d.tokens[1:]
+        mask += d.mask[1:]
+        pos += list(range(len(d)))
+        cu.append(cu[-1] + len(d))
+        src.append(d.source)
+    pad = -len(ids) % multiple_of
+    if pad:  # sequence parallel needs T % TP == 0: one masked filler document
+        ids += [pad_id] * pad
+        labels += [pad_id] * pad
+        mask += [0] * pad
+        pos += list(range(pad))
+        cu.append(cu[-1] + pad)
+        src.append("<pad>")
+    t = lambda x, dt=torch.long: torch.tensor(x, dtype=dt)[None]  # noqa: E731
+    return PackedBatch(t(ids), t(labels), t(mask, torch.float32), t(pos), torch.tensor(cu, dtype=torch.int32), src)
+
+
+def pack(docs: list[Document], micro_batch_tokens: int, multiple_of: int = 1, pad_id: int = 0) -> list[PackedBatch]:
+    """Greedy in-order packing of whole documents into micro-batches of ≤ ``micro_batch_tokens``."""
+    out, cur, size = [], [], 0
+    for d in docs:
+        if len(d) > micro_batch_tokens:
+            raise DataError(f"{d.source}: {len(d)} tokens exceed micro_batch_tokens={micro_batch_tokens}")
+        if cur and size + len(d) > micro_batch_tokens:
+            out.append(_batch(cur, multiple_of, pad_id))
+            cur, size = [], 0
+        cur.append(d)
+        size += len(d)
+    if cur:
+        out.append(_batch(cur, multiple_of, pad_id))
+    return out
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The (reproducible) shuffled order of ``n`` documents in ``epoch``."""
+    order = list(range(n))
+    random.Random(seed * 100003 + epoch).shuffle(order)
+    return order

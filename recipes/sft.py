@@ -1,0 +1,458 @@
+"""``glm5 sft``: LoRA or full-parameter SFT / continued pretraining of GLM-5 on Megatron-Core.
+
+One process per rank under torchrun (gloo on CPU, NCCL on GPU), or one process alone. Batches are
+token budgets: ``global_batch_tokens`` per optimizer step, ``micro_batch_tokens`` per THD-packed
+micro-batch, gradient accumulation = global / (micro × DP). The loss is Σ CE over loss tokens
+divided by the loss-token count of the whole step summed over DP (Megatron's
+``calculate_per_token_loss``), so it does not change with the parallel layout.
+
+``run(cfg)`` takes a plain ``SFTConfig`` (Hydra stops at the entry point, ``recipes.cli``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.lora import DEFAULT_TARGETS, LoRAConfig
+from recipes.data import DataStats, PackedBatch, epoch_order, pack, read_jsonl
+
+
+@dataclass
+class ModelCfg:
+    hf_dir: Optional[str] = None
+    """HF folder: tokenizer, config, and the weights unless ``ckpt`` is given."""
+    ckpt: Optional[str] = None
+    """glm5-mcore checkpoint folder with the base weights (latest iteration)."""
+
+
+@dataclass
+class LoRACfg:
+    enabled: bool = True
+    name: str = "default"
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: list = field(default_factory=lambda: list(DEFAULT_TARGETS))
+
+
+@dataclass
+class DataCfg:
+    train: str = ""
+    valid: Optional[str] = None
+    micro_batch_tokens: int = 1024
+    global_batch_tokens: int = 4096
+    max_tokens: int = 1024
+    skip_bad_rows: bool = False
+    seed: int = 1234
+
+
+@dataclass
+class OptimCfg:
+    optimizer: str = "adam"
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    decay_style: str = "cosine"
+
+
+@dataclass
+class TrainCfg:
+    steps: int = 100
+    out: str = "runs/sft"
+    eval_every: int = 0
+    save_every: int = 0
+    keep_last: int = 2
+    log_every: int = 1
+    seed: int = 1234
+    bf16: bool = False
+    recompute: bool = False
+    cpu_offload: bool = False
+    mtp_loss_scale: float = 0.1
+    freeze_indexer: bool = True
+    resume: bool = True
+    progress: bool = True
+
+
+@dataclass
+class WandbCfg:
+    project: Optional[str] = None
+    mode: Optional[str] = None
+    """None: "offline" unless a project is given (then "online")."""
+    name: Optional[str] = None
+
+
+@dataclass
+class SFTConfig:
+    model: ModelCfg = field(default_factory=ModelCfg)
+    parallel: dict = field(default_factory=lambda: {"tp": 1, "ep": 1, "cp": 1, "pp": 1})
+    lora: LoRACfg = field(default_factory=LoRACfg)
+    data: DataCfg = field(default_factory=DataCfg)
+    optim: OptimCfg = field(default_factory=OptimCfg)
+    train: TrainCfg = field(default_factory=TrainCfg)
+    wandb: WandbCfg = field(default_factory=WandbCfg)
+
+    @staticmethod
+    def from_dict(d: dict) -> "SFTConfig":
+        """From a plain dict (a resolved Hydra config); unknown keys are errors naming the field."""
+        out = SFTConfig()
+        for section, value in (d or {}).items():
+            if not hasattr(out, section):
+                raise ValueError(f"config: unknown section {section!r}")
+            current = getattr(out, section)
+            if isinstance(current, dict):
+                unknown = set(value) - set(current)
+                if unknown:
+                    raise ValueError(f"config: unknown field(s) {sorted(unknown)} in {section}")
+                current.update(value)
+                continue
+            for k, v in (value or {}).items():
+                if not hasattr(current, k):
+                    raise ValueError(f"config: unknown field {section}.{k}")
+                setattr(current, k, v)
+        return out
+
+
+# --------------------------------------------------------------------------------------------------
+# checks that run before any work
+# --------------------------------------------------------------------------------------------------
+def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConfig, int]:
+    """The parallel layout and gradient-accumulation count; ValueErrors name the field."""
+    p = cfg.parallel
+    parallel = ParallelConfig(tp=int(p.get("tp", 1)), ep=int(p.get("ep", 1)), cp=int(p.get("cp", 1)),
+                              pp=int(p.get("pp", 1)))
+    glm5.to_mcore_config(parallel)  # heads % tp, experts % ep, ...: ValueError naming the field
+    if parallel.cp > 1:
+        raise ValueError("parallel.cp: context parallelism with THD-packed SFT batches needs Transformer Engine "
+                         "(per-document CP split); use cp=1 on CPU")
+    if parallel.pp > 1:
+        raise ValueError("parallel.pp: pipeline parallelism is not supported by this recipe yet; use pp=1")
+    if world % (parallel.tp * parallel.cp * parallel.pp):
+        raise ValueError(f"parallel.tp*cp*pp={parallel.tp * parallel.cp * parallel.pp} does not divide the "
+                         f"world size {world}")
+    dp = world // (parallel.tp * parallel.cp * parallel.pp)
+    d = cfg.data
+    if d.micro_batch_tokens < 2 or d.global_batch_tokens % (d.micro_batch_tokens * dp):
+        raise ValueError(f"data.global_batch_tokens={d.global_batch_tokens} must be a multiple of "
+                         f"data.micro_batch_tokens × DP = {d.micro_batch_tokens} × {dp}")
+    if d.max_tokens > d.micro_batch_tokens:
+        raise ValueError(f"data.max_tokens={d.max_tokens} exceeds data.micro_batch_tokens={d.micro_batch_tokens}")
+    if not d.train:
+        raise ValueError("data.train: no training file given")
+    if cfg.train.steps < 1:
+        raise ValueError("train.steps must be >= 1")
+    return parallel, d.global_batch_tokens // (d.micro_batch_tokens * dp)
+
+
+# --------------------------------------------------------------------------------------------------
+# the training step
+# --------------------------------------------------------------------------------------------------
+def _forward_step(batch_iter, model):
+    b: PackedBatch = next(batch_iter)
+    out = model(b.input_ids, b.position_ids, None, labels=b.labels, packed_seq_params=b.packed_seq_params(),
+                loss_mask=b.loss_mask)
+
+    def loss_func(ce):
+        total = (ce.float() * b.loss_mask).sum()
+        n = b.loss_mask.sum().to(torch.int)
+        return total, n, {"lm": torch.stack([total.detach(), n.float()])}
+
+    return out, loss_func
+
+
+def step_losses(ddp, batches: list[PackedBatch], forward_only: bool) -> tuple[float, float]:
+    """Run (forward+backward or forward) over this rank's micro-batches: (Σ CE, #loss tokens) over DP."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    res = get_forward_backward_func()(forward_step_func=_forward_step, data_iterator=iter(batches), model=[ddp],
+                                      num_microbatches=len(batches), seq_length=max(b.num_tokens for b in batches),
+                                      micro_batch_size=1, forward_only=forward_only)
+    tot = torch.zeros(2)
+    for r in res:
+        tot += r["lm"].float()
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(tot, group=group)
+    return float(tot[0]), float(tot[1])
+
+
+class _MoELoad:
+    """Tokens routed to each expert per MoE layer (router forward hooks), for the load metrics."""
+
+    def __init__(self, model):
+        self.counts: dict[str, torch.Tensor] = {}
+        for name, mod in model.named_modules():
+            if name.endswith("mlp.router"):
+                mod.register_forward_hook(self._hook(name))
+
+    def _hook(self, name):
+        def h(_mod, _inp, out):
+            c = out[1].detach().sum(0).float()
+            self.counts[name] = self.counts.get(name, 0) + c
+        return h
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        imb = []
+        for name, c in self.counts.items():
+            layer = name.split(".")[-3] if ".layers." in name else name
+            mean = float(c.mean()) or 1.0
+            imb.append(float(c.max()) / mean)
+            out[f"moe/max_over_mean/layer_{layer}"] = imb[-1]
+        if imb:
+            out["moe/max_over_mean"] = max(imb)
+        self.counts = {}
+        return out
+
+
+# --------------------------------------------------------------------------------------------------
+# checkpoints
+# --------------------------------------------------------------------------------------------------
+def _rng_state() -> dict:
+    import numpy as np
+
+    return {"python": random.getstate(), "torch": torch.get_rng_state(), "numpy": np.random.get_state()}
+
+
+def _set_rng_state(s: dict) -> None:
+    import numpy as np
+
+    random.setstate(s["python"])
+    torch.set_rng_state(s["torch"])
+    np.random.set_state(s["numpy"])
+
+
+def _prune(out: Path, keep: int) -> None:
+    iters = sorted(p for p in out.glob("iter_*") if p.is_dir() and p.name[5:].isdigit())
+    for p in iters[:-keep] if keep > 0 else []:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def save(cfg: SFTConfig, model, opt, sched, state: dict) -> None:
+    from glm5_mcore.checkpoint import save_checkpoint, write_hf_meta
+
+    out = Path(cfg.train.out)
+    adapters = None
+    if cfg.lora.enabled:
+        adapters = {cfg.lora.name: LoRAConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                                              targets=tuple(cfg.lora.targets))}
+    rank_state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": _rng_state()}
+    save_checkpoint(out, state["step"], model, state, adapters=adapters, save_base=not cfg.lora.enabled,
+                    rank_state=rank_state)
+    if dist.get_rank() == 0:
+        if not (out / "hf").is_dir():
+            write_hf_meta(out / "hf", _hf_dir(cfg))
+        _prune(out, cfg.train.keep_last)
+    dist.barrier()
+
+
+def _hf_dir(cfg: SFTConfig) -> str:
+    if cfg.model.hf_dir:
+        return cfg.model.hf_dir
+    if cfg.model.ckpt:
+        return str(Path(cfg.model.ckpt) / "hf")
+    raise ValueError("model.hf_dir or model.ckpt must be given")
+
+
+@torch.no_grad()
+def _restore(cfg: SFTConfig, model, opt, sched) -> Optional[dict]:
+    """Resume from ``train.out`` if it has a checkpoint: weights/adapters in place, optimizer,
+    scheduler, RNG and data position. Returns the trainer state or None."""
+    from glm5_mcore.adapters import read_adapter_state
+    from glm5_mcore.checkpoint import adapter_dir, iter_dir, latest_iteration, load_model
+    from glm5_mcore.lora import lora_layers
+
+    out = Path(cfg.train.out)
+    if not cfg.train.resume or not (out / "latest").is_file():
+        return None
+    it = latest_iteration(out)
+    if cfg.lora.enabled:
+        st = read_adapter_state(adapter_dir(out, cfg.lora.name, it))
+        for _, _, lora in lora_layers(model):
+            a, b = st.A[lora.module_name], st.B[lora.module_name]
+            lora.A[cfg.lora.name].data.copy_(lora._shard(a, 1, "row"))
+            lora.B[cfg.lora.name].data.copy_(lora._shard(b, 0, "column"))
+    else:
+        load_model(model, iter_dir(out, it) / "model")
+    rank_file = iter_dir(out, it) / "optimizer" / f"rank_{dist.get_rank():05d}.pt"
+    rs = torch.load(rank_file, weights_only=False)
+    opt.load_state_dict(rs["optimizer"])
+    sched.load_state_dict(rs["scheduler"])
+    _set_rng_state(rs["rng"])
+    return json.loads((iter_dir(out, it) / "trainer_state.json").read_text())
+
+
+# --------------------------------------------------------------------------------------------------
+# the run
+# --------------------------------------------------------------------------------------------------
+class _Logger:
+    """W&B (offline unless a project/mode is set) + a console progress bar, rank 0 only."""
+
+    def __init__(self, cfg: SFTConfig):
+        self.rank0 = dist.get_rank() == 0
+        self.run = None
+        self.bar = None
+        if not self.rank0:
+            return
+        mode = cfg.wandb.mode or ("online" if cfg.wandb.project else "offline")
+        if mode != "disabled":
+            import wandb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            Path(cfg.train.out).mkdir(parents=True, exist_ok=True)
+            self.run = wandb.init(project=cfg.wandb.project or "glm5-mcore", name=cfg.wandb.name, mode=mode,
+                                  dir=cfg.train.out, config=asdict(cfg), reinit="finish_previous")
+        if cfg.train.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=cfg.train.steps, desc="sft", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.rank0:
+            return
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+        if self.bar is not None:
+            self.bar.n = step
+            keys = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s")
+            self.bar.set_postfix({k: f"{metrics[k]:.4g}" for k in keys if k in metrics}, refresh=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.run is not None:
+            self.run.finish()
+
+
+def run(cfg: SFTConfig) -> dict:
+    """Train; returns {"history": [per-step metrics], "val": [(step, val_loss)], "data": stats}."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                           finalize_model_grads)
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from transformers import AutoTokenizer
+
+    from glm5_mcore.checkpoint import load_model, model_dir
+    from glm5_mcore.dsa import set_indexer_frozen
+    from glm5_mcore.lora import apply_lora
+    from glm5_mcore.model import build_model, init_parallel, load_hf_weights
+    from glm5_mcore.mtp_loss import mtp_depth_losses
+
+    hf_dir = _hf_dir(cfg)
+    glm5 = GLM5Config.from_hf_dir(hf_dir)
+    world = int(os.environ.get("WORLD_SIZE", "1")) if not dist.is_initialized() else dist.get_world_size()
+    parallel, accum = validate(cfg, glm5, world)
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    stats = DataStats()
+    docs = read_jsonl(cfg.data.train, tokenizer, cfg.data.max_tokens, cfg.data.skip_bad_rows, stats)
+    val_docs = (read_jsonl(cfg.data.valid, tokenizer, cfg.data.max_tokens, cfg.data.skip_bad_rows)
+                if cfg.data.valid else None)
+
+    init_parallel(parallel, seed=cfg.train.seed)
+    random.seed(cfg.train.seed)
+    overrides = dict(calculate_per_token_loss=True, mtp_loss_scaling_factor=cfg.train.mtp_loss_scale)
+    if cfg.train.bf16:
+        overrides.update(bf16=True, params_dtype=torch.bfloat16)
+    if cfg.train.recompute:
+        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    model = build_model(glm5, parallel, **overrides)
+    if cfg.model.ckpt:
+        load_model(model, model_dir(cfg.model.ckpt))
+    else:
+        load_hf_weights(model, hf_dir, glm5)
+    if cfg.lora.enabled:
+        apply_lora(model, LoRAConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                                     targets=tuple(cfg.lora.targets), seed=cfg.train.seed), cfg.lora.name,
+                   freeze_indexer=cfg.train.freeze_indexer)
+    else:
+        set_indexer_frozen(model, cfg.train.freeze_indexer)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    moe_load = _MoELoad(model)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    o = cfg.optim
+    opt = get_megatron_optimizer(OptimizerConfig(
+        optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2, clip_grad=o.clip_grad, bf16=cfg.train.bf16,
+        optimizer_cpu_offload=cfg.train.cpu_offload), [ddp])
+    sched = OptimizerParamScheduler(opt, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+                                    lr_warmup_steps=o.warmup_steps, lr_decay_steps=cfg.train.steps,
+                                    lr_decay_style=o.decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
+                                    wd_incr_steps=cfg.train.steps, wd_incr_style="constant")
+    state = _restore(cfg, model, opt, sched) or {"step": 0, "epoch": 0, "cursor": 0, "tokens": 0}
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    multiple = parallel.tp if model.config.sequence_parallel else 1
+    pad_id = tokenizer.pad_token_id or 0
+    packs = pack([docs[i] for i in epoch_order(len(docs), cfg.data.seed, state["epoch"])],
+                 cfg.data.micro_batch_tokens, multiple, pad_id)
+    if len(packs) < accum * dp:
+        raise ValueError(f"data.train: one epoch packs into {len(packs)} micro-batches, a step needs "
+                         f"{accum * dp} (lower data.global_batch_tokens)")
+    val_packs = pack(val_docs, cfg.data.micro_batch_tokens, multiple, pad_id) if val_docs else []
+    log = _Logger(cfg)
+    history, vals = [], []
+
+    def validate_now() -> float:
+        ddp.eval()
+        mine = val_packs[dp_rank::dp] or val_packs[:1]
+        with torch.no_grad():
+            s, n = step_losses(ddp, mine, forward_only=True)
+        ddp.train()
+        return s / max(n, 1)
+
+    ddp.train()
+    try:
+        if val_packs and cfg.train.eval_every and state["step"] == 0:
+            vals.append((0, validate_now()))
+        while state["step"] < cfg.train.steps:
+            if state["cursor"] + accum * dp > len(packs):
+                state["epoch"] += 1
+                state["cursor"] = 0
+                packs = pack([docs[i] for i in epoch_order(len(docs), cfg.data.seed, state["epoch"])],
+                             cfg.data.micro_batch_tokens, multiple, pad_id)
+            step_batches = packs[state["cursor"]: state["cursor"] + accum * dp]
+            mine = step_batches[dp_rank * accum: (dp_rank + 1) * accum]
+            t0 = time.perf_counter()
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            s, n = step_losses(ddp, mine, forward_only=False)
+            ok, grad_norm, _ = opt.step()
+            sched.step(increment=1)
+            dt = time.perf_counter() - t0
+            tokens = sum(b.num_tokens for b in step_batches)
+            state["cursor"] += accum * dp
+            state["step"] += 1
+            state["tokens"] += tokens
+            loss = s / max(n, 1)
+            m = {"loss": loss, "loss_tokens": n, "lr": opt.param_groups[0]["lr"],
+                 "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                 "tokens_per_s": tokens / dt, "step_time_s": dt, "update_skipped": float(not ok)}
+            m.update(mtp_depth_losses(glm5.num_nextn_predict_layers, accum))
+            m.update(moe_load.metrics())
+            if val_packs and cfg.train.eval_every and state["step"] % cfg.train.eval_every == 0:
+                m["val_loss"] = validate_now()
+                vals.append((state["step"], m["val_loss"]))
+            history.append(m)
+            log.log(state["step"], m)
+            if cfg.train.save_every and state["step"] % cfg.train.save_every == 0:
+                save(cfg, model, opt, sched, dict(state))
+        if val_packs and (not vals or vals[-1][0] != state["step"]):
+            vals.append((state["step"], validate_now()))
+    finally:
+        log.close()
+    return {"history": history, "val": vals, "data": asdict(stats), "state": state}

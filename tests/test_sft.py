@@ -1,0 +1,149 @@
+"""The SFT recipe: data and packing, THD losses, a tiny run that learns, resume, bad input."""
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from recipes.data import DataError, pack, read_jsonl
+
+
+def _tok(hf_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(hf_dir)
+
+
+def _reverse_task(path, n, seed, lengths=(3, 12)):
+    """Prompts of random words; the response counts up from the first word (w7 -> w7 w8 w9 w10):
+    learnable from local patterns, so held-out rows improve too."""
+    r = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            a = [r.randrange(90) for _ in range(r.randrange(*lengths))]
+            resp = " ".join(f"w{a[0] + k}" for k in range(4))
+            f.write(json.dumps({"prompt": " ".join(f"w{x}" for x in a), "response": resp}) + "\n")
+    return str(path)
+
+
+def _cfg(tiny_dir, tmp_path, **over):
+    from recipes.sft import SFTConfig
+
+    Path(tmp_path).mkdir(parents=True, exist_ok=True)
+    d = {"model": {"hf_dir": tiny_dir},
+         "data": {"train": _reverse_task(tmp_path / "train.jsonl", 64, 0),
+                  "valid": _reverse_task(tmp_path / "valid.jsonl", 8, 1),
+                  "micro_batch_tokens": 128, "global_batch_tokens": 256, "max_tokens": 64},
+         "optim": {"lr": 3e-3, "decay_style": "constant"},
+         "lora": {"enabled": False},
+         "train": {"steps": 20, "out": str(tmp_path / "run"), "eval_every": 20, "progress": False},
+         "wandb": {"mode": "disabled"}}
+    for k, v in over.items():
+        d.setdefault(k, {}).update(v)
+    return SFTConfig.from_dict(d)
+
+
+def test_packing_has_no_pads_and_prompt_tokens_carry_no_loss(tiny_dir, tmp_path):
+    tok = _tok(tiny_dir)
+    docs = read_jsonl(_reverse_task(tmp_path / "d.jsonl", 20, 3), tok, 64)
+    packs = pack(docs, 100)
+    assert sum(p.num_tokens for p in packs) == sum(len(d) for d in docs)  # nothing added
+    assert all(p.num_tokens <= 100 for p in packs)
+    assert all("<pad>" not in p.sources for p in packs)
+    first = docs[0]
+    prompt_len = len(tok.apply_chat_template([{"role": "user", "content": json.loads(
+        (tmp_path / "d.jsonl").read_text().splitlines()[0])["prompt"]}], tokenize=True,
+        add_generation_prompt=True)["input_ids"])
+    assert first.mask[:prompt_len] == [0] * prompt_len and all(first.mask[prompt_len:])
+    b = packs[0]
+    assert b.loss_mask[0, : prompt_len - 1].sum() == 0 and b.loss_mask[0, prompt_len - 1] == 1
+    assert torch.equal(b.position_ids[0, : len(first)], torch.arange(len(first)))
+
+
+def test_bad_rows_name_file_and_line_or_are_skipped(tiny_dir, tmp_path):
+    tok = _tok(tiny_dir)
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"text": "w1 w2 w3"}\n{"prompt": "w1", "response": "w2"}\n{"prompt": 3}\nnot json\n'
+                 '{"messages": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w5 w6"}]}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:3: 'prompt' and a non-empty 'response'"):
+        read_jsonl(p, tok, 64)
+    from recipes.data import DataStats
+
+    st = DataStats()
+    docs = read_jsonl(p, tok, 64, skip_bad_rows=True, stats=st)
+    assert len(docs) == 3 and st.skipped == 2 and "bad.jsonl:4: not valid JSON" in st.errors[1]
+    chat = docs[2]  # loss only on the assistant turn (+ EOS)
+    assert sum(chat.mask) == 3
+
+
+def test_thd_packed_losses_equal_unpacked_and_documents_are_independent(tiny_mtp_dir, tmp_path, single_rank):
+    from glm5_mcore.config import GLM5Config, ParallelConfig
+    from glm5_mcore.model import build_model, load_hf_weights
+
+    tok = _tok(tiny_mtp_dir)
+    docs = read_jsonl(_reverse_task(tmp_path / "d.jsonl", 3, 5, lengths=(8, 14)), tok, 64)
+    glm5 = GLM5Config.from_hf_dir(tiny_mtp_dir)
+    m = build_model(glm5, ParallelConfig())
+    load_hf_weights(m, tiny_mtp_dir, glm5)
+    m.eval()
+
+    def ce(batch):
+        with torch.no_grad():
+            return m(batch.input_ids, batch.position_ids, None, labels=batch.labels,
+                     packed_seq_params=batch.packed_seq_params(), loss_mask=batch.loss_mask)[0]
+
+    packed = pack(docs, 1000)[0]
+    assert len(packed.cu_seqlens) == 4
+    whole = ce(packed)
+    alone = torch.cat([ce(pack([d], 1000)[0]) for d in docs])
+    assert (whole - alone).abs().max() <= 1e-5
+    docs[1].tokens[3] = (docs[1].tokens[3] + 7) % 100 + 10  # perturb the middle document
+    again = ce(pack(docs, 1000)[0])
+    cu = packed.cu_seqlens
+    for i in (0, 2):
+        assert (again[cu[i]:cu[i + 1]] - whole[cu[i]:cu[i + 1]]).abs().max() <= 1e-6
+    assert (again[cu[1]:cu[2]] - whole[cu[1]:cu[2]]).abs().max() > 1e-4
+
+
+def test_tiny_sft_lowers_train_and_validation_loss(tiny_mtp_dir, tmp_path):
+    from recipes.sft import run
+
+    out = run(_cfg(tiny_mtp_dir, tmp_path, train={"steps": 24, "eval_every": 24}))
+    h = out["history"]
+    first, last = h[0]["loss"], sum(x["loss"] for x in h[-4:]) / 4
+    assert last < first - 0.3, (first, last)
+    (s0, v0), (s1, v1) = out["val"][0], out["val"][-1]
+    assert s0 == 0 and s1 == 24 and v1 < v0 - 0.1, out["val"]
+    assert "mtp_loss/depth_1" in h[-1] and h[-1]["mtp_loss/depth_1"] > 0
+    assert "moe/max_over_mean" in h[-1]
+
+
+def test_resume_continues_with_identical_losses(tiny_dir, tmp_path):
+    from recipes.sft import run
+
+    full = run(_cfg(tiny_dir, tmp_path / "a", lora={"enabled": True, "rank": 4},
+                    train={"steps": 6, "eval_every": 0, "out": str(tmp_path / "a" / "run")}))["history"]
+    cfg = dict(lora={"enabled": True, "rank": 4}, train={"steps": 3, "save_every": 3, "eval_every": 0,
+                                                         "out": str(tmp_path / "b" / "run")})
+    run(_cfg(tiny_dir, tmp_path / "b", **cfg))  # "killed" after step 3's checkpoint
+    assert (tmp_path / "b" / "run" / "iter_0000003" / "adapters" / "default").is_dir()
+    cfg["train"]["steps"] = 6
+    resumed = run(_cfg(tiny_dir, tmp_path / "b", **cfg))
+    assert resumed["state"]["step"] == 6 and len(resumed["history"]) == 3
+    assert [x["loss"] for x in resumed["history"]] == [x["loss"] for x in full[3:]]
+
+
+def test_config_that_cannot_work_fails_before_work_naming_the_field(tiny_dir, tmp_path):
+    env_cmd = [sys.executable, "-m", "glm5_mcore.cli", "sft", f"model.hf_dir={tiny_dir}",
+               f"data.train={_reverse_task(tmp_path / 't.jsonl', 8, 0)}", f"train.out={tmp_path / 'o'}",
+               "wandb.mode=disabled"]
+    r = subprocess.run(env_cmd + ["data.global_batch_tokens=1000", "data.micro_batch_tokens=512",
+                                  "data.max_tokens=64"], capture_output=True, text=True)
+    assert r.returncode == 2 and "data.global_batch_tokens" in r.stderr, r.stderr[-1500:]
+    r = subprocess.run(env_cmd + ["lora.rnak=4"], capture_output=True, text=True)
+    assert r.returncode != 0 and "rnak" in r.stderr
+    assert not (tmp_path / "o").exists()
