@@ -15,10 +15,16 @@ def compose(name: str, overrides: list[str]) -> dict:
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        cfg = hydra_compose(config_name=name, overrides=overrides)
-    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            cfg = hydra_compose(config_name=name, overrides=overrides)
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ValueError(f"configs/{name}.yaml + overrides: {e}") from None
 
 
 def sft_main(overrides: list[str]) -> int:

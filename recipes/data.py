@@ -179,6 +179,18 @@ def _batch(docs: list[Document], multiple_of: int = 1, pad_id: int = 0) -> Packe
     return PackedBatch(t(ids), t(labels), t(mask, torch.float32), t(pos), torch.tensor(cu, dtype=torch.int32), src)
 
 
+def pad_to(batch: PackedBatch, tokens: int, pad_id: int = 0) -> PackedBatch:
+    """``batch`` with a masked filler document appended to reach ``tokens`` tokens."""
+    pad = tokens - batch.num_tokens
+    if pad <= 0:
+        return batch
+    cat = lambda a, v, dt=torch.long: torch.cat([a, torch.full((1, pad), v, dtype=dt)], 1)  # noqa: E731
+    pos = torch.cat([batch.position_ids, torch.arange(pad)[None]], 1)
+    cu = torch.cat([batch.cu_seqlens, batch.cu_seqlens[-1:] + pad])
+    return PackedBatch(cat(batch.input_ids, pad_id), cat(batch.labels, pad_id),
+                       cat(batch.loss_mask, 0.0, torch.float32), pos, cu, batch.sources + ["<pad>"])
+
+
 def pack(docs: list[Document], micro_batch_tokens: int, multiple_of: int = 1, pad_id: int = 0) -> list[PackedBatch]:
     """Greedy in-order packing of whole documents into micro-batches of ≤ ``micro_batch_tokens``."""
     out, cur, size = [], [], 0

@@ -191,6 +191,20 @@ def step_losses(ddp, batches: list[PackedBatch], forward_only: bool) -> tuple[fl
     return float(tot[0]), float(tot[1])
 
 
+def _equalize(batches: list[PackedBatch], pad_id: int) -> list[PackedBatch]:
+    """Pad micro-batch i of every rank to the largest micro-batch i over all ranks (and equal counts)."""
+    from recipes.data import pad_to
+
+    sizes = torch.zeros(64, dtype=torch.long)
+    sizes[: len(batches)] = torch.tensor([b.num_tokens for b in batches])
+    count = torch.tensor([len(batches)])
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    if int(count) != len(batches):
+        raise RuntimeError("ranks disagree on the number of micro-batches per step")
+    return [pad_to(b, int(n), pad_id) for b, n in zip(batches, sizes)]
+
+
 class _MoELoad:
     """Tokens routed to each expert per MoE layer (router forward hooks), for the load metrics."""
 
@@ -404,12 +418,17 @@ def run(cfg: SFTConfig) -> dict:
         raise ValueError(f"data.train: one epoch packs into {len(packs)} micro-batches, a step needs "
                          f"{accum * dp} (lower data.global_batch_tokens)")
     val_packs = pack(val_docs, cfg.data.micro_batch_tokens, multiple, pad_id) if val_docs else []
+    # Megatron's allgather token dispatcher (the CPU one) gathers every EP rank's tokens with equal
+    # sizes: pad each micro-batch to the largest of its peers (a masked filler document).
+    equal_sizes = parallel.ep > 1 and model.config.moe_token_dispatcher_type == "allgather"
     log = _Logger(cfg)
     history, vals = [], []
 
     def validate_now() -> float:
         ddp.eval()
         mine = val_packs[dp_rank::dp] or val_packs[:1]
+        if equal_sizes:
+            mine = _equalize(mine, pad_id)
         with torch.no_grad():
             s, n = step_losses(ddp, mine, forward_only=True)
         ddp.train()
@@ -427,6 +446,8 @@ def run(cfg: SFTConfig) -> dict:
                              cfg.data.micro_batch_tokens, multiple, pad_id)
             step_batches = packs[state["cursor"]: state["cursor"] + accum * dp]
             mine = step_batches[dp_rank * accum: (dp_rank + 1) * accum]
+            if equal_sizes:
+                mine = _equalize(mine, pad_id)
             t0 = time.perf_counter()
             ddp.zero_grad_buffer()
             opt.zero_grad()

@@ -147,3 +147,33 @@ def test_config_that_cannot_work_fails_before_work_naming_the_field(tiny_dir, tm
     r = subprocess.run(env_cmd + ["lora.rnak=4"], capture_output=True, text=True)
     assert r.returncode != 0 and "rnak" in r.stderr
     assert not (tmp_path / "o").exists()
+
+
+def _sft_losses(args, nproc, out):
+    import os
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent))
+    cmd = [sys.executable, "-m", "glm5_mcore.cli", "sft", *args, f"train.out={out}"]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               "-m", "glm5_mcore.cli", "sft", *args, f"train.out={out}"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, "\n".join(l for l in r.stderr.splitlines() if "Error" in l or "error" in l)[-3000:]
+    return json.loads([l for l in r.stdout.splitlines() if l.startswith("{")][-1])["losses"]
+
+
+@pytest.mark.slow
+def test_tp2_ep2_give_one_rank_losses_over_three_steps(tiny_dir, tmp_path):
+    # SGD: equal gradients give equal updates (Adam would amplify fp32 reduction-order noise).
+    args = [f"model.hf_dir={tiny_dir}", f"data.train={_reverse_task(tmp_path / 't.jsonl', 64, 0)}",
+            "data.micro_batch_tokens=128", "data.global_batch_tokens=256", "data.max_tokens=64", "train.steps=3",
+            "optim.optimizer=sgd", "optim.lr=0.1", "optim.decay_style=constant", "wandb.mode=disabled",
+            "train.progress=false", "lora.rank=4",
+            "lora.targets=[linear_q_up_proj,linear_kv_up_proj,linear_proj,linear_fc1,linear_fc2,experts.linear_fc1]"]
+    ref = _sft_losses(args, 1, tmp_path / "one")
+    assert len(ref) == 3 and ref[2] < ref[0]
+    for layout in (["parallel.tp=2"], ["parallel.ep=2"], ["parallel.tp=2", "parallel.ep=2"]):
+        got = _sft_losses(args + layout, 2, tmp_path / "_".join(x.replace("=", "") for x in layout))
+        assert max(abs(a - b) / b for a, b in zip(got, ref)) <= 1e-6, (layout, got, ref)
