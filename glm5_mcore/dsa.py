@@ -262,13 +262,20 @@ def absorbed_sparse_attention(q_SbnH, k_rope_Tbr, c_Tbc, w_kv_up, topk_bSK, scal
 
 
 def dense_attention(q_SbnH, k_TbnH, v_TbnV, q_pos_S, doc_start_S, scale):
-    """Plain causal (and document-bounded) attention; what DSA reduces to when K ≥ T."""
+    """Plain causal (and document-bounded) attention; what DSA reduces to when K ≥ T.
+
+    Packed documents without context parallelism run one causal SDPA per document (Σ Lᵢ² work);
+    otherwise one SDPA with an explicit [S, T] causal + document mask."""
     S, b, n, _ = q_SbnH.shape
     T = k_TbnH.shape[0]
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q_SbnH, k_TbnH, v_TbnV))
-    plain = S == T and bool((q_pos_S == torch.arange(S, device=q.device)).all()) and not bool(doc_start_S.any())
-    if plain:
+    natural = S == T and bool((q_pos_S == torch.arange(S, device=q.device)).all())
+    if natural and not bool(doc_start_S.any()):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    elif natural:
+        starts = torch.unique_consecutive(doc_start_S).tolist() + [S]
+        out = torch.cat([F.scaled_dot_product_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], is_causal=True,
+                                                        scale=scale) for a, e in zip(starts[:-1], starts[1:])], 2)
     else:
         key_pos = torch.arange(T, device=q.device)
         mask = (key_pos[None, :] <= q_pos_S[:, None]) & (key_pos[None, :] >= doc_start_S[:, None])

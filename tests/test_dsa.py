@@ -130,3 +130,20 @@ def test_model_absorbed_path_matches_unabsorbed_and_takes_kv_up_lora(tiny_dir, s
     assert (lora_a - lora_p).abs().max() <= 1e-5  # ...exactly as it changes the plain one
     lora_grads = [k for k in ga if ".lora." in k]
     assert lora_grads and all((ga[k] - gp[k]).abs().max() <= 1e-4 * (1 + gp[k].abs().max()) for k in lora_grads)
+
+
+def test_dense_attention_per_document_equals_masked():
+    from glm5_mcore.dsa import dense_attention
+
+    g = torch.Generator().manual_seed(1)
+    S, b, n, h = 20, 1, 2, 8
+    q, k, v = (torch.randn(S, b, n, h, generator=g) for _ in range(3))
+    doc_start = torch.tensor([0] * 7 + [7] * 9 + [16] * 4)
+    pos = torch.arange(S)
+    got = dense_attention(q, k, v, pos, doc_start, 0.3)  # one SDPA per document
+    key_pos = torch.arange(S)
+    mask = (key_pos[None] <= pos[:, None]) & (key_pos[None] >= doc_start[:, None])
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), attn_mask=mask, scale=0.3)
+    ref = ref.permute(2, 0, 1, 3).reshape(S, b, -1)
+    assert (got - ref).abs().max() <= 1e-6
