@@ -315,6 +315,9 @@ class GLM5SparseAttention(MegatronModule):
         self._topk_source: list = []
         self.last_topk: Optional[torch.Tensor] = None
         self._latent: Optional[torch.Tensor] = None  # kv_layernorm output of this forward (absorbed path)
+        self.warmup_coeff = 0.0  # > 0: indexer warm-up (dense attention + KL indexer loss), set_indexer_warmup
+        self.last_recall: Optional[float] = None
+        self.last_indexer_loss: Optional[float] = None
         self._kv_up: list = []  # [the parent MLA's linear_kv_up_proj], set by link_absorbed_mla
 
     def _positions(self, sq: int, device, packed_seq_params: Optional[PackedSeqParams]):
@@ -353,6 +356,11 @@ class GLM5SparseAttention(MegatronModule):
         value = self._gather_cp(value, reorder)
         skv = key.shape[0]
 
+        if self.warmup_coeff > 0 and self.computes_topk and self.training:
+            latent, self._latent = self._latent, None
+            out = dense_attention(query, key, value, q_pos, doc_start, self.softmax_scale)
+            out = self._warmup_indexer_loss(out, query, key, x, qr, packed_seq_params, reorder, q_pos, doc_start)
+            return out.squeeze(1) if thd else out
         if self.index_topk >= skv:
             topk = None
         elif self.computes_topk:
@@ -374,6 +382,40 @@ class GLM5SparseAttention(MegatronModule):
         else:
             out = sparse_attention(query, key, value, topk, self.softmax_scale)
         return out.squeeze(1) if thd else out
+
+    def _warmup_indexer_loss(self, out, query, key, x, qr, packed_seq_params, reorder, q_pos, doc_start):
+        """Indexer warm-up (DeepSeek-V3.2 dense stage): Megatron-Core's KL loss between the head-summed
+        dense attention distribution and the indexer's, attached to ``out`` with its autoscaler so
+        only the indexer gets gradients (its inputs are detached). Records the top-k recall of the
+        dense attention mass (``last_recall``)."""
+        from megatron.core.transformer.experimental_attention_variant.dsa import (
+            DSAIndexerLossAutoScaler, compute_dsa_indexer_loss)
+
+        q_i, k_i, w_i = self.indexer.forward_before_topk(x.detach(), qr.detach(), packed_seq_params)
+        k_i = self._gather_cp(k_i, reorder)
+        relu = torch.relu(torch.einsum("sbnd,tbd->bsnt", q_i.float(), k_i.float()))
+        scores = torch.einsum("sbn,bsnt->bst", w_i.float(), relu)  # [b, S, T]
+        T = k_i.shape[0]
+        key_pos = torch.arange(T, device=scores.device)
+        allowed = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] >= doc_start[:, None])  # [S, T]
+        K = min(self.index_topk, T)
+        with torch.no_grad():
+            topk = torch.stack([deterministic_topk(scores[bi].masked_fill(~allowed, float("-inf")), K)
+                                for bi in range(scores.shape[0])])
+        loss = compute_dsa_indexer_loss(
+            scores, topk.clamp(min=0), query.float(), key.float(), self.softmax_scale, self.warmup_coeff,
+            sparse_loss=False, pg_collection=self.pg_collection,
+            varlen_starts=doc_start, varlen_ends=q_pos + 1, key_positions=key_pos,
+            calculate_per_token_loss=bool(getattr(self.config, "calculate_per_token_loss", False)))
+        with torch.no_grad():  # recall: dense attention mass (summed over heads) inside the top-k set
+            att = torch.einsum("sbnh,tbnh->bnst", query.float(), key.float()) * self.softmax_scale
+            att = att.masked_fill(~allowed, float("-inf")).softmax(-1).sum(1)
+            att = att / att.sum(-1, keepdim=True)
+            mass = att.gather(-1, topk.clamp(min=0)).masked_fill(topk < 0, 0.0).sum(-1)  # [b, S]
+            rows = allowed.sum(-1) > K  # rows where the top-k is a real choice
+            self.last_recall = float(mass[:, rows].mean()) if bool(rows.any()) else 1.0
+        self.last_indexer_loss = float(loss.detach())
+        return DSAIndexerLossAutoScaler.apply(out, loss)
 
     def _absorbed(self, query, key, latent, topk, reorder, v_out: int):
         """Sparse attention over the shared latent (see ``absorbed_sparse_attention``); the kv_up
@@ -440,6 +482,26 @@ def link_absorbed_mla(model: torch.nn.Module) -> int:
         norm.register_forward_hook(stash)
         n += 1
     return n
+
+
+def set_indexer_warmup(model: torch.nn.Module, coeff: float) -> int:
+    """Indexer warm-up on (``coeff`` > 0) or off: in training forwards every full DSA layer attends
+    densely and adds ``coeff`` × the KL indexer loss. Returns #layers."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, GLM5SparseAttention) and m.computes_topk:
+            m.warmup_coeff = float(coeff)
+            n += 1
+    return n
+
+
+def indexer_metrics(model: torch.nn.Module) -> dict[str, float]:
+    """Mean top-k recall of dense attention mass and indexer loss over layers (last warm-up forward)."""
+    cores = [m for m in model.modules() if isinstance(m, GLM5SparseAttention) and m.last_recall is not None]
+    if not cores:
+        return {}
+    return {"indexer/recall": sum(c.last_recall for c in cores) / len(cores),
+            "indexer/loss": sum(c.last_indexer_loss for c in cores) / len(cores)}
 
 
 def set_indexer_frozen(model: torch.nn.Module, frozen: bool = True) -> int:

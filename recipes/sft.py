@@ -84,6 +84,10 @@ class TrainCfg:
     cpu_offload: bool = False
     mtp_loss_scale: float = 0.1
     freeze_indexer: bool = True
+    indexer_warmup: bool = False
+    """Warm-up stage: everything frozen but the indexer, trained with the KL indexer loss against
+    dense attention (which the model uses meanwhile); logs the top-k recall of dense attention mass."""
+    indexer_loss_coeff: float = 1.0
     resume: bool = True
     progress: bool = True
 
@@ -363,7 +367,7 @@ def run(cfg: SFTConfig) -> dict:
     from transformers import AutoTokenizer
 
     from glm5_mcore.checkpoint import load_model, model_dir
-    from glm5_mcore.dsa import set_indexer_frozen
+    from glm5_mcore.dsa import indexer_metrics, set_indexer_frozen, set_indexer_warmup
     from glm5_mcore.lora import apply_lora
     from glm5_mcore.model import build_model, init_parallel, load_hf_weights
     from glm5_mcore.mtp_loss import mtp_depth_losses
@@ -390,7 +394,14 @@ def run(cfg: SFTConfig) -> dict:
         load_model(model, model_dir(cfg.model.ckpt))
     else:
         load_hf_weights(model, hf_dir, glm5)
-    if cfg.lora.enabled:
+    if cfg.train.indexer_warmup:
+        if cfg.lora.enabled:
+            raise ValueError("train.indexer_warmup trains the indexer alone: set lora.enabled=false")
+        for p in model.parameters():
+            p.requires_grad_(False)
+        set_indexer_frozen(model, False)
+        set_indexer_warmup(model, cfg.train.indexer_loss_coeff)
+    elif cfg.lora.enabled:
         apply_lora(model, LoRAConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                                      targets=tuple(cfg.lora.targets), seed=cfg.train.seed), cfg.lora.name,
                    freeze_indexer=cfg.train.freeze_indexer)
@@ -465,6 +476,7 @@ def run(cfg: SFTConfig) -> dict:
                  "tokens_per_s": tokens / dt, "step_time_s": dt, "update_skipped": float(not ok)}
             m.update(mtp_depth_losses(glm5.num_nextn_predict_layers, accum))
             m.update(moe_load.metrics())
+            m.update(indexer_metrics(model))
             if val_packs and cfg.train.eval_every and state["step"] % cfg.train.eval_every == 0:
                 m["val_loss"] = validate_now()
                 vals.append((state["step"], m["val_loss"]))
