@@ -309,6 +309,8 @@ class GLM5Config:
             params_dtype=torch.float32,
             bf16=False,
         )
+        if p.pp > 1:
+            kw.update(pipeline_dtype=overrides.get("params_dtype", torch.float32))
         kw.update(overrides)
         if kw.get("moe_router_bias_update_rate", 0.0) > 0:
             warnings.warn("moe_router_bias_update_rate > 0: e_score_correction_bias will drift during "

@@ -77,9 +77,12 @@ def reset_global_trackers() -> None:
 
 
 def build_model(glm5: GLM5Config, parallel: Optional[ParallelConfig] = None, backend: str = "local",
-                pre_process: bool = True, post_process: bool = True, **config_overrides):
-    """A Megatron-Core ``GPTModel`` computing GLM-5 (this rank's shard). Parallel state must be
+                pre_process: Optional[bool] = None, post_process: Optional[bool] = None, **config_overrides):
+    """A Megatron-Core ``GPTModel`` computing GLM-5 (this rank's shard: its pipeline stage's layers,
+    the embedding on the first stage, output layer and MTP on the last). Parallel state must be
     initialised for ``parallel`` (``init_parallel``)."""
+    from megatron.core import parallel_state as ps
+
     from megatron.core.models.gpt import GPTModel
 
     from glm5_mcore.layer_spec import get_glm5_decoder_block_spec, get_glm5_mtp_block_spec
@@ -88,10 +91,14 @@ def build_model(glm5: GLM5Config, parallel: Optional[ParallelConfig] = None, bac
     parallel = parallel or ParallelConfig()
     config_overrides.setdefault("transformer_impl", "local" if backend == "local" else "transformer_engine")
     config_overrides.setdefault("expert_tensor_parallel_size", 1)
+    if pre_process is None:
+        pre_process = ps.is_pipeline_first_stage() if parallel.pp > 1 else True
+    if post_process is None:
+        post_process = ps.is_pipeline_last_stage() if parallel.pp > 1 else True
     cfg = glm5.to_mcore_config(parallel, **config_overrides)
     reset_global_trackers()
     block = get_glm5_decoder_block_spec(cfg, backend)
-    mtp = get_glm5_mtp_block_spec(cfg, backend)
+    mtp = get_glm5_mtp_block_spec(cfg, backend) if post_process else None
     model = GPTModel(
         config=cfg,
         transformer_layer_spec=block,

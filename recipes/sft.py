@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.lora import DEFAULT_TARGETS, LoRAConfig
-from recipes.data import DataStats, PackedBatch, epoch_order, pack, read_jsonl
+from recipes.data import DataStats, PackedBatch, epoch_order, pack, pad_to, read_jsonl
 
 
 @dataclass
@@ -143,8 +143,8 @@ def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConf
     if parallel.cp > 1:
         raise ValueError("parallel.cp: context parallelism with THD-packed SFT batches needs Transformer Engine "
                          "(per-document CP split); use cp=1 on CPU")
-    if parallel.pp > 1:
-        raise ValueError("parallel.pp: pipeline parallelism is not supported by this recipe yet; use pp=1")
+    if parallel.pp > 1 and glm5.num_hidden_layers % parallel.pp:
+        raise ValueError(f"parallel.pp={parallel.pp} does not divide num_hidden_layers={glm5.num_hidden_layers}")
     if world % (parallel.tp * parallel.cp * parallel.pp):
         raise ValueError(f"parallel.tp*cp*pp={parallel.tp * parallel.cp * parallel.pp} does not divide the "
                          f"world size {world}")
@@ -187,11 +187,13 @@ def step_losses(ddp, batches: list[PackedBatch], forward_only: bool) -> tuple[fl
                                       num_microbatches=len(batches), seq_length=max(b.num_tokens for b in batches),
                                       micro_batch_size=1, forward_only=forward_only)
     tot = torch.zeros(2)
-    for r in res:
+    for r in res:  # only the last pipeline stage computes the loss
         tot += r["lm"].float()
     group = ps.get_data_parallel_group(with_context_parallel=True)
     if dist.get_world_size(group) > 1:
         dist.all_reduce(tot, group=group)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(tot, group=ps.get_pipeline_model_parallel_group())
     return float(tot[0]), float(tot[1])
 
 
@@ -432,13 +434,18 @@ def run(cfg: SFTConfig) -> dict:
     # Megatron's allgather token dispatcher (the CPU one) gathers every EP rank's tokens with equal
     # sizes: pad each micro-batch to the largest of its peers (a masked filler document).
     equal_sizes = parallel.ep > 1 and model.config.moe_token_dispatcher_type == "allgather"
+    # Pipeline stages exchange activations of one fixed shape [micro_batch_tokens, 1, H] (the
+    # allgather dispatcher rules out Megatron's variable_seq_lengths): every pack is padded to it.
+    fixed_tokens = (-(-cfg.data.micro_batch_tokens // multiple) * multiple) if parallel.pp > 1 else 0
     log = _Logger(cfg)
     history, vals = [], []
 
     def validate_now() -> float:
         ddp.eval()
         mine = val_packs[dp_rank::dp] or val_packs[:1]
-        if equal_sizes:
+        if fixed_tokens:
+            mine = [pad_to(b, fixed_tokens, pad_id) for b in mine]
+        elif equal_sizes:
             mine = _equalize(mine, pad_id)
         with torch.no_grad():
             s, n = step_losses(ddp, mine, forward_only=True)
@@ -457,7 +464,9 @@ def run(cfg: SFTConfig) -> dict:
                              cfg.data.micro_batch_tokens, multiple, pad_id)
             step_batches = packs[state["cursor"]: state["cursor"] + accum * dp]
             mine = step_batches[dp_rank * accum: (dp_rank + 1) * accum]
-            if equal_sizes:
+            if fixed_tokens:
+                mine = [pad_to(b, fixed_tokens, pad_id) for b in mine]
+            elif equal_sizes:
                 mine = _equalize(mine, pad_id)
             t0 = time.perf_counter()
             ddp.zero_grad_buffer()

@@ -165,7 +165,7 @@ def _sft_losses(args, nproc, out):
 
 
 @pytest.mark.slow
-def test_tp2_ep2_give_one_rank_losses_over_three_steps(tiny_dir, tmp_path):
+def test_tp2_ep2_pp2_give_one_rank_losses_over_three_steps(tiny_dir, tmp_path):
     # SGD: equal gradients give equal updates (Adam would amplify fp32 reduction-order noise).
     args = [f"model.hf_dir={tiny_dir}", f"data.train={_reverse_task(tmp_path / 't.jsonl', 64, 0)}",
             "data.micro_batch_tokens=128", "data.global_batch_tokens=256", "data.max_tokens=64", "train.steps=3",
@@ -174,7 +174,7 @@ def test_tp2_ep2_give_one_rank_losses_over_three_steps(tiny_dir, tmp_path):
             "lora.targets=[linear_q_up_proj,linear_kv_up_proj,linear_proj,linear_fc1,linear_fc2,experts.linear_fc1]"]
     ref = _sft_losses(args, 1, tmp_path / "one")
     assert len(ref) == 3 and ref[2] < ref[0]
-    for layout in (["parallel.tp=2"], ["parallel.ep=2"], ["parallel.tp=2", "parallel.ep=2"]):
+    for layout in (["parallel.tp=2"], ["parallel.ep=2"], ["parallel.tp=2", "parallel.ep=2"], ["parallel.pp=2"]):
         got = _sft_losses(args + layout, 2, tmp_path / "_".join(x.replace("=", "") for x in layout))
         assert max(abs(a - b) / b for a, b in zip(got, ref)) <= 1e-6, (layout, got, ref)
 
