@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.lora import DEFAULT_TARGETS, LoRAConfig
-from recipes.data import DataStats, PackedBatch, epoch_order, pack, pad_to, read_jsonl
+from recipes.data import DataStats, PackedBatch, epoch_order, pack, pad_to, read_jsonl, split_for_cp
 
 
 @dataclass
@@ -83,6 +83,10 @@ class TrainCfg:
     recompute: bool = False
     cpu_offload: bool = False
     mtp_loss_scale: float = 0.1
+    moe_aux_loss_coeff: float = 0.0
+    """> 0 adds Megatron's sequence-level auxiliary load-balancing loss (GLM-5 trains without)."""
+    moe_bias_update_rate: float = 0.0
+    """> 0 lets the expert bias (e_score_correction_bias) drift; the release keeps it fixed."""
     freeze_indexer: bool = True
     indexer_warmup: bool = False
     """Warm-up stage: everything frozen but the indexer, trained with the KL indexer loss against
@@ -140,9 +144,6 @@ def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConf
     parallel = ParallelConfig(tp=int(p.get("tp", 1)), ep=int(p.get("ep", 1)), cp=int(p.get("cp", 1)),
                               pp=int(p.get("pp", 1)))
     glm5.to_mcore_config(parallel)  # heads % tp, experts % ep, ...: ValueError naming the field
-    if parallel.cp > 1:
-        raise ValueError("parallel.cp: context parallelism with THD-packed SFT batches needs Transformer Engine "
-                         "(per-document CP split); use cp=1 on CPU")
     if parallel.pp > 1 and glm5.num_hidden_layers % parallel.pp:
         raise ValueError(f"parallel.pp={parallel.pp} does not divide num_hidden_layers={glm5.num_hidden_layers}")
     if world % (parallel.tp * parallel.cp * parallel.pp):
@@ -157,6 +158,12 @@ def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConf
         raise ValueError(f"data.max_tokens={d.max_tokens} exceeds data.micro_batch_tokens={d.micro_batch_tokens}")
     if not d.train:
         raise ValueError("data.train: no training file given")
+    if not torch.cuda.is_available():
+        for flag, why in (("bf16", "Megatron's Float16Optimizer wraps CUDA tensors"),
+                          ("recompute", "activation recompute restores the CUDA RNG state"),
+                          ("cpu_offload", "optimizer offload moves CUDA states to host")):
+            if getattr(cfg.train, flag):
+                raise ValueError(f"train.{flag}: needs CUDA ({why}); CPU runs are fp32 without it")
     if cfg.train.steps < 1:
         raise ValueError("train.steps must be >= 1")
     return parallel, d.global_batch_tokens // (d.micro_batch_tokens * dp)
@@ -386,7 +393,10 @@ def run(cfg: SFTConfig) -> dict:
 
     init_parallel(parallel, seed=cfg.train.seed)
     random.seed(cfg.train.seed)
-    overrides = dict(calculate_per_token_loss=True, mtp_loss_scaling_factor=cfg.train.mtp_loss_scale)
+    overrides = dict(calculate_per_token_loss=True, mtp_loss_scaling_factor=cfg.train.mtp_loss_scale,
+                     moe_router_bias_update_rate=cfg.train.moe_bias_update_rate)
+    if cfg.train.moe_aux_loss_coeff > 0:
+        overrides.update(moe_aux_loss_coeff=cfg.train.moe_aux_loss_coeff, moe_router_load_balancing_type="seq_aux_loss")
     if cfg.train.bf16:
         overrides.update(bf16=True, params_dtype=torch.bfloat16)
     if cfg.train.recompute:
@@ -423,6 +433,7 @@ def run(cfg: SFTConfig) -> dict:
                                     wd_incr_steps=cfg.train.steps, wd_incr_style="constant")
     state = _restore(cfg, model, opt, sched) or {"step": 0, "epoch": 0, "cursor": 0, "tokens": 0}
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    cp_rank = ps.get_context_parallel_rank()
     multiple = parallel.tp if model.config.sequence_parallel else 1
     pad_id = tokenizer.pad_token_id or 0
     packs = pack([docs[i] for i in epoch_order(len(docs), cfg.data.seed, state["epoch"])],
@@ -447,6 +458,7 @@ def run(cfg: SFTConfig) -> dict:
             mine = [pad_to(b, fixed_tokens, pad_id) for b in mine]
         elif equal_sizes:
             mine = _equalize(mine, pad_id)
+        mine = [split_for_cp(b, parallel.cp, cp_rank, pad_id, multiple) for b in mine]
         with torch.no_grad():
             s, n = step_losses(ddp, mine, forward_only=True)
         ddp.train()
@@ -468,6 +480,7 @@ def run(cfg: SFTConfig) -> dict:
                 mine = [pad_to(b, fixed_tokens, pad_id) for b in mine]
             elif equal_sizes:
                 mine = _equalize(mine, pad_id)
+            mine = [split_for_cp(b, parallel.cp, cp_rank, pad_id, multiple) for b in mine]
             t0 = time.perf_counter()
             ddp.zero_grad_buffer()
             opt.zero_grad()

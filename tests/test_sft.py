@@ -165,7 +165,7 @@ def _sft_losses(args, nproc, out):
 
 
 @pytest.mark.slow
-def test_tp2_ep2_pp2_give_one_rank_losses_over_three_steps(tiny_dir, tmp_path):
+def test_tp2_ep2_pp2_cp2_give_one_rank_losses_over_three_steps(tiny_dir, tmp_path):
     # SGD: equal gradients give equal updates (Adam would amplify fp32 reduction-order noise).
     args = [f"model.hf_dir={tiny_dir}", f"data.train={_reverse_task(tmp_path / 't.jsonl', 64, 0)}",
             "data.micro_batch_tokens=128", "data.global_batch_tokens=256", "data.max_tokens=64", "train.steps=3",
@@ -174,7 +174,8 @@ def test_tp2_ep2_pp2_give_one_rank_losses_over_three_steps(tiny_dir, tmp_path):
             "lora.targets=[linear_q_up_proj,linear_kv_up_proj,linear_proj,linear_fc1,linear_fc2,experts.linear_fc1]"]
     ref = _sft_losses(args, 1, tmp_path / "one")
     assert len(ref) == 3 and ref[2] < ref[0]
-    for layout in (["parallel.tp=2"], ["parallel.ep=2"], ["parallel.tp=2", "parallel.ep=2"], ["parallel.pp=2"]):
+    for layout in (["parallel.tp=2"], ["parallel.ep=2"], ["parallel.tp=2", "parallel.ep=2"], ["parallel.pp=2"],
+                   ["parallel.cp=2"]):
         got = _sft_losses(args + layout, 2, tmp_path / "_".join(x.replace("=", "") for x in layout))
         assert max(abs(a - b) / b for a, b in zip(got, ref)) <= 1e-6, (layout, got, ref)
 
@@ -228,3 +229,36 @@ def test_indexer_warmup_raises_recall(tiny_dir, tmp_path):
     end = sum(x["indexer/recall"] for x in h[-8:]) / 8
     assert end > start + 0.04, (start, end)
     assert h[-1]["indexer/loss"] < h[0]["indexer/loss"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vocab_parallel_token_logprobs_and_entropy(tiny_dir, tmp_path, tp):
+    import os
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent))
+    script = str(Path(__file__).parent / "logprob_check.py")
+    cmd = ([sys.executable, script] if tp == 1 else
+           [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script])
+    r = subprocess.run(cmd + [tiny_dir, str(tp), str(tmp_path / "lp.pt")], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = torch.load(tmp_path / "lp.pt")
+    assert (d["lp"] - d["ref_lp"]).abs().max() <= 1e-5 and (d["ent"] - d["ref_ent"]).abs().max() <= 1e-5
+    assert d["lp"].shape == (2, 16) and (d["lp"] < 0).all()
+
+
+def test_token_logprob_gradients_match_autograd():
+    from glm5_mcore.mtp_loss import token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 11, generator=g, requires_grad=True)
+    t = torch.randint(0, 11, (3, 5), generator=g)
+    lp, h = token_logprobs(x, t, None, temperature=0.7)
+    ref = torch.log_softmax(x / 0.7, -1)
+    ref_lp, ref_h = ref.gather(-1, t[..., None])[..., 0], -(ref.exp() * ref).sum(-1)
+    assert (lp - ref_lp).abs().max() <= 1e-5 and (h - ref_h).abs().max() <= 1e-5
+    g1 = torch.autograd.grad((lp * 1.3 + h * 0.7).sum(), x)[0]
+    g2 = torch.autograd.grad((ref_lp * 1.3 + ref_h * 0.7).sum(), x)[0]
+    assert (g1 - g2).abs().max() <= 1e-5
