@@ -68,6 +68,9 @@ class OptimCfg:
     clip_grad: float = 1.0
     warmup_steps: int = 0
     decay_style: str = "cosine"
+    distributed: Optional[bool] = None
+    """Megatron's distributed optimizer (states sharded over DP). None: on with CUDA and DP > 1;
+    gloo has no reduce-scatter, so CPU runs keep a replicated optimizer."""
 
 
 @dataclass
@@ -159,6 +162,9 @@ def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConf
     if not d.train:
         raise ValueError("data.train: no training file given")
     if not torch.cuda.is_available():
+        if cfg.optim.distributed:
+            raise ValueError("optim.distributed: the distributed optimizer reduce-scatters gradients, which "
+                             "gloo (CPU) does not implement")
         for flag, why in (("bf16", "Megatron's Float16Optimizer wraps CUDA tensors"),
                           ("recompute", "activation recompute restores the CUDA RNG state"),
                           ("cpu_offload", "optimizer offload moves CUDA states to host")):
@@ -356,8 +362,10 @@ class _Logger:
             self.run.log(metrics, step=step)
         if self.bar is not None:
             self.bar.n = step
-            keys = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s")
-            self.bar.set_postfix({k: f"{metrics[k]:.4g}" for k in keys if k in metrics}, refresh=True)
+            keys = ("loss", "val_loss", "mtp_loss/depth_1", "indexer/loss", "indexer/recall", "moe/max_over_mean",
+                    "lr", "grad_norm", "tokens_per_s")
+            self.bar.set_postfix({k.split("/")[0] if k.endswith("depth_1") else k: f"{metrics[k]:.4g}"
+                                  for k in keys if k in metrics}, refresh=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -421,12 +429,15 @@ def run(cfg: SFTConfig) -> dict:
         set_indexer_frozen(model, cfg.train.freeze_indexer)
     model.config.finalize_model_grads_func = finalize_model_grads
     moe_load = _MoELoad(model)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
     o = cfg.optim
+    dist_opt = o.distributed if o.distributed is not None else (
+        torch.cuda.is_available() and ps.get_data_parallel_world_size() > 1)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=dist_opt),
+                                  model)
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
         adam_beta2=o.adam_beta2, clip_grad=o.clip_grad, bf16=cfg.train.bf16,
-        optimizer_cpu_offload=cfg.train.cpu_offload), [ddp])
+        optimizer_cpu_offload=cfg.train.cpu_offload, use_distributed_optimizer=dist_opt), [ddp])
     sched = OptimizerParamScheduler(opt, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
                                     lr_warmup_steps=o.warmup_steps, lr_decay_steps=cfg.train.steps,
                                     lr_decay_style=o.decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
