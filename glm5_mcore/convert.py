@@ -238,6 +238,18 @@ def _checkpoint_dtype(model_path: Path) -> torch.dtype:
     raise ValueError(f"{model_path}: no embedding tensor in the checkpoint")
 
 
+def _release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS after each layer (glibc keeps them in its arenas, so
+    RSS would grow to the largest layers seen, not stay at one layer)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _layer_groups(model) -> list[str]:
     groups = ["embedding"]
     groups += [f"decoder.layers.{i}" for i in range(len(model.decoder.layers))]
@@ -309,6 +321,7 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
                         bar.update(part.numel() * part.element_size())
                 del loaded, sharded
                 module.to_empty(device="meta")
+                _release_freed_memory()
             writer.finish()
             if merge_adapter is not None and set(merge_adapter.A) - merged:
                 left = sorted(set(merge_adapter.A) - merged)
