@@ -3,9 +3,10 @@ a plain ``SFTConfig``."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(os.environ.get("GLM5_CONFIG_DIR", Path(__file__).resolve().parent.parent / "configs"))
 
 
 def compose(name: str, overrides: list[str]) -> dict:
@@ -18,6 +19,9 @@ def compose(name: str, overrides: list[str]) -> dict:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    if not (CONFIG_DIR / f"{name}.yaml").is_file():
+        raise FileNotFoundError(f"{CONFIG_DIR / (name + '.yaml')}: missing; run from a source checkout "
+                                "(pip install -e .) or set GLM5_CONFIG_DIR")
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
