@@ -104,7 +104,7 @@ def main() -> None:
         print(json.dumps(run_one(a.one[0], int(a.one[1]), a.reps)))
         return
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    rows, out = [], {"k": K, "rows": [], "target_fraction_of_ideal_at_8192": 0.8}
+    out = {"k": K, "rows": [], "target_fraction_of_ideal_at_8192": 0.8}
     for T in a.seqs:
         res = {}
         for impl in ("sparse", "dense", "hf"):

@@ -34,6 +34,18 @@ def iter_dir(root: str | Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
 
+def iterations(root: str | Path) -> list[int]:
+    """The complete iterations under ``root`` (``iter_N`` folders; temporaries are ``iter_N.tmp``), ascending."""
+    return sorted(int(p.name[5:]) for p in Path(root).glob("iter_*") if p.is_dir() and p.name[5:].isdigit())
+
+
+def prune_iterations(root: str | Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` iterations (``keep`` <= 0 keeps everything)."""
+    if keep > 0:
+        for it in iterations(root)[:-keep]:
+            shutil.rmtree(iter_dir(root, it), ignore_errors=True)
+
+
 def latest_iteration(root: str | Path) -> int:
     """The iteration named by ``DIR/latest``; errors name the file."""
     path = Path(root) / "latest"
@@ -56,7 +68,7 @@ def model_dir(root: str | Path, iteration: Optional[int] = None) -> Path:
     """``DIR/iter_N/model`` for ``iteration`` (default: ``latest``), or, for a LoRA run that saves
     only adapters, the newest earlier iteration that has base weights."""
     it = latest_iteration(root) if iteration is None else iteration
-    for i in sorted((int(p.name[5:]) for p in Path(root).glob("iter_*") if p.name[5:].isdigit()), reverse=True):
+    for i in reversed(iterations(root)):
         if i <= it and (iter_dir(root, i) / "model").is_dir():
             return iter_dir(root, i) / "model"
     raise FileNotFoundError(f"{iter_dir(root, it) / 'model'}: missing (and no earlier iteration has base weights)")

@@ -19,7 +19,6 @@ complete, so a previous good output survives any failure.
 from __future__ import annotations
 
 import json
-import os
 import threading
 from pathlib import Path
 from typing import Callable, Optional

@@ -59,6 +59,11 @@ def deterministic_topk(scores_CT: torch.Tensor, k: int) -> torch.Tensor:
     return idx.masked_fill(scores_CT.gather(-1, idx) == float("-inf"), -1)
 
 
+def allowed_keys(key_pos_T: torch.Tensor, q_pos_S: torch.Tensor, doc_start_S: torch.Tensor) -> torch.Tensor:
+    """[S, T] bool: key u is visible to query t iff doc_start(t) ≤ u ≤ pos(t) (causal, own document)."""
+    return (key_pos_T[None, :] <= q_pos_S[:, None]) & (key_pos_T[None, :] >= doc_start_S[:, None])
+
+
 def compute_index_topk(
     q_SbnD: torch.Tensor,
     k_TbD: torch.Tensor,
@@ -89,8 +94,7 @@ def compute_index_topk(
         # only the keys some query of the chunk may see: causal (and document) bounds
         lo, hi = int(doc_start_S[s0:s1].min()), int(q_pos_S[s0:s1].max()) + 1
         kk = min(K, hi - lo)
-        allowed = (key_pos_T[None, lo:hi] <= q_pos_S[s0:s1, None]) & (
-            key_pos_T[None, lo:hi] >= doc_start_S[s0:s1, None])
+        allowed = allowed_keys(key_pos_T[lo:hi], q_pos_S[s0:s1], doc_start_S[s0:s1])
         for bi in range(b):
             qc = q_SbnD[s0:s1, bi].float()
             scores = torch.relu(torch.einsum("cnd,td->cnt", qc, kf[lo:hi, bi]))
@@ -106,6 +110,11 @@ def compute_index_topk(
 # --------------------------------------------------------------------------------------------------
 def _chunk_rows(K: int, n: int) -> int:
     return max(1, _SCORE_ELEMS_PER_CHUNK // (8 * max(1, K * n)))
+
+
+def _latent_chunk_rows(K: int, D: int) -> int:
+    """Query rows per chunk of the latent core: the gathered [C, K, D] block stays ~4M floats."""
+    return max(1, _SCORE_ELEMS_PER_CHUNK // max(1, K * D))
 
 
 class SparseMLAAttention(torch.autograd.Function):
@@ -168,13 +177,19 @@ class SparseMLAAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
+def _flat_topk(topk_bSK: torch.Tensor, T: int) -> torch.Tensor:
+    """[b, S, K] key indices → [b·S, K] indices into the batch-merged key axis (b·T), -1 kept."""
+    b = topk_bSK.shape[0]
+    offsets = (torch.arange(b, device=topk_bSK.device) * T)[:, None, None]
+    return torch.where(topk_bSK >= 0, topk_bSK + offsets, -1).reshape(-1, topk_bSK.shape[-1])
+
+
 def sparse_attention(q_SbnH, k_TbnH, v_TbnV, topk_bSK, scale):
     """Batch wrapper: [S,b,n,h] queries, [T,b,n,h]/[T,b,n,hv] keys/values, [b,S,K] indices →
     [S, b, n·hv]."""
     S, b, n, _ = q_SbnH.shape
     T = k_TbnH.shape[0]
-    offsets = (torch.arange(b, device=q_SbnH.device) * T)[:, None, None]
-    idx = torch.where(topk_bSK >= 0, topk_bSK + offsets, -1).reshape(b * S, -1)
+    idx = _flat_topk(topk_bSK, T)
     q = q_SbnH.permute(2, 1, 0, 3).reshape(n, b * S, -1)
     k = k_TbnH.permute(2, 1, 0, 3).reshape(n, b * T, -1)
     v = v_TbnV.permute(2, 1, 0, 3).reshape(n, b * T, -1)
@@ -199,7 +214,7 @@ class SparseLatentAttention(torch.autograd.Function):
         out = torch.empty(S, n, dc, dtype=torch.float32, device=q.device)
         lse = torch.empty(S, n, dtype=torch.float32, device=q.device)
         latf = lat.float()
-        rows = max(1, _SCORE_ELEMS_PER_CHUNK // max(1, K * D))
+        rows = _latent_chunk_rows(K, D)
         for s0 in range(0, S, rows):
             s1 = min(S, s0 + rows)
             valid = (idx[s0:s1] >= 0)[:, None, :]
@@ -224,7 +239,7 @@ class SparseLatentAttention(torch.autograd.Function):
         dlat = torch.zeros(lat.shape, dtype=torch.float32, device=q.device)
         dout = dout.float()
         delta = (dout * out).sum(-1)  # [S, n]
-        rows = max(1, _SCORE_ELEMS_PER_CHUNK // max(1, K * D))
+        rows = _latent_chunk_rows(K, D)
         for s0 in range(0, S, rows):
             s1 = min(S, s0 + rows)
             valid = (idx[s0:s1] >= 0)[:, None, :]
@@ -254,8 +269,7 @@ def absorbed_sparse_attention(q_SbnH, k_rope_Tbr, c_Tbc, w_kv_up, topk_bSK, scal
     q_abs = torch.einsum("sbnd,ndc->bsnc", q_SbnH[..., :dn], w[:, :dn])
     q_cat = torch.cat([q_abs, q_SbnH[..., dn:].transpose(0, 1)], dim=-1).reshape(b * S, n, -1)
     lat = torch.cat([c_Tbc, k_rope_Tbr.to(c_Tbc.dtype)], dim=-1).transpose(0, 1).reshape(b * T, -1)
-    offsets = (torch.arange(b, device=q_SbnH.device) * T)[:, None, None]
-    idx = torch.where(topk_bSK >= 0, topk_bSK + offsets, -1).reshape(b * S, -1)
+    idx = _flat_topk(topk_bSK, T)
     o = SparseLatentAttention.apply(q_cat.contiguous(), lat.contiguous(), idx, scale, dc)  # [b*S, n, dc]
     out = torch.einsum("xnc,nvc->xnv", o, w[:, dn:])  # [b*S, n, dv]
     return out.reshape(b, S, n * dv).transpose(0, 1).contiguous()
@@ -278,7 +292,7 @@ def dense_attention(q_SbnH, k_TbnH, v_TbnV, q_pos_S, doc_start_S, scale):
                                                         scale=scale) for a, e in zip(starts[:-1], starts[1:])], 2)
     else:
         key_pos = torch.arange(T, device=q.device)
-        mask = (key_pos[None, :] <= q_pos_S[:, None]) & (key_pos[None, :] >= doc_start_S[:, None])
+        mask = allowed_keys(key_pos, q_pos_S, doc_start_S)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.permute(2, 0, 1, 3).reshape(S, b, -1)
 
@@ -357,7 +371,7 @@ class GLM5SparseAttention(MegatronModule):
         skv = key.shape[0]
 
         if self.warmup_coeff > 0 and self.computes_topk and self.training:
-            latent, self._latent = self._latent, None
+            self._latent = None  # dense attention here: the stashed latent is not used
             out = dense_attention(query, key, value, q_pos, doc_start, self.softmax_scale)
             out = self._warmup_indexer_loss(out, query, key, x, qr, packed_seq_params, reorder, q_pos, doc_start)
             return out.squeeze(1) if thd else out
@@ -397,7 +411,7 @@ class GLM5SparseAttention(MegatronModule):
         scores = torch.einsum("sbn,bsnt->bst", w_i.float(), relu)  # [b, S, T]
         T = k_i.shape[0]
         key_pos = torch.arange(T, device=scores.device)
-        allowed = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] >= doc_start[:, None])  # [S, T]
+        allowed = allowed_keys(key_pos, q_pos, doc_start)  # [S, T]
         K = min(self.index_topk, T)
         with torch.no_grad():
             topk = torch.stack([deterministic_topk(scores[bi].masked_fill(~allowed, float("-inf")), K)
@@ -432,8 +446,9 @@ class GLM5SparseAttention(MegatronModule):
         kv_up = self._kv_up[0]
         w = kv_up.weight
         lora = getattr(kv_up, "lora", None)
-        if lora is not None and not lora.disabled and lora.active is not None and lora.active not in lora.merged:
-            w = w + lora.local_delta_weight(lora.active).to(w.dtype)
+        adapter = lora.applied() if lora is not None else None
+        if adapter is not None:
+            w = w + lora.local_delta_weight(adapter).to(w.dtype)
         out = absorbed_sparse_attention(query, key[:, :, 0, dn:], latent, w, topk, self.softmax_scale, dn, dv)
         if v_out > dv:  # MLA padded the value heads (THD) and trims the padding from our output
             S, b, n = query.shape[:3]

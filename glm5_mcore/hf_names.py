@@ -120,13 +120,20 @@ def hf_source(mcore_name: str, num_hidden_layers: int, layer_offset: int = 0,
     raise KeyError(f"{mcore_name}: not in the GLM-5 HF↔Megatron name table")
 
 
-def shard_for_rank(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int,
-                   is_glu: bool) -> torch.Tensor:
-    """Slice a full tensor to this rank's shard using Megatron's own partition attributes."""
-    if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
+def tp_slice(full: torch.Tensor, dim: int, tp_rank: int, tp_size: int, is_glu: bool) -> torch.Tensor:
+    """Rank ``tp_rank``'s chunk of ``full`` along ``dim``; a gated fc1 split on dim 0 gives
+    ``cat[gate_shard; up_shard]``, as Megatron lays it out."""
+    if tp_size == 1:
         return full
-    dim = param.partition_dim
     if is_glu and dim == 0:
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]], dim=0)
     return full.chunk(tp_size, dim=dim)[tp_rank]
+
+
+def shard_for_rank(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int,
+                   is_glu: bool) -> torch.Tensor:
+    """Slice a full tensor to this rank's shard using Megatron's own partition attributes."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    return tp_slice(full, param.partition_dim, tp_rank, tp_size, is_glu)

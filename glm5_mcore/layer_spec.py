@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.models.backends import BackendSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_mtp_block_spec_for_backend,
     get_mlp_module_spec_for_backend,

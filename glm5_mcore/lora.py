@@ -210,13 +210,24 @@ class LoRALayer(torch.nn.Module):
         return (full, b.clone()) if p.mode == "row" else (a.clone(), full)
 
     def _shard(self, full: torch.Tensor, dim: int, mode: str) -> torch.Tensor:
+        from glm5_mcore.hf_names import tp_slice
+
         if self.par.mode != mode:
             return full
-        size, rank = self.par.tp_size, self.par.tp_rank
-        if self.glu and dim == 0:
-            gate, up = full.chunk(2, dim=0)
-            return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]]).contiguous()
-        return full.chunk(size, dim=dim)[rank].contiguous()
+        return tp_slice(full, dim, self.par.tp_rank, self.par.tp_size, self.glu and dim == 0).contiguous()
+
+    @torch.no_grad()
+    def load_full_(self, name: str, a_full: torch.Tensor, b_full: torch.Tensor) -> None:
+        """Overwrite adapter ``name`` in place (same Parameters, so optimizer state stays attached)
+        from full tensors; this rank keeps its shard."""
+        self.A[name].copy_(self._shard(a_full, 1, "row"))
+        self.B[name].copy_(self._shard(b_full, 0, "column"))
+
+    def applied(self) -> Optional[str]:
+        """The adapter a forward applies on top of the base weight: the active one, unless adapters
+        are disabled or it is already merged into the weight."""
+        name = self.active
+        return None if self.disabled or name is None or name in self.merged else name
 
     def _tag(self, a: torch.nn.Parameter, b: torch.nn.Parameter) -> None:
         for p in (a, b):
@@ -276,8 +287,8 @@ def _lora_input(base: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _hook(module: torch.nn.Module, args, kwargs, output):
     lora: LoRALayer = module.lora
-    name = lora.active
-    if lora.disabled or name is None or name in lora.merged:
+    name = lora.applied()
+    if name is None:
         return output
     x = args[0] if args else kwargs["input_"]
     d = lora.delta(_lora_input(module, x), name)

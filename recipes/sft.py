@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -270,14 +269,8 @@ def _set_rng_state(s: dict) -> None:
     np.random.set_state(s["numpy"])
 
 
-def _prune(out: Path, keep: int) -> None:
-    iters = sorted(p for p in out.glob("iter_*") if p.is_dir() and p.name[5:].isdigit())
-    for p in iters[:-keep] if keep > 0 else []:
-        shutil.rmtree(p, ignore_errors=True)
-
-
 def save(cfg: SFTConfig, model, opt, sched, state: dict) -> None:
-    from glm5_mcore.checkpoint import save_checkpoint, write_hf_meta
+    from glm5_mcore.checkpoint import prune_iterations, save_checkpoint, write_hf_meta
 
     out = Path(cfg.train.out)
     adapters = None
@@ -290,7 +283,7 @@ def save(cfg: SFTConfig, model, opt, sched, state: dict) -> None:
     if dist.get_rank() == 0:
         if not (out / "hf").is_dir():
             write_hf_meta(out / "hf", _hf_dir(cfg))
-        _prune(out, cfg.train.keep_last)
+        prune_iterations(out, cfg.train.keep_last)
     dist.barrier()
 
 
@@ -317,9 +310,7 @@ def _restore(cfg: SFTConfig, model, opt, sched) -> Optional[dict]:
     if cfg.lora.enabled:
         st = read_adapter_state(adapter_dir(out, cfg.lora.name, it))
         for _, _, lora in lora_layers(model):
-            a, b = st.A[lora.module_name], st.B[lora.module_name]
-            lora.A[cfg.lora.name].data.copy_(lora._shard(a, 1, "row"))
-            lora.B[cfg.lora.name].data.copy_(lora._shard(b, 0, "column"))
+            lora.load_full_(cfg.lora.name, st.A[lora.module_name], st.B[lora.module_name])
     else:
         load_model(model, iter_dir(out, it) / "model")
     rank_file = iter_dir(out, it) / "optimizer" / f"rank_{dist.get_rank():05d}.pt"

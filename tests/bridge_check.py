@@ -6,8 +6,8 @@ import sys
 import torch
 
 from glm5_mcore.checkpoint import save_checkpoint, write_hf_meta
-from glm5_mcore.config import GLM5Config, ParallelConfig
-from glm5_mcore.model import build_model, init_parallel, load_hf_weights
+from glm5_mcore.config import ParallelConfig
+from helpers import hf_model
 
 
 def main(hf_dir: str, tp: int, ep: int, out: str) -> None:
@@ -15,11 +15,7 @@ def main(hf_dir: str, tp: int, ep: int, out: str) -> None:
     from pathlib import Path
 
     torch.set_num_threads(1)
-    glm5 = GLM5Config.from_hf_dir(hf_dir)
-    parallel = ParallelConfig(tp=tp, ep=ep)
-    init_parallel(parallel)
-    model = build_model(glm5, parallel)
-    load_hf_weights(model, hf_dir, glm5)
+    model, _ = hf_model(hf_dir, ParallelConfig(tp=tp, ep=ep))
     save_checkpoint(out, 3, model, {"iteration": 3})
     if dist.get_rank() == 0:
         write_hf_meta(Path(out) / "hf", hf_dir)

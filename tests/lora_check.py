@@ -8,10 +8,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.config import ParallelConfig
 from glm5_mcore.lora import EXPERTS, MLA, MLP, LoRAConfig, apply_lora
-from glm5_mcore.model import build_model, init_parallel, load_hf_weights
 from glm5_mcore.parity import load_input_ids
+from helpers import hf_model, megatron_steps
 
 SEQ = 32
 # SGD maps equal gradients to equal updates; Adam turns fp32 reduction-order noise in near-zero
@@ -23,14 +23,9 @@ def main(hf_dir: str, tp: int, ep: int, out: str) -> None:
     from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                            finalize_model_grads)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     torch.set_num_threads(1)
-    glm5 = GLM5Config.from_hf_dir(hf_dir)
-    parallel = ParallelConfig(tp=tp, ep=ep)
-    init_parallel(parallel)
-    m = build_model(glm5, parallel)
-    load_hf_weights(m, hf_dir, glm5)
+    m, glm5 = hf_model(hf_dir, ParallelConfig(tp=tp, ep=ep))
     apply_lora(m, LoRAConfig(rank=4, alpha=8, targets=MLA + MLP + EXPERTS, init="random"))
     m.train()
     m.config.finalize_model_grads_func = finalize_model_grads  # DP/EP grad sync + SP/TP all-reduces
@@ -40,22 +35,7 @@ def main(hf_dir: str, tp: int, ep: int, out: str) -> None:
     adapters = {id(p) for n, p in m.named_parameters() if ".lora." in n}
     assert in_opt == adapters  # only adapters get optimizer state: no base weight, no (frozen) indexer
     ids = load_input_ids(None, glm5.vocab_size, 2, SEQ + 1, seed=7)
-
-    def step(_it, model):
-        out = model(ids[:, :-1], torch.arange(SEQ)[None].expand(2, -1), None, labels=ids[:, 1:])
-        return out, lambda o: (o.float().mean(), {"lm": o.float().mean().detach()})
-
-    losses = []
-    for _ in range(3):
-        m.zero_grad_buffer()  # DDP main_grad buffers; opt.zero_grad() alone leaves them accumulating
-        opt.zero_grad()
-        res = get_forward_backward_func()(forward_step_func=step, data_iterator=iter([0]), model=[m],
-                                          num_microbatches=1, seq_length=SEQ, micro_batch_size=2)
-        losses.append(float(res[0]["lm"]))
-        ok, _, _ = opt.step()
-        assert ok
-    with torch.no_grad():
-        losses.append(float(step(0, m)[0].float().mean()))  # after the 3rd update
+    losses = megatron_steps(m, opt, ids, 3, loss_after=True)
     from glm5_mcore.adapters import save_adapter
 
     save_adapter(m.module, "default", out + ".adapter")  # gathered over TP / EP into full tensors

@@ -3,20 +3,17 @@
 import pytest
 import torch
 
-from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.lora import (FAMILIES, INDEXER, LoRAConfig, adapter_parameters, apply_lora, disable_adapters,
                              lora_layers, merge, set_adapter, unmerge)
-from glm5_mcore.model import build_model, forward_logits, load_hf_weights
+from glm5_mcore.model import forward_logits
 from glm5_mcore.parity import load_input_ids
+from helpers import hf_model
 
 SEQ = 32  # > index_topk (8): the indexer's choice matters
 
 
 def _model(hf_dir):
-    glm5 = GLM5Config.from_hf_dir(hf_dir)
-    m = build_model(glm5, ParallelConfig())
-    load_hf_weights(m, hf_dir, glm5)
-    return m.eval()
+    return hf_model(hf_dir)[0].eval()
 
 
 def _logits(m, ids):

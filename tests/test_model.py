@@ -86,9 +86,9 @@ def test_mtp_layer_math_and_loss_gradients(tiny_mtp_dir, single_rank):
 def test_three_optimizer_steps_lower_the_loss(tiny_mtp_dir, single_rank):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from glm5_mcore.dsa import set_indexer_frozen
+    from helpers import megatron_steps
 
     m, _ = _model(tiny_mtp_dir)
     m.train()
@@ -98,21 +98,7 @@ def test_three_optimizer_steps_lower_the_loss(tiny_mtp_dir, single_rank):
     indexer_params = {id(p) for n, p in m.named_parameters() if ".indexer." in n}
     opt_params = {id(p) for g in opt.param_groups for p in g["params"]}
     assert indexer_params and not indexer_params & opt_params  # frozen: no optimizer state
-    ids = load_input_ids(None, 128, 2, SEQ + 1, seed=7)
-
-    def step(_it, model):
-        out = model(ids[:, :-1], torch.arange(SEQ)[None].expand(2, -1), None, labels=ids[:, 1:])
-        return out, lambda o: (o.float().mean(), {"lm": o.float().mean().detach()})
-
-    losses = []
-    for _ in range(4):
-        m.zero_grad_buffer()  # DDP main_grad buffers; opt.zero_grad() alone leaves them accumulating
-        opt.zero_grad()
-        res = get_forward_backward_func()(forward_step_func=step, data_iterator=iter([0]), model=[m],
-                                          num_microbatches=1, seq_length=SEQ, micro_batch_size=2)
-        losses.append(float(res[0]["lm"]))
-        ok, grad_norm, _ = opt.step()
-        assert ok and grad_norm > 0
+    losses = megatron_steps(m, opt, load_input_ids(None, 128, 2, SEQ + 1, seed=7), 4)
     assert losses[3] < losses[2] < losses[1] < losses[0], losses
 
 

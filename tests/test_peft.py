@@ -10,18 +10,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.config import ParallelConfig
 from glm5_mcore.lora import EXPERTS, INDEXER, MLA, MLP, LoRAConfig, apply_lora
-from glm5_mcore.model import build_model, forward_logits, load_hf_weights
+from glm5_mcore.model import forward_logits
 from glm5_mcore.parity import load_input_ids
+from helpers import hf_model
 
 ALL = MLA + MLP + EXPERTS + INDEXER
 
 
 def _ours(hf_dir, cfg, name="default", freeze_indexer=False):
-    glm5 = GLM5Config.from_hf_dir(hf_dir)
-    m = build_model(glm5, ParallelConfig())
-    load_hf_weights(m, hf_dir, glm5)
+    m, glm5 = hf_model(hf_dir)
     apply_lora(m, cfg, name, freeze_indexer=freeze_indexer)
     return m.eval(), glm5
 
@@ -108,8 +107,7 @@ def test_adapter_made_with_peft_imports_and_matches(tiny_dir, tmp_path):
     assert rep["max_abs"] <= 1e-4 and rep["topk_agree"] == 1.0 and rep["router_agree"] == 1.0, rep
     plain = run_parity(tiny_dir, ids, ParallelConfig())
     assert plain["max_abs"] <= 1e-4
-    from safetensors.torch import load_file as lf  # noqa: F401  (the adapter changes the logits)
-    with torch.no_grad():
+    with torch.no_grad():  # and the adapter does change the logits
         assert (pm(ids).logits - base.__class__.from_pretrained(tiny_dir, dtype=torch.float32)(ids).logits
                 ).abs().max() > 1e-3
 
