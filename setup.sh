@@ -12,3 +12,6 @@ $PIP numpy "packaging>=24.2" einops
 .venv/bin/python -c "import megatron.core" 2>/dev/null || \
   $PIP --no-deps --ignore-requires-python megatron-core==0.19.2
 $PIP -e ".[test]"
+# verl 0.9.1 pins transformers<5.11, but GLM-5's reference indexer needs >=5.13; its algorithm modules
+# (core_algos, rollout_corr_helper) need neither, so it goes in without its dependency pins.
+.venv/bin/python -c "import verl" 2>/dev/null || $PIP --no-deps verl==0.9.1

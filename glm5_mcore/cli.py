@@ -11,6 +11,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="glm5", description="GLM-5 on Megatron-Core")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("sft", help="SFT / continued pretraining (Hydra overrides: glm5 sft key=value ...)")
+    sub.add_parser("rl", help="GRPO / PPO with Ray (glm5 rl [--config NAME] key=value ...)")
 
     t = sub.add_parser("tiny", help="write a tiny random GLM-5 HF checkpoint")
     t.add_argument("--out", required=True)
@@ -61,14 +62,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "sft":  # Hydra-style overrides: glm5 sft key=value ...
+    if argv and argv[0] in ("sft", "rl"):  # Hydra-style overrides: glm5 sft|rl key=value ...
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         try:
-            from recipes.cli import sft_main
+            from recipes import cli as recipes_cli
 
-            return sft_main(argv[1:])
+            return (recipes_cli.sft_main if argv[0] == "sft" else recipes_cli.rl_main)(argv[1:])
         except (ValueError, FileNotFoundError, KeyError) as e:
-            print(f"glm5 sft: error: {e}", file=sys.stderr)
+            print(f"glm5 {argv[0]}: error: {e}", file=sys.stderr)
             return 2
     args = _parser().parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -1,5 +1,5 @@
-"""Hydra entry point of the recipes: ``glm5 sft [overrides...]``. Hydra stops here: the recipe gets
-a plain ``SFTConfig``."""
+"""Hydra entry points of the recipes: ``glm5 sft [overrides...]`` and ``glm5 rl [--config NAME]
+[overrides...]``. Hydra stops here: the recipe gets a plain ``SFTConfig`` / ``RLConfig``."""
 
 from __future__ import annotations
 
@@ -46,4 +46,28 @@ def sft_main(overrides: list[str]) -> int:
                           "last_loss": hist[-1]["loss"] if hist else None, "val": out["val"],
                           "losses": [h["loss"] for h in hist],
                           "skipped_rows": out["data"]["skipped"]}))
+    return 0
+
+
+def rl_main(argv: list[str]) -> int:
+    """``glm5 rl [--config NAME] key=value ...`` with ``configs/rl/NAME.yaml`` (default grpo_tiny)."""
+    import json
+
+    from rl.config import RLConfig
+    from rl.driver import run
+
+    name = "grpo_tiny"
+    if argv[:1] == ["--config"] and len(argv) > 1:
+        name, argv = argv[1], argv[2:]
+    elif argv and argv[0].startswith("--config="):
+        name, argv = argv[0].split("=", 1)[1], argv[1:]
+    cfg = RLConfig.from_dict(compose(f"rl/{name}", argv))
+    out = run(cfg)
+    hist = out["history"]
+    rewards = [h["critic/score/mean"] for h in hist]
+    print(json.dumps({"steps": out["state"]["step"], "val_reward": out["val"],
+                      "first_reward": rewards[0] if rewards else None,
+                      "last_reward": rewards[-1] if rewards else None,
+                      "rewards": [round(x, 4) for x in rewards],
+                      "out": cfg.trainer.out}))
     return 0

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.lora import DEFAULT_TARGETS, LoRAConfig
+from glm5_mcore.training import OptimSettings, WandbCfg, build_trainer, init_wandb, rng_state, set_rng_state
 from recipes.data import DataStats, PackedBatch, epoch_order, pack, pad_to, read_jsonl, split_for_cp
 
 
@@ -96,14 +97,6 @@ class TrainCfg:
     indexer_loss_coeff: float = 1.0
     resume: bool = True
     progress: bool = True
-
-
-@dataclass
-class WandbCfg:
-    project: Optional[str] = None
-    mode: Optional[str] = None
-    """None: "offline" unless a project is given (then "online")."""
-    name: Optional[str] = None
 
 
 @dataclass
@@ -193,11 +186,10 @@ def _forward_step(batch_iter, model):
 def step_losses(ddp, batches: list[PackedBatch], forward_only: bool) -> tuple[float, float]:
     """Run (forward+backward or forward) over this rank's micro-batches: (Σ CE, #loss tokens) over DP."""
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    res = get_forward_backward_func()(forward_step_func=_forward_step, data_iterator=iter(batches), model=[ddp],
-                                      num_microbatches=len(batches), seq_length=max(b.num_tokens for b in batches),
-                                      micro_batch_size=1, forward_only=forward_only)
+    from glm5_mcore.training import forward_backward
+
+    res = forward_backward(ddp, _forward_step, batches, forward_only, max(b.num_tokens for b in batches))
     tot = torch.zeros(2)
     for r in res:  # only the last pipeline stage computes the loss
         tot += r["lm"].float()
@@ -255,20 +247,6 @@ class _MoELoad:
 # --------------------------------------------------------------------------------------------------
 # checkpoints
 # --------------------------------------------------------------------------------------------------
-def _rng_state() -> dict:
-    import numpy as np
-
-    return {"python": random.getstate(), "torch": torch.get_rng_state(), "numpy": np.random.get_state()}
-
-
-def _set_rng_state(s: dict) -> None:
-    import numpy as np
-
-    random.setstate(s["python"])
-    torch.set_rng_state(s["torch"])
-    np.random.set_state(s["numpy"])
-
-
 def save(cfg: SFTConfig, model, opt, sched, state: dict) -> None:
     from glm5_mcore.checkpoint import prune_iterations, save_checkpoint, write_hf_meta
 
@@ -277,7 +255,7 @@ def save(cfg: SFTConfig, model, opt, sched, state: dict) -> None:
     if cfg.lora.enabled:
         adapters = {cfg.lora.name: LoRAConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                                               targets=tuple(cfg.lora.targets))}
-    rank_state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": _rng_state()}
+    rank_state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state()}
     save_checkpoint(out, state["step"], model, state, adapters=adapters, save_base=not cfg.lora.enabled,
                     rank_state=rank_state)
     if dist.get_rank() == 0:
@@ -317,7 +295,7 @@ def _restore(cfg: SFTConfig, model, opt, sched) -> Optional[dict]:
     rs = torch.load(rank_file, weights_only=False)
     opt.load_state_dict(rs["optimizer"])
     sched.load_state_dict(rs["scheduler"])
-    _set_rng_state(rs["rng"])
+    set_rng_state(rs["rng"])
     return json.loads((iter_dir(out, it) / "trainer_state.json").read_text())
 
 
@@ -333,14 +311,7 @@ class _Logger:
         self.bar = None
         if not self.rank0:
             return
-        mode = cfg.wandb.mode or ("online" if cfg.wandb.project else "offline")
-        if mode != "disabled":
-            import wandb
-
-            os.environ.setdefault("WANDB_SILENT", "true")
-            Path(cfg.train.out).mkdir(parents=True, exist_ok=True)
-            self.run = wandb.init(project=cfg.wandb.project or "glm5-mcore", name=cfg.wandb.name, mode=mode,
-                                  dir=cfg.train.out, config=asdict(cfg), reinit="finish_previous")
+        self.run = init_wandb(cfg.wandb, cfg.train.out, asdict(cfg))
         if cfg.train.progress:
             from tqdm import tqdm
 
@@ -368,10 +339,6 @@ class _Logger:
 def run(cfg: SFTConfig) -> dict:
     """Train; returns {"history": [per-step metrics], "val": [(step, val_loss)], "data": stats}."""
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                           finalize_model_grads)
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from transformers import AutoTokenizer
 
     from glm5_mcore.checkpoint import load_model, model_dir
@@ -418,21 +385,13 @@ def run(cfg: SFTConfig) -> dict:
                    freeze_indexer=cfg.train.freeze_indexer)
     else:
         set_indexer_frozen(model, cfg.train.freeze_indexer)
-    model.config.finalize_model_grads_func = finalize_model_grads
     moe_load = _MoELoad(model)
     o = cfg.optim
-    dist_opt = o.distributed if o.distributed is not None else (
-        torch.cuda.is_available() and ps.get_data_parallel_world_size() > 1)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=dist_opt),
-                                  model)
-    opt = get_megatron_optimizer(OptimizerConfig(
+    ddp, opt, sched = build_trainer(model, OptimSettings(
         optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2, clip_grad=o.clip_grad, bf16=cfg.train.bf16,
-        optimizer_cpu_offload=cfg.train.cpu_offload, use_distributed_optimizer=dist_opt), [ddp])
-    sched = OptimizerParamScheduler(opt, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-                                    lr_warmup_steps=o.warmup_steps, lr_decay_steps=cfg.train.steps,
-                                    lr_decay_style=o.decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
-                                    wd_incr_steps=cfg.train.steps, wd_incr_style="constant")
+        adam_beta2=o.adam_beta2, clip_grad=o.clip_grad, warmup_steps=o.warmup_steps, decay_style=o.decay_style,
+        total_steps=cfg.train.steps, bf16=cfg.train.bf16, cpu_offload=cfg.train.cpu_offload,
+        distributed=o.distributed))
     state = _restore(cfg, model, opt, sched) or {"step": 0, "epoch": 0, "cursor": 0, "tokens": 0}
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     cp_rank = ps.get_context_parallel_rank()

@@ -1,0 +1,107 @@
+"""Training-loop pieces shared by the SFT recipe and the RL trainer.
+
+- ``build_trainer``: Megatron-Core ``DistributedDataParallel`` + ``get_megatron_optimizer`` + the
+  ``OptimizerParamScheduler`` over the model's trainable parameters (LoRA adapters, or all of it).
+- ``forward_backward``: Megatron's own schedule (``get_forward_backward_func``) over a list of
+  micro-batches with a caller's ``forward_step`` — gradient accumulation with DDP's no-sync and
+  ``finalize_model_grads`` (DP all-reduce) exactly as Megatron training does.
+- ``rng_state`` / ``set_rng_state``: Python / torch / NumPy RNG for bit-exact resume.
+- ``WandbCfg`` / ``init_wandb``: the W&B run of a recipe (offline unless a project is given).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass
+class OptimSettings:
+    optimizer: str = "adam"
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    decay_style: str = "cosine"
+    total_steps: int = 1
+    bf16: bool = False
+    cpu_offload: bool = False
+    distributed: Optional[bool] = None
+
+
+def build_trainer(model, o: OptimSettings):
+    """(ddp, optimizer, scheduler) for ``model``'s parameters that require grad."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                           finalize_model_grads)
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    model.config.finalize_model_grads_func = finalize_model_grads
+    dist_opt = o.distributed if o.distributed is not None else (
+        torch.cuda.is_available() and ps.get_data_parallel_world_size() > 1)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=dist_opt),
+                                  model)
+    opt = get_megatron_optimizer(OptimizerConfig(
+        optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2, clip_grad=o.clip_grad, bf16=o.bf16, optimizer_cpu_offload=o.cpu_offload,
+        use_distributed_optimizer=dist_opt), [ddp])
+    steps = max(1, o.total_steps)
+    sched = OptimizerParamScheduler(opt, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+                                    lr_warmup_steps=o.warmup_steps, lr_decay_steps=steps,
+                                    lr_decay_style=o.decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
+                                    wd_incr_steps=steps, wd_incr_style="constant")
+    return ddp, opt, sched
+
+
+def forward_backward(ddp, forward_step: Callable, batches: list, forward_only: bool, seq_length: int) -> list:
+    """Megatron's schedule over ``batches`` (one per micro-batch); returns the loss functions' reports."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
+                                       num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=1,
+                                       forward_only=forward_only)
+
+
+@dataclass
+class WandbCfg:
+    project: Optional[str] = None
+    mode: Optional[str] = None
+    """None: "offline" unless a project is given (then "online"); "disabled" turns W&B off."""
+    name: Optional[str] = None
+
+
+def init_wandb(cfg: WandbCfg, out: str, config: dict):
+    """A W&B run logging into ``out/wandb`` (None when disabled)."""
+    import os
+    from pathlib import Path
+
+    mode = cfg.mode or ("online" if cfg.project else "offline")
+    if mode == "disabled":
+        return None
+    import wandb
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    Path(out).mkdir(parents=True, exist_ok=True)
+    return wandb.init(project=cfg.project or "glm5-mcore", name=cfg.name, mode=mode, dir=out, config=config,
+                      reinit="finish_previous")
+
+
+def rng_state() -> dict:
+    import numpy as np
+
+    return {"python": random.getstate(), "torch": torch.get_rng_state(), "numpy": np.random.get_state()}
+
+
+def set_rng_state(s: dict) -> None:
+    import numpy as np
+
+    random.setstate(s["python"])
+    torch.set_rng_state(s["torch"])
+    np.random.set_state(s["numpy"])

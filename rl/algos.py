@@ -1,0 +1,183 @@
+"""The RL math, taken from verl (``verl.trainer.ppo.core_algos`` and ``rollout_corr_helper``).
+
+- ``rollout_correction``: verl's ``compute_rollout_correction_and_rejection_mask`` on (old, rollout)
+  log-probs — IcePop for a ``"lo_hi"`` threshold (weight k inside [lo, hi], exactly 0 outside, the
+  response mask untouched so masked tokens still count in the token-mean denominator), truncated IS
+  for a float — plus its ``rollout_corr/*`` metrics and the mean |Δ log-prob|.
+- ``compute_advantages``: verl's registered estimators (GRPO, RLOO, REINFORCE++, GAE), with the
+  KL-in-reward penalty (verl's ``kl_penalty``) when asked.
+- ``policy_loss``: verl's registered policy loss (``vanilla`` = PPO-clip with asymmetric clip and
+  dual clip) with the rollout-correction weights multiplied into each token's term, aggregated by
+  verl's ``agg_loss``. ``ActorLoss`` adds the KL loss, entropy bonus and clipped value loss.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from rl.batch import RolloutBatch
+from rl.config import RLConfig
+
+
+def actor_config(cfg: RLConfig):
+    """verl's ``McoreActorConfig`` carrying our actor settings (what verl's policy losses read)."""
+    from verl.workers.config.actor import McoreActorConfig
+
+    a = cfg.actor
+    return McoreActorConfig(strategy="megatron", ppo_mini_batch_size=a.ppo_mini_batch_size, rollout_n=cfg.rollout.n,
+                            clip_ratio=a.clip_ratio_low, clip_ratio_low=a.clip_ratio_low,
+                            clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+                            loss_agg_mode=a.loss_agg_mode, use_dynamic_bsz=True, entropy_coeff=a.entropy_coeff,
+                            use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
+                            ppo_epochs=a.ppo_epochs)
+
+
+def policy_loss(cfg: RLConfig, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights=None,
+                global_batch_info: Optional[dict] = None, actor_cfg=None):
+    """(pg_loss, metrics) from verl's policy loss ``actor.policy_loss``."""
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    actor_cfg = actor_cfg or actor_config(cfg)
+    actor_cfg.global_batch_info.clear()
+    actor_cfg.global_batch_info.update(global_batch_info or {})
+    return get_policy_loss_fn(cfg.actor.policy_loss)(
+        old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask,
+        loss_agg_mode=cfg.actor.loss_agg_mode, config=actor_cfg, rollout_is_weights=rollout_is_weights)
+
+
+class ActorLoss:
+    """The per-micro-batch loss of ``PolicyTrainer.update``: returns (loss, {name: (value, weight)})."""
+
+    def __init__(self, cfg: RLConfig):
+        self.cfg = cfg
+        self.actor_cfg = actor_config(cfg)
+
+    def __call__(self, batch: RolloutBatch, rows: list[int], log_prob, entropy, vpreds, gbi: dict,
+                 num_micro: int = 1):
+        """Loss terms come back as (agg · num_micro, 1 / (num_micro · dp)): this micro-batch's share of
+        the mini-batch value with a weight, so a weighted mean over every report of a run is the
+        mean over mini-batches. Ratio metrics are token-weighted."""
+        from verl.trainer.ppo.core_algos import agg_loss, compute_value_loss, kl_penalty
+
+        a, mode = self.cfg.actor, self.cfg.actor.loss_agg_mode
+        mask = batch.response_mask[rows]
+        ntok = float(mask.sum())
+        if not rows:  # a filler micro-batch (equal counts across ranks): zero loss, graph kept
+            return log_prob.sum() * 0.0, {}
+        w = batch.rollout_is_weights[rows] if batch.rollout_is_weights is not None else None
+        pg_loss, pg_m = policy_loss(self.cfg, batch.old_log_probs[rows], log_prob, batch.advantages[rows], mask,
+                                    w, gbi, self.actor_cfg)
+        loss = pg_loss
+        share = 1.0 / (num_micro * gbi["dp_size"])
+
+        def part(v):
+            return (float(v.detach()) * num_micro, share)
+
+        m = {"actor/pg_loss": part(pg_loss)}
+        m.update({k: (float(v), ntok) for k, v in pg_m.items()})
+        ent = agg_loss(entropy, mask, mode, **gbi)
+        m["actor/entropy"] = part(ent)
+        if a.entropy_coeff:
+            loss = loss - a.entropy_coeff * ent
+        if a.use_kl_loss:
+            kl = agg_loss(kl_penalty(log_prob, batch.ref_log_probs[rows], a.kl_loss_type), mask, mode, **gbi)
+            loss = loss + a.kl_loss_coef * kl
+            m["actor/kl_loss"] = part(kl)
+        if vpreds is not None:
+            vf, vf_clip = compute_value_loss(vpreds, batch.returns[rows], batch.values[rows], mask,
+                                             self.cfg.critic.cliprange_value, mode, **gbi)
+            loss = loss + self.cfg.critic.vf_coef * vf
+            m["critic/vf_loss"] = part(vf)
+            m["critic/vf_clipfrac"] = (float(vf_clip.detach()), ntok)
+        return loss, m
+
+
+def rollout_correction(cfg: RLConfig, batch: RolloutBatch) -> dict:
+    """IS / IcePop weights (into ``batch.rollout_is_weights``) and the mismatch metrics."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    rc = cfg.algorithm.rollout_correction
+    weights, mask, metrics = compute_rollout_correction_and_rejection_mask(
+        old_log_prob=batch.old_log_probs, rollout_log_prob=batch.rollout_log_probs,
+        response_mask=batch.response_mask, rollout_is=rc.rollout_is,
+        rollout_is_threshold=rc.rollout_is_threshold if rc.rollout_is else None,
+        rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=rc.rollout_rs,
+        rollout_rs_threshold=rc.rollout_rs_threshold)
+    batch.rollout_is_weights = weights.batch["rollout_is_weights"] if weights is not None else None
+    batch.response_mask = mask
+    diff = (batch.old_log_probs - batch.rollout_log_probs).abs()
+    m = batch.response_mask.bool()
+    metrics["rollout_corr/logprob_abs_diff_mean"] = float(diff[m].mean())
+    metrics["rollout_corr/logprob_abs_diff_max"] = float(diff[m].max())
+    return metrics
+
+
+def compute_advantages(cfg: RLConfig, batch: RolloutBatch, kl_coef: float) -> dict:
+    """Token-level rewards (score on the last response token, minus β·KL when ``use_kl_in_reward``),
+    then verl's estimator ``algorithm.adv_estimator`` -> ``batch.advantages`` / ``batch.returns``."""
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn, kl_penalty
+
+    a = cfg.algorithm
+    mask = batch.response_mask
+    lengths = mask.sum(-1).long()
+    scores = torch.zeros_like(mask)
+    scores[torch.arange(batch.size), (lengths - 1).clamp(min=0)] = batch.scores
+    metrics = {}
+    if a.use_kl_in_reward:
+        kld = kl_penalty(batch.old_log_probs, batch.ref_log_probs, a.kl_penalty) * mask
+        rewards = scores - kl_coef * kld
+        seq_kl = (kld.sum(-1) / lengths.clamp(min=1)).mean()
+        metrics.update({"actor/reward_kl_penalty": float(seq_kl), "actor/reward_kl_penalty_coeff": kl_coef})
+    else:
+        rewards = scores
+    batch.token_level_rewards = rewards
+    fn = get_adv_estimator_fn(a.adv_estimator)
+    if a.adv_estimator == "gae":
+        adv, ret = fn(token_level_rewards=rewards, values=batch.values, response_mask=mask, gamma=a.gamma, lam=a.lam)
+    elif a.adv_estimator == "grpo":
+        adv, ret = fn(token_level_rewards=rewards, response_mask=mask, index=batch.uid,
+                      norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo)
+    elif a.adv_estimator == "rloo":
+        adv, ret = fn(token_level_rewards=rewards, response_mask=mask, index=batch.uid)
+    else:
+        from verl.trainer.config.algorithm import AlgoConfig
+
+        adv, ret = fn(token_level_rewards=rewards, response_mask=mask, config=AlgoConfig(gamma=a.gamma))
+    batch.advantages, batch.returns = adv, ret
+    return metrics
+
+
+def kl_controller(cfg: RLConfig):
+    from verl.trainer.ppo.core_algos import AdaptiveKLController, FixedKLController
+
+    k = cfg.algorithm.kl_ctrl
+    if k.type == "adaptive":
+        return AdaptiveKLController(init_kl_coef=k.kl_coef, target_kl=k.target_kl, horizon=k.horizon)
+    if k.type == "fixed":
+        return FixedKLController(kl_coef=k.kl_coef)
+    raise ValueError(f"algorithm.kl_ctrl.type={k.type!r}: fixed or adaptive")
+
+
+def data_metrics(batch: RolloutBatch) -> dict:
+    """verl's data metrics: score / advantage / return / response length statistics."""
+    m = batch.response_mask.bool()
+    lengths = batch.response_mask.sum(-1)
+    out = {"critic/score/mean": float(batch.scores.mean()), "critic/score/std": float(batch.scores.std()),
+           "critic/score/max": float(batch.scores.max()), "critic/score/min": float(batch.scores.min()),
+           "critic/advantages/mean": float(batch.advantages[m].mean()),
+           "critic/advantages/max": float(batch.advantages[m].max()),
+           "critic/advantages/min": float(batch.advantages[m].min()),
+           "critic/returns/mean": float(batch.returns[m].mean()),
+           "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+           "response_length/min": float(lengths.min()),
+           "prompt_length/mean": float(np.mean([len(p) for p in batch.prompts]))}
+    if batch.values is not None:
+        out["critic/values/mean"] = float(batch.values[m].mean())
+    if batch.ref_log_probs is not None:
+        from verl.trainer.ppo.core_algos import kl_penalty
+
+        out["actor/ref_kl"] = float(kl_penalty(batch.old_log_probs, batch.ref_log_probs, "low_var_kl")[m].mean())
+    return out

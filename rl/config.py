@@ -1,0 +1,250 @@
+"""``RLConfig``: the RL run as plain dataclasses (Hydra stops at the entry point, ``recipes.cli``).
+
+Key names follow verl where verl has the concept (``algorithm.adv_estimator``,
+``algorithm.rollout_correction.rollout_is_threshold``, ``actor.clip_ratio_low``, ``actor.loss_agg_mode``,
+``actor.ppo_mini_batch_size``, ``rollout.n`` ...), so a verl user's settings carry over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Optional
+
+from glm5_mcore.lora import DEFAULT_TARGETS
+from glm5_mcore.training import WandbCfg
+
+ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "gae")
+KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+@dataclass
+class ModelCfg:
+    hf_dir: str = "runs/tiny"
+    """HF folder: config, tokenizer, and the base weights unless ``ckpt`` is given."""
+    ckpt: Optional[str] = None
+    """glm5-mcore checkpoint with the base weights (e.g. from ``glm5 convert`` or SFT)."""
+
+
+@dataclass
+class LoRACfg:
+    rank: int = 16
+    alpha: float = 32.0
+    targets: list = field(default_factory=lambda: list(DEFAULT_TARGETS))
+
+
+@dataclass
+class DataCfg:
+    train: str = "toy"
+    """A JSONL file of rows {"prompt": str | "messages": [...], "ground_truth": ..., "data_source": ...},
+    or ``toy`` (the built-in task a tiny random GLM-5 can learn, ``rl.tasks``)."""
+    val: Optional[str] = "toy"
+    prompts_per_step: int = 16
+    """verl's ``data.train_batch_size``: prompts per step (each sampled ``rollout.n`` times)."""
+    val_prompts: int = 32
+    chat_template: bool = False
+    max_prompt_tokens: int = 512
+    seed: int = 1234
+    toy_size: int = 1024
+
+
+@dataclass
+class RolloutCfg:
+    engine: str = "rl.rollout.hf_engine.HFRolloutEngine"
+    """Dotted path of a ``rl.rollout.base.RolloutEngine``; ``rl.rollout.vllm_engine.VLLMRolloutEngine`` on GPU."""
+    num_actors: int = 2
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 8
+    stop_token_ids: Optional[list] = None
+    """None: the tokenizer's EOS."""
+    deterministic_topk: bool = True
+    """Tie-stable indexer top-k in the engine (the trainer's top-k is always deterministic)."""
+    max_restarts: int = 3
+    batch_prompts: bool = True
+    """All of an actor's prompts in one batched decode (False: one prompt at a time, for benchmarks)."""
+    gpus_per_actor: float = 0.0
+    engine_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class RewardCfg:
+    fn: str = "rl.rewards.toy_residue"
+    """Dotted path: ``fn(data_source, solution_str, ground_truth, extra_info) -> float`` (verl's
+    ``compute_score`` signature), or with ``batched`` lists in, a list of floats out."""
+    batched: bool = False
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class RolloutCorrectionCfg:
+    rollout_is: Optional[str] = "token"
+    rollout_is_threshold: Any = "0.5_5.0"
+    """``"lo_hi"``: IcePop (weight k inside [lo, hi], 0 outside); a float C: truncated IS min(k, C)."""
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: Optional[str] = None
+    rollout_rs_threshold: Any = None
+
+
+@dataclass
+class KLCtrlCfg:
+    type: str = "fixed"
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+
+@dataclass
+class AlgorithmCfg:
+    adv_estimator: str = "grpo"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLCtrlCfg = field(default_factory=KLCtrlCfg)
+    rollout_correction: RolloutCorrectionCfg = field(default_factory=RolloutCorrectionCfg)
+
+
+@dataclass
+class ActorCfg:
+    policy_loss: str = "vanilla"
+    """A verl policy loss (``vanilla`` = PPO-clip with asymmetric and dual clip, ``gspo``, ``cispo``, ...)."""
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    ppo_mini_batch_size: int = 16
+    """Prompts per optimizer step (× rollout.n samples), as in verl."""
+    ppo_epochs: int = 1
+    micro_batch_tokens: int = 4096
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    entropy_coeff: float = 0.0
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+
+
+@dataclass
+class CriticCfg:
+    lora: LoRACfg = field(default_factory=LoRACfg)
+    cliprange_value: float = 0.5
+    vf_coef: float = 1.0
+    """The critic (value head + its own adapter "critic") trains in the same optimizer step as the
+    actor; its loss is weighted by ``vf_coef`` (gradients are disjoint: separate adapters)."""
+
+
+@dataclass
+class TrainerCfg:
+    steps: int = 60
+    out: str = "runs/rl"
+    world_size: int = 1
+    """Trainer ranks (Ray actors forming one torch.distributed group)."""
+    tp: int = 1
+    ep: int = 1
+    gpus_per_rank: float = 0.0
+    save_every: int = 0
+    keep_last: int = 2
+    eval_every: int = 10
+    seed: int = 1234
+    resume: bool = True
+    freeze_indexer: bool = True
+    progress: bool = True
+    stop_at_reward: Optional[float] = None
+    """End the run early once the held-out reward reaches this value."""
+
+
+@dataclass
+class RayCfg:
+    address: Optional[str] = None
+    """None: start Ray locally; "auto" or "ray://host:10001": join that cluster."""
+    num_cpus: Optional[int] = None
+
+
+@dataclass
+class RLConfig:
+    model: ModelCfg = field(default_factory=ModelCfg)
+    lora: LoRACfg = field(default_factory=LoRACfg)
+    data: DataCfg = field(default_factory=DataCfg)
+    rollout: RolloutCfg = field(default_factory=RolloutCfg)
+    reward: RewardCfg = field(default_factory=RewardCfg)
+    algorithm: AlgorithmCfg = field(default_factory=AlgorithmCfg)
+    actor: ActorCfg = field(default_factory=ActorCfg)
+    critic: CriticCfg = field(default_factory=CriticCfg)
+    trainer: TrainerCfg = field(default_factory=TrainerCfg)
+    ray: RayCfg = field(default_factory=RayCfg)
+    wandb: WandbCfg = field(default_factory=WandbCfg)
+
+    @property
+    def use_critic(self) -> bool:
+        return self.algorithm.adv_estimator == "gae"
+
+    @staticmethod
+    def from_dict(d: Optional[dict]) -> "RLConfig":
+        """From a plain dict (a resolved Hydra config); unknown keys are errors naming the field."""
+        out = RLConfig()
+        _fill(out, d or {}, "")
+        validate(out)
+        return out
+
+
+def _fill(obj, d: dict, path: str) -> None:
+    names = {f.name for f in fields(obj)}
+    for k, v in d.items():
+        if k not in names:
+            raise ValueError(f"config: unknown field {path}{k}")
+        cur = getattr(obj, k)
+        if is_dataclass(cur):
+            if not isinstance(v, dict):
+                raise ValueError(f"config: {path}{k} must be a mapping, got {v!r}")
+            _fill(cur, v, f"{path}{k}.")
+        else:
+            setattr(obj, k, v)
+
+
+def validate(c: RLConfig) -> None:
+    """Impossible settings raise a ValueError naming the field."""
+    a, r, act = c.algorithm, c.rollout, c.actor
+    if a.adv_estimator not in ADV_ESTIMATORS:
+        raise ValueError(f"algorithm.adv_estimator={a.adv_estimator!r}: one of {ADV_ESTIMATORS}")
+    for key, v in (("algorithm.kl_penalty", a.kl_penalty), ("actor.kl_loss_type", act.kl_loss_type)):
+        if v.rstrip("+") not in KL_TYPES:
+            raise ValueError(f"{key}={v!r}: one of {KL_TYPES}")
+    if act.loss_agg_mode not in AGG_MODES:
+        raise ValueError(f"actor.loss_agg_mode={act.loss_agg_mode!r}: one of {AGG_MODES}")
+    if r.n < 1 or (a.adv_estimator in ("grpo", "rloo") and r.n < 2):
+        raise ValueError(f"rollout.n={r.n}: {a.adv_estimator} needs at least 2 samples per prompt")
+    if r.temperature <= 0:
+        raise ValueError(f"rollout.temperature={r.temperature} must be > 0 (log-probs are of softmax(logits/T))")
+    if not 0 < r.top_p <= 1:
+        raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1]")
+    if r.num_actors < 1 or r.max_new_tokens < 1:
+        raise ValueError("rollout.num_actors and rollout.max_new_tokens must be >= 1")
+    if c.data.prompts_per_step % act.ppo_mini_batch_size:
+        raise ValueError(f"actor.ppo_mini_batch_size={act.ppo_mini_batch_size} must divide "
+                         f"data.prompts_per_step={c.data.prompts_per_step}")
+    if act.clip_ratio_c <= 1:
+        raise ValueError(f"actor.clip_ratio_c={act.clip_ratio_c} must be > 1 (dual-clip bound)")
+    t = c.trainer
+    if t.world_size % (t.tp * 1) or t.world_size < 1:
+        raise ValueError(f"trainer.tp={t.tp} must divide trainer.world_size={t.world_size}")
+    if t.world_size % t.ep:
+        raise ValueError(f"trainer.ep={t.ep} must divide trainer.world_size={t.world_size}")
+    corr = a.rollout_correction
+    level = corr.rollout_is
+    if level not in (None, "token", "sequence"):
+        raise ValueError(f"algorithm.rollout_correction.rollout_is={level!r}: token, sequence or null")
+    if level is not None:
+        from verl.trainer.ppo.rollout_corr_helper import _parse_rollout_is_threshold
+
+        try:
+            _parse_rollout_is_threshold(corr.rollout_is_threshold)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"algorithm.rollout_correction.rollout_is_threshold: {e}") from None
+    if t.steps < 1:
+        raise ValueError("trainer.steps must be >= 1")

@@ -1,0 +1,149 @@
+"""``glm5 rl``: the GRPO / PPO driver loop. It reads top to bottom: sample prompts → rollout (token
+ids + log-probs) → rewards → old / reference log-probs (and values) on the trainer → rollout
+correction (IcePop) → advantages → policy update → push the adapter to the rollout engines.
+
+``run(cfg)`` takes a plain ``RLConfig`` (Hydra stops at the entry point, ``recipes.cli``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+
+import torch
+
+from rl import algos
+from rl.batch import RolloutBatch
+from rl.config import RLConfig
+from rl.rewards import load_fn, score_batch
+from rl.rollout.base import Request, SamplingParams, sample_seed
+from rl.tasks import load_prompts, next_prompts
+
+
+@contextmanager
+def _timer(timing: dict, key: str):
+    t0 = time.perf_counter()
+    yield
+    timing[f"timing_s/{key}"] = time.perf_counter() - t0
+
+
+def make_batch(prompts, results, n: int) -> RolloutBatch:
+    return RolloutBatch.build([p.ids for p in prompts for _ in range(n)], [r.response_ids for r in results],
+                              [r.logprobs for r in results], [j for j, _ in enumerate(prompts) for _ in range(n)])
+
+
+def fill_log_probs(batch: RolloutBatch, outputs: list[dict]) -> None:
+    """Put the trainer ranks' old / ref log-probs and values ([n, R] rows) into ``batch``."""
+    for key in ("old_log_probs", "ref_log_probs", "values"):
+        rows = {}
+        for out in outputs:
+            if len(out[key]):
+                for i, row in zip(out["rows"], out[key]):
+                    rows[i] = row[: len(batch.responses[i])]
+        if rows:
+            batch.set_rows(key, rows)
+
+
+class Rewards:
+    def __init__(self, cfg: RLConfig, tokenizer):
+        self.fn, self.name, self.cfg, self.tok = load_fn(cfg.reward.fn), cfg.reward.fn, cfg.reward, tokenizer
+
+    def __call__(self, prompts, results, n: int) -> torch.Tensor:
+        rows = [p for p in prompts for _ in range(n)]
+        text = [self.tok.decode(r.response_ids, skip_special_tokens=True) for r in results]
+        return torch.tensor(score_batch(self.fn, self.name, self.cfg.batched, [p.data_source for p in rows], text,
+                                        [p.ground_truth for p in rows], [p.extra for p in rows], self.cfg.kwargs))
+
+
+def run(cfg: RLConfig) -> dict:
+    """Train; returns {"history": per-step metrics, "val": [(step, reward)], "state": ...}."""
+    from transformers import AutoTokenizer
+
+    from rl.logger import RLLogger
+    from rl.workers import RolloutPool, TrainerGroup, start_ray
+
+    tok = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
+    d = cfg.data
+    train = load_prompts(d.train, tok, chat_template=d.chat_template, max_tokens=d.max_prompt_tokens,
+                         toy_size=d.toy_size, seed=d.seed)
+    val = load_prompts(d.val, tok, chat_template=d.chat_template, max_tokens=d.max_prompt_tokens,
+                       toy_size=d.val_prompts, seed=d.seed + 1)[: d.val_prompts]
+    rewards = Rewards(cfg, tok)
+    r = cfg.rollout
+    sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens,
+                              tuple(r.stop_token_ids if r.stop_token_ids is not None else [tok.eos_token_id]))
+    start_ray(cfg.ray.address, cfg.ray.num_cpus)
+    trainers, rollouts = TrainerGroup(cfg), RolloutPool(cfg)
+    state = (trainers.first("restore", cfg.trainer.out) if cfg.trainer.resume else None) or {
+        "step": 0, "epoch": 0, "cursor": 0, "kl_coef": cfg.algorithm.kl_ctrl.kl_coef}
+    kl_ctrl = algos.kl_controller(cfg)
+    kl_ctrl.value = state["kl_coef"]
+    log = RLLogger(cfg, state["step"])
+    vals: list[tuple[int, float]] = []
+
+    def evaluate() -> float:
+        reqs = [Request((p.index, 0), p.ids, sample_seed(cfg.trainer.seed + 1, state["step"], p.index, 0))
+                for p in val]
+        return float(rewards(val, rollouts.generate(reqs, sampling), 1).mean())
+
+    try:
+        rollouts.sync(trainers.first("export_adapter", state["step"]))
+        if val and cfg.trainer.eval_every and state["step"] == 0:
+            vals.append((0, evaluate()))
+            log.note(f"step 0: held-out reward {vals[-1][1]:.3f}")
+        while state["step"] < cfg.trainer.steps:
+            step, timing, t_step = state["step"], {}, time.perf_counter()
+            prompts = next_prompts(train, d.prompts_per_step, d.seed, state)
+            reqs = [Request((p.index, k), p.ids, sample_seed(cfg.trainer.seed, step, p.index, k))
+                    for p in prompts for k in range(r.n)]
+            with _timer(timing, "gen"):
+                results = rollouts.generate(reqs, sampling)
+            with _timer(timing, "reward"):
+                batch = make_batch(prompts, results, r.n)
+                batch.scores = rewards(prompts, results, r.n)
+            with _timer(timing, "old_log_prob"):
+                fill_log_probs(batch, trainers.call("compute_log_probs", batch))
+            metrics = algos.rollout_correction(cfg, batch)
+            metrics.update(algos.compute_advantages(cfg, batch, kl_ctrl.value))
+            metrics.update(algos.data_metrics(batch))
+            with _timer(timing, "update_actor"):
+                metrics.update(trainers.call("update", batch, step)[0])
+            state["step"] += 1
+            with _timer(timing, "weight_sync"):
+                payload = trainers.first("export_adapter", state["step"])
+                rollouts.sync(payload)
+            if cfg.algorithm.use_kl_in_reward:
+                kl_ctrl.update(metrics.get("actor/reward_kl_penalty", 0.0), batch.size)
+                state["kl_coef"] = kl_ctrl.value
+            for why in metrics.pop("skip_reasons", []):
+                log.note(f"step {state['step']}: update skipped ({why})")
+            for event in rollouts.events:
+                log.note(f"step {state['step']}: {event}")
+            metrics["rollout/actor_restarts"] = float(rollouts.restarts)
+            metrics["rollout/samples"] = float(len({(q.key, tuple(res.response_ids)) for q, res in zip(reqs, results)}))
+            rollouts.events.clear()
+            gen_tokens = float(batch.response_mask.sum())
+            train_tokens = gen_tokens + sum(len(p) for p in batch.prompts)
+            timing["timing_s/step"] = time.perf_counter() - t_step
+            metrics.update(timing)
+            metrics.update({"perf/rollout_tokens_per_s": gen_tokens / timing["timing_s/gen"],
+                            "perf/train_tokens_per_s": train_tokens / timing["timing_s/update_actor"],
+                            "perf/weight_sync_bytes": float(payload.nbytes)})
+            if val and cfg.trainer.eval_every and state["step"] % cfg.trainer.eval_every == 0:
+                metrics["val/reward"] = evaluate()
+                vals.append((state["step"], metrics["val/reward"]))
+            if not math.isfinite(metrics.get("actor/pg_loss", 0.0)):
+                log.note(f"step {state['step']}: non-finite policy loss")
+            log.log(state["step"], metrics)
+            if cfg.trainer.save_every and state["step"] % cfg.trainer.save_every == 0:
+                trainers.call("save", cfg.trainer.out, state["step"], dict(state))
+            stop = cfg.trainer.stop_at_reward
+            if stop is not None and vals and vals[-1][0] == state["step"] and vals[-1][1] >= stop:
+                log.note(f"step {state['step']}: held-out reward {vals[-1][1]:.3f} >= {stop}, stopping")
+                break
+    finally:
+        log.close()
+        rollouts.shutdown()
+        trainers.shutdown()
+    return {"history": log.history, "val": vals, "state": state}

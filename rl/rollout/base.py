@@ -1,0 +1,79 @@
+"""The rollout-engine interface: token ids in, token ids and per-token log-probs out.
+
+Every engine returns, for each request, the sampled ``response_ids`` and ``logprobs`` =
+log_softmax(logits / temperature) over the full vocabulary at the sampled token (before top-p), so
+IcePop's ratio k = π_train / π_rollout compares like with like. Randomness comes only from each
+request's ``seed`` (derived from step, prompt index and sample index), so a redone request — after
+a restart, a resume, or on another actor — gives the same sample.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    stop_token_ids: tuple = ()
+
+
+@dataclass
+class Request:
+    key: tuple
+    """(prompt index, sample index): unique within a step."""
+    prompt_ids: list[int]
+    seed: int
+
+
+@dataclass
+class Result:
+    key: tuple
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str = "length"
+    """"stop" (a stop token was sampled; it is part of the response) or "length"."""
+
+
+@dataclass
+class AdapterPayload:
+    """An HF PEFT adapter as bytes (adapter_config.json + adapter_model.safetensors): what the
+    trainer pushes to the engines after each update; ``None`` files = base model."""
+    version: int
+    files: dict = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(v) for v in self.files.values())
+
+
+def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> int:
+    """A 63-bit seed from (run seed, step, prompt, sample), stable across restarts and layouts."""
+    import hashlib
+
+    h = hashlib.blake2b(f"{seed}/{step}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+class RolloutEngine(ABC):
+    """One engine per rollout actor. ``hf_dir`` is the base HF checkpoint; the adapter arrives
+    through ``load_adapter``."""
+
+    def __init__(self, hf_dir: str, deterministic_topk: bool = True, **kwargs):
+        self.hf_dir = hf_dir
+        self.deterministic_topk = deterministic_topk
+
+    @abstractmethod
+    def generate(self, requests: list[Request], params: SamplingParams, batched: bool = True) -> list[Result]:
+        ...
+
+    @abstractmethod
+    def load_adapter(self, payload: Optional[AdapterPayload]) -> None:
+        ...
+
+    def health(self) -> bool:
+        return True

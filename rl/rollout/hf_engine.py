@@ -1,0 +1,166 @@
+"""The embedded rollout engine: transformers' ``GlmMoeDsaForCausalLM`` with the adapter loaded
+through ``peft`` — the HF PEFT folder ``glm5 lora export`` writes is also the weight-sync format.
+
+KV-cached decoding, batched over every request that shares a prompt length (no padding, so no
+position or mask games: a finished row just keeps decoding filler that nobody reads), per-request
+``torch.Generator`` sampling with temperature and top-p, stop tokens, a token budget. With
+``deterministic_topk`` the indexer selects its top-k with ``glm5_mcore.dsa.deterministic_topk`` (ties
+to the lower index), the same rule as the trainer.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from rl.rollout.base import AdapterPayload, Request, Result, RolloutEngine, SamplingParams
+
+
+def _deterministic_indexer_class():
+    """``GlmMoeDsaIndexer`` with transformers' ``index_scores.topk`` replaced by the trainer's
+    tie-stable top-k (modeling_glm_moe_dsa.py, ``GlmMoeDsaIndexer.forward``, transformers 5.24)."""
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
+
+    from glm5_mcore.dsa import deterministic_topk
+
+    class DeterministicIndexer(hf.GlmMoeDsaIndexer):
+        def forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None,
+                    cache=None, **kwargs):
+            if cache is None:
+                cache = kwargs.get("past_key_values")
+            b, s, _ = hidden_states.shape
+            cos, sin = position_embeddings
+            q = self.wq_b(q_resid).view(b, s, self.n_heads, self.head_dim)
+            q_rot, q_pass = torch.split(q, [self.qk_rope_head_dim, self.head_dim - self.qk_rope_head_dim], dim=-1)
+            k = self.k_norm(self.wk(hidden_states)).unsqueeze(2)
+            k_rot, k_pass = torch.split(k, [self.qk_rope_head_dim, self.head_dim - self.qk_rope_head_dim], dim=-1)
+            q_rot, k_rot = hf.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+            q = torch.cat([q_rot, q_pass], dim=-1)
+            k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+            if cache is not None:
+                k = cache.update_indexer(k, self.layer_idx)
+            scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.softmax_scale)
+            weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
+            index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+            if attention_mask.dtype == torch.bool:
+                index_scores = index_scores.masked_fill(~attention_mask, float("-inf"))
+            else:
+                index_scores = index_scores + attention_mask
+            idx = deterministic_topk(index_scores, min(self.index_topk, index_scores.shape[-1]))
+            # rows with fewer than k causal keys: pad with a selected (valid) key, as the mask ignores repeats
+            return torch.where(idx < 0, idx.max(-1, keepdim=True).values, idx).to(torch.int32)
+
+    return DeterministicIndexer
+
+
+def _top_p_probs(logits_BV: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    probs = torch.softmax(logits_BV / temperature, dim=-1)
+    if top_p >= 1.0:
+        return probs
+    sp, si = probs.sort(dim=-1, descending=True)
+    drop = sp.cumsum(-1) - sp > top_p
+    sp = sp.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter(-1, si, sp / sp.sum(-1, keepdim=True))
+
+
+class HFRolloutEngine(RolloutEngine):
+    def __init__(self, hf_dir: str, deterministic_topk: bool = True, dtype: str = "float32", threads: int = 1,
+                 **kwargs):
+        super().__init__(hf_dir, deterministic_topk)
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(threads)
+        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
+        if deterministic_topk:
+            cls = _deterministic_indexer_class()
+            for m in self.model.modules():
+                if type(m).__name__ == "GlmMoeDsaIndexer":
+                    m.__class__ = cls
+        self.max_positions = self.model.config.max_position_embeddings
+        self.peft = None
+        self.adapter_version: Optional[int] = None
+        self.stats = {"tokens": 0, "seconds": 0.0}
+
+    # ------------------------------------------------------------------ weights
+    def load_adapter(self, payload: Optional[AdapterPayload]) -> None:
+        """Install the PEFT adapter in ``payload`` (None or no files: run the base model)."""
+        from peft import PeftModel, set_peft_model_state_dict
+        from safetensors.torch import load as load_bytes
+
+        if payload is None or not payload.files:
+            if self.peft is not None:
+                self.peft.base_model.disable_adapter_layers()
+            self.adapter_version = None
+            return
+        if self.peft is None:
+            with tempfile.TemporaryDirectory() as d:
+                for name, data in payload.files.items():
+                    Path(d, name).write_bytes(data)
+                self.peft = PeftModel.from_pretrained(self.model, d).eval()
+        else:
+            self.peft.base_model.enable_adapter_layers()
+            res = set_peft_model_state_dict(self.peft, load_bytes(payload.files["adapter_model.safetensors"]))
+            if getattr(res, "unexpected_keys", None):
+                raise ValueError(f"adapter v{payload.version}: unexpected keys {res.unexpected_keys[:3]}")
+        self.adapter_version = payload.version
+
+    @property
+    def _net(self):
+        return self.peft if self.peft is not None else self.model
+
+    # ------------------------------------------------------------------ sampling
+    @torch.no_grad()
+    def generate(self, requests: list[Request], params: SamplingParams, batched: bool = True) -> list[Result]:
+        t0 = time.perf_counter()
+        groups: dict = defaultdict(list)
+        for r in requests:
+            if len(r.prompt_ids) + params.max_new_tokens > self.max_positions:
+                raise ValueError(f"request {r.key}: prompt {len(r.prompt_ids)} + max_new_tokens "
+                                 f"{params.max_new_tokens} exceeds max_position_embeddings={self.max_positions}")
+            groups[len(r.prompt_ids) if batched else (len(r.prompt_ids), r.key[0])].append(r)
+        out = {}
+        for reqs in groups.values():
+            for res in self._decode(reqs, params):
+                out[res.key] = res
+        results = [out[r.key] for r in requests]
+        self.stats["tokens"] += sum(len(r.response_ids) for r in results)
+        self.stats["seconds"] += time.perf_counter() - t0
+        return results
+
+    def _decode(self, reqs: list[Request], p: SamplingParams) -> list[Result]:
+        B = len(reqs)
+        gens = [torch.Generator().manual_seed(r.seed) for r in reqs]
+        stop = set(int(t) for t in p.stop_token_ids)
+        ids = torch.tensor([r.prompt_ids for r in reqs], dtype=torch.long)
+        out = self._net(input_ids=ids, use_cache=True)
+        cache = out.past_key_values
+        logits = out.logits[:, -1].float()
+        toks: list[list[int]] = [[] for _ in range(B)]
+        lps: list[list[float]] = [[] for _ in range(B)]
+        done = [False] * B
+        reason = ["length"] * B
+        for t in range(p.max_new_tokens):
+            logp = torch.log_softmax(logits / p.temperature, dim=-1)
+            probs = _top_p_probs(logits, p.temperature, p.top_p)
+            nxt = torch.zeros(B, dtype=torch.long)
+            for i in range(B):
+                if done[i]:
+                    continue
+                tok = int(torch.multinomial(probs[i], 1, generator=gens[i]))
+                nxt[i] = tok
+                toks[i].append(tok)
+                lps[i].append(float(logp[i, tok]))
+                if tok in stop:
+                    done[i], reason[i] = True, "stop"
+            if all(done) or t == p.max_new_tokens - 1:
+                break
+            out = self._net(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            logits = out.logits[:, -1].float()
+        return [Result(r.key, toks[i], lps[i], reason[i]) for i, r in enumerate(reqs)]

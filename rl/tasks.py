@@ -1,0 +1,121 @@
+"""Prompt sets for RL: a JSONL file, or the built-in toy task.
+
+The toy task (``data.train=toy``) is one a tiny random GLM-5 can learn on CPU in minutes and whose
+right answer depends on the prompt: the prompt is three random words ``w{b} w{c} w{a}``; a response
+whose first word ``w{j}`` has ``j ≡ a (mod m)`` (a: the last word, one of ``keys`` key words) scores 1, anything else 0 (``rl.rewards.toy_residue``).
+A constant policy — or one that ignores the prompt — scores 1/m; the default m = 2.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+TOY_SOURCE = "glm5_toy_residue"
+
+
+class PromptDataError(ValueError):
+    """A bad prompt row; the message names file:line and the field."""
+
+
+@dataclass
+class Prompt:
+    index: int
+    """Position in its set: with (step, sample) it seeds the sample's randomness."""
+    ids: list[int]
+    text: str
+    ground_truth: Any = None
+    data_source: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def toy_prompts(tokenizer, size: int, seed: int, modulus: int = 2, keys: int = 8) -> list[Prompt]:
+    """``size`` toy prompts over the tokenizer's ``w{i}`` words (the ``glm5 tiny`` tokenizer)."""
+    vocab = tokenizer.get_vocab()
+    words = sorted((int(w[1:]) for w in vocab if w[:1] == "w" and w[1:].isdigit()))
+    if len(words) < 2 * modulus:
+        raise PromptDataError("data.train=toy needs a tokenizer with w0, w1, ... words (glm5 tiny's)")
+    g = torch.Generator().manual_seed(seed)
+    picks = torch.randint(len(words), (size, 3), generator=g)
+    picks[:, 0] %= keys
+    out = []
+    for i, (a, b, c) in enumerate(picks.tolist()):
+        text = f"w{words[b]} w{words[c]} w{words[a]}"
+        out.append(Prompt(i, tokenizer.encode(text, add_special_tokens=False), text,
+                          ground_truth=words[a] % modulus, data_source=TOY_SOURCE, extra={"modulus": modulus}))
+    return out
+
+
+def read_prompts(path: str | Path, tokenizer, chat_template: bool, max_tokens: int) -> list[Prompt]:
+    """Rows ``{"prompt": str}`` or ``{"messages": [...]}`` plus optional ``ground_truth`` (or
+    ``answer``), ``data_source`` and ``extra_info``; errors name file:line and the field."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: prompt file not found")
+    out = []
+    with path.open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PromptDataError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise PromptDataError(f"{where}: expected a JSON object")
+            if "messages" in row:
+                msgs = row["messages"]
+                if not isinstance(msgs, list) or not all(isinstance(m, dict) and "content" in m for m in msgs):
+                    raise PromptDataError(f"{where}: field 'messages' must be a list of {{role, content}}")
+                text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            elif isinstance(row.get("prompt"), str):
+                text = row["prompt"]
+                if chat_template:
+                    text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                         add_generation_prompt=True)
+            else:
+                raise PromptDataError(f"{where}: needs a string field 'prompt' or a list 'messages'")
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if not ids:
+                raise PromptDataError(f"{where}: the prompt tokenizes to nothing")
+            if len(ids) > max_tokens:
+                raise PromptDataError(f"{where}: prompt has {len(ids)} tokens > data.max_prompt_tokens={max_tokens}")
+            extra = row.get("extra_info") or {}
+            out.append(Prompt(len(out), ids, text, row.get("ground_truth", row.get("answer")),
+                              str(row.get("data_source", path.stem)), extra))
+    if not out:
+        raise PromptDataError(f"{path}: no prompts")
+    return out
+
+
+def load_prompts(spec: Optional[str], tokenizer, *, chat_template: bool, max_tokens: int, toy_size: int,
+                 seed: int) -> list[Prompt]:
+    if spec is None:
+        return []
+    if spec == "toy":
+        return toy_prompts(tokenizer, toy_size, seed)
+    return read_prompts(spec, tokenizer, chat_template, max_tokens)
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def next_prompts(prompts: list[Prompt], count: int, seed: int, pos: dict) -> list[Prompt]:
+    """The next ``count`` prompts of the epoch stream; ``pos`` = {"epoch", "cursor"} is advanced
+    (it goes into checkpoints, so a resumed run continues the same stream)."""
+    if count > len(prompts):
+        raise PromptDataError(f"data.prompts_per_step={count} exceeds the {len(prompts)} prompts of the set")
+    if pos["cursor"] + count > len(prompts):
+        pos["epoch"] += 1
+        pos["cursor"] = 0
+    order = epoch_order(len(prompts), seed, pos["epoch"])
+    out = [prompts[i] for i in order[pos["cursor"]: pos["cursor"] + count]]
+    pos["cursor"] += count
+    return out

@@ -1,0 +1,362 @@
+"""One trainer rank: GLM-5 on Megatron-Core with the policy LoRA adapter (and, for GAE, the
+critic: a value head + its own adapter "critic" on the same frozen base), the indexer frozen.
+
+It runs in-process (tests) or inside a Ray actor (``rl.workers``); all ranks of a run form one
+torch.distributed group (gloo on CPU, NCCL on GPU) with Megatron's TP/EP/DP groups. Sequences are
+THD-packed (prompt + response per document) into micro-batches of ``actor.micro_batch_tokens``.
+
+- ``compute_log_probs``: old log-probs (policy adapter), reference log-probs (adapters disabled —
+  the same weights, no second model), critic values; forward only.
+- ``update``: PPO epochs over mini-batches; per micro-batch verl's policy loss (rollout-correction
+  weights multiplied in per token) + KL loss + entropy bonus + value loss, aggregated with verl's
+  ``agg_loss`` over the *mini-batch's* global token / sequence counts; Megatron's schedule does the
+  backward and DP reduction. A non-finite loss or gradient skips the optimizer step with a reason.
+- ``export_adapter``: the policy adapter as an HF PEFT payload (the rollout engines' weight sync).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rl.algos import ActorLoss
+from rl.batch import RolloutBatch
+from rl.config import RLConfig
+
+
+class ValueHead(torch.nn.Module):
+    """V(s_t) = w · h_t + b on the final-norm hidden state [s, b, H] -> [s, b] (fp32, replicated)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.proj = torch.nn.Linear(hidden, 1)
+        torch.nn.init.zeros_(self.proj.weight)
+        torch.nn.init.zeros_(self.proj.bias)
+
+    def forward(self, h):
+        return self.proj(h.float()).squeeze(-1)
+
+
+class _Packed:
+    """Micro-batch: samples ``rows`` packed THD; ``pos`` [n, R] logit positions of each response
+    token (its predecessor's position), ``pos_mask`` [n, R]."""
+
+    def __init__(self, batch: RolloutBatch, rows: list[int], pad_to: int, pad_id: int):
+        ids, targets, positions, lengths = [], [], [], []
+        R = batch.response_mask.shape[1]
+        self.rows = rows
+        self.pos = torch.zeros(len(rows), R, dtype=torch.long)
+        off = 0
+        for j, i in enumerate(rows):
+            seq = batch.prompts[i] + batch.responses[i]
+            P, n = len(batch.prompts[i]), len(batch.responses[i])
+            ids += seq
+            targets += seq[1:] + [0]
+            positions += list(range(len(seq)))
+            lengths.append(len(seq))
+            self.pos[j, :n] = torch.arange(off + P - 1, off + P - 1 + n)
+            off += len(seq)
+        if pad_to > off:  # filler document (masked out) so EP ranks see equal token counts
+            extra = pad_to - off
+            ids += [pad_id] * extra
+            targets += [0] * extra
+            positions += list(range(extra))
+            lengths.append(extra)
+        self.num_tokens = len(ids)
+        self.input_ids = torch.tensor([ids])
+        self.targets = torch.tensor(targets)
+        self.position_ids = torch.tensor([positions])
+        self.lengths = lengths
+        self.pos_mask = batch.response_mask[rows] if rows else torch.zeros(0, R)
+
+    def packed_seq_params(self):
+        from glm5_mcore.model import packed_seq_params_from_lengths
+
+        return packed_seq_params_from_lengths(self.lengths)
+
+
+class PolicyTrainer:
+    def __init__(self, cfg: RLConfig, rank: int = 0, world: int = 1, master_addr: Optional[str] = None,
+                 master_port: Optional[int] = None):
+        from glm5_mcore.config import GLM5Config, ParallelConfig
+        from glm5_mcore.lora import LoRAConfig, apply_lora, set_adapter
+        from glm5_mcore.model import build_model, init_parallel, load_hf_weights
+        from glm5_mcore.training import OptimSettings, build_trainer
+        from transformers import AutoTokenizer
+
+        if master_addr is not None:
+            os.environ.update(MASTER_ADDR=str(master_addr), MASTER_PORT=str(master_port), RANK=str(rank),
+                              WORLD_SIZE=str(world), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
+        self.cfg = cfg
+        t = cfg.trainer
+        self.parallel = ParallelConfig(tp=t.tp, ep=t.ep)
+        self.glm5 = GLM5Config.from_hf_dir(cfg.model.hf_dir)
+        init_parallel(self.parallel, seed=t.seed)
+        self.pad_id = AutoTokenizer.from_pretrained(cfg.model.hf_dir).pad_token_id or 0
+        model = build_model(self.glm5, self.parallel, mtp_num_layers=None)
+        if cfg.model.ckpt:
+            from glm5_mcore.checkpoint import load_model, model_dir
+
+            load_model(model, model_dir(cfg.model.ckpt))
+        else:
+            load_hf_weights(model, cfg.model.hf_dir, self.glm5)
+        self.lora_cfg = {"default": LoRAConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha,
+                                               targets=tuple(cfg.lora.targets), seed=t.seed)}
+        apply_lora(model, self.lora_cfg["default"], "default", freeze_indexer=t.freeze_indexer)
+        self.value_head = None
+        if cfg.use_critic:
+            c = cfg.critic.lora
+            self.lora_cfg["critic"] = LoRAConfig(rank=c.rank, alpha=c.alpha, targets=tuple(c.targets),
+                                                 seed=t.seed + 1)
+            apply_lora(model, self.lora_cfg["critic"], "critic", freeze_indexer=t.freeze_indexer)
+            model.value_head = self.value_head = ValueHead(self.glm5.hidden_size)
+            self._hidden = None
+            model.output_layer.register_forward_pre_hook(self._capture_hidden)
+        set_adapter(model, "default")
+        self.model = model
+        a = cfg.actor
+        self.ddp, self.opt, self.sched = build_trainer(model, OptimSettings(
+            lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
+            adam_beta2=a.adam_beta2, decay_style="constant", total_steps=t.steps))
+        self.loss = ActorLoss(cfg)
+
+    # ------------------------------------------------------------------ helpers
+    def _capture_hidden(self, _mod, args):
+        self._hidden = args[0]
+
+    @property
+    def reports(self) -> bool:
+        """Whether this rank's results are the ones the driver reads (TP rank 0)."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_rank() == 0
+
+    def _dp(self) -> tuple[int, int]:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+
+    def _micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[_Packed]:
+        """Greedy THD packing of ``rows`` into micro-batches; with >1 rank every rank gets the same
+        number of micro-batches of the same sizes (Megatron's allgather dispatcher needs equal EP shares)."""
+        budget = self.cfg.actor.micro_batch_tokens
+        groups, cur, size = [], [], 0
+        for i in rows:
+            n = len(batch.prompts[i]) + len(batch.responses[i])
+            if cur and size + n > budget:
+                groups.append(cur)
+                cur, size = [], 0
+            cur.append(i)
+            size += n
+        if cur:
+            groups.append(cur)
+        sizes = [sum(len(batch.prompts[i]) + len(batch.responses[i]) for i in g) for g in groups]
+        if dist.get_world_size() > 1:
+            cnt = torch.tensor([len(groups)])
+            dist.all_reduce(cnt, op=dist.ReduceOp.MAX)
+            groups += [[] for _ in range(int(cnt) - len(groups))]
+            sizes += [1] * (int(cnt) - len(sizes))
+            s = torch.tensor(sizes)
+            dist.all_reduce(s, op=dist.ReduceOp.MAX)
+            sizes = s.tolist()
+        mult = self.parallel.tp if self.model.config.sequence_parallel else 1
+        return [_Packed(batch, g, -(-n // mult) * mult, self.pad_id) for g, n in zip(groups, sizes)]
+
+    def _logprobs(self, model, mb: _Packed, temperature: float):
+        """(log p [n, R], entropy [n, R]) of each response token under ``model``'s active adapter."""
+        from megatron.core import parallel_state as ps
+
+        from glm5_mcore.mtp_loss import token_logprobs
+
+        logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
+                       packed_seq_params=mb.packed_seq_params())[0]  # [T, V/TP]
+        group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+        logp, ent = token_logprobs(logits, mb.targets, group, temperature)
+        return logp[mb.pos], ent[mb.pos]
+
+    def _values(self, model, mb: _Packed) -> torch.Tensor:
+        from glm5_mcore.lora import set_adapter
+
+        set_adapter(self.model, "critic")
+        try:
+            model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
+                  packed_seq_params=mb.packed_seq_params())
+        finally:
+            set_adapter(self.model, "default")
+        h = self._hidden  # [T, 1, H]
+        if self.model.config.sequence_parallel:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            h = gather_from_sequence_parallel_region(h)
+        return self.value_head(h)[:, 0][mb.pos]
+
+    # ------------------------------------------------------------------ forward only
+    @torch.no_grad()
+    def compute_log_probs(self, batch: RolloutBatch, ref: bool = True) -> Optional[dict]:
+        """{"rows": sample indices, "old_log_probs", "ref_log_probs", "values": [n, R]} for this
+        rank's DP share (None on non-reporting ranks)."""
+        from glm5_mcore.lora import disable_adapters
+
+        dp, dp_rank = self._dp()
+        rows = list(range(batch.size))[dp_rank::dp]
+        T = self.cfg.rollout.temperature
+        self.ddp.eval()
+        out = {"rows": [], "old_log_probs": [], "ref_log_probs": [], "values": []}
+        for mb in self._micro_batches(batch, rows):
+            old, _ = self._logprobs(self.ddp, mb, T)
+            out["old_log_probs"].append(old)
+            if ref:
+                with disable_adapters(self.model):
+                    out["ref_log_probs"].append(self._logprobs(self.ddp, mb, T)[0])
+            if self.value_head is not None:
+                out["values"].append(self._values(self.ddp, mb))
+            out["rows"] += mb.rows
+        self.ddp.train()
+        if not self.reports:
+            return None
+        return {k: (torch.cat(v) if v and k != "rows" else v) for k, v in out.items()}
+
+    # ------------------------------------------------------------------ update
+    def update(self, batch: RolloutBatch, step: int) -> Optional[dict]:
+        """PPO epochs × mini-batches of ``actor.ppo_mini_batch_size`` prompts; returns averaged metrics."""
+        from glm5_mcore.training import forward_backward
+
+        a = self.cfg.actor
+        dp, dp_rank = self._dp()
+        n = self.cfg.rollout.n
+        n_prompts = batch.size // n
+        sums: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        skipped, reasons, grad_norms = 0, [], []
+        t0 = time.perf_counter()
+        for epoch in range(a.ppo_epochs):
+            g = torch.Generator().manual_seed(self.cfg.trainer.seed * 7919 + step * 31 + epoch)
+            order = torch.randperm(n_prompts, generator=g).tolist()
+            for m0 in range(0, n_prompts, a.ppo_mini_batch_size):
+                prompts = order[m0: m0 + a.ppo_mini_batch_size]
+                mb_rows = sorted(p * n + k for p in prompts for k in range(n))
+                mask = batch.response_mask[mb_rows]
+                gbi = {"dp_size": dp, "batch_num_tokens": int(mask.sum()),
+                       "global_batch_size": int((mask.sum(-1) > 0).sum())}
+                micro = self._micro_batches(batch, mb_rows[dp_rank::dp])
+                self.ddp.zero_grad_buffer()
+                self.opt.zero_grad()
+                reports = forward_backward(self.ddp, self._train_step(batch, gbi, len(micro)), micro,
+                                           forward_only=False, seq_length=max(m.num_tokens for m in micro))
+                ok, why = self._finite(reports)
+                if ok:
+                    success, grad_norm, _ = self.opt.step()
+                    self.sched.step(increment=1)
+                    grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+                else:
+                    skipped += 1
+                    reasons.append(why)
+                    self.ddp.zero_grad_buffer()
+                    self.opt.zero_grad()
+                for r in reports:
+                    for k, (v, w) in r.items():
+                        sums[k] = sums.get(k, 0.0) + v * w
+                        weights[k] = weights.get(k, 0.0) + w
+        keys = sorted(sums)
+        t = torch.tensor([[sums[k], weights[k]] for k in keys], dtype=torch.float64).reshape(-1, 2)
+        from megatron.core import parallel_state as ps
+
+        if dp > 1:
+            dist.all_reduce(t, group=ps.get_data_parallel_group())
+        metrics = {k: float(t[i, 0] / max(t[i, 1], 1e-12)) for i, k in enumerate(keys)}
+        metrics.update({"actor/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
+                        "actor/lr": self.opt.param_groups[0]["lr"], "actor/updates_skipped": float(skipped),
+                        "timing_s/update_inner": time.perf_counter() - t0})
+        if reasons:
+            metrics["skip_reasons"] = reasons
+        return metrics if self.reports else None
+
+    def _train_step(self, batch: RolloutBatch, gbi: dict, num_micro: int):
+        def forward_step(data_iter, model):
+            mb: _Packed = next(data_iter)
+            logp, ent = self._logprobs(model, mb, self.cfg.rollout.temperature)
+            vpreds = self._values(model, mb) if self.value_head is not None else None
+
+            def loss_func(_out):
+                loss, metrics = self.loss(batch, mb.rows, logp, ent, vpreds, gbi, num_micro)
+                return loss * num_micro, metrics
+
+            return logp, loss_func
+
+        return forward_step
+
+    def _finite(self, reports: list[dict]) -> tuple[bool, str]:
+        """All ranks agree whether this mini-batch's losses and gradients are finite."""
+        bad_loss = any(not np.isfinite(v) for r in reports for k, (v, _) in r.items() if k.endswith("loss"))
+        bad_grad = any(not torch.isfinite(p.main_grad).all() for p in self.ddp.parameters()
+                       if p.requires_grad and getattr(p, "main_grad", None) is not None)
+        flag = torch.tensor([float(bad_loss), float(bad_grad)])
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag[0]:
+            return False, "non-finite loss"
+        if flag[1]:
+            return False, "non-finite gradient"
+        return True, ""
+
+    # ------------------------------------------------------------------ weights, checkpoints
+    def export_adapter(self, version: int):
+        """The policy adapter as an HF PEFT payload (rank 0; None elsewhere)."""
+        from glm5_mcore.adapters import gather_adapter
+        from glm5_mcore.peft_io import export_peft
+        from rl.rollout.base import AdapterPayload
+
+        state = gather_adapter(self.model, "default")
+        if state is None:
+            return None
+        with tempfile.TemporaryDirectory() as d:
+            out = export_peft(state, self.glm5.num_hidden_layers, self.glm5.n_routed_experts, Path(d) / "a",
+                              base_model=self.cfg.model.hf_dir)
+            return AdapterPayload(version, {p.name: p.read_bytes() for p in out.iterdir()})
+
+    def save(self, root: str, step: int, trainer_state: dict) -> None:
+        from glm5_mcore.checkpoint import prune_iterations, save_checkpoint, write_hf_meta
+        from glm5_mcore.training import rng_state
+
+        rank_state = {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "rng": rng_state(),
+                      "value_head": self.value_head.state_dict() if self.value_head is not None else None}
+        save_checkpoint(root, step, self.model, trainer_state, adapters=self.lora_cfg, save_base=False,
+                        rank_state=rank_state)
+        if dist.get_rank() == 0:
+            if not (Path(root) / "hf").is_dir():
+                write_hf_meta(Path(root) / "hf", self.cfg.model.hf_dir)
+            prune_iterations(root, self.cfg.trainer.keep_last)
+        dist.barrier()
+
+    @torch.no_grad()
+    def restore(self, root: str) -> Optional[dict]:
+        """Adapters, optimizer, scheduler, RNG and value head from ``root``'s latest iteration."""
+        import json
+
+        from glm5_mcore.adapters import read_adapter_state
+        from glm5_mcore.checkpoint import adapter_dir, iter_dir, latest_iteration
+        from glm5_mcore.lora import lora_layers
+        from glm5_mcore.training import set_rng_state
+
+        if not (Path(root) / "latest").is_file():
+            return None
+        it = latest_iteration(root)
+        for name in self.lora_cfg:
+            st = read_adapter_state(adapter_dir(root, name, it))
+            for _, _, lora in lora_layers(self.model):
+                if name in lora.A:
+                    lora.load_full_(name, st.A[lora.module_name], st.B[lora.module_name])
+        rs = torch.load(iter_dir(root, it) / "optimizer" / f"rank_{dist.get_rank():05d}.pt", weights_only=False)
+        self.opt.load_state_dict(rs["optimizer"])
+        self.sched.load_state_dict(rs["scheduler"])
+        set_rng_state(rs["rng"])
+        if self.value_head is not None:
+            self.value_head.load_state_dict(rs["value_head"])
+        return json.loads((iter_dir(root, it) / "trainer_state.json").read_text())

@@ -1,0 +1,205 @@
+"""Ray placement and actors: the trainer group and the rollout pool.
+
+- ``TrainerGroup``: ``trainer.world_size`` Ray actors (one per rank, in a placement group) that form
+  one torch.distributed group — rank 0 picks the rendezvous address/port — each holding a
+  ``PolicyTrainer``. Every call goes to all ranks (collectives inside); results come from the
+  reporting ranks.
+- ``RolloutPool``: ``rollout.num_actors`` engine actors. A step's prompts are split over them by
+  prompt (a prompt's ``n`` samples stay on one actor); an actor that dies mid-step is replaced (base
+  weights + the current adapter) and its prompts are redone, with the same per-sample seeds, so no
+  sample is lost or counted twice.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+from typing import Optional
+
+import ray
+
+from rl.rollout.base import AdapterPayload, Request, Result, SamplingParams
+
+_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_SILENT": "true",
+        "PYTHONWARNINGS": "ignore"}
+
+
+def start_ray(address: Optional[str], num_cpus: Optional[int]) -> None:
+    """Local Ray by default; join ``address`` ("auto", "ray://host:10001") when given."""
+    if ray.is_initialized():
+        return
+    path = [p for p in (os.environ.get("PYTHONPATH", ""), os.getcwd()) if p]
+    runtime_env = {"env_vars": {**_ENV, "PYTHONPATH": os.pathsep.join(path)}}
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+    else:
+        ray.init(num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=False,
+                 runtime_env=runtime_env, log_to_driver=True, configure_logging=False)
+
+
+def _load_class(path: str):
+    mod, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"rollout.engine={path!r}: cannot import ({e})") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# trainer ranks
+# --------------------------------------------------------------------------------------------------
+@ray.remote
+class TrainerActor:
+    def node_address(self) -> tuple[str, int]:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init(self, cfg, rank: int, world: int, addr: str, port: int) -> bool:
+        from rl.trainer import PolicyTrainer
+
+        self.trainer = PolicyTrainer(cfg, rank, world, addr, port)
+        return self.trainer.reports
+
+    def call(self, method: str, *args, **kwargs):
+        return getattr(self.trainer, method)(*args, **kwargs)
+
+
+class TrainerGroup:
+    def __init__(self, cfg):
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        t = cfg.trainer
+        bundle = {"CPU": 1, **({"GPU": t.gpus_per_rank} if t.gpus_per_rank else {})}
+        self.pg = placement_group([dict(bundle) for _ in range(t.world_size)], strategy="PACK")
+        ray.get(self.pg.ready())
+        self.actors = [TrainerActor.options(
+            num_cpus=1, num_gpus=t.gpus_per_rank,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r)).remote()
+            for r in range(t.world_size)]
+        addr, port = ray.get(self.actors[0].node_address.remote())
+        self.reporting = ray.get([a.init.remote(cfg, r, t.world_size, addr, port) for r, a in enumerate(self.actors)])
+
+    def call(self, method: str, *args, **kwargs) -> list:
+        """``method`` on every rank; the reporting ranks' results (in rank order)."""
+        args = [ray.put(a) if len(self.actors) > 1 else a for a in args]  # one copy in the object store
+        refs = [a.call.remote(method, *args, **kwargs) for a in self.actors]
+        out = ray.get(refs)
+        return [o for o, rep in zip(out, self.reporting) if rep]
+
+    def first(self, method: str, *args, **kwargs):
+        res = [a.call.remote(method, *args, **kwargs) for a in self.actors]
+        return ray.get(res)[0]
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            ray.kill(a)
+        ray.util.remove_placement_group(self.pg)
+
+
+# --------------------------------------------------------------------------------------------------
+# rollout actors
+# --------------------------------------------------------------------------------------------------
+@ray.remote
+class RolloutActor:
+    def __init__(self, engine: str, hf_dir: str, deterministic_topk: bool, kwargs: dict):
+        self.engine = _load_class(engine)(hf_dir, deterministic_topk=deterministic_topk, **kwargs)
+
+    def load_adapter(self, payload: Optional[AdapterPayload]) -> bool:
+        self.engine.load_adapter(payload)
+        return True
+
+    def generate(self, requests: list[Request], params: SamplingParams, batched: bool) -> list[Result]:
+        return self.engine.generate(requests, params, batched)
+
+    def stats(self) -> dict:
+        return dict(getattr(self.engine, "stats", {}))
+
+
+class RolloutPool:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.payload: Optional[AdapterPayload] = None
+        self.restarts = 0
+        self.events: list[str] = []
+        self.actors = [self._new() for _ in range(cfg.rollout.num_actors)]
+
+    def _new(self):
+        r = self.cfg.rollout
+        return RolloutActor.options(num_cpus=1, num_gpus=r.gpus_per_actor, max_concurrency=1).remote(
+            r.engine, self.cfg.model.hf_dir, r.deterministic_topk, dict(r.engine_kwargs))
+
+    def sync(self, payload: Optional[AdapterPayload]) -> None:
+        """Push the adapter to every actor (kept for actors started later)."""
+        self.payload = payload
+        for i, ok in self._each(lambda a: a.load_adapter.remote(payload)):
+            pass
+
+    def _each(self, fn):
+        out = []
+        for i in range(len(self.actors)):
+            for attempt in range(self.cfg.rollout.max_restarts + 1):
+                try:
+                    out.append((i, ray.get(fn(self.actors[i]))))
+                    break
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
+                    self._replace(i, e)
+            else:
+                raise RuntimeError(f"rollout actor {i} keeps dying ({self.cfg.rollout.max_restarts} restarts)")
+        return out
+
+    def _replace(self, i: int, err) -> None:
+        self.restarts += 1
+        if self.restarts > self.cfg.rollout.max_restarts * len(self.actors) + 100:
+            raise RuntimeError(f"rollout actors died {self.restarts} times; last: {err}")
+        try:
+            ray.kill(self.actors[i])
+        except Exception:
+            pass
+        self.actors[i] = self._new()
+        ray.get(self.actors[i].load_adapter.remote(self.payload))
+        self.events.append(f"rollout actor {i} died ({type(err).__name__}); restarted")
+
+    def generate(self, requests: list[Request], params: SamplingParams) -> list[Result]:
+        """Every request exactly once, in order; shards by prompt over the actors, redoing the shard
+        of an actor that dies."""
+        prompt_ids = sorted({r.key[0] for r in requests})
+        n = len(self.actors)
+        owner = {p: j % n for j, p in enumerate(prompt_ids)}
+        shards = [[r for r in requests if owner[r.key[0]] == i] for i in range(n)]
+        pending = {i: self.actors[i].generate.remote(shards[i], params, self.cfg.rollout.batch_prompts)
+                   for i in range(n) if shards[i]}
+        tries = {i: 0 for i in pending}
+        results: dict[tuple, Result] = {}
+        while pending:
+            ready, _ = ray.wait(list(pending.values()), num_returns=1)
+            i = next(k for k, v in pending.items() if v == ready[0])
+            del pending[i]
+            try:
+                got = ray.get(ready[0])
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
+                tries[i] += 1
+                if tries[i] > self.cfg.rollout.max_restarts:
+                    raise RuntimeError(f"rollout actor {i} died {tries[i]} times in one step") from e
+                self._replace(i, e)
+                self.events[-1] += f"; redoing its {len({r.key[0] for r in shards[i]})} prompts"
+                pending[i] = self.actors[i].generate.remote(shards[i], params, self.cfg.rollout.batch_prompts)
+                continue
+            for res in got:
+                if res.key in results:
+                    raise RuntimeError(f"sample {res.key} returned twice")
+                results[res.key] = res
+        missing = [r.key for r in requests if r.key not in results]
+        if missing:
+            raise RuntimeError(f"samples {missing[:3]} never returned")
+        return [results[r.key] for r in requests]
+
+    def stats(self) -> list[dict]:
+        return [s for _, s in self._each(lambda a: a.stats.remote())]
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            ray.kill(a)

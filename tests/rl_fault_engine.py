@@ -1,0 +1,22 @@
+"""A rollout engine that kills its own process on its first ``generate`` of a run (the first actor
+to get there wins an O_EXCL marker file), to test that the driver restarts it and redoes its prompts."""
+
+import os
+
+from rl.rollout.hf_engine import HFRolloutEngine
+
+
+class DyingEngine(HFRolloutEngine):
+    def __init__(self, hf_dir, deterministic_topk=True, die_marker=None, **kw):
+        super().__init__(hf_dir, deterministic_topk, **kw)
+        self.die_marker = die_marker
+
+    def generate(self, requests, params, batched=True):
+        if self.die_marker:
+            try:
+                os.close(os.open(self.die_marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                pass
+            else:
+                os._exit(1)  # mid-step, after the driver handed this actor its prompts
+        return super().generate(requests, params, batched)
