@@ -52,7 +52,10 @@ def sft_main(overrides: list[str]) -> int:
 def rl_main(argv: list[str]) -> int:
     """``glm5 rl [--config NAME] key=value ...`` with ``configs/rl/NAME.yaml`` (default grpo_tiny)."""
     import json
+    import warnings
 
+    for module in (r"megatron\.", r"transformers\."):  # library deprecation chatter, not ours
+        warnings.filterwarnings("ignore", module=module)
     from rl.config import RLConfig
     from rl.driver import run
 

@@ -63,13 +63,18 @@ class ActorLoss:
         from verl.trainer.ppo.core_algos import agg_loss, compute_value_loss, kl_penalty
 
         a, mode = self.cfg.actor, self.cfg.actor.loss_agg_mode
-        mask = batch.response_mask[rows]
+        dev = log_prob.device
+
+        def sel(t):
+            return t[rows].to(dev) if t is not None else None
+
+        mask = sel(batch.response_mask)
         ntok = float(mask.sum())
         if not rows:  # a filler micro-batch (equal counts across ranks): zero loss, graph kept
             return log_prob.sum() * 0.0, {}
-        w = batch.rollout_is_weights[rows] if batch.rollout_is_weights is not None else None
-        pg_loss, pg_m = policy_loss(self.cfg, batch.old_log_probs[rows], log_prob, batch.advantages[rows], mask,
-                                    w, gbi, self.actor_cfg)
+        log_prob, entropy = log_prob.float(), entropy.float()
+        pg_loss, pg_m = policy_loss(self.cfg, sel(batch.old_log_probs), log_prob, sel(batch.advantages), mask,
+                                    sel(batch.rollout_is_weights), gbi, self.actor_cfg)
         loss = pg_loss
         share = 1.0 / (num_micro * gbi["dp_size"])
 
@@ -83,11 +88,11 @@ class ActorLoss:
         if a.entropy_coeff:
             loss = loss - a.entropy_coeff * ent
         if a.use_kl_loss:
-            kl = agg_loss(kl_penalty(log_prob, batch.ref_log_probs[rows], a.kl_loss_type), mask, mode, **gbi)
+            kl = agg_loss(kl_penalty(log_prob, sel(batch.ref_log_probs), a.kl_loss_type), mask, mode, **gbi)
             loss = loss + a.kl_loss_coef * kl
             m["actor/kl_loss"] = part(kl)
         if vpreds is not None:
-            vf, vf_clip = compute_value_loss(vpreds, batch.returns[rows], batch.values[rows], mask,
+            vf, vf_clip = compute_value_loss(vpreds, sel(batch.returns), sel(batch.values), mask,
                                              self.cfg.critic.cliprange_value, mode, **gbi)
             loss = loss + self.cfg.critic.vf_coef * vf
             m["critic/vf_loss"] = part(vf)

@@ -148,6 +148,9 @@ class TrainerCfg:
     tp: int = 1
     ep: int = 1
     gpus_per_rank: float = 0.0
+    backend: str = "local"
+    """Megatron-Core modules: ``local`` (CPU and GPU) or ``te`` (Transformer Engine, GPU)."""
+    bf16: bool = False
     save_every: int = 0
     keep_last: int = 2
     eval_every: int = 10
@@ -248,3 +251,12 @@ def validate(c: RLConfig) -> None:
             raise ValueError(f"algorithm.rollout_correction.rollout_is_threshold: {e}") from None
     if t.steps < 1:
         raise ValueError("trainer.steps must be >= 1")
+    if t.backend not in ("local", "te"):
+        raise ValueError(f"trainer.backend={t.backend!r}: local or te")
+    import torch
+
+    if not torch.cuda.is_available():
+        for flag, on in (("trainer.backend=te", t.backend == "te"), ("trainer.bf16", t.bf16)):
+            if on:
+                raise ValueError(f"{flag}: needs CUDA (Transformer Engine / Megatron's bf16 optimizer); "
+                                 "CPU runs are fp32 with local modules")

@@ -80,6 +80,8 @@ def run(cfg: RLConfig) -> dict:
     kl_ctrl = algos.kl_controller(cfg)
     kl_ctrl.value = state["kl_coef"]
     log = RLLogger(cfg, state["step"])
+    if state["step"]:
+        log.note(f"resuming {cfg.trainer.out} at step {state['step']} (trainer.resume=false starts over)")
     vals: list[tuple[int, float]] = []
 
     def evaluate() -> float:

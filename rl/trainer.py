@@ -76,10 +76,14 @@ class _Packed:
         self.lengths = lengths
         self.pos_mask = batch.response_mask[rows] if rows else torch.zeros(0, R)
 
-    def packed_seq_params(self):
+    def packed_seq_params(self, device=None):
         from glm5_mcore.model import packed_seq_params_from_lengths
 
-        return packed_seq_params_from_lengths(self.lengths)
+        return packed_seq_params_from_lengths(self.lengths, device)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 class PolicyTrainer:
@@ -100,7 +104,8 @@ class PolicyTrainer:
         self.glm5 = GLM5Config.from_hf_dir(cfg.model.hf_dir)
         init_parallel(self.parallel, seed=t.seed)
         self.pad_id = AutoTokenizer.from_pretrained(cfg.model.hf_dir).pad_token_id or 0
-        model = build_model(self.glm5, self.parallel, mtp_num_layers=None)
+        overrides = {"bf16": True, "params_dtype": torch.bfloat16} if t.bf16 else {}
+        model = build_model(self.glm5, self.parallel, backend=t.backend, mtp_num_layers=None, **overrides)
         if cfg.model.ckpt:
             from glm5_mcore.checkpoint import load_model, model_dir
 
@@ -124,7 +129,7 @@ class PolicyTrainer:
         a = cfg.actor
         self.ddp, self.opt, self.sched = build_trainer(model, OptimSettings(
             lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
-            adam_beta2=a.adam_beta2, decay_style="constant", total_steps=t.steps))
+            adam_beta2=a.adam_beta2, decay_style="constant", total_steps=t.steps, bf16=t.bf16))
         self.loss = ActorLoss(cfg)
 
     # ------------------------------------------------------------------ helpers
@@ -175,19 +180,22 @@ class PolicyTrainer:
 
         from glm5_mcore.mtp_loss import token_logprobs
 
-        logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
-                       packed_seq_params=mb.packed_seq_params())[0]  # [T, V/TP]
+        dev = _device()
+        logits = model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), attention_mask=None,
+                       packed_seq_params=mb.packed_seq_params(dev))[0]  # [T, V/TP]
         group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
-        logp, ent = token_logprobs(logits, mb.targets, group, temperature)
-        return logp[mb.pos], ent[mb.pos]
+        logp, ent = token_logprobs(logits, mb.targets.to(dev), group, temperature)
+        pos = mb.pos.to(dev)
+        return logp[pos], ent[pos]
 
     def _values(self, model, mb: _Packed) -> torch.Tensor:
         from glm5_mcore.lora import set_adapter
 
         set_adapter(self.model, "critic")
+        dev = _device()
         try:
-            model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
-                  packed_seq_params=mb.packed_seq_params())
+            model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), attention_mask=None,
+                  packed_seq_params=mb.packed_seq_params(dev))
         finally:
             set_adapter(self.model, "default")
         h = self._hidden  # [T, 1, H]
@@ -195,7 +203,7 @@ class PolicyTrainer:
             from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
             h = gather_from_sequence_parallel_region(h)
-        return self.value_head(h)[:, 0][mb.pos]
+        return self.value_head(h)[:, 0][mb.pos.to(dev)]
 
     # ------------------------------------------------------------------ forward only
     @torch.no_grad()
@@ -221,7 +229,7 @@ class PolicyTrainer:
         self.ddp.train()
         if not self.reports:
             return None
-        return {k: (torch.cat(v) if v and k != "rows" else v) for k, v in out.items()}
+        return {k: (torch.cat(v).float().cpu() if v and k != "rows" else v) for k, v in out.items()}
 
     # ------------------------------------------------------------------ update
     def update(self, batch: RolloutBatch, step: int) -> Optional[dict]:

@@ -22,7 +22,8 @@ import ray
 from rl.rollout.base import AdapterPayload, Request, Result, SamplingParams
 
 _ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_SILENT": "true",
-        "PYTHONWARNINGS": "ignore"}
+        "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "RAY_DEDUP_LOGS": "1"}
 
 
 def start_ray(address: Optional[str], num_cpus: Optional[int]) -> None:

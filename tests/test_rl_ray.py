@@ -88,3 +88,19 @@ def test_resume_gives_identical_next_step(tiny_dir, tmp_path, ray_local):
               "rollout_corr/k3_kl", "response_length/mean"):
         assert x[k] == y[k], (k, x[k], y[k])
     assert resumed["state"] == {**full["state"]}
+
+
+@pytest.mark.slow
+def test_trainer_ranks_form_one_group_any_layout(tiny_dir, tmp_path, ray_local):
+    """Two trainer actors (gloo) at DP2×EP2 and at TP2 train like one rank: same losses and samples."""
+    from rl.driver import run
+
+    keys = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean", "actor/ref_kl")
+    hist = {}
+    for name, tr in (("one", {}), ("dp2ep2", {"world_size": 2, "ep": 2}), ("tp2", {"world_size": 2, "tp": 2})):
+        res = run(_cfg(tiny_dir, tmp_path / name, trainer={"steps": 2, **tr}, rollout={"num_actors": 1}))
+        hist[name] = res["history"]
+    for name in ("dp2ep2", "tp2"):
+        for h0, h in zip(hist["one"], hist[name]):
+            for k in keys:
+                assert h[k] == pytest.approx(h0[k], rel=1e-4, abs=1e-6), (name, k, h0[k], h[k])

@@ -160,7 +160,7 @@ class HFRolloutEngine(RolloutEngine):
                     done[i], reason[i] = True, "stop"
             if all(done) or t == p.max_new_tokens - 1:
                 break
-            out = self._net(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
+            out = self._net(input_ids=nxt[:, None], cache=cache, use_cache=True)
             cache = out.past_key_values
             logits = out.logits[:, -1].float()
         return [Result(r.key, toks[i], lps[i], reason[i]) for i, r in enumerate(reqs)]

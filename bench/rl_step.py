@@ -1,0 +1,159 @@
+"""One GRPO step on the tiny GLM-5, split by phase, plus rollout batching and weight-sync costs.
+
+Measured in-process (the trainer rank and one rollout engine in this process, no Ray, so the
+numbers are the work itself), on the tiny model:
+
+1. step time split over ``--steps`` steps: rollout, reward, old log-probs, reference log-probs
+   (adapters disabled), advantages, update, weight sync (PEFT export + engine load);
+2. rollout tokens/s with all of a step's prompts batched vs one prompt at a time (same requests,
+   same seeds: the same tokens come out);
+3. weight sync of the adapter (HF PEFT payload) vs the full merged weights (peft merge on a copy,
+   safetensors bytes, ``load_state_dict`` into the engine's model): bytes and seconds on the tiny
+   model; bytes computed for the 744B architecture (adapter from the meta-device model's shapes, fp32
+   as exported; merged weights bf16).
+
+Usage: .venv/bin/python bench/rl_step.py [--steps 3] [--prompts 16] [--n 8] [--max-new 16] [--no-744b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import tempfile
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--max-new", type=int, default=16)
+    p.add_argument("--no-744b", action="store_true")
+    a = p.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+    from transformers import AutoTokenizer
+
+    from glm5_mcore.tiny import write_tiny
+    from rl import algos
+    from rl.config import RLConfig
+    from rl.driver import Rewards, fill_log_probs, make_batch
+    from rl.rollout.base import Request, SamplingParams, sample_seed
+    from rl.rollout.hf_engine import HFRolloutEngine
+    from rl.tasks import next_prompts, toy_prompts
+    from rl.trainer import PolicyTrainer
+
+    tmp = tempfile.mkdtemp()
+    hf = str(write_tiny(f"{tmp}/tiny"))
+    cfg = RLConfig.from_dict({"model": {"hf_dir": hf}, "wandb": {"mode": "disabled"},
+                              "data": {"prompts_per_step": a.prompts},
+                              "rollout": {"n": a.n, "max_new_tokens": a.max_new},
+                              "actor": {"ppo_mini_batch_size": a.prompts // 2}})
+    tok = AutoTokenizer.from_pretrained(hf)
+    trainer, engine = PolicyTrainer(cfg), HFRolloutEngine(hf)
+    rewards, prompts_all, pos = Rewards(cfg, tok), toy_prompts(tok, 512, 0), {"epoch": 0, "cursor": 0}
+    params = SamplingParams(1.0, 1.0, a.max_new, ())  # no stop token: every response is max_new long
+    engine.load_adapter(trainer.export_adapter(0))
+    phases = ["rollout", "reward", "old_log_prob", "ref_log_prob", "advantages", "update", "weight_sync"]
+    tot = dict.fromkeys(phases, 0.0)
+    for step in range(a.steps):
+        t = {}
+        t0 = time.perf_counter()
+        prompts = next_prompts(prompts_all, a.prompts, 0, pos)
+        reqs = [Request((q.index, k), q.ids, sample_seed(0, step, q.index, k)) for q in prompts for k in range(a.n)]
+        results = engine.generate(reqs, params)
+        t["rollout"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        batch = make_batch(prompts, results, a.n)
+        batch.scores = rewards(prompts, results, a.n)
+        t["reward"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        trainer.compute_log_probs(batch, ref=False)
+        t["old_log_prob"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        fill_log_probs(batch, [trainer.compute_log_probs(batch, ref=True)])
+        t["ref_log_prob"] = time.perf_counter() - t0 - t["old_log_prob"]
+        t0 = time.perf_counter()
+        algos.rollout_correction(cfg, batch)
+        algos.compute_advantages(cfg, batch, 0.0)
+        t["advantages"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        trainer.update(batch, step)
+        t["update"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        payload = trainer.export_adapter(step + 1)
+        engine.load_adapter(payload)
+        t["weight_sync"] = time.perf_counter() - t0
+        if step:  # step 0 warms caches
+            for k in phases:
+                tot[k] += t[k]
+    steps = max(1, a.steps - 1)
+    total = sum(tot.values())
+    print(f"GRPO step on tiny GLM-5: {a.prompts} prompts x {a.n} samples x {a.max_new} new tokens, "
+          f"mean of {steps} step(s) after a warm-up step")
+    print(f"{'phase':<14} {'seconds':>9} {'share':>7}")
+    for k in phases:
+        print(f"{k:<14} {tot[k] / steps:>9.3f} {tot[k] / total:>7.1%}")
+
+    # rollout batching
+    reqs = [Request((q.index, k), q.ids, sample_seed(0, 99, q.index, k)) for q in prompts for k in range(a.n)]
+    t0 = time.perf_counter()
+    batched = engine.generate(reqs, params, batched=True)
+    tb = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    single = engine.generate(reqs, params, batched=False)
+    ts = time.perf_counter() - t0
+    same = [r.response_ids for r in batched] == [r.response_ids for r in single]
+    ntok = sum(len(r.response_ids) for r in batched)
+    print(f"\nrollout: {ntok} tokens; all prompts batched {ntok / tb:,.0f} tok/s, one prompt at a time "
+          f"{ntok / ts:,.0f} tok/s -> {ts / tb:.2f}x (same tokens: {same})")
+
+    # weight sync: adapter vs full merged weights
+    t0 = time.perf_counter()
+    payload = trainer.export_adapter(1000)
+    engine.load_adapter(payload)
+    t_adapter = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    merged = copy.deepcopy(engine.peft).merge_and_unload()
+    data = st_save({k: v.contiguous() for k, v in merged.state_dict().items()})
+    engine.model.load_state_dict(st_load(data), strict=False)
+    t_full = time.perf_counter() - t0
+    print(f"weight sync (tiny): adapter {payload.nbytes / 1e6:.3f} MB in {t_adapter:.3f}s; full merged weights "
+          f"{len(data) / 1e6:.3f} MB in {t_full:.3f}s -> adapter is {len(data) / payload.nbytes:.1f}x fewer bytes, "
+          f"{t_full / t_adapter:.1f}x faster")
+    out = {"bench": "rl_step", "steps": steps, "phase_s": {k: round(tot[k] / steps, 4) for k in phases},
+           "rollout_tok_s_batched": ntok / tb, "rollout_tok_s_single": ntok / ts, "batching_speedup": ts / tb,
+           "batched_same_tokens": same, "sync_adapter_bytes": payload.nbytes, "sync_full_bytes": len(data),
+           "sync_adapter_s": t_adapter, "sync_full_s": t_full}
+    if not a.no_744b:
+        import sys
+
+        sys.path.insert(0, os.path.dirname(__file__))
+        from lora_memory import count
+
+        from glm5_mcore.config import glm5_744b
+        from glm5_mcore.convert import meta_model
+        from glm5_mcore.lora import DEFAULT_TARGETS
+
+        model = meta_model(glm5_744b(), torch.bfloat16)
+        full = sum(x.numel() for x in model.parameters())
+        n_adapter, _ = count(model, DEFAULT_TARGETS, cfg.lora.rank)
+        ab, fb = n_adapter * 4, full * 2
+        print(f"weight sync (744B, rank {cfg.lora.rank} default targets): adapter {ab / 1e9:.2f} GB (fp32) vs merged "
+              f"weights {fb / 1e12:.2f} TB (bf16) -> {fb / ab:,.0f}x fewer bytes per sync")
+        out.update({"sync_744b_adapter_bytes": ab, "sync_744b_full_bytes": fb, "sync_744b_ratio": fb / ab})
+    out["targets"] = {"batching_speedup_gt": 1.0, "adapter_fewer_bytes": True}
+    out["pass"] = out["batching_speedup"] > 1.0 and payload.nbytes < len(data) and same
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
