@@ -31,7 +31,7 @@ def _free_port() -> int:
 def init_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:
     """Start torch.distributed (gloo on CPU, NCCL on GPU; one process without torchrun) and
     Megatron's model-parallel groups for ``parallel``."""
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
 
     cpu_compat.apply()
     if not dist.is_initialized():
@@ -50,8 +50,14 @@ def init_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:
         raise ValueError(f"tp*cp*pp={model_ranks} does not divide the world size {world}")
     if world % (parallel.ep * parallel.pp):
         raise ValueError(f"ep*pp={parallel.ep * parallel.pp} does not divide the world size {world}")
+    global _LAYOUT
+    layout = (world, parallel.tp, parallel.ep, parallel.cp, parallel.pp)
     if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+        if layout == _LAYOUT:  # same groups: keep them (re-creating leaks gloo threads)
+            _seed(seed)
+            return
+        _destroy_model_parallel()
+    _LAYOUT = layout
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
@@ -59,11 +65,32 @@ def init_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=1,
     )
+    _seed(seed)
+
+
+_LAYOUT: Optional[tuple] = None
+
+
+def _seed(seed: int) -> None:
+    from megatron.core import tensor_parallel
+
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:  # tensor_parallel/random.py:303 reads the CUDA RNG; the inference tracker does not
         tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
     torch.manual_seed(seed)
+
+
+def _destroy_model_parallel() -> None:
+    """Megatron's ``destroy_model_parallel`` drops its group handles but leaves the process groups
+    (and each gloo group's threads) alive; destroy every sub-group first."""
+    from megatron.core import parallel_state
+
+    world = dist.GroupMember.WORLD
+    for pg in list(dist.distributed_c10d._world.pg_map):
+        if pg is not world:
+            dist.destroy_process_group(pg)
+    parallel_state.destroy_model_parallel()
 
 
 def reset_global_trackers() -> None:

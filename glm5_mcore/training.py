@@ -7,6 +7,7 @@
   ``finalize_model_grads`` (DP all-reduce) exactly as Megatron training does.
 - ``rng_state`` / ``set_rng_state``: Python / torch / NumPy RNG for bit-exact resume.
 - ``WandbCfg`` / ``init_wandb``: the W&B run of a recipe (offline unless a project is given).
+- ``MoELoad``: tokens routed to each expert (router hooks) -> the max/mean expert-load metrics.
 """
 
 from __future__ import annotations
@@ -105,3 +106,32 @@ def set_rng_state(s: dict) -> None:
     random.setstate(s["python"])
     torch.set_rng_state(s["torch"])
     np.random.set_state(s["numpy"])
+
+
+class MoELoad:
+    """Tokens routed to each expert per MoE layer (router forward hooks), for the load metrics."""
+
+    def __init__(self, model):
+        self.counts: dict[str, torch.Tensor] = {}
+        for name, mod in model.named_modules():
+            if name.endswith("mlp.router"):
+                mod.register_forward_hook(self._hook(name))
+
+    def _hook(self, name):
+        def h(_mod, _inp, out):
+            c = out[1].detach().sum(0).float()
+            self.counts[name] = self.counts.get(name, 0) + c
+        return h
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        imb = []
+        for name, c in self.counts.items():
+            layer = name.split(".")[-3] if ".layers." in name else name
+            mean = float(c.mean()) or 1.0
+            imb.append(float(c.max()) / mean)
+            out[f"moe/max_over_mean/layer_{layer}"] = imb[-1]
+        if imb:
+            out["moe/max_over_mean"] = max(imb)
+        self.counts = {}
+        return out

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.lora import DEFAULT_TARGETS, LoRAConfig
-from glm5_mcore.training import OptimSettings, WandbCfg, build_trainer, init_wandb, rng_state, set_rng_state
+from glm5_mcore.training import MoELoad, OptimSettings, WandbCfg, build_trainer, init_wandb, rng_state, set_rng_state
 from recipes.data import DataStats, PackedBatch, epoch_order, pack, pad_to, read_jsonl, split_for_cp
 
 
@@ -215,35 +215,6 @@ def _equalize(batches: list[PackedBatch], pad_id: int) -> list[PackedBatch]:
     return [pad_to(b, int(n), pad_id) for b, n in zip(batches, sizes)]
 
 
-class _MoELoad:
-    """Tokens routed to each expert per MoE layer (router forward hooks), for the load metrics."""
-
-    def __init__(self, model):
-        self.counts: dict[str, torch.Tensor] = {}
-        for name, mod in model.named_modules():
-            if name.endswith("mlp.router"):
-                mod.register_forward_hook(self._hook(name))
-
-    def _hook(self, name):
-        def h(_mod, _inp, out):
-            c = out[1].detach().sum(0).float()
-            self.counts[name] = self.counts.get(name, 0) + c
-        return h
-
-    def metrics(self) -> dict[str, float]:
-        out = {}
-        imb = []
-        for name, c in self.counts.items():
-            layer = name.split(".")[-3] if ".layers." in name else name
-            mean = float(c.mean()) or 1.0
-            imb.append(float(c.max()) / mean)
-            out[f"moe/max_over_mean/layer_{layer}"] = imb[-1]
-        if imb:
-            out["moe/max_over_mean"] = max(imb)
-        self.counts = {}
-        return out
-
-
 # --------------------------------------------------------------------------------------------------
 # checkpoints
 # --------------------------------------------------------------------------------------------------
@@ -385,7 +356,7 @@ def run(cfg: SFTConfig) -> dict:
                    freeze_indexer=cfg.train.freeze_indexer)
     else:
         set_indexer_frozen(model, cfg.train.freeze_indexer)
-    moe_load = _MoELoad(model)
+    moe_load = MoELoad(model)
     o = cfg.optim
     ddp, opt, sched = build_trainer(model, OptimSettings(
         optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,

@@ -9,7 +9,7 @@ from glm5_mcore.training import init_wandb
 CONSOLE_KEYS = (("reward", "critic/score/mean"), ("val", "val/reward"), ("len", "response_length/mean"),
                 ("pg", "actor/pg_loss"), ("clip", "actor/pg_clipfrac"), ("ent", "actor/entropy"),
                 ("kl", "actor/ref_kl"), ("k3", "rollout_corr/k3_kl"), ("masked", "rollout_corr/rollout_is_oob_ratio"),
-                ("vf", "critic/vf_loss"), ("s", "timing_s/step"))
+                ("vf", "critic/vf_loss"), ("moe", "moe/max_over_mean"), ("s", "timing_s/step"))
 
 
 class RLLogger:

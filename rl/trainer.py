@@ -12,6 +12,7 @@ THD-packed (prompt + response per document) into micro-batches of ``actor.micro_
   ``agg_loss`` over the *mini-batch's* global token / sequence counts; Megatron's schedule does the
   backward and DP reduction. A non-finite loss or gradient skips the optimizer step with a reason.
 - ``export_adapter``: the policy adapter as an HF PEFT payload (the rollout engines' weight sync).
+- Expert load (tokens per expert, max/mean per MoE layer) of each update is in its metrics.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class PolicyTrainer:
         from glm5_mcore.config import GLM5Config, ParallelConfig
         from glm5_mcore.lora import LoRAConfig, apply_lora, set_adapter
         from glm5_mcore.model import build_model, init_parallel, load_hf_weights
-        from glm5_mcore.training import OptimSettings, build_trainer
+        from glm5_mcore.training import MoELoad, OptimSettings, build_trainer
         from transformers import AutoTokenizer
 
         if master_addr is not None:
@@ -126,6 +127,7 @@ class PolicyTrainer:
             model.output_layer.register_forward_pre_hook(self._capture_hidden)
         set_adapter(model, "default")
         self.model = model
+        self.moe_load = MoELoad(model)
         a = cfg.actor
         self.ddp, self.opt, self.sched = build_trainer(model, OptimSettings(
             lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
@@ -243,6 +245,7 @@ class PolicyTrainer:
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
         skipped, reasons, grad_norms = 0, [], []
+        self.moe_load.counts = {}  # count the update's routing only
         t0 = time.perf_counter()
         for epoch in range(a.ppo_epochs):
             g = torch.Generator().manual_seed(self.cfg.trainer.seed * 7919 + step * 31 + epoch)
@@ -282,6 +285,7 @@ class PolicyTrainer:
         metrics.update({"actor/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
                         "actor/lr": self.opt.param_groups[0]["lr"], "actor/updates_skipped": float(skipped),
                         "timing_s/update_inner": time.perf_counter() - t0})
+        metrics.update(self.moe_load.metrics())
         if reasons:
             metrics["skip_reasons"] = reasons
         return metrics if self.reports else None
