@@ -44,18 +44,22 @@ _SCORE_ELEMS_PER_CHUNK = 1 << 22
 def deterministic_topk(scores_CT: torch.Tensor, k: int) -> torch.Tensor:
     """Top-k indices along the last dim with ties broken towards the lower index.
 
-    ``torch.topk`` leaves tie order to the kernel; here the k-th largest value is found with
-    ``topk`` and the set is rebuilt from it: every entry above it, then entries equal to it in
-    index order until k are taken. Same set as a stable descending sort (training and rollout
-    engines agree) at the cost of a few linear passes instead of a sort. Indices come back in
-    ascending order; entries that are ``-inf`` come back as -1.
+    ``torch.topk`` leaves tie order to the kernel, which only matters in rows where the k-th largest
+    value is tied beyond the set (more than k entries >= it): those rows are rebuilt from the k-th
+    value — every entry above it, then entries equal to it in index order until k are taken. Same
+    set as a stable descending sort (training and rollout engines agree); other rows keep
+    ``topk``'s set. Indices come back in ascending order; entries that are ``-inf`` come back as -1.
     """
-    kth = torch.topk(scores_CT, k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
-    above = scores_CT > kth
-    tied = scores_CT == kth
-    need = k - above.sum(-1, keepdim=True)
-    chosen = above | (tied & (tied.cumsum(-1) <= need))
-    idx = chosen.nonzero()[:, -1].view(*scores_CT.shape[:-1], k)
+    vals, idx = torch.topk(scores_CT, k, dim=-1, sorted=False)
+    kth = vals.amin(-1, keepdim=True)
+    idx = idx.sort(-1).values
+    tied = (scores_CT >= kth).sum(-1) > k
+    if bool(tied.any()):
+        rows = tied.nonzero(as_tuple=True)
+        sub, sub_kth = scores_CT[rows], kth[rows]
+        above, eq = sub > sub_kth, sub == sub_kth
+        chosen = above | (eq & (eq.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
+        idx[rows] = chosen.nonzero()[:, -1].view(-1, k)
     return idx.masked_fill(scores_CT.gather(-1, idx) == float("-inf"), -1)
 
 
@@ -94,12 +98,19 @@ def compute_index_topk(
         # only the keys some query of the chunk may see: causal (and document) bounds
         lo, hi = int(doc_start_S[s0:s1].min()), int(q_pos_S[s0:s1].max()) + 1
         kk = min(K, hi - lo)
-        allowed = allowed_keys(key_pos_T[lo:hi], q_pos_S[s0:s1], doc_start_S[s0:s1])
+        # keys every query of the chunk may see need no mask: only the bands [lo, max doc start)
+        # and (min position, hi) get one
+        left = int(doc_start_S[s0:s1].max()) - lo
+        right = int(q_pos_S[s0:s1].min()) + 1 - lo
+        bands = [(0, left), (max(left, right), hi - lo)]
+        masks = [(a, ~allowed_keys(key_pos_T[lo + a: lo + z], q_pos_S[s0:s1], doc_start_S[s0:s1]))
+                 for a, z in bands if z > a]
         for bi in range(b):
             qc = q_SbnD[s0:s1, bi].float()
-            scores = torch.relu(torch.einsum("cnd,td->cnt", qc, kf[lo:hi, bi]))
-            scores = torch.einsum("cn,cnt->ct", w_Sbn[s0:s1, bi].float(), scores)
-            scores = scores.masked_fill(~allowed, float("-inf"))
+            scores = torch.einsum("cnd,td->cnt", qc, kf[lo:hi, bi]).relu_()
+            scores = torch.bmm(w_Sbn[s0:s1, bi].float().unsqueeze(1), scores).squeeze(1)
+            for a, m in masks:
+                scores[:, a: a + m.shape[1]].masked_fill_(m, float("-inf"))
             idx = deterministic_topk(scores, kk)
             out[bi, s0:s1, :kk] = torch.where(idx >= 0, idx + lo, -1)
     return out
