@@ -207,7 +207,21 @@ def _fill(obj, d: dict, path: str) -> None:
                 raise ValueError(f"config: {path}{k} must be a mapping, got {v!r}")
             _fill(cur, v, f"{path}{k}.")
         else:
-            setattr(obj, k, v)
+            setattr(obj, k, _typed(cur, v, f"{path}{k}"))
+
+
+def _typed(default, v, name: str):
+    """``v`` checked against the type of the field's default (numbers and switches)."""
+    if isinstance(default, bool):
+        if not isinstance(v, bool):
+            raise ValueError(f"config: {name} must be true or false, got {v!r}")
+    elif isinstance(default, (int, float)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"config: {name} must be a number, got {v!r}")
+        if isinstance(default, int) and not float(v).is_integer():
+            raise ValueError(f"config: {name} must be an integer, got {v!r}")
+        return float(v) if isinstance(default, float) else int(v)
+    return v
 
 
 def validate(c: RLConfig) -> None:

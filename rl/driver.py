@@ -63,6 +63,11 @@ def run(cfg: RLConfig) -> dict:
     from rl.logger import RLLogger
     from rl.workers import RolloutPool, TrainerGroup, start_ray
 
+    from pathlib import Path
+
+    if not (Path(cfg.model.hf_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"model.hf_dir={cfg.model.hf_dir}: no config.json there (a tiny one: "
+                                f"glm5 tiny --out {cfg.model.hf_dir})")
     tok = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
     d = cfg.data
     train = load_prompts(d.train, tok, chat_template=d.chat_template, max_tokens=d.max_prompt_tokens,

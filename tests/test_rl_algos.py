@@ -158,7 +158,17 @@ def test_rewards_builtin_and_bad_outputs():
     ({"algorithm": {"rollout_correction": {"rollout_is_threshold": "5_0.5"}}}, "rollout_is_threshold"),
     ({"actor": {"loss_agg_mode": "mean"}}, "actor.loss_agg_mode"),
     ({"trainer": {"stepz": 3}}, "trainer.stepz"),
+    ({"actor": {"lr": "abc"}}, "actor.lr"),
+    ({"trainer": {"steps": 2.5}}, "trainer.steps"),
+    ({"trainer": {"resume": "yes"}}, "trainer.resume"),
 ])
 def test_config_errors_name_the_field(over, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         RLConfig.from_dict(over)
+
+
+def test_missing_checkpoint_names_the_field(tmp_path):
+    from rl.driver import run
+
+    with pytest.raises(FileNotFoundError, match="model.hf_dir"):
+        run(RLConfig.from_dict({"model": {"hf_dir": str(tmp_path / "nope")}}))
