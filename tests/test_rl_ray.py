@@ -40,9 +40,14 @@ def test_grpo_toy_reward_rises_from_chance(tiny_dir, tmp_path):
 def ray_local():
     import ray
 
-    os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{REPO / 'tests'}"
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{REPO / 'tests'}"  # Ray workers import rl_fault_engine
     yield
     ray.shutdown()
+    if before is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = before
 
 
 def _cfg(tiny_dir, out, **sections):
