@@ -20,7 +20,9 @@ import torch
 
 
 @dataclass
-class OptimSettings:
+class OptimCfg:
+    """The optimizer and LR schedule (the SFT recipe's ``optim`` section)."""
+
     optimizer: str = "adam"
     lr: float = 1e-4
     min_lr: float = 0.0
@@ -30,14 +32,14 @@ class OptimSettings:
     clip_grad: float = 1.0
     warmup_steps: int = 0
     decay_style: str = "cosine"
-    total_steps: int = 1
-    bf16: bool = False
-    cpu_offload: bool = False
     distributed: Optional[bool] = None
+    """Megatron's distributed optimizer (states sharded over DP). None: on with CUDA and DP > 1;
+    gloo has no reduce-scatter, so CPU runs keep a replicated optimizer."""
 
 
-def build_trainer(model, o: OptimSettings):
-    """(ddp, optimizer, scheduler) for ``model``'s parameters that require grad."""
+def build_trainer(model, o: OptimCfg, total_steps: int, bf16: bool = False, cpu_offload: bool = False):
+    """(ddp, optimizer, scheduler) for ``model``'s parameters that require grad; the schedule spans
+    ``total_steps``."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                            finalize_model_grads)
@@ -51,9 +53,9 @@ def build_trainer(model, o: OptimSettings):
                                   model)
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2, clip_grad=o.clip_grad, bf16=o.bf16, optimizer_cpu_offload=o.cpu_offload,
+        adam_beta2=o.adam_beta2, clip_grad=o.clip_grad, bf16=bf16, optimizer_cpu_offload=cpu_offload,
         use_distributed_optimizer=dist_opt), [ddp])
-    steps = max(1, o.total_steps)
+    steps = max(1, total_steps)
     sched = OptimizerParamScheduler(opt, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
                                     lr_warmup_steps=o.warmup_steps, lr_decay_steps=steps,
                                     lr_decay_style=o.decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,

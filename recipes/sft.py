@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.lora import DEFAULT_TARGETS, LoRAConfig
-from glm5_mcore.training import MoELoad, OptimSettings, WandbCfg, build_trainer, init_wandb, rng_state, set_rng_state
+from glm5_mcore.training import MoELoad, OptimCfg, WandbCfg, build_trainer, init_wandb, rng_state, set_rng_state
 from recipes.data import DataStats, PackedBatch, epoch_order, pack, pad_to, read_jsonl, split_for_cp
 
 
@@ -55,22 +55,6 @@ class DataCfg:
     max_tokens: int = 1024
     skip_bad_rows: bool = False
     seed: int = 1234
-
-
-@dataclass
-class OptimCfg:
-    optimizer: str = "adam"
-    lr: float = 1e-4
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    clip_grad: float = 1.0
-    warmup_steps: int = 0
-    decay_style: str = "cosine"
-    distributed: Optional[bool] = None
-    """Megatron's distributed optimizer (states sharded over DP). None: on with CUDA and DP > 1;
-    gloo has no reduce-scatter, so CPU runs keep a replicated optimizer."""
 
 
 @dataclass
@@ -357,12 +341,7 @@ def run(cfg: SFTConfig) -> dict:
     else:
         set_indexer_frozen(model, cfg.train.freeze_indexer)
     moe_load = MoELoad(model)
-    o = cfg.optim
-    ddp, opt, sched = build_trainer(model, OptimSettings(
-        optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2, clip_grad=o.clip_grad, warmup_steps=o.warmup_steps, decay_style=o.decay_style,
-        total_steps=cfg.train.steps, bf16=cfg.train.bf16, cpu_offload=cfg.train.cpu_offload,
-        distributed=o.distributed))
+    ddp, opt, sched = build_trainer(model, cfg.optim, cfg.train.steps, cfg.train.bf16, cfg.train.cpu_offload)
     state = _restore(cfg, model, opt, sched) or {"step": 0, "epoch": 0, "cursor": 0, "tokens": 0}
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     cp_rank = ps.get_context_parallel_rank()

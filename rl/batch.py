@@ -6,15 +6,11 @@ group index verl's GRPO/RLOO estimators normalise within.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
-
-TOKEN_KEYS = ("rollout_log_probs", "old_log_probs", "ref_log_probs", "values", "advantages", "returns",
-              "token_level_rewards", "rollout_is_weights")
-
 
 @dataclass
 class RolloutBatch:
@@ -31,7 +27,6 @@ class RolloutBatch:
     returns: Optional[torch.Tensor] = None
     token_level_rewards: Optional[torch.Tensor] = None
     rollout_is_weights: Optional[torch.Tensor] = None
-    meta: dict = field(default_factory=dict)
 
     @property
     def size(self) -> int:

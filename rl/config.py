@@ -248,7 +248,7 @@ def validate(c: RLConfig) -> None:
     if act.clip_ratio_c <= 1:
         raise ValueError(f"actor.clip_ratio_c={act.clip_ratio_c} must be > 1 (dual-clip bound)")
     t = c.trainer
-    if t.world_size % (t.tp * 1) or t.world_size < 1:
+    if t.world_size < 1 or t.world_size % t.tp:
         raise ValueError(f"trainer.tp={t.tp} must divide trainer.world_size={t.world_size}")
     if t.world_size % t.ep:
         raise ValueError(f"trainer.ep={t.ep} must divide trainer.world_size={t.world_size}")

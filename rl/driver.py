@@ -7,7 +7,6 @@ correction (IcePop) → advantages → policy update → push the adapter to the
 
 from __future__ import annotations
 
-import math
 import time
 from contextlib import contextmanager
 
@@ -128,7 +127,7 @@ def run(cfg: RLConfig) -> dict:
             for event in rollouts.events:
                 log.note(f"step {state['step']}: {event}")
             metrics["rollout/actor_restarts"] = float(rollouts.restarts)
-            metrics["rollout/samples"] = float(len({(q.key, tuple(res.response_ids)) for q, res in zip(reqs, results)}))
+            metrics["rollout/samples"] = float(len({res.key for res in results}))
             rollouts.events.clear()
             gen_tokens = float(batch.response_mask.sum())
             train_tokens = gen_tokens + sum(len(p) for p in batch.prompts)
@@ -140,8 +139,6 @@ def run(cfg: RLConfig) -> dict:
             if val and cfg.trainer.eval_every and state["step"] % cfg.trainer.eval_every == 0:
                 metrics["val/reward"] = evaluate()
                 vals.append((state["step"], metrics["val/reward"]))
-            if not math.isfinite(metrics.get("actor/pg_loss", 0.0)):
-                log.note(f"step {state['step']}: non-finite policy loss")
             log.log(state["step"], metrics)
             if cfg.trainer.save_every and state["step"] % cfg.trainer.save_every == 0:
                 trainers.call("save", cfg.trainer.out, state["step"], dict(state))

@@ -47,7 +47,7 @@ class ValueHead(torch.nn.Module):
 
 class _Packed:
     """Micro-batch: samples ``rows`` packed THD; ``pos`` [n, R] logit positions of each response
-    token (its predecessor's position), ``pos_mask`` [n, R]."""
+    token (its predecessor's position)."""
 
     def __init__(self, batch: RolloutBatch, rows: list[int], pad_to: int, pad_id: int):
         ids, targets, positions, lengths = [], [], [], []
@@ -75,7 +75,6 @@ class _Packed:
         self.targets = torch.tensor(targets)
         self.position_ids = torch.tensor([positions])
         self.lengths = lengths
-        self.pos_mask = batch.response_mask[rows] if rows else torch.zeros(0, R)
 
     def packed_seq_params(self, device=None):
         from glm5_mcore.model import packed_seq_params_from_lengths
@@ -93,7 +92,7 @@ class PolicyTrainer:
         from glm5_mcore.config import GLM5Config, ParallelConfig
         from glm5_mcore.lora import LoRAConfig, apply_lora, set_adapter
         from glm5_mcore.model import build_model, init_parallel, load_hf_weights
-        from glm5_mcore.training import MoELoad, OptimSettings, build_trainer
+        from glm5_mcore.training import MoELoad, OptimCfg, build_trainer
         from transformers import AutoTokenizer
 
         if master_addr is not None:
@@ -129,9 +128,9 @@ class PolicyTrainer:
         self.model = model
         self.moe_load = MoELoad(model)
         a = cfg.actor
-        self.ddp, self.opt, self.sched = build_trainer(model, OptimSettings(
+        self.ddp, self.opt, self.sched = build_trainer(model, OptimCfg(
             lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
-            adam_beta2=a.adam_beta2, decay_style="constant", total_steps=t.steps, bf16=t.bf16))
+            adam_beta2=a.adam_beta2, decay_style="constant"), t.steps, bf16=t.bf16)
         self.loss = ActorLoss(cfg)
 
     # ------------------------------------------------------------------ helpers
@@ -154,17 +153,18 @@ class PolicyTrainer:
         """Greedy THD packing of ``rows`` into micro-batches; with >1 rank every rank gets the same
         number of micro-batches of the same sizes (Megatron's allgather dispatcher needs equal EP shares)."""
         budget = self.cfg.actor.micro_batch_tokens
-        groups, cur, size = [], [], 0
+        groups, sizes, cur, size = [], [], [], 0
         for i in rows:
             n = len(batch.prompts[i]) + len(batch.responses[i])
             if cur and size + n > budget:
                 groups.append(cur)
+                sizes.append(size)
                 cur, size = [], 0
             cur.append(i)
             size += n
         if cur:
             groups.append(cur)
-        sizes = [sum(len(batch.prompts[i]) + len(batch.responses[i]) for i in g) for g in groups]
+            sizes.append(size)
         if dist.get_world_size() > 1:
             cnt = torch.tensor([len(groups)])
             dist.all_reduce(cnt, op=dist.ReduceOp.MAX)

@@ -116,9 +116,6 @@ class RolloutActor:
     def generate(self, requests: list[Request], params: SamplingParams, batched: bool) -> list[Result]:
         return self.engine.generate(requests, params, batched)
 
-    def stats(self) -> dict:
-        return dict(getattr(self.engine, "stats", {}))
-
 
 class RolloutPool:
     def __init__(self, cfg):
@@ -136,8 +133,7 @@ class RolloutPool:
     def sync(self, payload: Optional[AdapterPayload]) -> None:
         """Push the adapter to every actor (kept for actors started later)."""
         self.payload = payload
-        for i, ok in self._each(lambda a: a.load_adapter.remote(payload)):
-            pass
+        self._each(lambda a: a.load_adapter.remote(payload))
 
     def _each(self, fn):
         out = []
@@ -197,9 +193,6 @@ class RolloutPool:
         if missing:
             raise RuntimeError(f"samples {missing[:3]} never returned")
         return [results[r.key] for r in requests]
-
-    def stats(self) -> list[dict]:
-        return [s for _, s in self._each(lambda a: a.stats.remote())]
 
     def shutdown(self) -> None:
         for a in self.actors:

@@ -74,6 +74,3 @@ class RolloutEngine(ABC):
     @abstractmethod
     def load_adapter(self, payload: Optional[AdapterPayload]) -> None:
         ...
-
-    def health(self) -> bool:
-        return True

@@ -11,7 +11,6 @@ to the lower index), the same rule as the trainer.
 from __future__ import annotations
 
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Optional
@@ -85,7 +84,6 @@ class HFRolloutEngine(RolloutEngine):
         self.max_positions = self.model.config.max_position_embeddings
         self.peft = None
         self.adapter_version: Optional[int] = None
-        self.stats = {"tokens": 0, "seconds": 0.0}
 
     # ------------------------------------------------------------------ weights
     def load_adapter(self, payload: Optional[AdapterPayload]) -> None:
@@ -117,7 +115,6 @@ class HFRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------ sampling
     @torch.no_grad()
     def generate(self, requests: list[Request], params: SamplingParams, batched: bool = True) -> list[Result]:
-        t0 = time.perf_counter()
         groups: dict = defaultdict(list)
         for r in requests:
             if len(r.prompt_ids) + params.max_new_tokens > self.max_positions:
@@ -128,10 +125,7 @@ class HFRolloutEngine(RolloutEngine):
         for reqs in groups.values():
             for res in self._decode(reqs, params):
                 out[res.key] = res
-        results = [out[r.key] for r in requests]
-        self.stats["tokens"] += sum(len(r.response_ids) for r in results)
-        self.stats["seconds"] += time.perf_counter() - t0
-        return results
+        return [out[r.key] for r in requests]
 
     def _decode(self, reqs: list[Request], p: SamplingParams) -> list[Result]:
         B = len(reqs)
