@@ -35,6 +35,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.utils import get_pg_size
 
+from glm5_mcore import kernels
+
 _SCORE_ELEMS_PER_CHUNK = 1 << 22
 
 
@@ -48,8 +50,16 @@ def deterministic_topk(scores_CT: torch.Tensor, k: int) -> torch.Tensor:
     value is tied beyond the set (more than k entries >= it): those rows are rebuilt from the k-th
     value — every entry above it, then entries equal to it in index order until k are taken. Same
     set as a stable descending sort (training and rollout engines agree); other rows keep
-    ``topk``'s set. Indices come back in ascending order; entries that are ``-inf`` come back as -1.
+    ``topk``'s set. Chosen indices come back in ascending order, then -1 for each ``-inf`` entry
+    topk had to take (fewer than k finite scores). CPU tensors go through the fused selection
+    kernel (``glm5_mcore.kernels``, same sets).
     """
+    if kernels.use_for(scores_CT):
+        lead, L = scores_CT.shape[:-1], scores_CT.shape[-1]
+        flat = scores_CT.reshape(-1, L)
+        R = flat.shape[0]
+        lo = torch.zeros(R, dtype=torch.int64)
+        return kernels.topk_rows(flat, lo, lo + L, k).view(*lead, k)
     vals, idx = torch.topk(scores_CT, k, dim=-1, sorted=False)
     kth = vals.amin(-1, keepdim=True)
     idx = idx.sort(-1).values
@@ -60,7 +70,9 @@ def deterministic_topk(scores_CT: torch.Tensor, k: int) -> torch.Tensor:
         above, eq = sub > sub_kth, sub == sub_kth
         chosen = above | (eq & (eq.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
         idx[rows] = chosen.nonzero()[:, -1].view(-1, k)
-    return idx.masked_fill(scores_CT.gather(-1, idx) == float("-inf"), -1)
+    L = scores_CT.shape[-1]
+    idx = idx.masked_fill(scores_CT.gather(-1, idx) == float("-inf"), L).sort(-1).values
+    return idx.masked_fill(idx == L, -1)
 
 
 def allowed_keys(key_pos_T: torch.Tensor, q_pos_S: torch.Tensor, doc_start_S: torch.Tensor) -> torch.Tensor:
@@ -84,13 +96,17 @@ def compute_index_topk(
         w_Sbn: head weights, already scaled by nI^-0.5·dI^-0.5, [S, b, nI].
         q_pos_S / doc_start_S: each query's key-order position and its document's first key, [S].
     Returns:
-        int64 [b, S, K], K = min(topk, T), -1 where fewer than K keys are allowed.
+        int64 [b, S, K], K = min(topk, T): each row's keys ascending, then -1 where fewer than K
+        keys are allowed. On CPU the fused kernel scores and selects one row at a time.
     """
     S, b = q_SbnD.shape[:2]
     T = k_TbD.shape[0]
     K = min(topk, T)
     key_pos_T = torch.arange(T, device=q_SbnD.device)
     rows = max(1, _SCORE_ELEMS_PER_CHUNK // max(1, T * q_SbnD.shape[2]))
+    if kernels.use_for(q_SbnD, k_TbD):
+        return torch.stack([kernels.indexer_topk(q_SbnD[:, bi], k_TbD[:, bi], w_Sbn[:, bi], doc_start_S, q_pos_S + 1, K)
+                            for bi in range(b)])
     out = torch.full((b, S, K), -1, dtype=torch.int64, device=q_SbnD.device)
     kf = k_TbD.float()
     for s0 in range(0, S, rows):
@@ -191,6 +207,8 @@ class SparseMLAAttention(torch.autograd.Function):
 def _flat_topk(topk_bSK: torch.Tensor, T: int) -> torch.Tensor:
     """[b, S, K] key indices → [b·S, K] indices into the batch-merged key axis (b·T), -1 kept."""
     b = topk_bSK.shape[0]
+    if b == 1:
+        return topk_bSK.reshape(-1, topk_bSK.shape[-1])
     offsets = (torch.arange(b, device=topk_bSK.device) * T)[:, None, None]
     return torch.where(topk_bSK >= 0, topk_bSK + offsets, -1).reshape(-1, topk_bSK.shape[-1])
 
@@ -215,7 +233,8 @@ class SparseLatentAttention(torch.autograd.Function):
     (-1 = not selected) → out [S, n, dc], the attention-weighted latent (its first ``dc`` dims).
     Per query chunk the selected latent rows are gathered once for all heads as [C, K, D] — n times
     less gathered memory than per-head keys and values — and scored with batched matmuls in fp32;
-    backward recomputes the probabilities from the saved log-sum-exp [S, n].
+    backward recomputes the probabilities from the saved log-sum-exp [S, n]. On CPU the fused
+    kernel (``glm5_mcore.kernels``) does the same per query, reading latent rows in place.
     """
 
     @staticmethod
@@ -224,6 +243,11 @@ class SparseLatentAttention(torch.autograd.Function):
         K = idx.shape[1]
         out = torch.empty(S, n, dc, dtype=torch.float32, device=q.device)
         lse = torch.empty(S, n, dtype=torch.float32, device=q.device)
+        if kernels.use_for(q, lat):
+            out, lse = kernels.sparse_latent_fwd(q, lat, idx, scale, dc)
+            ctx.save_for_backward(q, lat, idx, out, lse)
+            ctx.scale, ctx.dc = scale, dc
+            return out.to(lat.dtype)
         latf = lat.float()
         rows = _latent_chunk_rows(K, D)
         for s0 in range(0, S, rows):
@@ -245,6 +269,9 @@ class SparseLatentAttention(torch.autograd.Function):
         scale, dc = ctx.scale, ctx.dc
         S, n, D = q.shape
         K = idx.shape[1]
+        if kernels.use_for(q, lat):
+            dq, dlat = kernels.sparse_latent_bwd(q, lat, idx, out, lse, dout, scale, dc)
+            return dq.to(q.dtype), dlat.to(lat.dtype), None, None, None
         latf = lat.float()
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         dlat = torch.zeros(lat.shape, dtype=torch.float32, device=q.device)

@@ -1,0 +1,443 @@
+// Fused CPU kernels for DeepSeek Sparse Attention (see glm5_mcore/kernels/__init__.py).
+//
+// What PyTorch ops cannot do on a CPU without materialising big intermediates:
+// - glm5_indexer_topk: the indexer's ReLU(q·k) head-weighted scores of one query row at a time, kept
+//   in a row buffer, and the deterministic top-k of that row (ties to the lower key index);
+// - glm5_sparse_latent_fwd / _bwd: absorbed-MLA attention of each query over its selected latent
+//   rows, read in place (no gathered [S, K, D] copy), flash-style backward from the saved lse.
+// All math is fp32. Row-major contiguous arrays; index -1 = not selected. Threads split query rows;
+// the backward's latent gradient is summed from per-thread buffers, so results do not depend on the
+// thread count except through fp32 summation order.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <thread>
+#include <vector>
+
+using i64 = int64_t;
+static const float NEG_INF = -std::numeric_limits<float>::infinity();
+
+template <class F>
+static void parallel_rows(i64 n, int nt, F f) {
+  if (nt <= 1 || n < 64) {
+    f(i64(0), n, 0);
+    return;
+  }
+  i64 step = (n + nt - 1) / nt;
+  std::vector<std::thread> th;
+  for (int t = 0; t < nt; ++t) {
+    i64 a = t * step, b = std::min(n, a + step);
+    if (a < b) th.emplace_back(f, a, b, t);
+  }
+  for (auto& x : th) x.join();
+}
+
+// 16-float vectors (one AVX-512 register; two or four narrower ones elsewhere). Rows of the arrays
+// the vector kernels read are padded to a multiple of W floats by the caller.
+constexpr i64 W = 16;
+typedef float V __attribute__((vector_size(64)));
+typedef float VU __attribute__((vector_size(64), aligned(4)));
+typedef float V8 __attribute__((vector_size(32)));
+typedef float V4 __attribute__((vector_size(16)));
+static inline V ld(const float* p) { return *(const VU*)p; }
+static inline void st(float* p, V v) { *(VU*)p = v; }
+static inline V splat(float x) { return V{} + x; }
+static inline float hsum(V v) {
+  V8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  V4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+// (sum(a), sum(b), sum(c), sum(d)) with shared shuffles
+static inline V4 hsum4(V a, V b, V c, V d) {
+#define GLM5_HALVES(x) (__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15))
+  const V8 a8 = GLM5_HALVES(a), b8 = GLM5_HALVES(b), c8 = GLM5_HALVES(c), d8 = GLM5_HALVES(d);
+#undef GLM5_HALVES
+  const V8 ab = __builtin_shufflevector(a8, b8, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(a8, b8, 4, 5, 6, 7, 12, 13, 14, 15);
+  const V8 cd = __builtin_shufflevector(c8, d8, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(c8, d8, 4, 5, 6, 7, 12, 13, 14, 15);
+  const V8 x = __builtin_shufflevector(ab, cd, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(ab, cd, 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(x, x, 0, 4, 2, 6) + __builtin_shufflevector(x, x, 1, 5, 3, 7);
+}
+
+// a·b over n floats, n a multiple of W
+static inline float vdot(const float* a, const float* b, i64 n) {
+  V acc{};
+  for (i64 c = 0; c < n; c += W) acc += ld(a + c) * ld(b + c);
+  return hsum(acc);
+}
+
+// exp(x) for x <= 88 (Cephes expf: Cody-Waite reduction, degree-6 polynomial, ~2 ulp; 0 below
+// -87.3, so exp(-inf) = 0); written to vectorise under `omp simd`, which std::exp does not.
+static inline float vexp(float x) {
+  const bool under = x < -87.3f;
+  x = std::max(x, -87.3f);
+  const float fx = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - fx * 0.693359375f;
+  r = r - fx * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const int32_t bits = ((int32_t)fx + 127) << 23;
+  return under ? 0.f : y * __builtin_bit_cast(float, bits);
+}
+
+// p <- exp(p - m); returns the sum.
+static float exp_shifted_sum(float* __restrict p, i64 N, float m) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (i64 j = 0; j < N; ++j) {
+    const float e = vexp(p[j] - m);
+    p[j] = e;
+    sum += e;
+  }
+  return sum;
+}
+
+// p <- exp(p) (p holds logit - lse), ds <- exp(p) * ds * scale (ds holds dP - delta): dS of softmax.
+static void probs_and_dscores(float* __restrict p, float* __restrict ds, i64 N, float scale) {
+#pragma omp simd
+  for (i64 x = 0; x < N; ++x) {
+    const float e = vexp(p[x]);
+    p[x] = e;
+    ds[x] = e * ds[x] * scale;
+  }
+}
+
+// y += a x over n floats, n a multiple of W
+static inline void vaxpy(float* y, float a, const float* x, i64 n) {
+  const V av = splat(a);
+  for (i64 c = 0; c < n; c += W) st(y + c, ld(y + c) + av * ld(x + c));
+}
+
+// Order-preserving map of a float to uint32 (-0.0 counts as +0.0, as float comparison does).
+static inline uint32_t okey(float x) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, x + 0.0f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+struct SelectScratch {
+  std::vector<uint32_t> key, cand;
+  uint32_t hist[4][2048];
+  uint32_t total[2048];
+};
+
+// total[b] = #{i : (keys[i] >> sh) & width == b}; four interleaved counters break the store-to-load
+// chain of runs of equal bins (scores cluster in a few exponents).
+static void histogram(const uint32_t* keys, i64 n, int sh, uint32_t width, SelectScratch& sc) {
+  std::memset(sc.hist, 0, sizeof(sc.hist));
+  i64 i = 0;
+  for (; i + 4 <= n; i += 4) {
+    ++sc.hist[0][(keys[i] >> sh) & width];
+    ++sc.hist[1][(keys[i + 1] >> sh) & width];
+    ++sc.hist[2][(keys[i + 2] >> sh) & width];
+    ++sc.hist[3][(keys[i + 3] >> sh) & width];
+  }
+  for (; i < n; ++i) ++sc.hist[0][(keys[i] >> sh) & width];
+  for (uint32_t b = 0; b <= width; ++b) sc.total[b] = sc.hist[0][b] + sc.hist[1][b] + sc.hist[2][b] + sc.hist[3][b];
+}
+
+// Top-k of s[l:h) (entries that are -inf or NaN are never chosen): every entry above the k-th
+// largest value, then entries equal to it in index order. Writes ascending column+offset, then -1.
+// The k-th value is found by a radix select on okey (11 + 11 + 10 bits; the later digits only over
+// the keys left in the chosen bin): O(h - l).
+static void select_row(const float* s, i64 l, i64 h, i64 K, i64 offset, i64* o, SelectScratch& sc) {
+  const i64 L = std::max<i64>(h - l, 0);
+  sc.key.resize(L);
+  sc.cand.resize(L);
+  uint32_t* key = sc.key.data();
+  uint32_t* cand = sc.cand.data();
+  i64 n = 0;  // finite or +inf entries; NaN gets key 0, below every candidate's, -inf its own (low) key
+  for (i64 c = 0; c < L; ++c) {
+    const float x = s[l + c];
+    key[c] = x == x ? okey(x) : 0u;
+    n += x > NEG_INF;
+  }
+  i64 m = 0;
+  if (n <= K) {
+    for (i64 c = 0; c < L; ++c)
+      if (s[l + c] > NEG_INF) o[m++] = l + c + offset;
+  } else {
+    const int shifts[3] = {21, 10, 0};
+    const uint32_t widths[3] = {2047u, 2047u, 1023u};
+    uint32_t prefix = 0, mask = 0, equal = 0;
+    i64 need = K;  // entries matching `prefix` (on `mask`) still to take, from the top
+    const uint32_t* keys = key;
+    i64 nk = L;
+    for (int pass = 0; pass < 3; ++pass) {
+      if (pass == 1) {  // keep the keys of the chosen bin
+        i64 nc = 0;
+        for (i64 i = 0; i < nk; ++i) {
+          cand[nc] = keys[i];
+          nc += (keys[i] & mask) == prefix;
+        }
+        keys = cand, nk = nc;
+      } else if (pass == 2) {
+        i64 nc = 0;
+        for (i64 i = 0; i < nk; ++i) {
+          cand[nc] = keys[i];
+          nc += (keys[i] & mask) == prefix;
+        }
+        nk = nc;
+      }
+      histogram(keys, nk, shifts[pass], widths[pass], sc);
+      int64_t b = widths[pass];
+      while (sc.total[b] < need) need -= sc.total[b--];
+      prefix |= uint32_t(b) << shifts[pass];
+      mask |= widths[pass] << shifts[pass];
+      equal = sc.total[b];
+    }
+    // prefix = okey of the k-th largest value; `need` of the `equal` entries with it are taken
+    if (uint32_t(need) == equal) {
+      for (i64 c = 0; c < L && m < K; ++c) {
+        o[m] = l + c + offset;
+        m += key[c] >= prefix;
+      }
+    } else {
+      for (i64 c = 0; c < L && m < K; ++c) {
+        const uint32_t k = key[c];
+        if (k > prefix || (k == prefix && need-- > 0)) o[m++] = l + c + offset;
+      }
+    }
+  }
+  for (; m < K; ++m) o[m] = -1;
+}
+
+extern "C" {
+
+// scores [R, ld]; row r chooses among columns [lo[r], hi[r]); out [R, K] (see select_row).
+void glm5_topk_rows(const float* scores, i64 R, i64 ld, const i64* lo, const i64* hi, i64 K, i64 offset,
+                    i64* out, int nt) {
+  parallel_rows(R, nt, [&](i64 a, i64 b, int) {
+    SelectScratch sc;
+    for (i64 r = a; r < b; ++r) select_row(scores + r * ld, lo[r], hi[r], K, offset, out + r * K, sc);
+  });
+}
+
+// q [S, nI, dI], kT [dI, Tp] (keys transposed, Tp a multiple of 64, zero beyond T), w [S, nI];
+// row r scores keys [lo[r], hi[r]): I[c] = sum_h w[r,h] * relu(q[r,h]·k[c]); out [S, K] = the row's
+// top-k (see select_row). Rows go in groups of 4 over the union of their key ranges, keys in blocks
+// of 64: 16 vector accumulators per head, each key vector loaded once for the 4 rows.
+void glm5_indexer_topk(const float* q, const float* kT, const float* w, i64 S, i64 nI, i64 dI, i64 Tp,
+                       const i64* lo, const i64* hi, i64 K, i64* out, int nt) {
+  constexpr i64 R = 4;
+  const i64 groups = (S + R - 1) / R;
+  parallel_rows(groups, nt, [&](i64 ga, i64 gb, int) {
+    std::vector<float> rows(R * Tp);
+    SelectScratch sc;
+    const V zero{};
+    for (i64 g = ga; g < gb; ++g) {
+      const i64 r0 = g * R, nr = std::min(R, S - r0);
+      i64 l = lo[r0], h = hi[r0];
+      for (i64 r = 1; r < nr; ++r) l = std::min(l, lo[r0 + r]), h = std::max(h, hi[r0 + r]);
+      const float* qs[R];
+      for (i64 r = 0; r < R; ++r) qs[r] = q + (r0 + std::min(r, nr - 1)) * nI * dI;
+      for (i64 c0 = l & ~i64(63); c0 < h; c0 += 64) {
+        for (i64 hh = 0; hh < nI; ++hh) {
+          V a[R][4] = {};
+          const float* kr = kT + c0;
+          for (i64 d = 0; d < dI; ++d, kr += Tp) {
+            const V k0 = ld(kr), k1 = ld(kr + 16), k2 = ld(kr + 32), k3 = ld(kr + 48);
+            for (i64 r = 0; r < R; ++r) {
+              const V qv = splat(qs[r][hh * dI + d]);
+              a[r][0] += qv * k0;
+              a[r][1] += qv * k1;
+              a[r][2] += qv * k2;
+              a[r][3] += qv * k3;
+            }
+          }
+          for (i64 r = 0; r < nr; ++r) {
+            const V wv = splat(w[(r0 + r) * nI + hh]);
+            float* o = rows.data() + r * Tp + c0;
+            for (int v = 0; v < 4; ++v) {
+              const V x = wv * (a[r][v] > zero ? a[r][v] : zero);
+              st(o + 16 * v, hh == 0 ? x : ld(o + 16 * v) + x);
+            }
+          }
+        }
+      }
+      for (i64 r = 0; r < nr; ++r)
+        select_row(rows.data() + r * Tp, lo[r0 + r], hi[r0 + r], K, 0, out + (r0 + r) * K, sc);
+    }
+  });
+}
+
+// Prefetch the row `ahead` keys on (the latent is larger than L2 and the rows are random).
+static inline void prefetch_row(const float* base, const i64* id, i64 j, i64 K, i64 D, int write) {
+  constexpr i64 ahead = 8;
+  if (j + ahead < K && id[j + ahead] >= 0) {
+    const char* p = (const char*)(base + id[j + ahead] * D);
+    for (i64 b = 0; b < D * 4; b += 64) {
+      if (write)
+        __builtin_prefetch(p + b, 1);
+      else
+        __builtin_prefetch(p + b, 0);
+    }
+  }
+}
+
+// Scores of one query against its selected rows: p[h*K + j] = scale * q_h · row_j[:D] (-inf where
+// idx < 0), minus sub[h] when given; q_h = qt + h*D, row_j = lat + idx_j*ldr. Heads go in pairs so
+// each row chunk is loaded once per pair.
+static void score_rows(const float* qt, const float* lat, i64 ldr, const i64* id, i64 n, i64 D, i64 K, float scale,
+                       const float* sub, float* p) {
+  for (i64 j = 0; j < K; ++j) {
+    const i64 i = id[j];
+    if (i < 0) {
+      for (i64 hh = 0; hh < n; ++hh) p[hh * K + j] = NEG_INF;
+      continue;
+    }
+    prefetch_row(lat, id, j, K, ldr, 0);
+    const float* row = lat + i * ldr;
+    for (i64 h0 = 0; h0 < n; h0 += 4) {
+      i64 hs[4];
+      for (i64 u = 0; u < 4; ++u) hs[u] = std::min(h0 + u, n - 1);  // a short last group repeats a head
+      V a0{}, a1{}, a2{}, a3{};
+      const float *q0 = qt + hs[0] * D, *q1 = qt + hs[1] * D, *q2 = qt + hs[2] * D, *q3 = qt + hs[3] * D;
+      for (i64 c = 0; c < D; c += W) {
+        const V r = ld(row + c);
+        a0 += ld(q0 + c) * r;
+        a1 += ld(q1 + c) * r;
+        a2 += ld(q2 + c) * r;
+        a3 += ld(q3 + c) * r;
+      }
+      const V4 sum = hsum4(a0, a1, a2, a3);
+      for (i64 u = 0; u < 4; ++u) p[hs[u] * K + j] = scale * sum[u] - (sub ? sub[hs[u]] : 0.f);
+    }
+  }
+}
+
+// q [S, n, D], lat [T, D], idx [S, K] -> out [S, n, dc] = softmax(scale q·lat_sel) · lat_sel[:, :dc],
+// lse [S, n] (-inf and out 0 where a row selects nothing). D and dc are multiples of W.
+void glm5_sparse_latent_fwd(const float* q, const float* lat, const i64* idx, i64 S, i64 n, i64 D, i64 K,
+                            float scale, i64 dc, float* out, float* lse, int nt) {
+  parallel_rows(S, nt, [&](i64 a, i64 b, int) {
+    std::vector<float> p(n * K);
+    for (i64 t = a; t < b; ++t) {
+      const i64* id = idx + t * K;
+      float* ot = out + t * n * dc;
+      score_rows(q + t * n * D, lat, D, id, n, D, K, scale, nullptr, p.data());
+      for (i64 hh = 0; hh < n; ++hh) {
+        float* ph = p.data() + hh * K;
+        float m = NEG_INF;
+        for (i64 j = 0; j < K; ++j) m = std::max(m, ph[j]);
+        if (m == NEG_INF) {
+          lse[t * n + hh] = NEG_INF;
+          std::fill(ph, ph + K, 0.f);
+          continue;
+        }
+        const float sum = exp_shifted_sum(ph, K, m);
+        const float inv = 1.f / sum;
+        for (i64 j = 0; j < K; ++j) ph[j] *= inv;
+        lse[t * n + hh] = m + std::log(sum);
+      }
+      // out_h[c] = sum_j p[h, j] row_j[c]: per 16-float chunk and group of 4 heads, in registers
+      for (i64 c = 0; c < dc; c += W)
+        for (i64 h0 = 0; h0 < n; h0 += 4) {
+          const i64 nh = std::min<i64>(4, n - h0);
+          V acc[4] = {};
+          const float* p0 = p.data() + h0 * K;
+          for (i64 j = 0; j < K; ++j) {
+            const i64 i = id[j];
+            if (i < 0) continue;
+            const V r = ld(lat + i * D + c);
+            for (i64 u = 0; u < 4; ++u)
+              if (u < nh) acc[u] += splat(p0[u * K + j]) * r;
+          }
+          for (i64 u = 0; u < nh; ++u) st(ot + (h0 + u) * dc + c, acc[u]);
+        }
+    }
+  });
+}
+
+// Backward of glm5_sparse_latent_fwd from its out and lse: dq [S, n, D] (written), dlat [T, D]
+// (accumulated into; must hold the caller's starting values, usually zeros).
+void glm5_sparse_latent_bwd(const float* q, const float* lat, const i64* idx, const float* out, const float* lse,
+                            const float* dout, i64 S, i64 n, i64 D, i64 K, i64 T, float scale, i64 dc, float* dq,
+                            float* dlat, int nt) {
+  const int used = (nt <= 1 || S < 64) ? 1 : nt;
+  std::vector<std::vector<float>> part(used > 1 ? used : 0);
+  for (auto& v : part) v.assign(T * D, 0.f);
+  parallel_rows(S, used, [&](i64 a, i64 b, int tid) {
+    float* dl = used > 1 ? part[tid].data() : dlat;
+    std::vector<float> p(n * K), ds(n * K), delta(n);
+    for (i64 t = a; t < b; ++t) {
+      const i64* id = idx + t * K;
+      const float* qt = q + t * n * D;
+      const float* gt = dout + t * n * dc;
+      float* dqt = dq + t * n * D;
+      for (i64 hh = 0; hh < n; ++hh) delta[hh] = vdot(gt + hh * dc, out + (t * n + hh) * dc, dc);
+      // p = scale q_h·row - lse_h, ds = dout_h·row[:dc] - delta_h; one load of each row chunk
+      for (i64 j = 0; j < K; ++j) {
+        const i64 i = id[j];
+        if (i < 0) {
+          for (i64 hh = 0; hh < n; ++hh) p[hh * K + j] = NEG_INF, ds[hh * K + j] = 0.f;
+          continue;
+        }
+        prefetch_row(lat, id, j, K, D, 0);
+        prefetch_row(dl, id, j, K, D, 1);
+        const float* row = lat + i * D;
+        for (i64 h0 = 0; h0 < n; h0 += 4) {
+          i64 hs[4];
+          for (i64 u = 0; u < 4; ++u) hs[u] = std::min(h0 + u, n - 1);
+          V a[4] = {}, g[4] = {};
+          for (i64 c = 0; c < dc; c += W) {
+            const V r = ld(row + c);
+            for (i64 u = 0; u < 4; ++u) {
+              a[u] += ld(qt + hs[u] * D + c) * r;
+              g[u] += ld(gt + hs[u] * dc + c) * r;
+            }
+          }
+          for (i64 c = dc; c < D; c += W) {
+            const V r = ld(row + c);
+            for (i64 u = 0; u < 4; ++u) a[u] += ld(qt + hs[u] * D + c) * r;
+          }
+          const V4 sa = hsum4(a[0], a[1], a[2], a[3]), sg = hsum4(g[0], g[1], g[2], g[3]);
+          for (i64 u = 0; u < 4; ++u) {
+            p[hs[u] * K + j] = scale * sa[u] - lse[t * n + hs[u]];
+            ds[hs[u] * K + j] = sg[u] - delta[hs[u]];
+          }
+        }
+      }
+      probs_and_dscores(p.data(), ds.data(), n * K, scale);
+      // dq_h[c] = sum_j ds[h,j] row_j[c];  drow_j[c] += sum_h ds[h,j] q_h[c] + p[h,j] dout_h[c]
+      for (i64 c = 0; c < D; c += W) {
+        const bool in_dc = c < dc;
+        for (i64 h0 = 0; h0 < n; h0 += 4) {
+          const i64 nh = std::min<i64>(4, n - h0);
+          V qa[4], ga[4], acc[4] = {};
+          for (i64 u = 0; u < 4; ++u) {
+            qa[u] = u < nh ? ld(qt + (h0 + u) * D + c) : V{};
+            ga[u] = u < nh && in_dc ? ld(gt + (h0 + u) * dc + c) : V{};
+          }
+          const float* s0 = ds.data() + h0 * K;
+          const float* p0 = p.data() + h0 * K;
+          for (i64 j = 0; j < K; ++j) {
+            const i64 i = id[j];
+            if (i < 0) continue;
+            const V r = ld(lat + i * D + c);
+            float* drow = dl + i * D + c;
+            V g = ld(drow);
+            for (i64 u = 0; u < 4; ++u)
+              if (u < nh) {
+                const V sv = splat(s0[u * K + j]);
+                acc[u] += sv * r;
+                g += sv * qa[u] + splat(p0[u * K + j]) * ga[u];
+              }
+            st(drow, g);
+          }
+          for (i64 u = 0; u < nh; ++u) st(dqt + (h0 + u) * D + c, acc[u]);
+        }
+      }
+    }
+  });
+  for (auto& v : part) vaxpy(dlat, 1.f, v.data(), T * D);
+}
+
+}  // extern "C"
