@@ -40,6 +40,27 @@ def test_topk_rows_is_the_stable_sort_set_and_matches_the_torch_path():
     assert cases > 100
 
 
+def test_topk_rows_on_long_rows_sampled_threshold_and_its_fallback():
+    """Rows of >= 1024 entries (and >= 4k) take a sampled threshold; a row whose sampled entries are
+    its largest makes the threshold overshoot and falls back to the full radix select."""
+    g = torch.Generator().manual_seed(3)
+    R, L = 12, 4096
+    s = torch.randint(0, 40, (R, L), generator=g).float()  # heavy ties at the k-th value
+    s[1] = torch.randn(L, generator=g)
+    s[2, torch.arange(0, L, 16)] = 100.0 + torch.arange(256).float()  # exactly the sampled columns
+    s[3, : L // 2] = float("-inf")
+    s[4, 7] = float("nan")
+    lo, hi = torch.zeros(R, dtype=torch.int64), torch.full((R,), L)
+    lo[5], hi[5] = 1000, 3500
+    for k in (64, 512, 1000):
+        got = kernels.topk_rows(s, lo, hi, k)
+        for r in range(R):
+            a, b = int(lo[r]), int(hi[r])
+            ref = _stable_sort_topk(s[r: r + 1, a:b].nan_to_num(nan=float("-inf")), k)
+            ref = torch.where(ref >= 0, ref + a, -1)
+            assert torch.equal(got[r: r + 1], ref), (k, r)
+
+
 def test_topk_rows_never_picks_nan_and_honours_row_ranges():
     s = torch.tensor([[float("nan"), 3.0, 1.0, 2.0, 5.0, 4.0]])
     got = kernels.topk_rows(s, torch.tensor([0]), torch.tensor([6]), 2)

@@ -17,6 +17,9 @@
 #include <limits>
 #include <thread>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 using i64 = int64_t;
 static const float NEG_INF = -std::numeric_limits<float>::infinity();
@@ -69,44 +72,73 @@ static inline float vdot(const float* a, const float* b, i64 n) {
   return hsum(acc);
 }
 
-// exp(x) for x <= 88 (Cephes expf: Cody-Waite reduction, degree-6 polynomial, ~2 ulp; 0 below
-// -87.3, so exp(-inf) = 0); written to vectorise under `omp simd`, which std::exp does not.
-static inline float vexp(float x) {
-  const bool under = x < -87.3f;
-  x = std::max(x, -87.3f);
-  const float fx = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - fx * 0.693359375f;
+// exp(x) on 16 lanes (Cephes expf: Cody-Waite reduction, degree-6 polynomial, ~2 ulp): 0 below
+// -87.3 (so exp(-inf) = 0), x <= 88 assumed. Written with vector types: auto-vectorisation of a
+// scalar exp is compiler-dependent.
+typedef int32_t Vi __attribute__((vector_size(64)));
+static inline V vexp(V x) {
+  const V lo = splat(-87.3f);
+  const Vi under = x < lo;
+  x = x < lo ? lo : x;
+  const V t = x * 1.44269504088896341f + 0.5f;
+  V fx = __builtin_convertvector(__builtin_convertvector(t, Vi), V);
+  fx = fx > t ? fx - 1.f : fx;  // floor
+  V r = x - fx * 0.693359375f;
   r = r - fx * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
+  V y = splat(1.9875691500e-4f);
   y = y * r + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * r * r + r + 1.f;
-  const int32_t bits = ((int32_t)fx + 127) << 23;
-  return under ? 0.f : y * __builtin_bit_cast(float, bits);
+  const Vi bits = (__builtin_convertvector(fx, Vi) + 127) << 23;
+  y = y * (V)bits;
+  return under ? V{} : y;
+}
+
+// Loads/stores of n < W trailing floats through a zero-padded vector.
+static inline V ld_part(const float* p, i64 n) {
+  V v{};
+  for (i64 i = 0; i < n; ++i) v[i] = p[i];
+  return v;
+}
+static inline void st_part(float* p, V v, i64 n) {
+  for (i64 i = 0; i < n; ++i) p[i] = v[i];
 }
 
 // p <- exp(p - m); returns the sum.
-static float exp_shifted_sum(float* __restrict p, i64 N, float m) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (i64 j = 0; j < N; ++j) {
-    const float e = vexp(p[j] - m);
-    p[j] = e;
+static float exp_shifted_sum(float* p, i64 N, float m) {
+  V sum{};
+  i64 j = 0;
+  for (; j + W <= N; j += W) {
+    const V e = vexp(ld(p + j) - m);
+    st(p + j, e);
     sum += e;
   }
-  return sum;
+  if (j < N) {
+    const i64 rest = N - j;
+    V e = vexp(ld_part(p + j, rest) - m);
+    for (i64 i = rest; i < W; ++i) e[i] = 0.f;
+    st_part(p + j, e, rest);
+    sum += e;
+  }
+  return hsum(sum);
 }
 
 // p <- exp(p) (p holds logit - lse), ds <- exp(p) * ds * scale (ds holds dP - delta): dS of softmax.
-static void probs_and_dscores(float* __restrict p, float* __restrict ds, i64 N, float scale) {
-#pragma omp simd
-  for (i64 x = 0; x < N; ++x) {
-    const float e = vexp(p[x]);
-    p[x] = e;
-    ds[x] = e * ds[x] * scale;
+static void probs_and_dscores(float* p, float* ds, i64 N, float scale) {
+  i64 x = 0;
+  for (; x + W <= N; x += W) {
+    const V e = vexp(ld(p + x));
+    st(p + x, e);
+    st(ds + x, e * ld(ds + x) * scale);
+  }
+  if (x < N) {
+    const i64 rest = N - x;
+    const V e = vexp(ld_part(p + x, rest));
+    st_part(p + x, e, rest);
+    st_part(ds + x, e * ld_part(ds + x, rest) * scale, rest);
   }
 }
 
@@ -124,6 +156,8 @@ static inline uint32_t okey(float x) {
 
 struct SelectScratch {
   std::vector<uint32_t> key, cand;
+  std::vector<int32_t> at;
+  std::vector<float> sample;
   uint32_t hist[4][2048];
   uint32_t total[2048];
 };
@@ -143,16 +177,112 @@ static void histogram(const uint32_t* keys, i64 n, int sh, uint32_t width, Selec
   for (uint32_t b = 0; b <= width; ++b) sc.total[b] = sc.hist[0][b] + sc.hist[1][b] + sc.hist[2][b] + sc.hist[3][b];
 }
 
+// The K-th largest of key[0:n) (K <= n) by radix select (11 + 11 + 10 bits, each later digit only
+// over the keys left in the chosen bin); `need` = how many entries equal to it belong to the top K.
+static uint32_t kth_largest(const uint32_t* key, i64 n, i64 K, i64& need, SelectScratch& sc) {
+  if (n < 16384) {  // short inputs: 8-bit digits, one small table (clearing 4 x 2048 counters costs more)
+    sc.cand.resize(n);
+    uint32_t* cand = sc.cand.data();
+    uint32_t hist[256];
+    uint32_t prefix = 0, mask = 0;
+    need = K;
+    const uint32_t* keys = key;
+    i64 nk = n;
+    for (int sh = 24; sh >= 0; sh -= 8) {
+      if (sh < 24) {
+        i64 nc = 0;
+        for (i64 i = 0; i < nk; ++i) {
+          cand[nc] = keys[i];
+          nc += (keys[i] & mask) == prefix;
+        }
+        keys = cand, nk = nc;
+      }
+      std::memset(hist, 0, sizeof(hist));
+      for (i64 i = 0; i < nk; ++i) ++hist[(keys[i] >> sh) & 255u];
+      int b = 255;
+      while (hist[b] < need) need -= hist[b--];
+      prefix |= uint32_t(b) << sh;
+      mask |= 255u << sh;
+    }
+    return prefix;
+  }
+  const int shifts[3] = {21, 10, 0};
+  const uint32_t widths[3] = {2047u, 2047u, 1023u};
+  sc.cand.resize(n);
+  uint32_t* cand = sc.cand.data();
+  uint32_t prefix = 0, mask = 0;
+  need = K;
+  const uint32_t* keys = key;
+  i64 nk = n;
+  for (int pass = 0; pass < 3; ++pass) {
+    if (pass > 0) {  // keep the keys of the chosen bin
+      i64 nc = 0;
+      for (i64 i = 0; i < nk; ++i) {
+        cand[nc] = keys[i];
+        nc += (keys[i] & mask) == prefix;
+      }
+      keys = cand, nk = nc;
+    }
+    histogram(keys, nk, shifts[pass], widths[pass], sc);
+    int64_t b = widths[pass];
+    while (sc.total[b] < need) need -= sc.total[b--];
+    prefix |= uint32_t(b) << shifts[pass];
+    mask |= widths[pass] << shifts[pass];
+  }
+  return prefix;
+}
+
+// Rows much longer than K: a strided sample of the row gives a threshold that, with a wide
+// margin, about 2K entries clear; one pass keeps those (in index order) and the exact top-k is
+// taken among them. Returns false (nothing written) when fewer than K clear it.
+static bool select_row_sampled(const float* s, i64 L, i64 K, i64 base, i64* o, SelectScratch& sc) {
+  constexpr i64 M = 256;
+  sc.sample.resize(M);
+  for (i64 i = 0; i < M; ++i) {
+    const float x = s[(i * L) / M];
+    sc.sample[i] = x == x ? x : NEG_INF;
+  }
+  const i64 r = std::min<i64>(M - 1, 2 * ((K * M + L - 1) / L) + 8);
+  std::nth_element(sc.sample.begin(), sc.sample.begin() + r, sc.sample.end(), std::greater<float>());
+  const float thr = sc.sample[r];
+  if (!(thr > NEG_INF)) return false;
+  sc.at.resize(L + 16);
+  int32_t* at = sc.at.data();
+  i64 nc = 0, c = 0;
+#if defined(__AVX512F__)
+  const __m512 tv = _mm512_set1_ps(thr);
+  __m512i cols = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (; c + 16 <= L; c += 16) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(_mm512_loadu_ps(s + c), tv, _CMP_GE_OQ);
+    _mm512_storeu_si512(at + nc, _mm512_maskz_compress_epi32(keep, cols));
+    nc += __builtin_popcount(keep);
+    cols = _mm512_add_epi32(cols, _mm512_set1_epi32(16));
+  }
+#endif
+  for (; c < L; ++c) {
+    at[nc] = int32_t(c);
+    nc += s[c] >= thr;
+  }
+  if (nc < K) return false;
+  sc.key.resize(nc);
+  uint32_t* key = sc.key.data();
+  for (i64 i = 0; i < nc; ++i) key[i] = okey(s[at[i]]);
+  i64 need;
+  const uint32_t kth = kth_largest(key, nc, K, need, sc);
+  i64 m = 0;
+  for (i64 i = 0; i < nc && m < K; ++i)
+    if (key[i] > kth || (key[i] == kth && need-- > 0)) o[m++] = at[i] + base;
+  return true;
+}
+
 // Top-k of s[l:h) (entries that are -inf or NaN are never chosen): every entry above the k-th
 // largest value, then entries equal to it in index order. Writes ascending column+offset, then -1.
-// The k-th value is found by a radix select on okey (11 + 11 + 10 bits; the later digits only over
-// the keys left in the chosen bin): O(h - l).
+// O(h - l): a sampled threshold for long rows, else a radix select over the whole row.
 static void select_row(const float* s, i64 l, i64 h, i64 K, i64 offset, i64* o, SelectScratch& sc) {
   const i64 L = std::max<i64>(h - l, 0);
+  if (L >= 4 * K && L >= 1024 && select_row_sampled(s + l, L, K, l + offset, o, sc)) return;
   sc.key.resize(L);
-  sc.cand.resize(L);
   uint32_t* key = sc.key.data();
-  uint32_t* cand = sc.cand.data();
   i64 n = 0;  // finite or +inf entries; NaN gets key 0, below every candidate's, -inf its own (low) key
   for (i64 c = 0; c < L; ++c) {
     const float x = s[l + c];
@@ -164,46 +294,11 @@ static void select_row(const float* s, i64 l, i64 h, i64 K, i64 offset, i64* o, 
     for (i64 c = 0; c < L; ++c)
       if (s[l + c] > NEG_INF) o[m++] = l + c + offset;
   } else {
-    const int shifts[3] = {21, 10, 0};
-    const uint32_t widths[3] = {2047u, 2047u, 1023u};
-    uint32_t prefix = 0, mask = 0, equal = 0;
-    i64 need = K;  // entries matching `prefix` (on `mask`) still to take, from the top
-    const uint32_t* keys = key;
-    i64 nk = L;
-    for (int pass = 0; pass < 3; ++pass) {
-      if (pass == 1) {  // keep the keys of the chosen bin
-        i64 nc = 0;
-        for (i64 i = 0; i < nk; ++i) {
-          cand[nc] = keys[i];
-          nc += (keys[i] & mask) == prefix;
-        }
-        keys = cand, nk = nc;
-      } else if (pass == 2) {
-        i64 nc = 0;
-        for (i64 i = 0; i < nk; ++i) {
-          cand[nc] = keys[i];
-          nc += (keys[i] & mask) == prefix;
-        }
-        nk = nc;
-      }
-      histogram(keys, nk, shifts[pass], widths[pass], sc);
-      int64_t b = widths[pass];
-      while (sc.total[b] < need) need -= sc.total[b--];
-      prefix |= uint32_t(b) << shifts[pass];
-      mask |= widths[pass] << shifts[pass];
-      equal = sc.total[b];
-    }
-    // prefix = okey of the k-th largest value; `need` of the `equal` entries with it are taken
-    if (uint32_t(need) == equal) {
-      for (i64 c = 0; c < L && m < K; ++c) {
-        o[m] = l + c + offset;
-        m += key[c] >= prefix;
-      }
-    } else {
-      for (i64 c = 0; c < L && m < K; ++c) {
-        const uint32_t k = key[c];
-        if (k > prefix || (k == prefix && need-- > 0)) o[m++] = l + c + offset;
-      }
+    i64 need;
+    const uint32_t kth = kth_largest(key, L, K, need, sc);
+    for (i64 c = 0; c < L && m < K; ++c) {
+      const uint32_t k = key[c];
+      if (k > kth || (k == kth && need-- > 0)) o[m++] = l + c + offset;
     }
   }
   for (; m < K; ++m) o[m] = -1;
@@ -270,7 +365,7 @@ void glm5_indexer_topk(const float* q, const float* kT, const float* w, i64 S, i
 
 // Prefetch the row `ahead` keys on (the latent is larger than L2 and the rows are random).
 static inline void prefetch_row(const float* base, const i64* id, i64 j, i64 K, i64 D, int write) {
-  constexpr i64 ahead = 8;
+  constexpr i64 ahead = 32;
   if (j + ahead < K && id[j + ahead] >= 0) {
     const char* p = (const char*)(base + id[j + ahead] * D);
     for (i64 b = 0; b < D * 4; b += 64) {
