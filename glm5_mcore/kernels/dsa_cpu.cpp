@@ -48,7 +48,7 @@ typedef float V8 __attribute__((vector_size(32)));
 typedef float V4 __attribute__((vector_size(16)));
 static inline V ld(const float* p) { return *(const VU*)p; }
 static inline void st(float* p, V v) { *(VU*)p = v; }
-static inline V splat(float x) { return V{} + x; }
+static inline V splat(float x) { return V{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 static inline float hsum(V v) {
   V8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   V4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
@@ -413,7 +413,7 @@ static void score_rows(const float* qt, const float* lat, i64 ldr, const i64* id
 void glm5_sparse_latent_fwd(const float* q, const float* lat, const i64* idx, i64 S, i64 n, i64 D, i64 K,
                             float scale, i64 dc, float* out, float* lse, int nt) {
   parallel_rows(S, nt, [&](i64 a, i64 b, int) {
-    std::vector<float> p(n * K);
+    std::vector<float> p((n + 3) / 4 * 4 * K, 0.f);  // rows of heads >= n stay 0
     for (i64 t = a; t < b; ++t) {
       const i64* id = idx + t * K;
       float* ot = out + t * n * dc;
@@ -442,8 +442,7 @@ void glm5_sparse_latent_fwd(const float* q, const float* lat, const i64* idx, i6
             const i64 i = id[j];
             if (i < 0) continue;
             const V r = ld(lat + i * D + c);
-            for (i64 u = 0; u < 4; ++u)
-              if (u < nh) acc[u] += splat(p0[u * K + j]) * r;
+            for (i64 u = 0; u < 4; ++u) acc[u] += splat(p0[u * K + j]) * r;  // heads past n: p = 0
           }
           for (i64 u = 0; u < nh; ++u) st(ot + (h0 + u) * dc + c, acc[u]);
         }
@@ -461,7 +460,8 @@ void glm5_sparse_latent_bwd(const float* q, const float* lat, const i64* idx, co
   for (auto& v : part) v.assign(T * D, 0.f);
   parallel_rows(S, used, [&](i64 a, i64 b, int tid) {
     float* dl = used > 1 ? part[tid].data() : dlat;
-    std::vector<float> p(n * K), ds(n * K), delta(n);
+    const i64 n4 = (n + 3) / 4 * 4;
+    std::vector<float> p(n4 * K, 0.f), ds(n4 * K, 0.f), delta(n);  // rows of heads >= n stay 0
     for (i64 t = a; t < b; ++t) {
       const i64* id = idx + t * K;
       const float* qt = q + t * n * D;
@@ -519,12 +519,11 @@ void glm5_sparse_latent_bwd(const float* q, const float* lat, const i64* idx, co
             const V r = ld(lat + i * D + c);
             float* drow = dl + i * D + c;
             V g = ld(drow);
-            for (i64 u = 0; u < 4; ++u)
-              if (u < nh) {
-                const V sv = splat(s0[u * K + j]);
-                acc[u] += sv * r;
-                g += sv * qa[u] + splat(p0[u * K + j]) * ga[u];
-              }
+            for (i64 u = 0; u < 4; ++u) {  // heads past n: ds = p = 0, qa = ga = 0
+              const V sv = splat(s0[u * K + j]);
+              acc[u] += sv * r;
+              g += sv * qa[u] + splat(p0[u * K + j]) * ga[u];
+            }
             st(drow, g);
           }
           for (i64 u = 0; u < nh; ++u) st(dqt + (h0 + u) * D + c, acc[u]);
