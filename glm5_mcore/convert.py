@@ -6,10 +6,14 @@ would write, and Megatron-Core's own loader reshards it into any TP/EP/PP.
 
 - hf-to-mcore: Megatron's save pipeline (factories, sharded keys, PyTorch-DCP translation) runs on
   the meta model, and a save planner fills each write item only when the writer reaches it, from the
-  HF tensor(s) the one name table (``hf_names``) points at. Peak memory is the items in flight (one
-  per ``--workers`` thread), not the model.
-- mcore-to-hf: one decoder/MTP layer at a time is materialised, loaded with Megatron-Core's loader
-  and appended to the current output shard; shards are written as they fill.
+  HF tensor(s) the one name table (``hf_names``) points at. Items are written in the order their HF
+  bytes lie (the shards are read front to back, a thread ahead of the writer) and each layer's
+  items end up together. Peak memory is the items in flight, not the model.
+- mcore-to-hf: one decoder/MTP layer at a time is materialised, loaded (Megatron-Core's key
+  translation and planner; chunks read in large runs straight into the parameters, ``dcp_read``)
+  while the previous layer is appended to the output shards, which stream front to back.
+
+Both write past the page cache (``direct_io``): the bytes are written once and never read back.
 
 Every check that can fail (missing / unmapped / mis-shaped / mis-typed tensors, corrupt files) runs
 before anything is written; the output folder is built under a temporary name and renamed only when
@@ -18,7 +22,10 @@ complete, so a previous good output survives any failure.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import queue
 import threading
 from pathlib import Path
 from typing import Callable, Optional
@@ -28,6 +35,8 @@ import torch
 from glm5_mcore.atomic import atomic_dir, publish_file
 from glm5_mcore.checkpoint import HF_META_FILES, iter_dir, write_hf_meta
 from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.dcp_read import DirectReader, load_sharded
+from glm5_mcore.direct_io import DirectWriter, bulk_io
 from glm5_mcore.hf_io import FP8, HFCheckpoint, PlannedSafetensorsWriter
 from glm5_mcore.hf_names import FP32_HF_SUFFIXES, hf_source
 
@@ -114,6 +123,14 @@ class _HFSourcePlan:
             raise ValueError(f"{ckpt.dir}: {len(unmapped)} tensor(s) the GLM-5 name table does not map "
                              f"for this config: {listed}")
 
+    def position(self, view: torch.Tensor) -> tuple[str, int]:
+        """Where the first HF bytes ``view`` is made from lie: (file, byte offset)."""
+        base = view._base if view._base is not None else view
+        stored, expert, _ = self.ckpt.locate(self.sources[self.by_id[id(base)]].names[0])
+        path = self.ckpt.files[stored]
+        _, shape, start, end = self.ckpt._file(path).tensors[stored]
+        return str(path), start + (expert or 0) * ((end - start) // max(1, shape[0]))
+
     def resolve(self, view: torch.Tensor) -> torch.Tensor:
         """The real data of ``view``, a meta param or a (factory) view of one."""
         base = view._base if view._base is not None else view
@@ -132,9 +149,111 @@ class _HFSourcePlan:
         return full.as_strided(view.size(), view.stride(), full.storage_offset() + offset).contiguous()
 
 
-def _lazy_dcp_save(model, out: Path, resolve: Callable[[torch.Tensor], torch.Tensor], workers: int,
-                   on_item: Callable[[int], None]) -> None:
-    """Megatron-Core's torch_dist save of ``model.sharded_state_dict()`` with data made on demand."""
+class _Prefetcher:
+    """Makes the write items' tensors on a background thread, in the order the writer will ask for
+    them and at most ``budget`` bytes ahead, so reading the HF files (``preadv`` releases the GIL)
+    overlaps writing the checkpoint. ``get`` must follow that order."""
+
+    def __init__(self, keys: list, make: Callable, budget: int):
+        self.keys, self.make, self.budget = keys, make, budget
+        self.ready: dict = {}
+        self.held = 0
+        self.next = 0
+        self.error: Optional[BaseException] = None
+        self.stop = False
+        self.cv = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="glm5-convert-prefetch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for k in self.keys:
+                with self.cv:
+                    while self.held >= self.budget and not self.stop:
+                        self.cv.wait()
+                    if self.stop:
+                        return
+                t = self.make(k)
+                with self.cv:
+                    self.ready[k] = t
+                    self.held += t.numel() * t.element_size()
+                    self.cv.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to the writer thread in get()
+            with self.cv:
+                self.error = e
+                self.cv.notify_all()
+
+    def get(self, k) -> torch.Tensor:
+        with self.cv:
+            if self.next >= len(self.keys) or self.keys[self.next] != k:
+                raise RuntimeError(f"write item {k} requested out of the prefetch order")
+            self.next += 1
+            while k not in self.ready and self.error is None:
+                self.cv.wait()
+            if k not in self.ready:
+                raise self.error
+            t = self.ready.pop(k)
+            self.held -= t.numel() * t.element_size()
+            self.cv.notify_all()
+            return t
+
+    def close(self) -> None:
+        with self.cv:
+            self.stop = True
+            self.cv.notify_all()
+        self.thread.join()
+
+
+def _source_order_writer(out: Path, workers: int, order_key: Callable):
+    """DCP's ``FileSystemWriter`` with two changes for conversion: data files are written through
+    ``DirectWriter`` (past the page cache), and items go into the files sorted by ``order_key`` (where
+    their source bytes lie), split into ``workers`` contiguous runs, instead of largest first. Read
+    in that order the HF shards stream front to back; and as HF files keep each layer's tensors
+    together, so does the checkpoint, which a layer-at-a-time reader (``mcore-to-hf``) then reads
+    in runs. With one worker the items' tensors are made ahead of the writer by a ``_Prefetcher``."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    class DirectDataFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path, mode):
+            if mode == "wb" and str(path).endswith(DEFAULT_SUFFIX):
+                with DirectWriter(path) as stream:
+                    yield stream
+            else:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+
+    class SourceOrderWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            byte_items = [it for it in plan.items if it.type == WriteItemType.BYTE_IO]
+            tensor_items = sorted((it for it in plan.items if it.type != WriteItemType.BYTE_IO), key=order_key)
+            sizes = [it.tensor_data.chunk.sizes.numel() * it.tensor_data.properties.dtype.itemsize
+                     for it in tensor_items]
+            share, buckets, acc = max(1, sum(sizes)) / self.thread_count, [list(byte_items)], 0
+            for it, nb in zip(tensor_items, sizes):
+                if acc >= share * len(buckets) and len(buckets) < self.thread_count:
+                    buckets.append([])
+                buckets[-1].append(it)
+                acc += nb
+            if self.thread_count == 1 and planner.prefetch_bytes > 0:
+                planner.start_prefetch(buckets[0])
+            file_queue: queue.Queue = queue.Queue()
+            for i, bucket in enumerate(buckets):
+                name = f"{plan.storage_data.prefix}{i}{DEFAULT_SUFFIX}"
+                file_queue.put((self.fs.concat_path(self.path, name), name, bucket))
+            return self._write_data(planner, file_queue)
+
+    writer = SourceOrderWriter(str(out), single_file_per_rank=True, thread_count=max(1, workers), sync_files=False)
+    writer.fs = DirectDataFileSystem()
+    return writer
+
+
+def _lazy_dcp_save(model, out: Path, source, workers: int, on_item: Callable[[int], None],
+                   prefetch_budget: int = 256 << 20) -> None:
+    """Megatron-Core's torch_dist save of ``model.sharded_state_dict()`` with data made on demand by
+    ``source.resolve(view)``, written in ``source.position(view)`` order."""
     import torch.distributed.checkpoint as dcp
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
@@ -150,27 +269,43 @@ def _lazy_dcp_save(model, out: Path, resolve: Callable[[torch.Tensor], torch.Ten
              for it in items if isinstance(it, ShardedTensor)}
     pyt = mcore_to_pyt_state_dict(by_key, False)
 
+    def key_of(item) -> tuple:
+        return item.index.fqn, tuple(item.index.offset)
+
+    def make(item) -> torch.Tensor:
+        return source.resolve(views[key_of(item)]).reshape(item.tensor_data.chunk.sizes)
+
     class LazyPlanner(MCoreSavePlanner):
+        prefetcher: Optional[_Prefetcher] = None
+        prefetch_bytes = prefetch_budget
+
+        def start_prefetch(self, items) -> _Prefetcher:
+            tensor_items = [it for it in items if it.type != WriteItemType.BYTE_IO]
+            by_key = {key_of(it): it for it in tensor_items}
+            self.prefetcher = _Prefetcher([key_of(it) for it in tensor_items], lambda k: make(by_key[k]),
+                                          prefetch_budget)
+            return self.prefetcher
+
         def resolve_data(self, write_item):
             if write_item.type == WriteItemType.BYTE_IO:
                 return super().resolve_data(write_item)
-            view = views[(write_item.index.fqn, tuple(write_item.index.offset))]
-            t = resolve(view).reshape(write_item.tensor_data.chunk.sizes)
+            t = self.prefetcher.get(key_of(write_item)) if self.prefetcher else make(write_item)
             on_item(t.numel() * t.element_size())
             return t
 
     from torch.utils.serialization import config as ser_config
 
     out.mkdir(parents=True, exist_ok=True)
-    writer = dcp.FileSystemWriter(str(out), single_file_per_rank=True, thread_count=max(1, workers),
-                                  sync_files=False)
+    writer = _source_order_writer(out, workers, lambda item: source.position(views[key_of(item)]))
+    planner = LazyPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     crc = ser_config.save.compute_crc32
     ser_config.save.compute_crc32 = False  # torch.load never verifies it; it costs ~10% of the write
     try:
-        dcp.save(pyt, storage_writer=writer,
-                 planner=LazyPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+        dcp.save(pyt, storage_writer=writer, planner=planner)
     finally:
         ser_config.save.compute_crc32 = crc
+        if planner.prefetcher is not None:
+            planner.prefetcher.close()
     save_config(CheckpointingConfig("torch_dist", 1), str(out))
 
 
@@ -191,8 +326,8 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, workers: int = 1, dtype: Op
     plan = _HFSourcePlan(model, glm5, ckpt)
     bar = _Progress(plan.total_bytes, sum(len(s.names) for s in plan.sources.values()), "hf-to-mcore", progress)
     try:
-        with atomic_dir(out) as tmp:
-            _lazy_dcp_save(model, iter_dir(tmp, 0) / "model", plan.resolve, workers, bar.update)
+        with atomic_dir(out) as tmp, bulk_io():
+            _lazy_dcp_save(model, iter_dir(tmp, 0) / "model", plan, workers, bar.update)
             config = json.loads((hf_dir / "config.json").read_text())
             config.pop("quantization_config", None)
             config["dtype"] = _HF_DTYPE_NAMES[td]
@@ -249,6 +384,121 @@ def _release_freed_memory() -> None:
         pass
 
 
+class _GroupLoader:
+    """Loads a checkpoint one layer group at a time (Megatron-Core's key translation and planner,
+    ``dcp_read`` reads), the next group on a background thread while the caller writes the current
+    one (two groups in memory at most).
+
+    Each group's submodule is materialised (``to_empty``) and its sharded state dict taken on the
+    caller's thread; GLU factories are built before loading, so a fused ``linear_fc1`` comes back as
+    its gate and up halves (views of the parameter) instead of Megatron's merged copy
+    (``torch.cat``) that the HF side would split again."""
+
+    def __init__(self, model, model_path: Path):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.model, self.path = model, model_path
+        self.reader = DirectReader(model_path)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="glm5-convert-load")
+        self.slabs: list[Optional[torch.Tensor]] = [None, None]
+        self.metadata: Optional[dict] = None  # key -> [(chunk offsets, chunk sizes, storage info)]
+
+    def _materialize(self, module: torch.nn.Module, slot: int) -> None:
+        """``to_empty(device="cpu")`` into a slab kept across groups: a fresh allocation per group
+        would be page-faulted in again (a third of the load time on a VM)."""
+        sizes = [-(-t.numel() * t.element_size() // 64) * 64
+                 for t in list(module.parameters()) + list(module.buffers())]
+        if self.slabs[slot] is None or self.slabs[slot].numel() < sum(sizes):
+            self.slabs[slot] = None
+            self.slabs[slot] = torch.empty(sum(sizes), dtype=torch.uint8)
+        slab, offset = self.slabs[slot], 0
+
+        def place(t: torch.Tensor) -> torch.Tensor:
+            nonlocal offset
+            n = t.numel() * t.element_size()
+            view = slab[offset: offset + n].view(t.dtype).view(t.shape)
+            offset += -(-n // 64) * 64
+            return view
+
+        module._apply(place)
+
+    def _prepare(self, group: str, slot: int) -> dict:
+        from megatron.core.dist_checkpointing.mapping import apply_factories
+
+        self._materialize(self.model.get_submodule(group), slot)
+        sharded = {k: v for k, v in self.model.sharded_state_dict().items() if k.startswith(group + ".")}
+        apply_factories(sharded)
+        self._read_ahead(sharded)
+        return sharded
+
+    def _read_ahead(self, sharded: dict) -> None:
+        """Ask the kernel to start reading the byte ranges holding ``sharded``'s tensors
+        (``POSIX_FADV_WILLNEED``: asynchronous, large reads), before the loader asks for them in
+        its own order and piece by piece."""
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        if not hasattr(os, "posix_fadvise"):
+            return
+        if self.metadata is None:
+            md = self.reader.read_metadata()
+            chunks: dict = {}
+            for idx, info in md.storage_data.items():
+                meta = md.state_dict_metadata.get(idx.fqn)
+                if idx.offset is None or not hasattr(meta, "chunks"):
+                    continue
+                sizes = {tuple(c.offsets): tuple(c.sizes) for c in meta.chunks}
+                chunks.setdefault(idx.fqn, []).append((tuple(idx.offset), sizes[tuple(idx.offset)], info))
+            self.metadata = chunks
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for st in nested_values(sharded):
+            if not isinstance(st, ShardedTensor):
+                continue
+            lo, hi = st.global_offset, [o + n for o, n in zip(st.global_offset, st.local_shape)]
+            for offsets, sizes, info in self.metadata.get(st.key, []):
+                if all(a < h and a + n > l for a, n, l, h in zip(offsets, sizes, lo, hi)):
+                    spans.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length))
+        for rel, ranges in spans.items():
+            ranges.sort()
+            merged = [list(ranges[0])]
+            for a, b in ranges[1:]:
+                if a <= merged[-1][1] + (1 << 20):
+                    merged[-1][1] = max(merged[-1][1], b)
+                else:
+                    merged.append([a, b])
+            fd = os.open(self.path / rel, os.O_RDONLY)
+            try:
+                for a, b in merged:
+                    os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+
+    def _load(self, group: str, sharded: dict) -> dict:
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+        try:
+            return load_sharded(sharded, self.reader)
+        except (Exception, CheckpointException) as e:
+            raise ValueError(f"{self.path}: could not load {group} ({type(e).__name__}: {str(e)[:500]})") from None
+
+    def stream(self, groups: list[str]):
+        """Yield (group, loaded state dict) in order; a group's memory is released after the next yield."""
+        future = self.pool.submit(self._load, groups[0], self._prepare(groups[0], 0))
+        for i, group in enumerate(groups):
+            loaded = future.result()
+            if i + 1 < len(groups):
+                future = self.pool.submit(self._load, groups[i + 1], self._prepare(groups[i + 1], (i + 1) % 2))
+            yield group, loaded
+            del loaded
+            self.model.get_submodule(group).to_empty(device="meta")
+
+    def __enter__(self) -> "_GroupLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _layer_groups(model) -> list[str]:
     groups = ["embedding"]
     groups += [f"decoder.layers.{i}" for i in range(len(model.decoder.layers))]
@@ -265,10 +515,6 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
 
     ``merge_adapter`` (an ``AdapterState``): its ``scale·B·A`` is added to each Megatron weight
     before the weight is split into HF tensors (gate/up halves, per-expert names)."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.validation import StrictHandling
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-
     from glm5_mcore.checkpoint import model_dir
 
     root = Path(ckpt)
@@ -281,46 +527,45 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
     td = _checkpoint_dtype(model_path)
     max_bytes = _parse_size(max_shard_size)
     model = meta_model(glm5, td)
-    groups = _layer_groups(model)
     tensors = _named_tensors(model)
-    plan = []
-    for name, t in tensors.items():
-        src = hf_source(name, glm5.num_hidden_layers)
-        shape = (t.shape[0] // 2, *t.shape[1:]) if src.is_glu else tuple(t.shape)
-        for h in src.names:
-            plan.append((h, torch.float32 if h.endswith(FP32_HF_SUFFIXES) else td, shape))
+    groups = {g: [n for n in tensors if n.startswith(g + ".")] for g in _layer_groups(model)}
+    outside = set(tensors) - {n for names in groups.values() for n in names}
+    if outside:
+        raise RuntimeError(f"model tensors outside every layer group: {sorted(outside)[:3]}")
+    plan = []  # in the order the groups are loaded and written: the output files stream front to back
+    for names in groups.values():
+        for name in names:
+            t = tensors[name]
+            src = hf_source(name, glm5.num_hidden_layers)
+            shape = (t.shape[0] // 2, *t.shape[1:]) if src.is_glu else tuple(t.shape)
+            for h in src.names:
+                plan.append((h, torch.float32 if h.endswith(FP32_HF_SUFFIXES) else td, shape))
     bar = _Progress(sum(t.numel() * t.element_size() for t in tensors.values()), len(plan), "mcore-to-hf",
                     progress)
     try:
-        with atomic_dir(out) as tmp:
+        with atomic_dir(out) as tmp, contextlib.ExitStack() as stack, bulk_io():
             writer = PlannedSafetensorsWriter(tmp, plan, max_bytes)
+            stack.callback(writer.close)
             merged: set[str] = set()
-            for group in groups:
-                module = model.get_submodule(group)
-                module.to_empty(device="cpu")
-                sharded = {k: v for k, v in model.sharded_state_dict().items()
-                           if k.startswith(group + ".")}
-                try:
-                    loaded = dist_checkpointing.load(sharded, str(model_path),
-                                                     strict=StrictHandling.ASSUME_OK_UNEXPECTED)
-                except (Exception, CheckpointException) as e:
-                    raise ValueError(f"{model_path}: could not load {group} "
-                                     f"({type(e).__name__}: {str(e)[:500]})") from None
-                for name, t in loaded.items():
-                    if name.endswith("_extra_state") or not torch.is_tensor(t):
-                        continue
+            loader = stack.enter_context(_GroupLoader(model, model_path))
+            for group, loaded in loader.stream(list(groups)):
+                for name in groups[group]:
+                    t = loaded[name]
                     src = hf_source(name, glm5.num_hidden_layers)
                     target = name[: -len(".weight")] if name.endswith(".weight") else None
+                    if isinstance(t, (list, tuple)) and (len(t) != len(src.names) or (
+                            merge_adapter is not None and target in merge_adapter.A)):
+                        t = torch.cat(list(t), 0)
                     if merge_adapter is not None and target in merge_adapter.A:
                         t = (t.float() + merge_adapter.delta(target)).to(t.dtype)
                         merged.add(target)
-                    parts = t.chunk(2, dim=0) if src.is_glu else (t,)
+                    if isinstance(t, (list, tuple)):  # a GLU weight's gate and up halves, as loaded
+                        parts = t
+                    else:
+                        parts = t.chunk(2, dim=0) if src.is_glu else (t,)
                     for h, part in zip(src.names, parts):
                         writer.write(h, part.to(torch.float32 if h.endswith(FP32_HF_SUFFIXES) else td))
                         bar.update(part.numel() * part.element_size())
-                del loaded, sharded
-                module.to_empty(device="meta")
-                _release_freed_memory()
             writer.finish()
             if merge_adapter is not None and set(merge_adapter.A) - merged:
                 left = sorted(set(merge_adapter.A) - merged)

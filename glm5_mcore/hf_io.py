@@ -22,6 +22,8 @@ from typing import Optional
 
 import torch
 
+from glm5_mcore.direct_io import DirectWriter
+
 _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 DTYPES: dict[str, torch.dtype] = {
@@ -232,9 +234,10 @@ class HFCheckpoint:
 
 class PlannedSafetensorsWriter:
     """Safetensors shards whose layout is fixed up front: ``plan`` is [(name, dtype, shape)] in file
-    order, split into files of at most ``max_bytes``. Each file gets its header and full size when
-    created; ``write`` puts a tensor's bytes at its offset (any order, nothing buffered), ``finish``
-    checks every tensor arrived and writes ``model.safetensors.index.json``.
+    order, split into files of at most ``max_bytes``. Tensors must then arrive in plan order: each
+    file is streamed front to back (header, then tensor bytes) through ``DirectWriter``, past the
+    page cache, and closed when its last tensor is in; ``finish`` checks every tensor arrived and
+    writes ``model.safetensors.index.json``.
     """
 
     def __init__(self, out: Path, plan: list[tuple[str, torch.dtype, tuple[int, ...]]], max_bytes: int):
@@ -248,43 +251,52 @@ class PlannedSafetensorsWriter:
             groups[-1].append((name, dtype, tuple(shape), nb))
             size += nb
         n = len(groups)
-        self.where: dict[str, tuple[Path, int, torch.dtype, tuple[int, ...]]] = {}
+        self.order: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+        self.files: list[tuple[Path, bytes, int]] = []  # (path, header bytes, index of its last tensor)
         self.weight_map, self.total = {}, 0
         for i, group in enumerate(groups):
             fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors"
             header, off = {"__metadata__": {"format": "pt"}}, 0
             for name, dtype, shape, nb in group:
                 header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [off, off + nb]}
+                self.order.append((name, dtype, shape))
+                self.weight_map[name] = fname
                 off += nb
             raw = json.dumps(header, separators=(",", ":")).encode()
             raw += b" " * (-len(raw) % 8)
-            path = self.out / fname
-            with open(path, "wb") as f:
-                f.write(struct.pack("<Q", len(raw)) + raw)
-                f.truncate(8 + len(raw) + off)
-            base = 8 + len(raw)
-            for name, dtype, shape, nb in group:
-                self.where[name] = (path, base + header[name]["data_offsets"][0], dtype, shape)
-                self.weight_map[name] = fname
+            self.files.append((self.out / fname, struct.pack("<Q", len(raw)) + raw, len(self.order) - 1))
             self.total += off
-        self.written: set[str] = set()
+        self._next = 0  # index into order of the next tensor to arrive
+        self._file = 0
+        self._stream: Optional[DirectWriter] = None
 
     def write(self, name: str, t: torch.Tensor) -> None:
-        if name not in self.where:
-            raise KeyError(f"{name}: not in the planned output")
-        path, offset, dtype, shape = self.where[name]
+        if self._next >= len(self.order) or self.order[self._next][0] != name:
+            expected = self.order[self._next][0] if self._next < len(self.order) else "nothing"
+            raise ValueError(f"{name}: written out of plan order (expected {expected})")
+        _, dtype, shape = self.order[self._next]
         if t.dtype != dtype or tuple(t.shape) != shape:
             raise ValueError(f"{name}: got {t.dtype}{list(t.shape)}, planned {dtype}{list(shape)}")
-        data = memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
-        with open(path, "r+b", buffering=0) as f:
-            done = 0
-            while done < len(data):
-                done += os.pwrite(f.fileno(), data[done:], offset + done)
-        self.written.add(name)
+        if self._stream is None:
+            path, header, _ = self.files[self._file]
+            self._stream = DirectWriter(path)
+            self._stream.write(header)
+        self._stream.write(t.contiguous().view(-1).view(torch.uint8).numpy())
+        if self._next == self.files[self._file][2]:
+            self._stream.close()
+            self._stream, self._file = None, self._file + 1
+        self._next += 1
+
+    def close(self) -> None:
+        """Close an unfinished file (after an error); ``finish`` is the normal end."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
 
     def finish(self) -> None:
-        missing = [n for n in self.where if n not in self.written]
-        if missing:
+        self.close()
+        if self._next < len(self.order):
+            missing = [n for n, _, _ in self.order[self._next:]]
             raise RuntimeError(f"{len(missing)} planned tensors were never written, e.g. {missing[:3]}")
         index = {"metadata": {"total_size": self.total}, "weight_map": self.weight_map}
         (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

@@ -162,6 +162,14 @@ def test_saved_at_tp2_ep2_loads_at_tp1(tiny_both_dir, tmp_path, single_rank):
     with torch.no_grad():
         a, b = forward_logits(ref.eval(), ids), forward_logits(got.eval(), ids)
     assert torch.equal(a, b), float((a - b).abs().max())
+    # the same TP2/EP2-chunked checkpoint (Megatron's own save: largest items first) exported to HF
+    from glm5_mcore.convert import mcore_to_hf
+    from glm5_mcore.hf_io import HFCheckpoint
+
+    src, back = HFCheckpoint(tiny_both_dir), HFCheckpoint(mcore_to_hf(out, tmp_path / "hf_back", progress=False))
+    assert sorted(src.keys()) == sorted(back.keys())
+    for name in src.keys():
+        assert torch.equal(src.get(name), back.get(name)), name
 
 
 # --------------------------------------------------------------------------------------------------
