@@ -401,7 +401,6 @@ class _GroupLoader:
         self.reader = DirectReader(model_path)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="glm5-convert-load")
         self.slabs: list[Optional[torch.Tensor]] = [None, None]
-        self.metadata: Optional[dict] = None  # key -> [(chunk offsets, chunk sizes, storage info)]
 
     def _materialize(self, module: torch.nn.Module, slot: int) -> None:
         """``to_empty(device="cpu")`` into a slab kept across groups: a fresh allocation per group
@@ -428,50 +427,7 @@ class _GroupLoader:
         self._materialize(self.model.get_submodule(group), slot)
         sharded = {k: v for k, v in self.model.sharded_state_dict().items() if k.startswith(group + ".")}
         apply_factories(sharded)
-        self._read_ahead(sharded)
         return sharded
-
-    def _read_ahead(self, sharded: dict) -> None:
-        """Ask the kernel to start reading the byte ranges holding ``sharded``'s tensors
-        (``POSIX_FADV_WILLNEED``: asynchronous, large reads), before the loader asks for them in
-        its own order and piece by piece."""
-        from megatron.core.dist_checkpointing.dict_utils import nested_values
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-        if not hasattr(os, "posix_fadvise"):
-            return
-        if self.metadata is None:
-            md = self.reader.read_metadata()
-            chunks: dict = {}
-            for idx, info in md.storage_data.items():
-                meta = md.state_dict_metadata.get(idx.fqn)
-                if idx.offset is None or not hasattr(meta, "chunks"):
-                    continue
-                sizes = {tuple(c.offsets): tuple(c.sizes) for c in meta.chunks}
-                chunks.setdefault(idx.fqn, []).append((tuple(idx.offset), sizes[tuple(idx.offset)], info))
-            self.metadata = chunks
-        spans: dict[str, list[tuple[int, int]]] = {}
-        for st in nested_values(sharded):
-            if not isinstance(st, ShardedTensor):
-                continue
-            lo, hi = st.global_offset, [o + n for o, n in zip(st.global_offset, st.local_shape)]
-            for offsets, sizes, info in self.metadata.get(st.key, []):
-                if all(a < h and a + n > l for a, n, l, h in zip(offsets, sizes, lo, hi)):
-                    spans.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length))
-        for rel, ranges in spans.items():
-            ranges.sort()
-            merged = [list(ranges[0])]
-            for a, b in ranges[1:]:
-                if a <= merged[-1][1] + (1 << 20):
-                    merged[-1][1] = max(merged[-1][1], b)
-                else:
-                    merged.append([a, b])
-            fd = os.open(self.path / rel, os.O_RDONLY)
-            try:
-                for a, b in merged:
-                    os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
 
     def _load(self, group: str, sharded: dict) -> dict:
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
@@ -497,6 +453,7 @@ class _GroupLoader:
 
     def __exit__(self, *exc) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.reader.close()
 
 
 def _layer_groups(model) -> list[str]:

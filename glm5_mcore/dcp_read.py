@@ -16,6 +16,7 @@ import mmap
 import os
 import struct
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -129,13 +130,19 @@ class _Runs:
 
 class DirectReader(FileSystemReader):
     """``FileSystemReader`` with metadata read once and whole-chunk tensor reads batched: the
-    records of a plan are read in large sequential runs into one reused buffer, and each chunk's
-    raw bytes are copied from there into its destination (no unpickling, no per-chunk stream)."""
+    records of a plan are read in large sequential runs into two reused buffers (the next run on a
+    thread while the current one's chunks are copied out), and each chunk's raw bytes are copied
+    into its destination (no unpickling, no per-chunk stream)."""
 
     def __init__(self, path: str | Path):
         super().__init__(path)
         self._metadata = None
-        self._runs = _Runs()
+        self._runs = (_Runs(), _Runs())
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="glm5-dcp-read")
+
+    def close(self) -> None:
+        """Stop the read-ahead thread (the reader is not used after)."""
+        self._pool.shutdown(wait=True)
 
     def read_metadata(self, *args, **kwargs):
         if self._metadata is None:
@@ -164,26 +171,32 @@ class DirectReader(FileSystemReader):
             else:
                 info = self.storage_data[req.storage_index]
                 by_file.setdefault(info.relative_path, []).append((info.offset, info.length, req, target))
+        runs = []  # (path, start, end, items): records close together, read in one go
         for rel, items in by_file.items():
-            path = Path(self.path) / rel
             items.sort(key=lambda it: it[0])
             i = 0
             while i < len(items):
                 start, end, j = items[i][0], items[i][0] + items[i][1], i + 1
                 while j < len(items) and items[j][0] - end <= _GAP and items[j][0] + items[j][1] - start <= _PIECE:
                     end, j = items[j][0] + items[j][1], j + 1
-                view, data_u8 = self._runs.read(path, start, end)
-                for offset, length, req, target in items[i:j]:
-                    at = offset - start
-                    data = raw_data_offset(view[at:at + length])
-                    nbytes = target.numel() * target.element_size()
-                    if data is None or data + nbytes > length:
-                        rest.append(req)
-                        continue
-                    target.reshape(-1).view(torch.uint8).copy_(data_u8[at + data: at + data + nbytes])
-                    planner.commit_tensor(req, target)
-                del view, data_u8
+                runs.append((Path(self.path) / rel, start, end, items[i:j]))
                 i = j
+        # run k+1 is read on a thread while run k's chunks are copied out (two buffers)
+        ahead = self._pool.submit(self._runs[0].read, *runs[0][:3]) if runs else None
+        for k, (path, start, end, items) in enumerate(runs):
+            view, data_u8 = ahead.result()
+            if k + 1 < len(runs):
+                ahead = self._pool.submit(self._runs[(k + 1) % 2].read, *runs[k + 1][:3])
+            for offset, length, req, target in items:
+                at = offset - start
+                data = raw_data_offset(view[at:at + length])
+                nbytes = target.numel() * target.element_size()
+                if data is None or data + nbytes > length:
+                    rest.append(req)
+                    continue
+                target.reshape(-1).view(torch.uint8).copy_(data_u8[at + data: at + data + nbytes])
+                planner.commit_tensor(req, target)
+            del view, data_u8
         if rest:
             plan = type(plan)(items=rest, storage_data=plan.storage_data, planner_data=plan.planner_data)
             return super().read_data(plan, planner)
