@@ -437,16 +437,20 @@ class _GroupLoader:
         except (Exception, CheckpointException) as e:
             raise ValueError(f"{self.path}: could not load {group} ({type(e).__name__}: {str(e)[:500]})") from None
 
-    def stream(self, groups: list[str]):
-        """Yield (group, loaded state dict) in order; a group's memory is released after the next yield."""
+    def stream(self, groups: list[str], ahead: bool = True):
+        """Yield (group, loaded state dict) in order; a group's memory is released after the next
+        yield. ``ahead=False`` loads a group only after the previous one is released (one layer in
+        memory: for layers too big to hold two)."""
         future = self.pool.submit(self._load, groups[0], self._prepare(groups[0], 0))
         for i, group in enumerate(groups):
             loaded = future.result()
-            if i + 1 < len(groups):
+            if ahead and i + 1 < len(groups):
                 future = self.pool.submit(self._load, groups[i + 1], self._prepare(groups[i + 1], (i + 1) % 2))
             yield group, loaded
             del loaded
             self.model.get_submodule(group).to_empty(device="meta")
+            if not ahead and i + 1 < len(groups):
+                future = self.pool.submit(self._load, groups[i + 1], self._prepare(groups[i + 1], 0))
 
     def __enter__(self) -> "_GroupLoader":
         return self
@@ -505,7 +509,11 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
             stack.callback(writer.close)
             merged: set[str] = set()
             loader = stack.enter_context(_GroupLoader(model, model_path))
-            for group, loaded in loader.stream(list(groups)):
+            # the next layer loads while this one is written when two layers fit in one output
+            # shard; a full-size GLM-5 MoE layer (~19 GB) outweighs a 5 GB shard: one at a time
+            largest = max(sum(tensors[n].numel() * tensors[n].element_size() for n in names)
+                          for names in groups.values())
+            for group, loaded in loader.stream(list(groups), ahead=2 * largest <= max_bytes):
                 for name in groups[group]:
                     t = loaded[name]
                     src = hf_source(name, glm5.num_hidden_layers)
