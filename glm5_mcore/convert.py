@@ -372,18 +372,6 @@ def _checkpoint_dtype(model_path: Path) -> torch.dtype:
     raise ValueError(f"{model_path}: no embedding tensor in the checkpoint")
 
 
-def _release_freed_memory() -> None:
-    """Hand freed heap pages back to the OS after each layer (glibc keeps them in its arenas, so
-    RSS would grow to the largest layers seen, not stay at one layer)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 class _GroupLoader:
     """Loads a checkpoint one layer group at a time (Megatron-Core's key translation and planner,
     ``dcp_read`` reads), the next group on a background thread while the caller writes the current

@@ -102,11 +102,11 @@ def compute_index_topk(
     S, b = q_SbnD.shape[:2]
     T = k_TbD.shape[0]
     K = min(topk, T)
-    key_pos_T = torch.arange(T, device=q_SbnD.device)
-    rows = max(1, _SCORE_ELEMS_PER_CHUNK // max(1, T * q_SbnD.shape[2]))
     if kernels.use_for(q_SbnD, k_TbD):
         return torch.stack([kernels.indexer_topk(q_SbnD[:, bi], k_TbD[:, bi], w_Sbn[:, bi], doc_start_S, q_pos_S + 1, K)
                             for bi in range(b)])
+    key_pos_T = torch.arange(T, device=q_SbnD.device)
+    rows = max(1, _SCORE_ELEMS_PER_CHUNK // max(1, T * q_SbnD.shape[2]))
     out = torch.full((b, S, K), -1, dtype=torch.int64, device=q_SbnD.device)
     kf = k_TbD.float()
     for s0 in range(0, S, rows):
@@ -241,13 +241,13 @@ class SparseLatentAttention(torch.autograd.Function):
     def forward(ctx, q, lat, idx, scale, dc):
         S, n, D = q.shape
         K = idx.shape[1]
-        out = torch.empty(S, n, dc, dtype=torch.float32, device=q.device)
-        lse = torch.empty(S, n, dtype=torch.float32, device=q.device)
+        ctx.scale, ctx.dc = scale, dc
         if kernels.use_for(q, lat):
             out, lse = kernels.sparse_latent_fwd(q, lat, idx, scale, dc)
             ctx.save_for_backward(q, lat, idx, out, lse)
-            ctx.scale, ctx.dc = scale, dc
             return out.to(lat.dtype)
+        out = torch.empty(S, n, dc, dtype=torch.float32, device=q.device)
+        lse = torch.empty(S, n, dtype=torch.float32, device=q.device)
         latf = lat.float()
         rows = _latent_chunk_rows(K, D)
         for s0 in range(0, S, rows):
@@ -260,7 +260,6 @@ class SparseLatentAttention(torch.autograd.Function):
             out[s0:s1] = torch.bmm(p, lg[..., :dc])
             lse[s0:s1] = lse_c
         ctx.save_for_backward(q, lat, idx, out, lse)
-        ctx.scale, ctx.dc = scale, dc
         return out.to(lat.dtype)
 
     @staticmethod

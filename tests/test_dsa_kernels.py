@@ -1,5 +1,7 @@
 """The fused CPU DSA kernels against the PyTorch path they replace (and against plain definitions)."""
 
+import os
+import shutil
 import warnings
 
 import pytest
@@ -8,7 +10,9 @@ import torch
 from glm5_mcore import kernels
 from glm5_mcore.dsa import SparseLatentAttention, compute_index_topk, deterministic_topk
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler: the PyTorch path is the only one")
+# only a missing compiler skips: a kernel that fails to build must fail these tests, not hide
+pytestmark = pytest.mark.skipif(not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")),
+                                reason="no C++ compiler: the PyTorch path is the only one")
 
 
 def _stable_sort_topk(s: torch.Tensor, k: int) -> torch.Tensor:

@@ -143,15 +143,12 @@ def topk_rows(scores_RL: torch.Tensor, lo_R: torch.Tensor, hi_R: torch.Tensor, k
     return out
 
 
-def _padded(t: torch.Tensor, mult: int = 16, dim: int = -1) -> torch.Tensor:
-    """fp32 contiguous copy of ``t`` with ``dim`` zero-padded to a multiple of ``mult`` (the vector
-    kernels read whole 16-float vectors)."""
+def _padded(t: torch.Tensor, mult: int = 16) -> torch.Tensor:
+    """fp32 contiguous copy of ``t`` with its last dim zero-padded to a multiple of ``mult`` (the
+    vector kernels read whole 16-float vectors)."""
     t = _c(t)
-    extra = -t.shape[dim] % mult
-    if extra:
-        pad = [0, 0] * (t.dim() - 1 - (dim % t.dim())) + [0, extra]
-        t = torch.nn.functional.pad(t, pad)
-    return t.contiguous()
+    extra = -t.shape[-1] % mult
+    return torch.nn.functional.pad(t, [0, extra]) if extra else t
 
 
 def indexer_topk(q_SnD: torch.Tensor, k_TD: torch.Tensor, w_Sn: torch.Tensor, lo_S: torch.Tensor,
@@ -159,7 +156,7 @@ def indexer_topk(q_SnD: torch.Tensor, k_TD: torch.Tensor, w_Sn: torch.Tensor, lo
     """Top-k of I[t, u] = Σ_h w[t,h]·ReLU(q[t,h]·k[u]) over keys lo[t] ≤ u < hi[t], per query row
     (selection as ``topk_rows``). q [S, nI, dI], k [T, dI], w [S, nI] → int64 [S, k]."""
     q, w = _c(q_SnD), _c(w_Sn)
-    kT = _padded(_c(k_TD).t(), 64)  # [dI, Tp]
+    kT = _padded(k_TD.t(), 64)  # [dI, Tp]
     lo, hi = _c(lo_S, torch.int64), _c(hi_S, torch.int64)
     S, nI, dI = q.shape
     out = torch.empty(S, k, dtype=torch.int64)
