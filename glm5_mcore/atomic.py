@@ -75,7 +75,7 @@ def _related(a: Path, b: Path) -> str | None:
 
 
 def check_output(out: str | Path, kind: str, inputs: Iterable = (), overwrite: bool = False,
-                 what: str = "--out") -> Path:
+                 what: str = "--out", hint: str = "pass --overwrite to replace it, or choose another folder") -> Path:
     """Refuse ``out`` unless it is absent, an empty folder, or a previous ``kind`` output (or
     ``overwrite``); always refuse it when it is, lies inside or contains an input. Returns ``out``."""
     out = Path(out)
@@ -104,8 +104,7 @@ def check_output(out: str | Path, kind: str, inputs: Iterable = (), overwrite: b
     found = output_kind(out)
     held = ", ".join(entries[:5]) + (f", ... ({len(entries)} entries)" if len(entries) > 5 else "")
     why = f"a previous {found!r} output" if found else f"not empty and not a previous {kind!r} output"
-    raise OutputError(f"{out}: {what} is {why} (holds {held}); pass --overwrite to replace it, "
-                      "or choose another folder")
+    raise OutputError(f"{out}: {what} is {why} (holds {held}); {hint}")
 
 
 def write_marker(folder: str | Path, kind: str) -> None:
