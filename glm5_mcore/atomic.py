@@ -81,7 +81,7 @@ def check_output(out: str | Path, kind: str, inputs: Iterable = (), overwrite: b
     out = Path(out)
     real = out.resolve()
     for inp in inputs:
-        if inp is None or str(inp) == "":
+        if inp is None or str(inp) == "" or not Path(inp).exists():
             continue
         rel = _related(real, Path(inp).resolve())
         if rel:

@@ -277,9 +277,16 @@ def _restore(cfg: SFTConfig, model, opt, sched, settings: dict) -> Optional[dict
     if it is None:
         return None
     if cfg.lora.enabled:
-        st = read_adapter_state(adapter_dir(out, cfg.lora.name, it))
+        path = adapter_dir(out, cfg.lora.name, it)
+        st = read_adapter_state(path)
         for _, _, lora in lora_layers(model):
-            lora.load_full_(cfg.lora.name, st.A[lora.module_name], st.B[lora.module_name])
+            if lora.module_name not in st.A:
+                raise ValueError(f"{path}: no adapter for {lora.module_name} (saved with other lora.targets?)")
+            try:
+                lora.load_full_(cfg.lora.name, st.A[lora.module_name], st.B[lora.module_name])
+            except RuntimeError as e:  # another rank: a size mismatch
+                raise ValueError(f"{path}: adapter {lora.module_name} does not fit this run "
+                                 f"({' '.join(str(e).split())[:160]})") from None
     else:
         load_model(model, iter_dir(out, it) / "model")
     rs = load_rank_state(out, it, dist.get_rank())
@@ -342,25 +349,27 @@ def run(cfg: SFTConfig) -> dict:
     from glm5_mcore.lora import apply_lora
     from glm5_mcore.model import build_model, init_parallel, load_hf_weights
     from glm5_mcore.mtp_loss import mtp_depth_losses
+    from glm5_mcore.resume import claim_run_dir, guard_resume
 
     hf_dir = _hf_dir(cfg)
     glm5 = GLM5Config.from_hf_dir(hf_dir)
     world = int(os.environ.get("WORLD_SIZE", "1")) if not dist.is_initialized() else dist.get_world_size()
     parallel, accum = validate(cfg, glm5, world)
-    from glm5_mcore.resume import claim_run_dir
-
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        claim_run_dir(cfg.train.out, "sft", [cfg.model.hf_dir, cfg.model.ckpt, cfg.data.train, cfg.data.valid])
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     stats, val_stats = DataStats(), DataStats()
     docs = read_jsonl(cfg.data.train, tokenizer, cfg.data.max_tokens, cfg.data.skip_bad_rows, stats)
     val_docs = (read_jsonl(cfg.data.valid, tokenizer, cfg.data.max_tokens, cfg.data.skip_bad_rows, val_stats)
                 if cfg.data.valid else None)
-    if (stats.truncated or val_stats.truncated) and (not dist.is_initialized() or dist.get_rank() == 0):
+    rank0 = (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0
+    if (stats.truncated or val_stats.truncated) and rank0:
         print(f"sft: {stats.truncated} training and {val_stats.truncated} validation row(s) longer than "
               f"data.max_tokens={cfg.data.max_tokens} were cut to it (their last tokens not trained), "
               f"first: {(stats.truncated_rows or val_stats.truncated_rows)[0]}", file=sys.stderr)
     settings = run_settings(cfg, world)
+    if rank0:
+        claim_run_dir(cfg.train.out, "sft", [cfg.model.hf_dir, cfg.model.ckpt, cfg.data.train, cfg.data.valid])
+    if cfg.train.resume:  # refuse changed settings before any work
+        guard_resume(cfg.train.out, settings, cfg.train.allow_resume_mismatch, "train")
 
     init_parallel(parallel, seed=cfg.train.seed)
     random.seed(cfg.train.seed)
