@@ -19,13 +19,13 @@ SWITCH = "allow_resume_mismatch"
 
 
 def file_fingerprint(path: Optional[str]) -> Any:
-    """{"path", "size", "xxh3"} of a data file (None / a non-file name such as ``toy`` as is)."""
+    """{"size", "xxh3"} of a data file (a moved but unchanged file is the same data); None or a
+    non-file name such as ``toy`` as is."""
     if not path or not Path(path).is_file():
         return path
     from glm5_mcore.manifest import file_digest
 
-    p = Path(path)
-    return {"path": str(p.resolve()), "size": p.stat().st_size, "xxh3": file_digest(p)}
+    return {"size": Path(path).stat().st_size, "xxh3": file_digest(path)}
 
 
 def model_fingerprint(hf_dir: Optional[str], ckpt: Optional[str] = None) -> dict:
