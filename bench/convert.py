@@ -7,7 +7,11 @@ Makes a synthetic GLM-5 checkpoint of a few GB (GLM-5 layer structure, sizes sca
 - read:        safetensors ``safe_open`` + ``get_tensor`` of every tensor (the baseline);
 - copy:        ``shutil.copytree`` of the HF folder + sync: what merely writing the bytes costs here;
 - hf-to-mcore: ``glm5 convert hf-to-mcore`` (streaming DCP write);
-- mcore-to-hf: ``glm5 convert mcore-to-hf`` (layer-at-a-time load, 1 GB output shards).
+- mcore-to-hf: ``glm5 convert mcore-to-hf`` (layer-at-a-time load, 1 GB output shards), which
+  first verifies the checkpoint's files against its checksum manifest;
+- mcore-to-hf (no verify): the same with ``--no-verify`` (``GLM5_VERIFY_CHECKSUMS=0``);
+- verify:      ``glm5 checkpoint verify`` of the converted checkpoint alone (xxh3-128 of every file);
+- manifest:    writing the manifest (hashing what was just written), part of hf-to-mcore's time.
 
 The page cache is dropped before each step (root only; the JSON says whether it was) and each
 writing step ends with ``sync``. Throughput ratio = baseline read time / conversion time on the same
@@ -126,7 +130,18 @@ def run_step(step: str, a: argparse.Namespace) -> dict:
         hf_to_mcore(work / "hf", work / "mc", workers=a.workers, progress=False)
     elif step == "mcore-to-hf":
         mcore_to_hf(work / "mc", work / "hf_back", max_shard_size=SHARD_BYTES, progress=False)
-    if step != "read":
+    elif step == "mcore-to-hf-noverify":
+        os.environ["GLM5_VERIFY_CHECKSUMS"] = "0"
+        mcore_to_hf(work / "mc", work / "hf_back2", max_shard_size=SHARD_BYTES, progress=False)
+    elif step == "verify":
+        from glm5_mcore.manifest import verify_tree
+
+        verify_tree(work / "mc")
+    elif step == "manifest":
+        from glm5_mcore.manifest import write_manifest
+
+        write_manifest(work / "mc" / "iter_0000000")
+    if step not in ("read", "verify"):
         os.sync()  # the bytes are on disk, as for the copy
     dt = time.perf_counter() - t0
     return {"step": step, "time_s": dt, "peak_rss_bytes": _vm_hwm()}
@@ -158,7 +173,8 @@ def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     res = {}
     cold = True
-    for step in ("read", "copy", "hf-to-mcore", "read", "mcore-to-hf"):
+    for step in ("read", "copy", "hf-to-mcore", "read", "mcore-to-hf", "mcore-to-hf-noverify", "verify",
+                 "manifest"):
         cold &= _drop_page_cache()  # every step starts cold, with no dirty pages of the previous one
         r = subprocess.run([sys.executable, __file__, "--one", step, "--workdir", str(work),
                             "--workers", str(a.workers)], env=env, capture_output=True, text=True)
@@ -191,6 +207,14 @@ def main() -> None:
                             "peak_rss_gb": r["peak_rss_bytes"] / 1e9, "rss_vs_largest_shard": mem})
         if step not in ("read", "copy"):
             ok &= ratio >= 0.5 and mem <= 2.0
+    on, off = res["mcore-to-hf"]["time_s"], res["mcore-to-hf-noverify"]["time_s"]
+    ver, man = res["verify"]["time_s"], res["manifest"]["time_s"]
+    out["checksum"] = {"mcore_to_hf_verify_s": on, "mcore_to_hf_noverify_s": off,
+                       "verify_overhead_ratio": on / off - 1, "verify_only_s": ver, "verify_gb_per_s": gb / ver,
+                       "manifest_write_s": man, "manifest_vs_hf_to_mcore": man / res["hf-to-mcore"]["time_s"]}
+    print(f"checksums: mcore-to-hf {on:.2f} s verified vs {off:.2f} s --no-verify (+{100 * (on / off - 1):.1f}%); "
+          f"verify alone {ver:.2f} s ({gb / ver:.2f} GB/s cold); manifest write {man:.2f} s "
+          f"({100 * man / res['hf-to-mcore']['time_s']:.1f}% of hf-to-mcore)")
     out["pass"] = ok
     if not a.keep:
         shutil.rmtree(work, ignore_errors=True)
