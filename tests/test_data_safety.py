@@ -241,6 +241,9 @@ def test_loads_verify_what_they_read(mc, sft_run, tiny_dir, tmp_path, capsys, mo
     assert glm5(["convert", "mcore-to-hf", "--ckpt", str(ck), "--out", str(out), "--no-progress", "--no-verify",
                  "--allow-nonfinite"]) == 0
     monkeypatch.setenv("GLM5_VERIFY_CHECKSUMS", "1")
+    data.unlink()  # a missing .distcp: named, not a cut-off torch traceback
+    _refused(capsys, ["convert", "mcore-to-hf", "--ckpt", str(ck), "--out", str(out), "--no-progress"],
+             data, "missing (listed in", untouched=[ck, out])
     # SFT resume: a damaged adapter / optimizer file names the file, verified or not
     root = tmp_path / "sft"
     shutil.copytree(sft_run, root)
@@ -398,11 +401,14 @@ def test_rl_resume_with_changed_settings_is_refused_before_ray(tiny_dir, tmp_pat
     assert _tree(tmp_path / "rl") == before
 
 
-def test_config_and_reward_errors_name_the_field_or_function(tiny_dir):
+def test_config_and_reward_errors_name_the_field_or_function(tiny_dir, tmp_path, capsys):
     from recipes.sft import SFTConfig
     from rl.config import RLConfig
     from rl.rewards import RewardError, score_batch
 
+    _refused(capsys, ["sft", f"model.hf_dir={tiny_dir}", "data.train=x.jsonl", "train.steps=abc",
+                      f"train.out={tmp_path / 'o'}"], "train.steps must be a number, got 'abc'")
+    assert not (tmp_path / "o").exists()
     with pytest.raises(ValueError, match="train.steps must be a number, got 'abc'"):
         SFTConfig.from_dict({"train": {"steps": "abc"}})
     with pytest.raises(ValueError, match="rollout.engine='rl.rollout.nope.Engine': no module"):
