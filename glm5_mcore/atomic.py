@@ -95,7 +95,7 @@ def check_output(out: str | Path, kind: str, inputs: Iterable = (), overwrite: b
         raise OutputError(f"{out}: cannot replace it, {out.absolute().parent} is not writable")
     if overwrite:
         return out
-    if not out.is_dir() or out.is_symlink():
+    if not out.is_dir():  # a link to a folder is judged by the folder (a replacement swaps the link only)
         raise OutputError(f"{out}: {what} names an existing file, not a folder "
                           f"(pass --overwrite to replace it)")
     entries = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir())

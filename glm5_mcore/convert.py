@@ -498,14 +498,13 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
     ``merge_adapter`` (an ``AdapterState``): its ``scale·B·A`` is added to each Megatron weight
     before the weight is split into HF tensors (gate/up halves, per-expert names)."""
     from glm5_mcore.checkpoint import model_dir
-    from glm5_mcore.manifest import verify_under
+    from glm5_mcore.manifest import Background
 
     root = Path(ckpt)
     check_output(out, kind, [root], overwrite)
     model_path = model_dir(root, iteration)
     if not (model_path / "metadata.json").is_file():
         raise FileNotFoundError(f"{model_path}: not a Megatron-Core distributed checkpoint (no metadata.json)")
-    verify_under(model_path)
     if not (root / "hf" / "config.json").is_file():
         raise FileNotFoundError(f"{root / 'hf' / 'config.json'}: missing; the checkpoint has no HF config")
     glm5 = GLM5Config.from_hf_dir(root / "hf")
@@ -527,6 +526,7 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
                 plan.append((h, torch.float32 if h.endswith(FP32_HF_SUFFIXES) else td, shape))
     bar = _Progress(sum(t.numel() * t.element_size() for t in tensors.values()), len(plan), "mcore-to-hf",
                     progress)
+    checks = Background(model_path)  # checksums verified alongside the conversion, before publishing
     try:
         with output_dir(out, kind, [root], overwrite) as tmp, contextlib.ExitStack() as stack, bulk_io():
             writer = PlannedSafetensorsWriter(tmp, plan, max_bytes)
@@ -571,6 +571,10 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
             for name in HF_META_FILES:
                 if name != "config.json" and (root / "hf" / name).is_file():
                     (tmp / name).write_bytes((root / "hf" / name).read_bytes())
+            checks.result()
+    except BaseException:
+        checks.result()  # a corrupt file explains a failure better than what it caused
+        raise
     finally:
         bar.close()
     return Path(out)

@@ -14,7 +14,8 @@ being read); ``glm5 checkpoint verify DIR`` verifies whole folders.
 The hash is xxh3-128 (``xxhash``, ~8 GB/s per core, streamed in 16 MiB blocks; files hashed in
 parallel threads, the hash releases the GIL). ``GLM5_VERIFY_CHECKSUMS=0`` (CLI ``--no-verify``) skips
 verification on load; manifests are still written. A folder without a manifest (written before
-manifests existed) loads unverified.
+manifests existed) loads unverified. Files the converters stream out (``direct_io.DirectWriter``)
+are hashed as they are written (``remember_digest``), so their manifest does not read them back.
 """
 
 from __future__ import annotations
@@ -56,6 +57,18 @@ def file_digest(path: str | Path) -> str:
     return h.hexdigest()
 
 
+_KNOWN: dict[tuple, str] = {}  # (st_dev, st_ino, size, mtime_ns) -> digest of a file this process wrote
+
+
+def _key(st: os.stat_result) -> tuple:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def remember_digest(fd: int, digest: str) -> None:
+    """Record the digest of a file just written through ``fd`` (valid while it stays unmodified)."""
+    _KNOWN[_key(os.fstat(fd))] = digest
+
+
 def _files(root: Path) -> list[str]:
     out = []
     for dirpath, _, names in os.walk(root):
@@ -71,11 +84,20 @@ def _digests(root: Path, rels: list[str], threads: int) -> dict[str, str]:
         return dict(zip(rels, pool.map(lambda r: file_digest(root / r), rels)))
 
 
+def _written_digests(root: Path, rels: list[str], threads: int) -> dict[str, str]:
+    """Digests for a new manifest: remembered from the write where this process streamed the file,
+    hashed from disk otherwise."""
+    known = {r: _KNOWN.get(_key((root / r).stat())) for r in rels}
+    out = _digests(root, [r for r in rels if known[r] is None], threads)
+    out.update({r: d for r, d in known.items() if d is not None})
+    return out
+
+
 def write_manifest(root: str | Path, threads: int = 4) -> Path:
     """Digest every file under ``root`` into ``root/manifest.json`` (call when the folder is complete)."""
     root = Path(root)
     rels = _files(root)
-    digests = _digests(root, rels, threads)
+    digests = _written_digests(root, rels, threads)
     files = {r: {"size": (root / r).stat().st_size, "digest": digests[r]} for r in rels}
     tmp = root / f".{NAME}.tmp"
     tmp.write_text(json.dumps({"format": FORMAT, "algorithm": ALGORITHM, "files": files}, indent=1))
@@ -143,6 +165,21 @@ def verify_under(path: str | Path, levels: int = 3) -> int:
         if (root / NAME).is_file():
             return verify(root, [os.path.relpath(path, root).replace(os.sep, "/")])
     return 0
+
+
+class Background:
+    """``verify_under(path)`` on a thread (overlapping a conversion's own reads and compute);
+    ``result()`` re-raises its error. Nothing built from the files may be published before it."""
+
+    def __init__(self, path: str | Path):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="glm5-verify")
+        self._future = self._pool.submit(verify_under, path)
+
+    def result(self) -> int:
+        try:
+            return self._future.result()
+        finally:
+            self._pool.shutdown(wait=True)
 
 
 def verify_tree(path: str | Path) -> list[tuple[Path, int]]:
