@@ -25,6 +25,7 @@ import torch.distributed as dist
 from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.lora import DEFAULT_TARGETS, LoRAConfig
 from glm5_mcore.training import MoELoad, OptimCfg, WandbCfg, build_trainer, init_wandb, rng_state, set_rng_state
+from rl.config import _typed  # the RL config's field typing, one definition for both recipes
 from recipes.data import DataStats, PackedBatch, epoch_order, pack, pad_to, read_jsonl, split_for_cp
 
 
@@ -114,20 +115,6 @@ class SFTConfig:
                     raise ValueError(f"config: unknown field {section}.{k}")
                 setattr(current, k, _typed(getattr(current, k), v, f"{section}.{k}"))
         return out
-
-
-def _typed(default, v, name: str):
-    """``v`` checked against the type of the field's default (numbers and switches)."""
-    if isinstance(default, bool):
-        if not isinstance(v, bool):
-            raise ValueError(f"config: {name} must be true or false, got {v!r}")
-    elif isinstance(default, (int, float)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"config: {name} must be a number, got {v!r}")
-        if isinstance(default, int) and not float(v).is_integer():
-            raise ValueError(f"config: {name} must be an integer, got {v!r}")
-        return float(v) if isinstance(default, float) else int(v)
-    return v
 
 
 def run_settings(cfg: SFTConfig, world: int) -> dict:
