@@ -319,6 +319,12 @@ def test_rows_cut_by_max_tokens_are_counted_or_bad_and_bad_utf8_is_named(tiny_di
     stats = DataStats()
     read_jsonl(path, tok, 32, skip_bad_rows=True, stats=stats)
     assert stats.skipped == 2 and any(":6: not valid UTF-8" in e for e in stats.errors)
+    from rl.tasks import PromptDataError, read_prompts
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(b'{"prompt": "w1", "ground_truth": "w2"}\n{"prompt": "w1 \xfe", "ground_truth": "w2"}\n')
+    with pytest.raises(PromptDataError, match=f"{prompts}:2: not valid UTF-8"):
+        read_prompts(prompts, tok, chat_template=False, max_tokens=32)
 
 
 def test_sft_reports_truncated_rows_in_the_json(tiny_dir, tmp_path, capsys):
