@@ -228,6 +228,7 @@ def main() -> None:
     man, h2m = res["hf-to-mcore"]["manifest_s"], res["hf-to-mcore"]["time_s"]
     out["checksum"] = {"mcore_to_hf_verify_s": on, "mcore_to_hf_noverify_s": off,
                        "verify_overhead_ratio": on / off - 1, "verify_only_s": ver, "verify_gb_per_s": gb / ver,
+                       "mcore_to_hf_noverify_peak_rss_gb": res["mcore-to-hf-noverify"]["peak_rss_bytes"] / 1e9,
                        "manifest_in_hf_to_mcore_s": man, "manifest_vs_hf_to_mcore": man / h2m,
                        "manifest_rehash_from_disk_s": rehash}
     print(f"checksums: mcore-to-hf {on:.2f} s verified (alongside) vs {off:.2f} s --no-verify "
