@@ -263,13 +263,26 @@ def test_loads_verify_what_they_read(mc, sft_run, tiny_dir, tmp_path, capsys, mo
         f.write_bytes(good)
 
 
+def test_truncated_peft_adapter_is_named(sft_run, tmp_path, monkeypatch):
+    from glm5_mcore.peft_io import export_checkpoint_adapter, import_peft
+
+    out = export_checkpoint_adapter(sft_run / "run", tmp_path / "peft", progress=False)
+    f = out / "adapter_model.safetensors"
+    f.write_bytes(f.read_bytes()[:-64])
+    with pytest.raises(ValueError, match=f"{f}: .* bytes, the manifest says"):
+        import_peft(out, 3)
+    monkeypatch.setenv("GLM5_VERIFY_CHECKSUMS", "0")
+    with pytest.raises(ValueError, match=f"{f}: unreadable safetensors file"):
+        import_peft(out, 3)
+
+
 def glm5_read_adapter(path):
     from glm5_mcore.adapters import read_adapter_state
 
     return read_adapter_state(path)
 
 
-def test_nonfinite_weights_are_refused_naming_the_tensor(tiny_dir, tmp_path, capsys):
+def test_nonfinite_weights_are_refused_naming_the_tensor(tiny_dir, tmp_path, capsys, single_rank):
     from safetensors.torch import load_file, save_file
 
     bad = tmp_path / "nan"
@@ -290,6 +303,17 @@ def test_nonfinite_weights_are_refused_naming_the_tensor(tiny_dir, tmp_path, cap
                       "--no-progress"], "model.layers.1.self_attn.kv_b_proj.weight", "non-finite",
              untouched=[nan_ck])
     assert not (tmp_path / "back").exists()
+    # loading refuses them too: the Megatron checkpoint and the HF folder
+    from glm5_mcore.checkpoint import load_model, model_dir
+    from glm5_mcore.config import GLM5Config
+    from glm5_mcore.model import build_model, load_hf_weights
+
+    glm5_cfg = GLM5Config.from_hf_dir(bad)
+    m = build_model(glm5_cfg)
+    with pytest.raises(ValueError, match="linear_kv_up_proj.weight has 1 non-finite"):
+        load_model(m, model_dir(nan_ck))
+    with pytest.raises(ValueError, match="kv_b_proj.weight has 1 non-finite"):
+        load_hf_weights(m, bad, glm5_cfg)
 
 
 # --------------------------------------------------------------------------------------------------
