@@ -130,6 +130,23 @@ def hf_source_dir(root: str | Path) -> Optional[Path]:
     return Path(json.loads(path.read_text())["hf_dir"])
 
 
+def verify_once(path: str | Path) -> None:
+    """``manifest.verify_under(path)`` by rank 0 alone (every rank reads the same shared files), its
+    verdict broadcast so that every rank raises the same error."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        manifest.verify_under(path)
+        return
+    verdict = [None]
+    if dist.get_rank() == 0:
+        try:
+            manifest.verify_under(path)
+        except ValueError as e:
+            verdict[0] = str(e)
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise manifest.ChecksumError(verdict[0])
+
+
 def base_sharded_state_dict(model) -> dict:
     """``model.sharded_state_dict()`` without LoRA adapters (saved on their own, under adapters/)."""
     return {k: v for k, v in model.sharded_state_dict().items() if ".lora." not in k}
@@ -157,7 +174,7 @@ def load_model(model, path: str | Path, allow_nonfinite: bool = False) -> None:
     path = Path(path)
     if not (path / "metadata.json").is_file():
         raise FileNotFoundError(f"{path}: not a Megatron-Core distributed checkpoint (no metadata.json)")
-    manifest.verify_under(path)
+    verify_once(path)
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     try:
