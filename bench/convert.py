@@ -7,7 +7,12 @@ Makes a synthetic GLM-5 checkpoint of a few GB (GLM-5 layer structure, sizes sca
 - read:        safetensors ``safe_open`` + ``get_tensor`` of every tensor (the baseline);
 - copy:        ``shutil.copytree`` of the HF folder + sync: what merely writing the bytes costs here;
 - hf-to-mcore: ``glm5 convert hf-to-mcore`` (streaming DCP write);
-- mcore-to-hf: ``glm5 convert mcore-to-hf`` (layer-at-a-time load, 1 GB output shards).
+- mcore-to-hf: ``glm5 convert mcore-to-hf`` (layer-at-a-time load, 1 GB output shards), which
+  first verifies the checkpoint's files against its checksum manifest;
+- mcore-to-hf (no verify): the same with ``--no-verify`` (``GLM5_VERIFY_CHECKSUMS=0``);
+- verify:      ``glm5 checkpoint verify`` of the converted checkpoint alone (xxh3-128 of every file);
+- manifest:    writing hf-to-mcore's manifest inside its run (the data files were hashed as they were
+  written), and, as its own step, the same manifest hashed back from disk (the cost that avoids).
 
 The page cache is dropped before each step (root only; the JSON says whether it was) and each
 writing step ends with ``sync``. Throughput ratio = baseline read time / conversion time on the same
@@ -123,13 +128,39 @@ def run_step(step: str, a: argparse.Namespace) -> dict:
         shutil.copytree(work / "hf", work / "hf_copy")
         os.sync()
     elif step == "hf-to-mcore":
+        import glm5_mcore.manifest as manifest
+
+        write, spent = manifest.write_manifest, []
+
+        def timed(*args, **kw):
+            t = time.perf_counter()
+            try:
+                return write(*args, **kw)
+            finally:
+                spent.append(time.perf_counter() - t)
+
+        manifest.write_manifest = timed
         hf_to_mcore(work / "hf", work / "mc", workers=a.workers, progress=False)
     elif step == "mcore-to-hf":
         mcore_to_hf(work / "mc", work / "hf_back", max_shard_size=SHARD_BYTES, progress=False)
-    if step != "read":
+    elif step == "mcore-to-hf-noverify":
+        os.environ["GLM5_VERIFY_CHECKSUMS"] = "0"
+        mcore_to_hf(work / "mc", work / "hf_back2", max_shard_size=SHARD_BYTES, progress=False)
+    elif step == "verify":
+        from glm5_mcore.manifest import verify_tree
+
+        verify_tree(work / "mc")
+    elif step == "manifest":
+        from glm5_mcore.manifest import write_manifest
+
+        write_manifest(work / "mc" / "iter_0000000")
+    if step not in ("read", "verify"):
         os.sync()  # the bytes are on disk, as for the copy
     dt = time.perf_counter() - t0
-    return {"step": step, "time_s": dt, "peak_rss_bytes": _vm_hwm()}
+    out = {"step": step, "time_s": dt, "peak_rss_bytes": _vm_hwm()}
+    if step == "hf-to-mcore":
+        out["manifest_s"] = sum(spent)
+    return out
 
 
 def _vm_hwm() -> int:
@@ -158,7 +189,8 @@ def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     res = {}
     cold = True
-    for step in ("read", "copy", "hf-to-mcore", "read", "mcore-to-hf"):
+    for step in ("read", "copy", "hf-to-mcore", "read", "mcore-to-hf", "mcore-to-hf-noverify", "verify",
+                 "manifest"):
         cold &= _drop_page_cache()  # every step starts cold, with no dirty pages of the previous one
         r = subprocess.run([sys.executable, __file__, "--one", step, "--workdir", str(work),
                             "--workers", str(a.workers)], env=env, capture_output=True, text=True)
@@ -191,6 +223,17 @@ def main() -> None:
                             "peak_rss_gb": r["peak_rss_bytes"] / 1e9, "rss_vs_largest_shard": mem})
         if step not in ("read", "copy"):
             ok &= ratio >= 0.5 and mem <= 2.0
+    on, off = res["mcore-to-hf"]["time_s"], res["mcore-to-hf-noverify"]["time_s"]
+    ver, rehash = res["verify"]["time_s"], res["manifest"]["time_s"]
+    man, h2m = res["hf-to-mcore"]["manifest_s"], res["hf-to-mcore"]["time_s"]
+    out["checksum"] = {"mcore_to_hf_verify_s": on, "mcore_to_hf_noverify_s": off,
+                       "verify_overhead_ratio": on / off - 1, "verify_only_s": ver, "verify_gb_per_s": gb / ver,
+                       "mcore_to_hf_noverify_peak_rss_gb": res["mcore-to-hf-noverify"]["peak_rss_bytes"] / 1e9,
+                       "manifest_in_hf_to_mcore_s": man, "manifest_vs_hf_to_mcore": man / h2m,
+                       "manifest_rehash_from_disk_s": rehash}
+    print(f"checksums: mcore-to-hf {on:.2f} s verified (alongside) vs {off:.2f} s --no-verify "
+          f"(+{100 * (on / off - 1):.1f}%); verify alone {ver:.2f} s ({gb / ver:.2f} GB/s cold); manifest in "
+          f"hf-to-mcore {man:.2f} s ({100 * man / h2m:.1f}%; hashed back from disk it takes {rehash:.2f} s)")
     out["pass"] = ok
     if not a.keep:
         shutil.rmtree(work, ignore_errors=True)

@@ -105,15 +105,27 @@ def adapter_files(path: str | Path, kind: str) -> tuple[Path, Path, dict]:
         raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
 
 
-def read_adapter_state(path: str | Path) -> AdapterState:
-    """An adapter folder written by ``save_adapter_state``; errors name the file."""
+def load_adapter_tensors(st_path: Path) -> dict[str, torch.Tensor]:
+    """``adapter_model.safetensors`` (verified against the enclosing manifest); a truncated or
+    corrupt file is an error naming it."""
     from safetensors.torch import load_file
 
+    from glm5_mcore.manifest import verify_under
+
+    verify_under(st_path)
+    try:
+        return load_file(str(st_path))
+    except Exception as e:  # safetensors raises its own SafetensorError for a cut-off file
+        raise ValueError(f"{st_path}: unreadable safetensors file ({str(e)[:200]})") from None
+
+
+def read_adapter_state(path: str | Path) -> AdapterState:
+    """An adapter folder written by ``save_adapter_state``; errors name the file."""
     cfg_path, st_path, meta = adapter_files(path, "a glm5-mcore adapter")
     if meta.get("format") != FORMAT:
         raise ValueError(f"{cfg_path}: format {meta.get('format')!r}, expected {FORMAT!r} "
                          "(an HF PEFT adapter? use glm5_mcore.peft_io.import_peft)")
-    tensors = load_file(str(st_path))
+    tensors = load_adapter_tensors(st_path)
     state = AdapterState(config=LoRAConfig(**meta["config"]) if meta.get("config") else None)
     for m, s in meta["scale"].items():
         for k in (f"{m}.lora_A", f"{m}.lora_B"):

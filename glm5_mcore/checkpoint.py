@@ -8,9 +8,11 @@
         adapters/{name}/          LoRA adapters (the LoRA issue)
         optimizer/                optimizer + scheduler state (the SFT recipe)
         trainer_state.json        step, consumed samples, RNG / data position
+        manifest.json             size + digest of every file above (``glm5_mcore.manifest``)
 
 An iteration folder is written under a temporary name and renamed when complete, then ``latest``
-is replaced in one rename: a crash leaves the previous iteration as ``latest``.
+is replaced in one rename: a crash leaves the previous iteration as ``latest``. The manifest is
+written last, before the rename; every load verifies the files it reads against it.
 """
 
 from __future__ import annotations
@@ -23,11 +25,35 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from glm5_mcore import cpu_compat
+from glm5_mcore import cpu_compat, manifest
 from glm5_mcore.atomic import atomic_write_text
 
 HF_META_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "chat_template.jinja", "tokenizer.model")
+
+
+class NonFiniteError(ValueError):
+    """A weight holds NaN or Inf; the message names the tensor and its file."""
+
+
+def check_finite(t: torch.Tensor, name: str, where) -> None:
+    """Raise ``NonFiniteError`` naming ``name`` (in ``where``) if ``t`` has NaN/Inf values."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise NonFiniteError(f"{where}: tensor {name} has {bad} non-finite value(s) (NaN/Inf); "
+                             "--allow-nonfinite converts it anyway")
+
+
+def short_error(e: BaseException) -> str:
+    """One line for a (PyTorch-DCP) load error: the first underlying exception's type and message,
+    not the traceback text a ``CheckpointException`` embeds."""
+    for f in getattr(e, "failures", {}).values():
+        inner = getattr(f, "exc", None) or (f[0] if isinstance(f, tuple) and f else None)
+        if isinstance(inner, BaseException):
+            e = inner
+            break
+    msg = " ".join(str(e).split())
+    return f"{type(e).__name__}: {msg[:300]}"
 
 
 def iter_dir(root: str | Path, iteration: int) -> Path:
@@ -60,6 +86,15 @@ def latest_iteration(root: str | Path) -> int:
     return it
 
 
+def require_iteration(root: str | Path, iteration: int) -> Path:
+    """``DIR/iter_N`` for an asked-for iteration; an error listing the ones that exist otherwise."""
+    path = iter_dir(root, iteration)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: iteration {iteration} does not exist in {root} "
+                                f"(it has {iterations(root) or 'no iterations'})")
+    return path
+
+
 def write_latest(root: str | Path, iteration: int) -> None:
     atomic_write_text(Path(root) / "latest", f"{iteration}\n")
 
@@ -68,6 +103,7 @@ def model_dir(root: str | Path, iteration: Optional[int] = None) -> Path:
     """``DIR/iter_N/model`` for ``iteration`` (default: ``latest``), or, for a LoRA run that saves
     only adapters, the newest earlier iteration that has base weights."""
     it = latest_iteration(root) if iteration is None else iteration
+    require_iteration(root, it)
     for i in reversed(iterations(root)):
         if i <= it and (iter_dir(root, i) / "model").is_dir():
             return iter_dir(root, i) / "model"
@@ -94,6 +130,23 @@ def hf_source_dir(root: str | Path) -> Optional[Path]:
     return Path(json.loads(path.read_text())["hf_dir"])
 
 
+def verify_once(path: str | Path) -> None:
+    """``manifest.verify_under(path)`` by rank 0 alone (every rank reads the same shared files), its
+    verdict broadcast so that every rank raises the same error."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        manifest.verify_under(path)
+        return
+    verdict = [None]
+    if dist.get_rank() == 0:
+        try:
+            manifest.verify_under(path)
+        except ValueError as e:
+            verdict[0] = str(e)
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise manifest.ChecksumError(verdict[0])
+
+
 def base_sharded_state_dict(model) -> dict:
     """``model.sharded_state_dict()`` without LoRA adapters (saved on their own, under adapters/)."""
     return {k: v for k, v in model.sharded_state_dict().items() if ".lora." not in k}
@@ -112,20 +165,26 @@ def save_model(model, path: str | Path) -> None:
 
 
 @torch.no_grad()
-def load_model(model, path: str | Path) -> None:
-    """Load a Megatron-Core distributed checkpoint into ``model`` at this process's TP/EP/PP layout."""
+def load_model(model, path: str | Path, allow_nonfinite: bool = False) -> None:
+    """Load a Megatron-Core distributed checkpoint into ``model`` at this process's TP/EP/PP layout,
+    its files verified against the iteration's manifest; a NaN/Inf weight is an error naming it."""
     from megatron.core import dist_checkpointing
 
     cpu_compat.apply()
     path = Path(path)
     if not (path / "metadata.json").is_file():
         raise FileNotFoundError(f"{path}: not a Megatron-Core distributed checkpoint (no metadata.json)")
+    verify_once(path)
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     try:
         state = dist_checkpointing.load(base_sharded_state_dict(model), str(path))
     except (Exception, CheckpointException) as e:
-        raise ValueError(f"{path}: could not load the checkpoint ({type(e).__name__}: {str(e)[:500]})") from None
+        raise ValueError(f"{path}: could not load the checkpoint ({short_error(e)})") from None
+    if not allow_nonfinite:
+        for k, v in state.items():
+            if torch.is_tensor(v):
+                check_finite(v, k, path)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state") and ".lora." not in k]
     if missing or unexpected:
@@ -136,7 +195,7 @@ def load_model(model, path: str | Path) -> None:
 def adapter_dir(root: str | Path, name: str, iteration: Optional[int] = None) -> Path:
     """``DIR/iter_N/adapters/{name}`` (default: the ``latest`` iteration); errors name the folder."""
     it = latest_iteration(root) if iteration is None else iteration
-    path = iter_dir(root, it) / "adapters" / name
+    path = require_iteration(root, it) / "adapters" / name
     if not path.is_dir():
         have = sorted(p.name for p in (iter_dir(root, it) / "adapters").glob("*")) if (
             iter_dir(root, it) / "adapters").is_dir() else []
@@ -170,9 +229,34 @@ def save_checkpoint(root: str | Path, iteration: int, model, trainer_state: Opti
     dist.barrier()
     if dist.get_rank() == 0:
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state or {"iteration": iteration}, indent=2))
+        manifest.write_manifest(tmp)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
         write_latest(root, iteration)
     dist.barrier()
     return final
+
+
+def load_rank_state(root: str | Path, iteration: int, rank: int) -> dict:
+    """This rank's ``optimizer/rank_{r}.pt`` (optimizer, scheduler, RNG), verified; errors name the file."""
+    path = iter_dir(root, iteration) / "optimizer" / f"rank_{rank:05d}.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing (saved at another world size or layout?)")
+    manifest.verify_under(path)
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception as e:  # a truncated zip, a pickle error: name the file, not a traceback
+        raise ValueError(f"{path}: unreadable optimizer state ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def read_trainer_state(root: str | Path, iteration: int) -> dict:
+    """``iter_N/trainer_state.json``, verified; errors name the file."""
+    path = iter_dir(root, iteration) / "trainer_state.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing")
+    manifest.verify_under(path)
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None

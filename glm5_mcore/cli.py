@@ -1,4 +1,5 @@
-"""The ``glm5`` console command: ``glm5 tiny``, ``glm5 parity``, ``glm5 convert``, ``glm5 lora``."""
+"""The ``glm5`` console command: ``glm5 tiny``, ``glm5 parity``, ``glm5 convert``, ``glm5 lora``,
+``glm5 checkpoint verify``."""
 
 from __future__ import annotations
 
@@ -57,6 +58,16 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--max-shard-size", default="5GB")
     for x in (h, m, ex):
         x.add_argument("--no-progress", action="store_true")
+        x.add_argument("--allow-nonfinite", action="store_true", help="convert NaN/Inf weights instead of refusing")
+    for x in (t, h, m, ex, q):
+        x.add_argument("--overwrite", action="store_true",
+                       help="replace an existing output that is not a previous output of this command")
+    for x in (h, m, ex, q):
+        x.add_argument("--no-verify", action="store_true", help="skip checksum verification of the inputs")
+    ck = sub.add_parser("checkpoint", help="checkpoint folders")
+    cksub = ck.add_subparsers(dest="action", required=True)
+    v = cksub.add_parser("verify", help="check every file of a folder against its checksum manifest(s)")
+    v.add_argument("dir")
     return p
 
 
@@ -73,11 +84,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     args = _parser().parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if getattr(args, "no_verify", False):
+        os.environ["GLM5_VERIFY_CHECKSUMS"] = "0"
     try:
         if args.cmd == "tiny":
             from glm5_mcore.tiny import write_tiny
 
-            out = write_tiny(args.out, mtp=args.mtp, index_share=args.index_share, seed=args.seed)
+            out = write_tiny(args.out, mtp=args.mtp, index_share=args.index_share, seed=args.seed,
+                             overwrite=args.overwrite)
             print(f"wrote tiny GLM-5 checkpoint to {out}")
             return 0
         if args.cmd == "convert":
@@ -85,27 +99,45 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.direction == "hf-to-mcore":
                 out = convert.hf_to_mcore(args.hf_dir, args.out, args.workers, args.dtype,
-                                          progress=not args.no_progress)
+                                          progress=not args.no_progress, overwrite=args.overwrite,
+                                          allow_nonfinite=args.allow_nonfinite)
             else:
                 out = convert.mcore_to_hf(args.ckpt, args.out, args.max_shard_size, args.iteration,
-                                          progress=not args.no_progress)
+                                          progress=not args.no_progress, overwrite=args.overwrite,
+                                          allow_nonfinite=args.allow_nonfinite)
             print(f"wrote {out}")
             return 0
         if args.cmd == "lora":
             from glm5_mcore.peft_io import export_checkpoint_adapter
 
             out = export_checkpoint_adapter(args.ckpt, args.out, args.adapter, args.iteration, args.merged,
-                                            args.max_shard_size, progress=not args.no_progress)
+                                            args.max_shard_size, progress=not args.no_progress,
+                                            overwrite=args.overwrite, allow_nonfinite=args.allow_nonfinite)
             print(f"wrote {out}")
+            return 0
+        if args.cmd == "checkpoint":
+            from glm5_mcore.manifest import verify_tree
+
+            for folder, n in verify_tree(args.dir):
+                print(f"{folder}: {n} files ok")
             return 0
         if args.cmd == "parity":
             from glm5_mcore.parity import main as parity_main
 
             return parity_main(args)
     except (ValueError, FileNotFoundError, KeyError) as e:
-        print(f"glm5 {args.cmd}: error: {e}", file=sys.stderr)
+        print(f"glm5 {args.cmd}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except PermissionError as e:
+        print(f"glm5 {args.cmd}: error: {e.filename}: {e.strerror}", file=sys.stderr)
         return 2
     return 1
+
+
+def _one_line(e: BaseException) -> str:
+    """The error text (a KeyError's repr quotes drop), on one line."""
+    text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    return " ".join(str(text).split())
 
 
 if __name__ == "__main__":

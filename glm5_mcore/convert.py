@@ -17,7 +17,9 @@ Both write past the page cache (``direct_io``): the bytes are written once and n
 
 Every check that can fail (missing / unmapped / mis-shaped / mis-typed tensors, corrupt files) runs
 before anything is written; the output folder is built under a temporary name and renamed only when
-complete, so a previous good output survives any failure.
+complete, so a previous good output survives any failure. ``--out`` is guarded (``atomic.output_dir``:
+never an input, never a folder of something else); inputs are verified against their checksum
+manifests, the output gets one; a NaN/Inf weight is an error naming the tensor (``allow_nonfinite``).
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from typing import Callable, Optional
 
 import torch
 
-from glm5_mcore.atomic import atomic_dir, publish_file
-from glm5_mcore.checkpoint import HF_META_FILES, iter_dir, write_hf_meta
+from glm5_mcore.atomic import check_output, output_dir, publish_file
+from glm5_mcore.checkpoint import HF_META_FILES, NonFiniteError, check_finite, iter_dir, write_hf_meta
 from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.dcp_read import DirectReader, load_sharded
 from glm5_mcore.direct_io import DirectWriter, bulk_io
@@ -94,8 +96,8 @@ def _named_tensors(model) -> dict[str, torch.Tensor]:
 class _HFSourcePlan:
     """For every Megatron tensor of the meta model: its HF parts, checked against the files."""
 
-    def __init__(self, model, glm5: GLM5Config, ckpt: HFCheckpoint):
-        self.ckpt = ckpt
+    def __init__(self, model, glm5: GLM5Config, ckpt: HFCheckpoint, allow_nonfinite: bool = False):
+        self.ckpt, self.allow_nonfinite = ckpt, allow_nonfinite
         self.tensors = _named_tensors(model)
         self.by_id = {id(t): n for n, t in self.tensors.items()}
         self.sources = {}
@@ -145,6 +147,9 @@ class _HFSourcePlan:
             elif offset + view.numel() <= half and view.is_contiguous():
                 names = names[:1]
         parts = [self.ckpt.get(h).to(base.dtype) for h in names]
+        if not self.allow_nonfinite:
+            for h, part in zip(names, parts):
+                check_finite(part, h, self.ckpt.files[self.ckpt.locate(h)[0]])
         full = (parts[0] if len(parts) == 1 else torch.cat(parts, 0)).contiguous()
         return full.as_strided(view.size(), view.stride(), full.storage_offset() + offset).contiguous()
 
@@ -309,10 +314,30 @@ def _lazy_dcp_save(model, out: Path, source, workers: int, on_item: Callable[[in
     save_config(CheckpointingConfig("torch_dist", 1), str(out))
 
 
+def _reraise_nonfinite(e: BaseException) -> None:
+    """DCP wraps a writer thread's error in a ``CheckpointException``: surface our own."""
+    seen, stack = set(), [e]
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, NonFiniteError):
+            raise NonFiniteError(str(x)) from None
+        if isinstance(x, tuple):  # DCP's (exception, traceback) pairs
+            stack += [v for v in x if isinstance(v, BaseException)]
+            continue
+        stack += [x.__cause__, x.__context__, *getattr(x, "failures", {}).values()]
+
+
 def hf_to_mcore(hf_dir: str | Path, out: str | Path, workers: int = 1, dtype: Optional[str] = None,
-                progress: bool = True) -> Path:
+                progress: bool = True, overwrite: bool = False, allow_nonfinite: bool = False) -> Path:
     """Convert an HF GLM-5 folder into ``out`` (``iter_0000000/model``, ``hf/``, ``latest``)."""
+    from glm5_mcore.manifest import verify_under, write_manifest
+
     hf_dir = Path(hf_dir)
+    check_output(out, "convert hf-to-mcore", [hf_dir], overwrite)
+    verify_under(hf_dir)  # an HF folder we wrote (mcore-to-hf) carries a manifest
     glm5 = GLM5Config.from_hf_dir(hf_dir)
     ckpt = HFCheckpoint(hf_dir)
     if dtype is None:
@@ -323,17 +348,22 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, workers: int = 1, dtype: Op
     else:
         raise ValueError(f"--dtype {dtype}: expected one of {sorted(DTYPES)}")
     model = meta_model(glm5, td)
-    plan = _HFSourcePlan(model, glm5, ckpt)
+    plan = _HFSourcePlan(model, glm5, ckpt, allow_nonfinite)
     bar = _Progress(plan.total_bytes, sum(len(s.names) for s in plan.sources.values()), "hf-to-mcore", progress)
     try:
-        with atomic_dir(out) as tmp, bulk_io():
-            _lazy_dcp_save(model, iter_dir(tmp, 0) / "model", plan, workers, bar.update)
+        with output_dir(out, "convert hf-to-mcore", [hf_dir], overwrite, manifest=False) as tmp, bulk_io():
+            try:
+                _lazy_dcp_save(model, iter_dir(tmp, 0) / "model", plan, workers, bar.update)
+            except BaseException as e:
+                _reraise_nonfinite(e)
+                raise
             config = json.loads((hf_dir / "config.json").read_text())
             config.pop("quantization_config", None)
             config["dtype"] = _HF_DTYPE_NAMES[td]
             config.pop("torch_dtype", None)
             write_hf_meta(tmp / "hf", hf_dir, config)
             (iter_dir(tmp, 0) / "trainer_state.json").write_text(json.dumps({"iteration": 0}, indent=2))
+            write_manifest(iter_dir(tmp, 0))
             (tmp / "latest").write_text("0\n")
     finally:
         bar.close()
@@ -423,7 +453,9 @@ class _GroupLoader:
         try:
             return load_sharded(sharded, self.reader)
         except (Exception, CheckpointException) as e:
-            raise ValueError(f"{self.path}: could not load {group} ({type(e).__name__}: {str(e)[:500]})") from None
+            from glm5_mcore.checkpoint import short_error
+
+            raise ValueError(f"{self.path}: could not load {group} ({short_error(e)})") from None
 
     def stream(self, groups: list[str], ahead: bool = True):
         """Yield (group, loaded state dict) in order; a group's memory is released after the next
@@ -459,14 +491,17 @@ def _layer_groups(model) -> list[str]:
 
 @torch.no_grad()
 def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "5GB",
-                iteration: Optional[int] = None, progress: bool = True, merge_adapter=None) -> Path:
+                iteration: Optional[int] = None, progress: bool = True, merge_adapter=None,
+                overwrite: bool = False, kind: str = "convert mcore-to-hf", allow_nonfinite: bool = False) -> Path:
     """Write an HF GLM-5 folder (on-disk per-expert layout, MTP layer included) from a checkpoint.
 
     ``merge_adapter`` (an ``AdapterState``): its ``scale·B·A`` is added to each Megatron weight
     before the weight is split into HF tensors (gate/up halves, per-expert names)."""
     from glm5_mcore.checkpoint import model_dir
+    from glm5_mcore.manifest import Background
 
     root = Path(ckpt)
+    check_output(out, kind, [root], overwrite)
     model_path = model_dir(root, iteration)
     if not (model_path / "metadata.json").is_file():
         raise FileNotFoundError(f"{model_path}: not a Megatron-Core distributed checkpoint (no metadata.json)")
@@ -491,8 +526,9 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
                 plan.append((h, torch.float32 if h.endswith(FP32_HF_SUFFIXES) else td, shape))
     bar = _Progress(sum(t.numel() * t.element_size() for t in tensors.values()), len(plan), "mcore-to-hf",
                     progress)
+    checks = Background(model_path)  # checksums verified alongside the conversion, before publishing
     try:
-        with atomic_dir(out) as tmp, contextlib.ExitStack() as stack, bulk_io():
+        with output_dir(out, kind, [root], overwrite) as tmp, contextlib.ExitStack() as stack, bulk_io():
             writer = PlannedSafetensorsWriter(tmp, plan, max_bytes)
             stack.callback(writer.close)
             merged: set[str] = set()
@@ -517,6 +553,8 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
                     else:
                         parts = t.chunk(2, dim=0) if src.is_glu else (t,)
                     for h, part in zip(src.names, parts):
+                        if not allow_nonfinite:
+                            check_finite(part, f"{h} (Megatron {name})", model_path)
                         writer.write(h, part.to(torch.float32 if h.endswith(FP32_HF_SUFFIXES) else td))
                         bar.update(part.numel() * part.element_size())
             writer.finish()
@@ -533,6 +571,10 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
             for name in HF_META_FILES:
                 if name != "config.json" and (root / "hf" / name).is_file():
                     (tmp / name).write_bytes((root / "hf" / name).read_bytes())
+            checks.result()
+    except BaseException:
+        checks.result()  # a corrupt file explains a failure better than what it caused
+        raise
     finally:
         bar.close()
     return Path(out)

@@ -8,6 +8,9 @@ gathered in a page-aligned buffer and written in large aligned blocks; ``close``
 zero-padded tail and truncates the file to its true length. Where the file system refuses
 ``O_DIRECT`` (tmpfs, some network mounts) the same object writes through an ordinary buffered file.
 
+The bytes are hashed (xxh3-128) on the writer thread as they go to the device, so the checksum
+manifest (``glm5_mcore.manifest``) does not read the file back.
+
 ``bulk_io`` sets the process up for the same streams (garbage collector, heap reuse).
 """
 
@@ -37,6 +40,9 @@ class DirectWriter:
     def __init__(self, path: str | Path, buffer_bytes: int = _BUFFER):
         from concurrent.futures import ThreadPoolExecutor
 
+        import xxhash
+
+        self._hash = xxhash.xxh3_128()
         self.path = Path(path)
         self._pos = 0  # bytes handed to the device (written or being written)
         self._fill = 0  # bytes waiting in the current buffer
@@ -82,12 +88,14 @@ class DirectWriter:
     def _hand_off(self) -> None:
         """Queue the full current buffer for writing and switch to the other one (once free)."""
         self._wait()
-        self._pending = self._pool.submit(self._write_at, self._cur, self._size, self._pos)
+        self._pending = self._pool.submit(self._write_at, self._cur, self._size, self._pos, self._size)
         self._pos += self._size
         self._cur, self._fill = 1 - self._cur, 0
 
-    def _write_at(self, index: int, nbytes: int, offset: int) -> None:
+    def _write_at(self, index: int, nbytes: int, offset: int, payload: int) -> None:
+        """Write ``nbytes`` of buffer ``index`` at ``offset``; its first ``payload`` bytes are file content."""
         view, done = self._views[index], 0
+        self._hash.update(view[:payload])
         while done < nbytes:
             try:
                 k = os.pwrite(self._fd, view[done:nbytes], offset + done)
@@ -125,8 +133,11 @@ class DirectWriter:
             if self._fill:
                 padded = -(-self._fill // _ALIGN) * _ALIGN
                 self._views[self._cur][self._fill:padded] = bytes(padded - self._fill)
-                self._write_at(self._cur, padded, self._pos)
+                self._write_at(self._cur, padded, self._pos, self._fill)
                 os.ftruncate(self._fd, end)
+            from glm5_mcore.manifest import remember_digest
+
+            remember_digest(self._fd, self._hash.hexdigest())
         finally:
             self.closed = True
             self._pool.shutdown(wait=True)

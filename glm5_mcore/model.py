@@ -186,9 +186,12 @@ def load_hf_weights(model, hf_dir, glm5: GLM5Config) -> int:
 
     Errors name the missing tensor, or the tensor whose shape does not match the model's.
     """
+    from glm5_mcore.checkpoint import check_finite
     from glm5_mcore.hf_io import HFCheckpoint
     from glm5_mcore.hf_names import shard_for_rank
+    from glm5_mcore.manifest import verify_under
 
+    verify_under(hf_dir)
     ckpt = HFCheckpoint(hf_dir)
     n = 0
     for name, target, src, rank, size in mcore_to_hf_sources(model, glm5.num_hidden_layers):
@@ -201,6 +204,7 @@ def load_hf_weights(model, hf_dir, glm5: GLM5Config) -> int:
         if tuple(shard.shape) != tuple(target.shape):
             raise ValueError(f"{hf_dir}: tensor {'+'.join(src.names)} has shape {tuple(full.shape)}, "
                              f"model expects {tuple(target.shape)} for {name} on this rank")
+        check_finite(shard, "+".join(src.names), hf_dir)
         target.data.copy_(shard.to(target.dtype))
         n += 1
     return n

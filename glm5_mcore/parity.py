@@ -39,12 +39,19 @@ def load_input_ids(path: Optional[str], vocab_size: int, batch: int, seq: int, s
 
     if not Path(path).is_file():
         raise FileNotFoundError(f"{path}: --input-ids file does not exist")
-    d = load_file(path)
+    try:
+        d = load_file(path)
+    except Exception as e:  # empty, truncated or not safetensors
+        raise ValueError(f"{path}: --input-ids is not a readable safetensors file ({str(e)[:200]})") from None
     if "input_ids" not in d:
         raise ValueError(f"{path}: no tensor called 'input_ids' (found {sorted(d)})")
     ids = d["input_ids"]
     if ids.dim() != 2:
         raise ValueError(f"{path}: input_ids must be [B, S], got shape {tuple(ids.shape)}")
+    if ids.numel() == 0:
+        raise ValueError(f"{path}: input_ids is empty, shape {tuple(ids.shape)}")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"{path}: input_ids has dtype {ids.dtype}, expected an integer type (token ids)")
     if int(ids.max()) >= vocab_size or int(ids.min()) < 0:
         raise ValueError(f"{path}: input_ids outside [0, vocab_size={vocab_size})")
     return ids.long()
@@ -161,7 +168,7 @@ def run_parity(hf_dir: str, input_ids: torch.Tensor, parallel: ParallelConfig, d
         from safetensors.torch import save_file
 
         tmp = f"{save_logits}.tmp"
-        save_file({"logits": logits.contiguous()}, tmp)
+        save_file({"logits": logits.contiguous()}, tmp, metadata={"glm5-output": SAVE_LOGITS_KIND})
         os.replace(tmp, save_logits)
     ref_logits, ref_topks, ref_routers = reference_forward(hf_dir, input_ids, td, adapter)
     diff = (logits - ref_logits).abs()
@@ -181,6 +188,16 @@ def run_parity(hf_dir: str, input_ids: torch.Tensor, parallel: ParallelConfig, d
     return report
 
 
+SAVE_LOGITS_KIND = "parity --save-logits"
+
+
+def _logits_file_kind(path) -> Optional[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return (f.metadata() or {}).get("glm5-output")
+
+
 def main(args) -> int:
     """Entry for ``glm5 parity`` (argparse namespace from ``glm5_mcore.cli``)."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -194,6 +211,11 @@ def main(args) -> int:
         hf_dir = str(hf_dir)
     if hf_dir is None:
         raise ValueError("give --hf-dir (and/or --ckpt)")
+    if args.save_logits:
+        from glm5_mcore.atomic import check_output_file
+
+        check_output_file(args.save_logits, SAVE_LOGITS_KIND, _logits_file_kind, [args.input_ids],
+                          getattr(args, "overwrite", False), what="--save-logits")
     glm5 = GLM5Config.from_hf_dir(f"{ckpt}/hf" if ckpt else hf_dir)
     ids = load_input_ids(args.input_ids, glm5.vocab_size, args.batch, args.seq_len, args.seed)
     parallel = ParallelConfig(tp=args.tp, ep=args.ep, cp=args.cp)

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from glm5_mcore.adapters import AdapterState
-from glm5_mcore.atomic import atomic_dir
+from glm5_mcore.atomic import check_output, output_dir
 from glm5_mcore.hf_names import LAYER_RULES, hf_source
 
 PREFIX = "base_model.model."
@@ -44,7 +44,7 @@ def _target_parameter(hf_weight: str) -> str:
 
 
 def export_peft(state: AdapterState, num_hidden_layers: int, n_experts: int, out: str | Path,
-                base_model: str = "") -> Path:
+                base_model: str = "", inputs: tuple = (), overwrite: bool = False) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (HF PEFT) for ``state``."""
     from safetensors.torch import save_file
 
@@ -115,7 +115,7 @@ def export_peft(state: AdapterState, num_hidden_layers: int, n_experts: int, out
         "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "modules_to_save": None,
         "layers_to_transform": None, "layers_pattern": None,
     }
-    with atomic_dir(out) as tmp:
+    with output_dir(out, "lora export", inputs, overwrite) as tmp:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return Path(out)
@@ -145,11 +145,11 @@ def _pattern_value(patterns: dict, key: str, default):
 
 def import_peft(peft_dir: str | Path, num_hidden_layers: int) -> AdapterState:
     """An HF PEFT LoRA adapter for GLM-5 as an ``AdapterState`` (Megatron names, full tensors)."""
-    from safetensors.torch import load_file
-
-    from glm5_mcore.adapters import adapter_files
+    from glm5_mcore.adapters import adapter_files, load_adapter_tensors
 
     cfg_path, st_path, cfg = adapter_files(peft_dir, "an HF PEFT adapter")
+    if not isinstance(cfg, dict) or "r" not in cfg or "lora_alpha" not in cfg:
+        raise ValueError(f"{cfg_path}: not an HF PEFT LoRA config (needs 'r' and 'lora_alpha')")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{cfg_path}: peft_type {cfg.get('peft_type')!r}, only LORA is supported")
     for flag in ("use_dora", "fan_in_fan_out"):
@@ -160,7 +160,7 @@ def import_peft(peft_dir: str | Path, num_hidden_layers: int) -> AdapterState:
     r0, alpha0 = int(cfg["r"]), float(cfg["lora_alpha"])
     rslora = bool(cfg.get("use_rslora"))
     targets = set(cfg.get("target_parameters") or [])
-    raw = load_file(str(st_path))
+    raw = load_adapter_tensors(st_path)
 
     def scale(key: str, r: int) -> float:
         alpha = float(_pattern_value(cfg.get("alpha_pattern") or {}, key, alpha0))
@@ -256,7 +256,8 @@ def import_peft(peft_dir: str | Path, num_hidden_layers: int) -> AdapterState:
 
 def export_checkpoint_adapter(ckpt: str | Path, out: str | Path, adapter: str = "default",
                               iteration: Optional[int] = None, merged: bool = False,
-                              max_shard_size: str = "5GB", progress: bool = True) -> Path:
+                              max_shard_size: str = "5GB", progress: bool = True,
+                              overwrite: bool = False, allow_nonfinite: bool = False) -> Path:
     """``glm5 lora export``: the checkpoint's adapter as an HF PEFT folder, or (``merged``) a full HF
     checkpoint of the base weights with the adapter merged in (before experts are split per expert)."""
     from glm5_mcore.adapters import read_adapter_state
@@ -264,10 +265,13 @@ def export_checkpoint_adapter(ckpt: str | Path, out: str | Path, adapter: str = 
     from glm5_mcore.config import GLM5Config
 
     root = Path(ckpt)
+    check_output(out, "lora export", [root], overwrite)
     state = read_adapter_state(adapter_dir(root, adapter, iteration))
     glm5 = GLM5Config.from_hf_dir(root / "hf")
     if merged:
         from glm5_mcore.convert import mcore_to_hf
 
-        return mcore_to_hf(root, out, max_shard_size, iteration, progress, merge_adapter=state)
-    return export_peft(state, glm5.num_hidden_layers, glm5.n_routed_experts, out, base_model=str(root / "hf"))
+        return mcore_to_hf(root, out, max_shard_size, iteration, progress, merge_adapter=state,
+                           overwrite=overwrite, kind="lora export", allow_nonfinite=allow_nonfinite)
+    return export_peft(state, glm5.num_hidden_layers, glm5.n_routed_experts, out, base_model=str(root / "hf"),
+                       inputs=[root], overwrite=overwrite)

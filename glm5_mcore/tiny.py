@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from glm5_mcore.atomic import atomic_dir
+from glm5_mcore.atomic import output_dir
 from glm5_mcore.config import GLM5Config, glm5_tiny
 
 CHAT_TEMPLATE = (
@@ -114,9 +114,10 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
 
 
 def write_hf_checkpoint(cfg: GLM5Config, state_dict: dict[str, torch.Tensor], out: str | Path,
-                        tokenizer: bool = True) -> Path:
-    """Write config.json + model.safetensors (+ tokenizer) into ``out`` atomically (temp + rename)."""
-    with atomic_dir(out) as tmp:
+                        tokenizer: bool = True, overwrite: bool = False) -> Path:
+    """Write config.json + model.safetensors (+ tokenizer) into ``out`` atomically (temp + rename);
+    ``out`` is guarded like every command's ``--out`` (``atomic.output_dir``, kind ``tiny``)."""
+    with output_dir(out, "tiny", overwrite=overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
         save_file(state_dict, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer:
@@ -124,10 +125,11 @@ def write_hf_checkpoint(cfg: GLM5Config, state_dict: dict[str, torch.Tensor], ou
     return Path(out)
 
 
-def write_tiny(out: str | Path, mtp: bool = False, index_share: bool = False, seed: int = 0) -> Path:
+def write_tiny(out: str | Path, mtp: bool = False, index_share: bool = False, seed: int = 0,
+               overwrite: bool = False) -> Path:
     """The ``glm5 tiny`` command: a tiny random GLM-5 checkpoint in ``out``."""
     cfg = glm5_tiny(mtp=mtp, index_share=index_share)
-    return write_hf_checkpoint(cfg, random_hf_state_dict(cfg, seed), out)
+    return write_hf_checkpoint(cfg, random_hf_state_dict(cfg, seed), out, overwrite=overwrite)
 
 
 def fuse_experts(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -45,7 +45,8 @@ def sft_main(overrides: list[str]) -> int:
         print(json.dumps({"steps": out["state"]["step"], "first_loss": hist[0]["loss"] if hist else None,
                           "last_loss": hist[-1]["loss"] if hist else None, "val": out["val"],
                           "losses": [h["loss"] for h in hist],
-                          "skipped_rows": out["data"]["skipped"]}))
+                          "skipped_rows": out["data"]["skipped"], "truncated_rows": out["data"]["truncated"],
+                          "valid_truncated_rows": out["valid_data"]["truncated"]}))
     return 0
 
 

@@ -40,7 +40,10 @@ class DataStats:
     rows: int = 0
     skipped: int = 0
     truncated: int = 0
+    """Rows longer than ``max_tokens``, cut to it (they keep some loss tokens)."""
     errors: list[str] = field(default_factory=list)
+    truncated_rows: list[str] = field(default_factory=list)
+    """``file:line`` of the first truncated rows (at most 20)."""
 
 
 class DataError(ValueError):
@@ -98,20 +101,26 @@ def encode_row(row: dict, tokenizer, where: str) -> Document:
 
 def read_jsonl(path: str | Path, tokenizer, max_tokens: int, skip_bad_rows: bool = False,
                stats: Optional[DataStats] = None) -> list[Document]:
-    """Documents of a jsonl file. Bad rows raise ``DataError`` (file:line), or are skipped and counted
-    with ``skip_bad_rows``; documents longer than ``max_tokens`` are truncated and counted."""
+    """Documents of a jsonl file. Bad rows (invalid JSON or UTF-8, wrong fields, or longer than
+    ``max_tokens`` with no loss token left once cut) raise ``DataError`` (file:line), or are skipped
+    and counted with ``skip_bad_rows``; other documents longer than ``max_tokens`` are cut to it and
+    counted (``stats.truncated``, ``stats.truncated_rows``)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: data file does not exist")
     stats = stats if stats is not None else DataStats()
     docs = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             where = f"{path}:{n}"
             stats.rows += 1
             try:
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
@@ -119,6 +128,9 @@ def read_jsonl(path: str | Path, tokenizer, max_tokens: int, skip_bad_rows: bool
                 doc = encode_row(row, tokenizer, where)
                 if len(doc.tokens) < 2 or not any(doc.mask[1:]):
                     raise DataError(f"{where}: fewer than 2 tokens or nothing to train on")
+                if len(doc.tokens) > max_tokens + 1 and not any(doc.mask[1: max_tokens + 1]):
+                    raise DataError(f"{where}: {len(doc.tokens) - 1} tokens; cut to data.max_tokens={max_tokens} "
+                                    "it keeps no loss token (the response would be lost)")
             except DataError as e:
                 if not skip_bad_rows:
                     raise
@@ -128,6 +140,8 @@ def read_jsonl(path: str | Path, tokenizer, max_tokens: int, skip_bad_rows: bool
             if len(doc.tokens) > max_tokens + 1:
                 doc = Document(doc.tokens[: max_tokens + 1], doc.mask[: max_tokens + 1], where)
                 stats.truncated += 1
+                if len(stats.truncated_rows) < 20:
+                    stats.truncated_rows.append(where)
             docs.append(doc)
     if not docs:
         raise DataError(f"{path}: no usable rows ({stats.skipped} skipped)")

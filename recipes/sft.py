@@ -11,9 +11,9 @@ divided by the loss-token count of the whole step summed over DP (Megatron's
 
 from __future__ import annotations
 
-import json
 import os
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.lora import DEFAULT_TARGETS, LoRAConfig
 from glm5_mcore.training import MoELoad, OptimCfg, WandbCfg, build_trainer, init_wandb, rng_state, set_rng_state
+from rl.config import _typed  # the RL config's field typing, one definition for both recipes
 from recipes.data import DataStats, PackedBatch, epoch_order, pack, pad_to, read_jsonl, split_for_cp
 
 
@@ -80,6 +81,8 @@ class TrainCfg:
     dense attention (which the model uses meanwhile); logs the top-k recall of dense attention mass."""
     indexer_loss_coeff: float = 1.0
     resume: bool = True
+    allow_resume_mismatch: bool = False
+    """Resume even if data files, batch sizes, LoRA or model settings differ from the run's."""
     progress: bool = True
 
 
@@ -110,8 +113,24 @@ class SFTConfig:
             for k, v in (value or {}).items():
                 if not hasattr(current, k):
                     raise ValueError(f"config: unknown field {section}.{k}")
-                setattr(current, k, v)
+                setattr(current, k, _typed(getattr(current, k), v, f"{section}.{k}"))
         return out
+
+
+def run_settings(cfg: SFTConfig, world: int) -> dict:
+    """What a resume must keep (``glm5_mcore.resume``): data, batch sizes, LoRA, model, layout."""
+    from glm5_mcore.resume import file_fingerprint, model_fingerprint
+
+    d, lo = cfg.data, cfg.lora
+    return {
+        "data": {"train": file_fingerprint(d.train), "valid": file_fingerprint(d.valid),
+                 "micro_batch_tokens": d.micro_batch_tokens, "global_batch_tokens": d.global_batch_tokens,
+                 "max_tokens": d.max_tokens, "seed": d.seed},
+        "lora": {"enabled": lo.enabled, "name": lo.name, "rank": lo.rank, "alpha": lo.alpha,
+                 "targets": sorted(lo.targets)} if lo.enabled else {"enabled": False},
+        "model": model_fingerprint(cfg.model.hf_dir, cfg.model.ckpt),
+        "layout": {"world_size": world, **{k: int(v) for k, v in cfg.parallel.items()}},
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -229,29 +248,45 @@ def _hf_dir(cfg: SFTConfig) -> str:
 
 
 @torch.no_grad()
-def _restore(cfg: SFTConfig, model, opt, sched) -> Optional[dict]:
-    """Resume from ``train.out`` if it has a checkpoint: weights/adapters in place, optimizer,
-    scheduler, RNG and data position. Returns the trainer state or None."""
+def _restore(cfg: SFTConfig, model, opt, sched, settings: dict) -> Optional[dict]:
+    """Resume from ``train.out`` if it has a checkpoint saved with the same ``settings`` (or
+    ``train.allow_resume_mismatch``): weights/adapters in place, optimizer, scheduler, RNG and data
+    position. Returns the trainer state or None."""
     from glm5_mcore.adapters import read_adapter_state
-    from glm5_mcore.checkpoint import adapter_dir, iter_dir, latest_iteration, load_model
+    from glm5_mcore.checkpoint import adapter_dir, iter_dir, load_model, load_rank_state, read_trainer_state
     from glm5_mcore.lora import lora_layers
+    from glm5_mcore.resume import guard_resume
 
     out = Path(cfg.train.out)
-    if not cfg.train.resume or not (out / "latest").is_file():
+    if not cfg.train.resume:
         return None
-    it = latest_iteration(out)
+    it = guard_resume(out, settings, cfg.train.allow_resume_mismatch, "train")
+    if it is None:
+        return None
     if cfg.lora.enabled:
-        st = read_adapter_state(adapter_dir(out, cfg.lora.name, it))
+        path = adapter_dir(out, cfg.lora.name, it)
+        st = read_adapter_state(path)
         for _, _, lora in lora_layers(model):
-            lora.load_full_(cfg.lora.name, st.A[lora.module_name], st.B[lora.module_name])
+            if lora.module_name not in st.A:
+                raise ValueError(f"{path}: no adapter for {lora.module_name} (saved with other lora.targets?)")
+            try:
+                lora.load_full_(cfg.lora.name, st.A[lora.module_name], st.B[lora.module_name])
+            except RuntimeError as e:  # another rank: a size mismatch
+                raise ValueError(f"{path}: adapter {lora.module_name} does not fit this run "
+                                 f"({' '.join(str(e).split())[:160]})") from None
     else:
         load_model(model, iter_dir(out, it) / "model")
-    rank_file = iter_dir(out, it) / "optimizer" / f"rank_{dist.get_rank():05d}.pt"
-    rs = torch.load(rank_file, weights_only=False)
-    opt.load_state_dict(rs["optimizer"])
-    sched.load_state_dict(rs["scheduler"])
+    rs = load_rank_state(out, it, dist.get_rank())
+    try:
+        opt.load_state_dict(rs["optimizer"])
+        sched.load_state_dict(rs["scheduler"])
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{iter_dir(out, it) / 'optimizer'}: optimizer state does not fit this run "
+                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
     set_rng_state(rs["rng"])
-    return json.loads((iter_dir(out, it) / "trainer_state.json").read_text())
+    state = read_trainer_state(out, it)
+    state["settings"] = settings
+    return state
 
 
 # --------------------------------------------------------------------------------------------------
@@ -301,16 +336,27 @@ def run(cfg: SFTConfig) -> dict:
     from glm5_mcore.lora import apply_lora
     from glm5_mcore.model import build_model, init_parallel, load_hf_weights
     from glm5_mcore.mtp_loss import mtp_depth_losses
+    from glm5_mcore.resume import claim_run_dir, guard_resume
 
     hf_dir = _hf_dir(cfg)
     glm5 = GLM5Config.from_hf_dir(hf_dir)
     world = int(os.environ.get("WORLD_SIZE", "1")) if not dist.is_initialized() else dist.get_world_size()
     parallel, accum = validate(cfg, glm5, world)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    stats = DataStats()
+    stats, val_stats = DataStats(), DataStats()
     docs = read_jsonl(cfg.data.train, tokenizer, cfg.data.max_tokens, cfg.data.skip_bad_rows, stats)
-    val_docs = (read_jsonl(cfg.data.valid, tokenizer, cfg.data.max_tokens, cfg.data.skip_bad_rows)
+    val_docs = (read_jsonl(cfg.data.valid, tokenizer, cfg.data.max_tokens, cfg.data.skip_bad_rows, val_stats)
                 if cfg.data.valid else None)
+    rank0 = (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0
+    if (stats.truncated or val_stats.truncated) and rank0:
+        print(f"sft: {stats.truncated} training and {val_stats.truncated} validation row(s) longer than "
+              f"data.max_tokens={cfg.data.max_tokens} were cut to it (their last tokens not trained), "
+              f"first: {(stats.truncated_rows or val_stats.truncated_rows)[0]}", file=sys.stderr)
+    settings = run_settings(cfg, world)
+    if rank0:
+        claim_run_dir(cfg.train.out, "sft", [cfg.model.hf_dir, cfg.model.ckpt, cfg.data.train, cfg.data.valid])
+    if cfg.train.resume:  # refuse changed settings before any work
+        guard_resume(cfg.train.out, settings, cfg.train.allow_resume_mismatch, "train")
 
     init_parallel(parallel, seed=cfg.train.seed)
     random.seed(cfg.train.seed)
@@ -342,7 +388,8 @@ def run(cfg: SFTConfig) -> dict:
         set_indexer_frozen(model, cfg.train.freeze_indexer)
     moe_load = MoELoad(model)
     ddp, opt, sched = build_trainer(model, cfg.optim, cfg.train.steps, cfg.train.bf16, cfg.train.cpu_offload)
-    state = _restore(cfg, model, opt, sched) or {"step": 0, "epoch": 0, "cursor": 0, "tokens": 0}
+    state = _restore(cfg, model, opt, sched, settings) or {"step": 0, "epoch": 0, "cursor": 0, "tokens": 0,
+                                                             "settings": settings}
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     cp_rank = ps.get_context_parallel_rank()
     multiple = parallel.tp if model.config.sequence_parallel else 1
@@ -421,4 +468,4 @@ def run(cfg: SFTConfig) -> dict:
             vals.append((state["step"], validate_now()))
     finally:
         log.close()
-    return {"history": history, "val": vals, "data": asdict(stats), "state": state}
+    return {"history": history, "val": vals, "data": asdict(stats), "valid_data": asdict(val_stats), "state": state}

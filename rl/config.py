@@ -156,6 +156,8 @@ class TrainerCfg:
     eval_every: int = 10
     seed: int = 1234
     resume: bool = True
+    allow_resume_mismatch: bool = False
+    """Resume even if data, batch sizes, LoRA or model settings differ from the run's."""
     freeze_indexer: bool = True
     progress: bool = True
     stop_at_reward: Optional[float] = None
@@ -224,6 +226,45 @@ def _typed(default, v, name: str):
     return v
 
 
+def _check_importable(path: str, field_name: str) -> None:
+    """``module.Class`` exists (found before Ray starts, not under actor-restart tracebacks)."""
+    import importlib.util
+
+    mod, _, name = str(path).rpartition(".")
+    try:
+        spec = importlib.util.find_spec(mod) if mod else None
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        raise ValueError(f"{field_name}={path!r}: no module {mod!r} (expected a dotted path module.Class)")
+    import importlib
+
+    try:
+        getattr(importlib.import_module(mod), name)
+    except AttributeError:
+        raise ValueError(f"{field_name}={path!r}: module {mod!r} has no {name!r}") from None
+    except ImportError as e:
+        raise ValueError(f"{field_name}={path!r}: cannot import ({e})") from None
+
+
+def run_settings(c: RLConfig) -> dict:
+    """What a resume must keep (``glm5_mcore.resume``): data, batch sizes, LoRA, model, layout."""
+    from glm5_mcore.resume import file_fingerprint, model_fingerprint
+
+    d, t = c.data, c.trainer
+    return {
+        "data": {"train": file_fingerprint(d.train), "val": file_fingerprint(d.val), "toy_size": d.toy_size,
+                 "prompts_per_step": d.prompts_per_step, "seed": d.seed},
+        "rollout": {"n": c.rollout.n},
+        "actor": {"ppo_mini_batch_size": c.actor.ppo_mini_batch_size},
+        "lora": {"rank": c.lora.rank, "alpha": c.lora.alpha, "targets": sorted(c.lora.targets)},
+        "critic": ({"rank": c.critic.lora.rank, "alpha": c.critic.lora.alpha,
+                    "targets": sorted(c.critic.lora.targets)} if c.use_critic else None),
+        "model": model_fingerprint(c.model.hf_dir, c.model.ckpt),
+        "layout": {"world_size": t.world_size, "tp": t.tp, "ep": t.ep},
+    }
+
+
 def validate(c: RLConfig) -> None:
     """Impossible settings raise a ValueError naming the field."""
     a, r, act = c.algorithm, c.rollout, c.actor
@@ -265,6 +306,7 @@ def validate(c: RLConfig) -> None:
             raise ValueError(f"algorithm.rollout_correction.rollout_is_threshold: {e}") from None
     if t.steps < 1:
         raise ValueError("trainer.steps must be >= 1")
+    _check_importable(r.engine, "rollout.engine")
     if t.backend not in ("local", "te"):
         raise ValueError(f"trainer.backend={t.backend!r}: local or te")
     import torch

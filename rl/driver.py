@@ -59,6 +59,8 @@ def run(cfg: RLConfig) -> dict:
     """Train; returns {"history": per-step metrics, "val": [(step, reward)], "state": ...}."""
     from transformers import AutoTokenizer
 
+    from glm5_mcore.resume import claim_run_dir, guard_resume
+    from rl.config import run_settings
     from rl.logger import RLLogger
     from rl.workers import RolloutPool, TrainerGroup, start_ray
 
@@ -74,6 +76,10 @@ def run(cfg: RLConfig) -> dict:
     val = load_prompts(d.val, tok, chat_template=d.chat_template, max_tokens=d.max_prompt_tokens,
                        toy_size=d.val_prompts, seed=d.seed + 1)[: d.val_prompts]
     rewards = Rewards(cfg, tok)
+    settings = run_settings(cfg)
+    claim_run_dir(cfg.trainer.out, "rl", [cfg.model.hf_dir, cfg.model.ckpt, d.train, d.val])
+    if cfg.trainer.resume:  # refuse changed settings before Ray starts
+        guard_resume(cfg.trainer.out, settings, cfg.trainer.allow_resume_mismatch, "trainer")
     r = cfg.rollout
     sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens,
                               tuple(r.stop_token_ids if r.stop_token_ids is not None else [tok.eos_token_id]))
@@ -81,6 +87,7 @@ def run(cfg: RLConfig) -> dict:
     trainers, rollouts = TrainerGroup(cfg), RolloutPool(cfg)
     state = (trainers.first("restore", cfg.trainer.out) if cfg.trainer.resume else None) or {
         "step": 0, "epoch": 0, "cursor": 0, "kl_coef": cfg.algorithm.kl_ctrl.kl_coef}
+    state["settings"] = settings
     kl_ctrl = algos.kl_controller(cfg)
     kl_ctrl.value = state["kl_coef"]
     log = RLLogger(cfg, state["step"])

@@ -52,7 +52,10 @@ def score_batch(fn: Callable, name: str, batched: bool, data_sources: list, solu
                 ground_truths: list, extras: list, kwargs: Optional[dict] = None) -> list[float]:
     kwargs = kwargs or {}
     if batched:
-        out = fn(data_sources, solutions, ground_truths, extras, **kwargs)
+        try:
+            out = fn(data_sources, solutions, ground_truths, extras, **kwargs)
+        except Exception as e:  # a user's function: name it, not a traceback
+            raise RewardError(f"reward function {name} (batched) raised {type(e).__name__}: {e}") from None
         if not isinstance(out, (list, tuple)) and not hasattr(out, "tolist"):
             raise RewardError(f"reward function {name} (batched) returned {type(out).__name__}; expected a list")
         out = list(out.tolist() if hasattr(out, "tolist") else out)
@@ -60,8 +63,15 @@ def score_batch(fn: Callable, name: str, batched: bool, data_sources: list, solu
             raise RewardError(f"reward function {name} (batched) returned {len(out)} scores for "
                               f"{len(solutions)} samples")
         return [_as_score(v, name, i) for i, v in enumerate(out)]
-    return [_as_score(fn(d, s, g, e, **kwargs), name, i)
-            for i, (d, s, g, e) in enumerate(zip(data_sources, solutions, ground_truths, extras))]
+    scores = []
+    for i, (d, s, g, e) in enumerate(zip(data_sources, solutions, ground_truths, extras)):
+        try:
+            v = fn(d, s, g, e, **kwargs)
+        except Exception as err:  # a user's function: name it and the sample, not a traceback
+            raise RewardError(f"reward function {name} raised {type(err).__name__}: {err} for sample {i} "
+                              f"(data_source {d!r}, response {s[:80]!r})") from None
+        scores.append(_as_score(v, name, i))
+    return scores
 
 
 # --------------------------------------------------------------------------------------------------

@@ -57,11 +57,15 @@ def read_prompts(path: str | Path, tokenizer, chat_template: bool, max_tokens: i
     if not path.is_file():
         raise FileNotFoundError(f"{path}: prompt file not found")
     out = []
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             where = f"{path}:{n}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise PromptDataError(f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:

@@ -350,10 +350,8 @@ class PolicyTrainer:
     @torch.no_grad()
     def restore(self, root: str) -> Optional[dict]:
         """Adapters, optimizer, scheduler, RNG and value head from ``root``'s latest iteration."""
-        import json
-
         from glm5_mcore.adapters import read_adapter_state
-        from glm5_mcore.checkpoint import adapter_dir, iter_dir, latest_iteration
+        from glm5_mcore.checkpoint import adapter_dir, latest_iteration, load_rank_state, read_trainer_state
         from glm5_mcore.lora import lora_layers
         from glm5_mcore.training import set_rng_state
 
@@ -365,10 +363,10 @@ class PolicyTrainer:
             for _, _, lora in lora_layers(self.model):
                 if name in lora.A:
                     lora.load_full_(name, st.A[lora.module_name], st.B[lora.module_name])
-        rs = torch.load(iter_dir(root, it) / "optimizer" / f"rank_{dist.get_rank():05d}.pt", weights_only=False)
+        rs = load_rank_state(root, it, dist.get_rank())
         self.opt.load_state_dict(rs["optimizer"])
         self.sched.load_state_dict(rs["scheduler"])
         set_rng_state(rs["rng"])
         if self.value_head is not None:
             self.value_head.load_state_dict(rs["value_head"])
-        return json.loads((iter_dir(root, it) / "trainer_state.json").read_text())
+        return read_trainer_state(root, it)

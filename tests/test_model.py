@@ -116,6 +116,7 @@ def test_wrong_shape_and_missing_tensor_are_named(tiny_dir, tmp_path, single_ran
 
     bad = tmp_path / "bad"
     shutil.copytree(tiny_dir, bad)
+    (bad / "manifest.json").unlink()  # edited by hand below: a folder we did not write
     sd = load_file(bad / "model.safetensors")
     sd["model.layers.1.self_attn.kv_b_proj.weight"] = sd["model.layers.1.self_attn.kv_b_proj.weight"][:-1]
     del sd["model.layers.2.mlp.experts.3.up_proj.weight"]
