@@ -374,6 +374,7 @@ class GLM5SparseAttention(MegatronModule):
                              "while attending sparsely) is not supported: the dense form is the indexer "
                              "warm-up stage (set_indexer_warmup)")
         self.recall_rows = 128  # query rows per forward sampled for the top-k recall metric
+        self.probe_recall = False  # measure the recall in training forwards without the loss too
         self.indexer_stats = [0.0, 0, 0.0, 0]  # Σ KL, #rows, Σ recall, #rows since indexer_metrics read them
         self._kv_up: list = []  # [the parent MLA's linear_kv_up_proj], set by link_absorbed_mla
 
@@ -447,6 +448,10 @@ class GLM5SparseAttention(MegatronModule):
             out = sparse_attention(query, key, value, topk, self.softmax_scale)
         if learn:
             out = self._sparse_indexer_loss(out, query, key, q_i, w_i, k_i, selected, q_pos, doc_start)
+        elif self.probe_recall and self.training and self.computes_topk and topk is not None:
+            self._add_stats(0.0, 0, *compute_topk_recall(query.detach(), key.detach(), topk, q_pos, doc_start,
+                                                         self.softmax_scale, self.pg_collection.tp,
+                                                         self.recall_rows))
         return out.squeeze(1) if thd else out
 
     def sparse_loss_active(self) -> bool:
@@ -615,6 +620,18 @@ def indexer_metrics(model: torch.nn.Module, group=None) -> dict[str, float]:
     if tot[3] > 0:
         out["indexer/recall"] = float(tot[2] / tot[3])
     return out
+
+
+def set_recall_probe(model: torch.nn.Module, on: bool = True) -> int:
+    """Measure ``indexer/recall`` in every training forward of a full DSA layer, also where no indexer
+    loss runs (a frozen indexer: shows how far the model's attention drifts from its top-k), at the
+    cost of ``recall_rows`` dense attention rows per layer. Returns #layers."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, GLM5SparseAttention) and m.computes_topk:
+            m.probe_recall = bool(on)
+            n += 1
+    return n
 
 
 def check_indexer_learns(model: torch.nn.Module, setting: str = "train.indexer_loss_coeff") -> None:
