@@ -157,6 +157,8 @@ class TrainerCfg:
     seed: int = 1234
     resume: bool = True
     freeze_indexer: bool = True
+    """Always true: RL keeps the DSA indexer frozen (no indexer loss runs here, and its top-k must stay the
+    rollout engine's); the indexer learns in the SFT sparse stage (``glm5 sft train.freeze_indexer=false``)."""
     progress: bool = True
     stop_at_reward: Optional[float] = None
     """End the run early once the held-out reward reaches this value."""
@@ -265,6 +267,10 @@ def validate(c: RLConfig) -> None:
             raise ValueError(f"algorithm.rollout_correction.rollout_is_threshold: {e}") from None
     if t.steps < 1:
         raise ValueError("trainer.steps must be >= 1")
+    if not t.freeze_indexer:
+        raise ValueError("trainer.freeze_indexer=false: the RL trainer keeps the DSA indexer frozen (no indexer "
+                         "loss reaches it here, so it would not learn); train it in the SFT sparse stage "
+                         "(glm5 sft train.freeze_indexer=false)")
     if t.backend not in ("local", "te"):
         raise ValueError(f"trainer.backend={t.backend!r}: local or te")
     import torch

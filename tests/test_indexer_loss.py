@@ -108,3 +108,98 @@ def test_recall_counts_dense_mass_in_topk_on_eligible_rows():
     assert n == rows and abs(tot - want) <= 1e-5 * rows, (tot, want)
     part, m = compute_topk_recall(c["query"], c["key"], topk, c["q_pos"], c["doc_start"], c["scale"], max_rows=4)
     assert m == 4 and 0 < part < 4
+
+
+def _thd_batch(vocab, lengths=(24, 20, 36), seed=5, tp=1):
+    from recipes.data import Document, _batch
+
+    g = torch.Generator().manual_seed(seed)
+    return _batch([Document(torch.randint(3, vocab, (n + 1,), generator=g).tolist(), [1] * (n + 1)) for n in lengths],
+                  tp)
+
+
+def test_loss_reaches_only_the_indexer_and_index_share_layers_add_nothing(tiny_share_dir, single_rank):
+    from glm5_mcore.dsa import GLM5SparseAttention, indexer_metrics
+    from helpers import hf_model
+
+    model, glm5 = hf_model(tiny_share_dir, calculate_per_token_loss=True, dsa_indexer_loss_coeff=0.01)
+    model.train()
+    b = _thd_batch(glm5.vocab_size)
+    cores = [m for m in model.modules() if isinstance(m, GLM5SparseAttention)]
+    assert [c.computes_topk for c in cores] == [True, True, False, True]  # FFSF
+
+    def grads(coeff):
+        model.config.dsa_indexer_loss_coeff = coeff  # one config object, read by every core
+        model.zero_grad(set_to_none=True)
+        ce = model(b.input_ids, b.position_ids, None, labels=b.labels, packed_seq_params=b.packed_seq_params(),
+                   loss_mask=b.loss_mask)
+        (ce * b.loss_mask).sum().backward()
+        return ce.detach(), {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+    ce_on, on = grads(0.01)
+    stats = [list(c.indexer_stats) for c in cores]
+    m = indexer_metrics(model)
+    ce_off, off = grads(0.0)
+    assert torch.equal(ce_on, ce_off)  # the loss rides on the output without changing it
+    idx = [n for n in on if ".indexer." in n]
+    assert len(idx) == 3 * 5 and all(on[n] is not None and on[n].abs().sum() > 0 for n in idx)
+    assert all(off[n] is None or off[n].abs().sum() == 0 for n in idx)
+    rest = [n for n in on if ".indexer." not in n and on[n] is not None]
+    assert rest and all(torch.equal(on[n], off[n]) for n in rest), [n for n in rest if not torch.equal(on[n], off[n])]
+    T = b.num_tokens
+    assert [s[1] for s in stats] == [T, T, 0, T]  # rows per full layer; the shared layer adds nothing
+    assert set(m) == {"indexer/loss", "indexer/recall"} and m["indexer/loss"] > 0 and 0 < m["indexer/recall"] < 1
+    assert indexer_metrics(model) == {}  # read once: the counters restart
+
+
+@pytest.mark.slow
+def test_tp2_and_cp2_equal_one_rank(tiny_share_dir, tmp_path):
+    """One torchrun launch: DP 2 (each rank computes one rank's result), then TP 2, then CP 2."""
+    from safetensors.torch import load_file
+
+    env = {k: v for k, v in os.environ.items()  # the pytest process holds its own process group
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                        str(HERE / "indexer_loss_check.py"), tiny_share_dir, str(tmp_path / "out.st")],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    res = load_file(tmp_path / "out.st")
+    one = {k.split(".", 1)[1]: v for k, v in res.items() if k.startswith("tp1cp1.")}
+    names = [k for k in one if k.startswith("grad.")]
+    assert len(names) == 15  # 3 full layers × 5 indexer tensors (the IndexShare layer has none)
+    for layout in ("tp2cp1", "tp1cp2"):
+        got = {k.split(".", 1)[1]: v for k, v in res.items() if k.startswith(layout + ".")}
+        (kl, rows, lm), (kl1, rows1, lm1) = got["stats"].tolist(), one["stats"].tolist()
+        assert rows == rows1 and abs(lm - lm1) <= 1e-5 * abs(lm1) and abs(kl - kl1) <= 1e-5 * abs(kl1), (layout, kl, kl1)
+        assert set(names) == {k for k in got if k.startswith("grad.")}
+        worst = max(float((got[k] - one[k]).abs().max() / one[k].abs().max()) for k in names)
+        assert worst <= 1e-5, (layout, worst)
+
+
+def test_trainable_indexer_without_loss_is_refused_before_any_work(tiny_dir, tmp_path, single_rank):
+    from glm5_mcore.dsa import check_indexer_learns, set_indexer_frozen
+    from helpers import hf_model
+    from recipes.sft import SFTConfig, run
+
+    base = {"model": {"hf_dir": tiny_dir}, "data": {"train": str(tmp_path / "missing.jsonl")},
+            "lora": {"enabled": False}, "train": {"out": str(tmp_path / "run"), "progress": False},
+            "wandb": {"mode": "disabled"}}
+    bad = {**base, "train": {**base["train"], "freeze_indexer": False, "indexer_loss_coeff": 0.0}}
+    with pytest.raises(ValueError, match=r"train\.indexer_loss_coeff=0\.0: the indexer trains \(train\.freeze_indexer=false\)"):
+        run(SFTConfig.from_dict(bad))
+    lora = {**base, "lora": {"enabled": True}, "train": {**base["train"], "freeze_indexer": False}}
+    with pytest.raises(ValueError, match=r"train\.freeze_indexer=false with LoRA.*lora\.targets has none"):
+        run(SFTConfig.from_dict(lora))
+    assert not (tmp_path / "run").exists()  # nothing read (the data file does not exist), nothing written
+    # the same guard on a built model: an unfrozen indexer with dsa_indexer_loss_coeff = 0
+    model, _ = hf_model(tiny_dir)
+    set_indexer_frozen(model, False)
+    with pytest.raises(ValueError, match=r"train\.indexer_loss_coeff: layer 1's DSA indexer requires gradients"):
+        check_indexer_learns(model)
+    set_indexer_frozen(model, True)
+    check_indexer_learns(model)
+    from rl.config import RLConfig
+
+    with pytest.raises(ValueError, match=r"trainer\.freeze_indexer=false: the RL trainer keeps the DSA indexer frozen"):
+        RLConfig.from_dict({"model": {"hf_dir": tiny_dir}, "trainer": {"freeze_indexer": False}})
