@@ -203,3 +203,57 @@ def test_trainable_indexer_without_loss_is_refused_before_any_work(tiny_dir, tmp
 
     with pytest.raises(ValueError, match=r"trainer\.freeze_indexer=false: the RL trainer keeps the DSA indexer frozen"):
         RLConfig.from_dict({"model": {"hf_dir": tiny_dir}, "trainer": {"freeze_indexer": False}})
+
+
+def _copy_task(path, n, seed, lo=14, hi=26):
+    """The response repeats the prompt's words: learning it moves attention onto far, specific keys."""
+    import json
+    import random
+
+    r = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            s = " ".join(f"w{r.randrange(90)}" for _ in range(r.randrange(lo, hi)))
+            f.write(json.dumps({"prompt": s, "response": s}) + "\n")
+    return str(path)
+
+
+def test_sparse_stage_keeps_recall_and_frozen_indexer_loses_it(tiny_dir, tmp_path, monkeypatch, capfd):
+    """Full fine-tuning on a copy task (top-k 8 of up to 64 keys): with the sparse-stage loss the
+    indexer's top-k recall of dense attention mass stays at or above its start; frozen, it falls.
+    Also: indexer/loss and indexer/recall reach W&B (its run.log) and the console bar."""
+    import recipes.sft as sft
+
+    logged = []
+
+    class _Run:
+        def log(self, metrics, step):
+            logged.append(dict(metrics, step=step))
+
+        def finish(self):
+            pass
+
+    monkeypatch.setattr(sft, "init_wandb", lambda *a, **k: _Run())
+    train = _copy_task(tmp_path / "copy.jsonl", 256, 0)
+
+    def recall(frozen, progress=False):
+        d = {"model": {"hf_dir": tiny_dir},
+             "data": {"train": train, "micro_batch_tokens": 128, "global_batch_tokens": 256, "max_tokens": 64},
+             "optim": {"lr": 1e-2, "decay_style": "constant"}, "lora": {"enabled": False},
+             "train": {"steps": 60, "out": str(tmp_path / f"run{frozen}"), "progress": progress,
+                       "freeze_indexer": frozen}}
+        h = sft.run(sft.SFTConfig.from_dict(d))["history"]
+        r = [x["indexer/recall"] for x in h]
+        return sum(r[:10]) / 10, sum(r[-10:]) / 10, h
+
+    start, end, h = recall(False, progress=True)
+    f_start, f_end, fh = recall(True)
+    assert end >= start + 0.05 and f_end <= f_start - 0.01 and end >= f_end + 0.1, (start, end, f_start, f_end)
+    assert h[-1]["indexer/loss"] < 0.5 * h[0]["indexer/loss"]  # the KL over the selected keys is learnt
+    assert all("indexer/loss" not in x for x in fh)  # no loss runs for a frozen indexer
+    assert len(logged) == 120 and all("indexer/recall" in x for x in logged)
+    assert all("indexer/loss" in x for x in logged[:60])
+    err = capfd.readouterr().err
+    print(f"recall with the sparse-stage loss {start:.3f} -> {end:.3f}; indexer frozen {f_start:.3f} -> {f_end:.3f}; "
+          f"indexer/loss {h[0]['indexer/loss']:.3f} -> {h[-1]['indexer/loss']:.3f}")
+    assert "indexer/loss=" in err and "indexer/recall=" in err
