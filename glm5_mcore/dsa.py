@@ -474,10 +474,11 @@ class GLM5SparseAttention(MegatronModule):
             bool(getattr(self.config, "calculate_per_token_loss", False)))
         recall, n = compute_topk_recall(query.detach(), key.detach(), selected, q_pos, doc_start,
                                         self.softmax_scale, tp, self.recall_rows)
-        self._add_stats(float(kl_sum), selected.shape[0] * selected.shape[1], recall, n)
+        self._add_stats(kl_sum, selected.shape[0] * selected.shape[1], recall, n)
         return DSAIndexerLossAutoScaler.apply(out, loss)
 
-    def _add_stats(self, kl_sum: float, rows: int, recall_sum: float, recall_rows: int) -> None:
+    def _add_stats(self, kl_sum, rows: int, recall_sum, recall_rows: int) -> None:
+        """Sums may be 0-dim tensors (no device sync here; ``indexer_metrics`` reads them once a step)."""
         st = self.indexer_stats
         st[0] += kl_sum
         st[1] += rows
@@ -516,8 +517,8 @@ class GLM5SparseAttention(MegatronModule):
             rows = allowed.sum(-1) > K  # rows where the top-k is a real choice
         per_token = bool(getattr(self.config, "calculate_per_token_loss", False))
         n_rows = topk.shape[0] * topk.shape[1]
-        kl_sum = float(loss.detach()) / self.warmup_coeff * (1 if per_token else n_rows)
-        self._add_stats(kl_sum, n_rows, float(mass[:, rows].sum()), int(rows.sum()) * mass.shape[0])
+        kl_sum = loss.detach() / self.warmup_coeff * (1 if per_token else n_rows)
+        self._add_stats(kl_sum, n_rows, mass[:, rows].sum(), int(rows.sum()) * mass.shape[0])
         return DSAIndexerLossAutoScaler.apply(out, loss)
 
     def _absorbed(self, query, key, latent, topk, reorder, v_out: int):
@@ -610,10 +611,13 @@ def indexer_metrics(model: torch.nn.Module, group=None) -> dict[str, float]:
     tot = torch.zeros(4, dtype=torch.float64)
     for m in model.modules():
         if isinstance(m, GLM5SparseAttention):
-            tot += torch.tensor(m.indexer_stats, dtype=torch.float64)
+            tot += torch.stack([torch.as_tensor(v).detach().to("cpu", torch.float64) for v in m.indexer_stats])
             m.indexer_stats = [0.0, 0, 0.0, 0]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
+        if torch.cuda.is_available():  # NCCL reduces device tensors only
+            tot = tot.cuda()
         dist.all_reduce(tot, group=group)
+        tot = tot.cpu()
     out = {}
     if tot[1] > 0:
         out["indexer/loss"] = float(tot[0] / tot[1])

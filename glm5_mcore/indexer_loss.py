@@ -142,8 +142,8 @@ def compute_sparse_indexer_loss(q_SbnD: torch.Tensor, w_Sbn: torch.Tensor, k_TbD
 @torch.no_grad()
 def compute_topk_recall(query_SbnH: torch.Tensor, key_TbnH: torch.Tensor, topk_bSK: torch.Tensor,
                         q_pos_S: torch.Tensor, doc_start_S: torch.Tensor, scale: float, tp_group=None,
-                        max_rows: int = 128) -> tuple[float, int]:
-    """(Σ recall, #rows): for each sampled query row with more allowed keys than K, the share of its
+                        max_rows: int = 128) -> tuple[torch.Tensor, int]:
+    """(Σ recall as a 0-dim tensor on the inputs' device, #rows): for each sampled query row with more allowed keys than K, the share of its
     dense attention mass (softmax over doc_start ≤ u ≤ pos, summed over all heads) inside its top-k.
 
     Rows are taken evenly spaced from the eligible ones, at most ``max_rows`` per call, so the cost is
@@ -154,7 +154,7 @@ def compute_topk_recall(query_SbnH: torch.Tensor, key_TbnH: torch.Tensor, topk_b
     eligible = (q_pos_S - doc_start_S + 1) > K  # [S]
     cand = eligible.nonzero().squeeze(1)
     if cand.numel() == 0 or b == 0:
-        return 0.0, 0
+        return torch.zeros((), device=query_SbnH.device), 0
     if cand.numel() > max(1, max_rows // b):
         pick = torch.linspace(0, cand.numel() - 1, max(1, max_rows // b), device=cand.device).round().long()
         cand = cand[pick]
@@ -170,11 +170,11 @@ def compute_topk_recall(query_SbnH: torch.Tensor, key_TbnH: torch.Tensor, topk_b
             p = logits.masked_fill(~allowed[:, None], float("-inf")).softmax(-1).sum(1)  # [C, T]
             sel = topk_bSK[bi, r]
             mass[bi, c0: c0 + r.numel()] = p.gather(-1, sel.clamp(min=0)).masked_fill(sel < 0, 0.0).sum(-1)
-    heads = torch.tensor(float(n))
+    heads = n
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(mass, group=tp_group)
-        dist.all_reduce(heads, group=tp_group)
-    return float((mass / heads).sum()), mass.numel()
+        heads *= dist.get_world_size(tp_group)  # TP splits the heads evenly
+    return (mass / heads).sum(), mass.numel()
 
 
 def indexer_trainable(indexer: Optional[torch.nn.Module]) -> bool:

@@ -30,7 +30,7 @@ def one_layout(hf_dir: str, tp: int, cp: int) -> dict:
     lm = (ce * b.loss_mask).sum()
     lm.backward()
     cores = [m for m in model.modules() if isinstance(m, GLM5SparseAttention)]
-    stats = torch.tensor([sum(c.indexer_stats[0] for c in cores), sum(c.indexer_stats[1] for c in cores),
+    stats = torch.tensor([float(sum(c.indexer_stats[0] for c in cores)), sum(c.indexer_stats[1] for c in cores),
                           float(lm.detach())], dtype=torch.float64)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if ".indexer." in n}
     assert grads and all(v is not None for v in grads.values())

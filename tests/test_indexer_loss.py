@@ -105,9 +105,9 @@ def test_recall_counts_dense_mass_in_topk_on_eligible_rows():
                               * c["scale"], 0) for hd in range(nh)) / nh
         want += float(sum(p[int(j) - lo] for j in topk[0, s] if j >= 0))
         rows += 1
-    assert n == rows and abs(tot - want) <= 1e-5 * rows, (tot, want)
+    assert n == rows and abs(float(tot) - want) <= 1e-5 * rows, (float(tot), want)
     part, m = compute_topk_recall(c["query"], c["key"], topk, c["q_pos"], c["doc_start"], c["scale"], max_rows=4)
-    assert m == 4 and 0 < part < 4
+    assert m == 4 and 0 < float(part) < 4
 
 
 def _thd_batch(vocab, lengths=(24, 20, 36), seed=5, tp=1):
@@ -137,7 +137,7 @@ def test_loss_reaches_only_the_indexer_and_index_share_layers_add_nothing(tiny_s
         return ce.detach(), {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
 
     ce_on, on = grads(0.01)
-    stats = [list(c.indexer_stats) for c in cores]
+    stats = [[float(v) for v in c.indexer_stats] for c in cores]
     m = indexer_metrics(model)
     ce_off, off = grads(0.0)
     assert torch.equal(ce_on, ce_off)  # the loss rides on the output without changing it
