@@ -36,8 +36,8 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.utils import get_pg_size
 
 from glm5_mcore import kernels
-from glm5_mcore.indexer_loss import (compute_sparse_attention_target, compute_sparse_indexer_loss,
-                                     compute_topk_recall, indexer_trainable)
+from glm5_mcore.indexer_loss import (compute_sparse_attention_target, compute_sparse_attention_target_latent,
+                                     compute_sparse_indexer_loss, compute_topk_recall, indexer_trainable)
 
 _SCORE_ELEMS_PER_CHUNK = 1 << 22
 
@@ -296,12 +296,14 @@ class SparseLatentAttention(torch.autograd.Function):
         return dq.to(q.dtype), dlat.to(lat.dtype), None, None, None
 
 
-def absorbed_sparse_attention(q_SbnH, k_rope_Tbr, c_Tbc, w_kv_up, topk_bSK, scale, dn, dv):
+def absorbed_sparse_attention(q_SbnH, k_rope_Tbr, c_Tbc, w_kv_up, topk_bSK, scale, dn, dv,
+                              stash: Optional[list] = None):
     """Sparse MLA in the absorbed form. q [S, b, n, dn+dr], k_rope [T, b, dr], latent c [T, b, dc],
     ``w_kv_up`` [n·(dn+dv), dc] (per head: dn key rows then dv value rows) → [S, b, n·dv].
 
     q·k = (q_nope·W_uk)·c + q_rope·k_rope and Σ p·v = W_uv·(Σ p·c): the same function as attention over
-    the expanded per-head keys and values."""
+    the expanded per-head keys and values. ``stash`` gets the detached absorbed query [b·S, n, D] and
+    latent [b·T, D] (the sparse indexer loss's target reads them)."""
     S, b, n, _ = q_SbnH.shape
     T, dc = c_Tbc.shape[0], c_Tbc.shape[-1]
     w = w_kv_up.view(n, dn + dv, dc)
@@ -309,6 +311,8 @@ def absorbed_sparse_attention(q_SbnH, k_rope_Tbr, c_Tbc, w_kv_up, topk_bSK, scal
     q_cat = torch.cat([q_abs, q_SbnH[..., dn:].transpose(0, 1)], dim=-1).reshape(b * S, n, -1)
     lat = torch.cat([c_Tbc, k_rope_Tbr.to(c_Tbc.dtype)], dim=-1).transpose(0, 1).reshape(b * T, -1)
     idx = _flat_topk(topk_bSK, T)
+    if stash is not None:
+        stash[:] = [q_cat.detach(), lat.detach()]
     o = SparseLatentAttention.apply(q_cat.contiguous(), lat.contiguous(), idx, scale, dc)  # [b*S, n, dc]
     out = torch.einsum("xnc,nvc->xnv", o, w[:, dn:])  # [b*S, n, dv]
     return out.reshape(b, S, n * dv).transpose(0, 1).contiguous()
@@ -375,6 +379,7 @@ class GLM5SparseAttention(MegatronModule):
                              "warm-up stage (set_indexer_warmup)")
         self.recall_rows = 128  # query rows per forward sampled for the top-k recall metric
         self.probe_recall = False  # measure the recall in training forwards without the loss too
+        self._absorbed_inputs: list = []  # [absorbed query, latent] of this forward, for the loss target
         self.indexer_stats = [0.0, 0, 0.0, 0]  # Σ KL, #rows, Σ recall, #rows since indexer_metrics read them
         self._kv_up: list = []  # [the parent MLA's linear_kv_up_proj], set by link_absorbed_mla
 
@@ -468,7 +473,11 @@ class GLM5SparseAttention(MegatronModule):
         from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
 
         tp = self.pg_collection.tp
-        target = compute_sparse_attention_target(query.detach(), key.detach(), selected, self.softmax_scale, tp)
+        if self._absorbed_inputs:  # the sparse core ran absorbed: score the shared latent rows once for all heads
+            (q_abs, lat), self._absorbed_inputs = self._absorbed_inputs, []
+            target = compute_sparse_attention_target_latent(q_abs, lat, selected, self.softmax_scale, tp)
+        else:
+            target = compute_sparse_attention_target(query.detach(), key.detach(), selected, self.softmax_scale, tp)
         loss, kl_sum = compute_sparse_indexer_loss(
             q_i, w_i, k_i, selected, target, float(self.config.dsa_indexer_loss_coeff),
             bool(getattr(self.config, "calculate_per_token_loss", False)))
@@ -539,7 +548,8 @@ class GLM5SparseAttention(MegatronModule):
         adapter = lora.applied() if lora is not None else None
         if adapter is not None:
             w = w + lora.local_delta_weight(adapter).to(w.dtype)
-        out = absorbed_sparse_attention(query, key[:, :, 0, dn:], latent, w, topk, self.softmax_scale, dn, dv)
+        out = absorbed_sparse_attention(query, key[:, :, 0, dn:], latent, w, topk, self.softmax_scale, dn, dv,
+                                        stash=self._absorbed_inputs if self.sparse_loss_active() else None)
         if v_out > dv:  # MLA padded the value heads (THD) and trims the padding from our output
             S, b, n = query.shape[:3]
             out = F.pad(out.view(S, b, n, dv), [0, v_out - dv]).view(S, b, n * v_out)

@@ -7,7 +7,8 @@ selected keys, summed over heads (all-reduced over TP) and L1-normalised, is the
 against the softmax of the indexer's scores over the same keys. Every term outside the selected
 set is zero, so the same function is computed here on the gathered [S, K] form, O(S·K) memory:
 
-- ``compute_sparse_attention_target``: the target, [b, S, K], from the (detached) MLA query/key.
+- ``compute_sparse_attention_target`` (per-head query/key) or ``..._latent`` (the absorbed MLA query and
+  shared latent the sparse core scores): the target, [b, S, K], computed without grad.
 - ``SparseIndexerKL``: Σ_rows KL(target || softmax(I_sel)) where I[s, j] = Σ_h w[s,h]·ReLU(q[s,h]·k[idx[s,j]]),
   differentiable w.r.t. the indexer's q, w, k; backward recomputes per query chunk (nothing [S, K, nI]
   is kept). Megatron-Core's helpers reduce it (``dsa_indexer_loss.reduce_indexer_kl_sum``).
@@ -24,7 +25,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core.transformer.experimental_attention_variant import dsa_indexer_loss, dsa_masking
+from megatron.core.transformer.experimental_attention_variant import dsa_indexer_loss
 
 _CHUNK_ELEMS = 1 << 22
 
@@ -49,17 +50,40 @@ def compute_sparse_attention_target(query_SbnH: torch.Tensor, key_TbnH: torch.Te
     → float32 [b, S, K], 0 where not selected."""
     S, b, n, h = query_SbnH.shape
     T, K = key_TbnH.shape[0], topk_bSK.shape[-1]
-    q = query_SbnH.transpose(0, 1).reshape(b * S, n, h)
-    k = key_TbnH.transpose(0, 1).reshape(b * T, n, h)
+    q = query_SbnH.permute(2, 1, 0, 3).reshape(n, b * S, 1, h).float()  # head-major, as the sparse core
+    k = key_TbnH.permute(2, 1, 0, 3).reshape(n, b * T, h).float()
     idx = _flat(topk_bSK, T)
     out = torch.empty(b * S, K, dtype=torch.float32, device=q.device)
     rows = _rows_per_chunk(K * n * h)
     for r0 in range(0, b * S, rows):
         r1 = min(b * S, r0 + rows)
+        valid = (idx[r0:r1] >= 0).expand(n, -1, -1)
+        kg = k[:, idx[r0:r1].clamp(min=0)]  # [n, C, K, h]
+        logits = torch.matmul(q[:, r0:r1], kg.transpose(-1, -2)).squeeze(2).mul_(scale)  # [n, C, K]
+        out[r0:r1] = logits.masked_fill_(~valid, float("-inf")).softmax(-1).sum(0)  # every row selects >= 1 key
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(out, group=tp_group)
+    return dsa_indexer_loss.normalize_indexer_target(out).view(b, S, K)
+
+
+@torch.no_grad()
+def compute_sparse_attention_target_latent(q_RnD: torch.Tensor, lat_TD: torch.Tensor, topk_bSK: torch.Tensor,
+                                           scale: float, tp_group=None) -> torch.Tensor:
+    """``compute_sparse_attention_target`` in the absorbed MLA form: q·k = q_abs·lat (see
+    ``dsa.absorbed_sparse_attention``), so each query's selected latent rows are gathered once for all
+    heads ([C, K, D], n times less than per-head keys). q [b·S, n, D], lat [b·T, D] → [b, S, K]."""
+    b, S, K = topk_bSK.shape
+    R, n, D = q_RnD.shape
+    idx = _flat(topk_bSK, lat_TD.shape[0] // b)
+    out = torch.empty(R, K, dtype=torch.float32, device=q_RnD.device)
+    latf = lat_TD.float()
+    rows = _rows_per_chunk(K * (D + n))
+    for r0 in range(0, R, rows):
+        r1 = min(R, r0 + rows)
         valid = (idx[r0:r1] >= 0)[:, None, :].expand(-1, n, -1)
-        kg = k[idx[r0:r1].clamp(min=0)].float()  # [C, K, n, h]
-        logits = torch.einsum("cnh,cknh->cnk", q[r0:r1].float(), kg) * scale
-        out[r0:r1] = dsa_masking.masked_softmax(logits, valid).sum(1)
+        lg = latf[idx[r0:r1].clamp(min=0)]  # [C, K, D]
+        logits = torch.bmm(q_RnD[r0:r1].float(), lg.transpose(1, 2)).mul_(scale)  # [C, n, K]
+        out[r0:r1] = logits.masked_fill_(~valid, float("-inf")).softmax(-1).sum(1)  # every row selects >= 1 key
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(out, group=tp_group)
     return dsa_indexer_loss.normalize_indexer_target(out).view(b, S, K)
@@ -89,7 +113,7 @@ class SparseIndexerKL(torch.autograd.Function):
             r1 = min(R, r0 + rows)
             valid = idx[r0:r1] >= 0
             scores, _ = _index_scores(q[r0:r1].float(), w[r0:r1].float(), kf[idx[r0:r1].clamp(min=0)])
-            logp = dsa_masking.masked_log_softmax(scores, valid)
+            logp = scores.masked_fill_(~valid, float("-inf")).log_softmax(-1)  # every row selects >= 1 key
             total += dsa_indexer_loss.indexer_kl_sum(target[r0:r1], logp, valid)
         ctx.save_for_backward(q, w, k, idx, target)
         return total
@@ -110,7 +134,7 @@ class SparseIndexerKL(torch.autograd.Function):
             sel = idx[r0:r1].clamp(min=0)
             qc, wc, kg = q[r0:r1].float(), w[r0:r1].float(), kf[sel]
             scores, dots = _index_scores(qc, wc, kg)
-            p = dsa_masking.masked_log_softmax(scores, valid).exp().masked_fill(~valid, 0.0)
+            p = scores.masked_fill_(~valid, float("-inf")).softmax(-1)
             t = target[r0:r1]
             dI = g * (p * t.sum(-1, keepdim=True) - t)  # d KL / d I over the selected keys, [C, K]
             dw[r0:r1] = torch.einsum("ck,cnk->cn", dI, dots.clamp(min=0))
@@ -143,8 +167,8 @@ def compute_sparse_indexer_loss(q_SbnD: torch.Tensor, w_Sbn: torch.Tensor, k_TbD
 def compute_topk_recall(query_SbnH: torch.Tensor, key_TbnH: torch.Tensor, topk_bSK: torch.Tensor,
                         q_pos_S: torch.Tensor, doc_start_S: torch.Tensor, scale: float, tp_group=None,
                         max_rows: int = 128) -> tuple[torch.Tensor, int]:
-    """(Σ recall as a 0-dim tensor on the inputs' device, #rows): for each sampled query row with more allowed keys than K, the share of its
-    dense attention mass (softmax over doc_start ≤ u ≤ pos, summed over all heads) inside its top-k.
+    """(Σ recall as a 0-dim tensor on the inputs' device, #rows): for each sampled query row with more
+    allowed keys than K, the share of its dense attention mass (softmax over doc_start ≤ u ≤ pos, summed over all heads) inside its top-k.
 
     Rows are taken evenly spaced from the eligible ones, at most ``max_rows`` per call, so the cost is
     that of ``max_rows`` dense attention rows. Under TP every rank samples the same rows and the head

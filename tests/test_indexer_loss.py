@@ -2,7 +2,6 @@
 same tensors, gradients reaching the indexer alone, TP/CP equal one rank, the recall it keeps, and
 the refusal of an indexer that trains with no loss."""
 
-import math
 import os
 import subprocess
 import sys
@@ -150,6 +149,16 @@ def test_loss_reaches_only_the_indexer_and_index_share_layers_add_nothing(tiny_s
     assert [s[1] for s in stats] == [T, T, 0, T]  # rows per full layer; the shared layer adds nothing
     assert set(m) == {"indexer/loss", "indexer/recall"} and m["indexer/loss"] > 0 and 0 < m["indexer/recall"] < 1
     assert indexer_metrics(model) == {}  # read once: the counters restart
+    # the target from the absorbed query and shared latent (default) equals the per-head one
+    assert all(c._kv_up for c in cores[:2])
+    kv_up = [c._kv_up for c in cores]
+    for c in cores:
+        c._kv_up = []
+    _, per_head = grads(0.01)
+    for c, k in zip(cores, kv_up):
+        c._kv_up = k
+    for n in idx:
+        assert (per_head[n] - on[n]).abs().max() <= 1e-5 * on[n].abs().max(), n
 
 
 @pytest.mark.slow
