@@ -168,7 +168,8 @@ def compute_topk_recall(query_SbnH: torch.Tensor, key_TbnH: torch.Tensor, topk_b
                         q_pos_S: torch.Tensor, doc_start_S: torch.Tensor, scale: float, tp_group=None,
                         max_rows: int = 128) -> tuple[torch.Tensor, int]:
     """(Σ recall as a 0-dim tensor on the inputs' device, #rows): for each sampled query row with more
-    allowed keys than K, the share of its dense attention mass (softmax over doc_start ≤ u ≤ pos, summed over all heads) inside its top-k.
+    allowed keys than K, the share of its dense attention mass (softmax over doc_start ≤ u ≤ pos, summed
+    over all heads) inside its top-k.
 
     Rows are taken evenly spaced from the eligible ones, at most ``max_rows`` per call, so the cost is
     that of ``max_rows`` dense attention rows. Under TP every rank samples the same rows and the head
