@@ -362,6 +362,11 @@ def _dsa_loss_scale(scale) -> None:
     backward scale (``DSAIndexerLossAutoScaler``), as it sets it itself for ``experimental_attention_variant="dsa"``."""
     from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
 
+    current = DSAIndexerLossAutoScaler.main_loss_backward_scale
+    if current is not None and current.shape != scale.shape:
+        # a backward outside the schedule left its default 0-dim scale (dsa.py:1034), which set_loss_scale
+        # cannot copy the schedule's [1] scale into (dsa.py:1057, schedules.py:255)
+        DSAIndexerLossAutoScaler.main_loss_backward_scale = None
     DSAIndexerLossAutoScaler.set_loss_scale(scale)
 
 
