@@ -14,7 +14,10 @@ what GLM-5 training needs around it:
   ``(q_nope·W_uk)·c + q_rope·k_rope`` over the shared kv latent ``c``, gathered once per query for
   all heads; the default wherever the core can capture its MLA's normalised latent.
 - ``GLM5SparseAttention``: the core attention module: THD packing, allgather context parallel,
-  IndexShare (a "shared" layer reuses the previous full layer's top-k), and a frozen-indexer switch.
+  IndexShare (a "shared" layer reuses the previous full layer's top-k), a frozen-indexer switch, and
+  the indexer's two training stages: the dense warm-up (``set_indexer_warmup``) and the sparse stage
+  (``config.dsa_indexer_loss_coeff`` > 0 with a trainable indexer: Megatron-Core's sparse KL over the
+  selected keys, ``glm5_mcore.indexer_loss``), each attached with ``DSAIndexerLossAutoScaler``.
 
 Legend: S query rows, T key rows, b batch, n heads, h head dim, K top-k, C query-chunk rows.
 """
