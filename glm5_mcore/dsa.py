@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-from megatron.core.transformer.experimental_attention_variant import dsa_layout
+from megatron.core.transformer.experimental_attention_variant import dsa_layout, dsa_masking
 from megatron.core.transformer.experimental_attention_variant.dsa import DSAttentionSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
@@ -455,7 +455,8 @@ class GLM5SparseAttention(MegatronModule):
         else:
             out = sparse_attention(query, key, value, topk, self.softmax_scale)
         if learn:
-            out = self._sparse_indexer_loss(out, query, key, q_i, w_i, k_i, selected, q_pos, doc_start)
+            out = self._sparse_indexer_loss(out, query, key, q_i, w_i, k_i, selected, q_pos, doc_start,
+                                            packed_seq_params)
         elif self.probe_recall and self.training and self.computes_topk and topk is not None:
             self._add_stats(0.0, 0, *compute_topk_recall(query.detach(), key.detach(), topk, q_pos, doc_start,
                                                          self.softmax_scale, self.pg_collection.tp,
@@ -468,7 +469,7 @@ class GLM5SparseAttention(MegatronModule):
         return (self.computes_topk and self.training and self.warmup_coeff == 0 and torch.is_grad_enabled()
                 and (self.config.dsa_indexer_loss_coeff or 0.0) > 0 and indexer_trainable(self.indexer))
 
-    def _sparse_indexer_loss(self, out, query, key, q_i, w_i, k_i, selected, q_pos, doc_start):
+    def _sparse_indexer_loss(self, out, query, key, q_i, w_i, k_i, selected, q_pos, doc_start, packed_seq_params):
         """Sparse stage (DeepSeek-V3.2 / GLM-5): Megatron-Core's sparse KL between the main
         attention over each query's selected keys (heads summed) and the indexer's scores there,
         attached to ``out`` with its autoscaler; only the indexer's outputs carry grads (the MLA query
@@ -481,12 +482,15 @@ class GLM5SparseAttention(MegatronModule):
             target = compute_sparse_attention_target_latent(q_abs, lat, selected, self.softmax_scale, tp)
         else:
             target = compute_sparse_attention_target(query.detach(), key.detach(), selected, self.softmax_scale, tp)
-        loss, kl_sum = compute_sparse_indexer_loss(
+        b, S = selected.shape[:2]
+        valid_rows = dsa_masking.extract_query_valid_rows_from_packed_seq_params(  # padding rows, if marked
+            packed_seq_params, b=b, sq=S, device=selected.device)
+        loss, kl_sum, rows = compute_sparse_indexer_loss(
             q_i, w_i, k_i, selected, target, float(self.config.dsa_indexer_loss_coeff),
-            bool(getattr(self.config, "calculate_per_token_loss", False)))
+            bool(getattr(self.config, "calculate_per_token_loss", False)), valid_rows)
         recall, n = compute_topk_recall(query.detach(), key.detach(), selected, q_pos, doc_start,
                                         self.softmax_scale, tp, self.recall_rows)
-        self._add_stats(kl_sum, selected.shape[0] * selected.shape[1], recall, n)
+        self._add_stats(kl_sum, rows, recall, n)
         return DSAIndexerLossAutoScaler.apply(out, loss)
 
     def _add_stats(self, kl_sum, rows: int, recall_sum, recall_rows: int) -> None:

@@ -146,21 +146,30 @@ class SparseIndexerKL(torch.autograd.Function):
 
 def compute_sparse_indexer_loss(q_SbnD: torch.Tensor, w_Sbn: torch.Tensor, k_TbD: torch.Tensor,
                                 topk_bSK: torch.Tensor, target_bSK: torch.Tensor, loss_coeff: float,
-                                calculate_per_token_loss: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, Σ_rows KL detached): Megatron-Core's sparse indexer loss on the gathered form.
+                                calculate_per_token_loss: bool, query_valid_rows: Optional[torch.Tensor] = None
+                                ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(loss, Σ_rows KL detached, #rows counted): Megatron-Core's sparse indexer loss on the gathered form.
 
     q [S, b, nI, dI], w [S, b, nI], k [T, b, dI] are the indexer's outputs (they carry its grads);
-    topk / target [b, S, K]. The loss is ``loss_coeff`` × (Σ KL over rows, or its mean over rows
-    unless ``calculate_per_token_loss``), as ``dsa_indexer_loss.indexer_loss_from_target`` reduces it."""
+    topk / target [b, S, K]; ``query_valid_rows`` (bool [b, S], Megatron's ``real_token_mask_q``) drops
+    padding rows. The loss is ``loss_coeff`` × (Σ KL over rows, or its mean over rows unless
+    ``calculate_per_token_loss``), as ``dsa_indexer_loss.indexer_loss_from_target`` reduces it."""
     S, b = q_SbnD.shape[:2]
     T = k_TbD.shape[0]
     q = q_SbnD.transpose(0, 1).reshape(b * S, *q_SbnD.shape[2:])
     w = w_Sbn.transpose(0, 1).reshape(b * S, -1)
     k = k_TbD.transpose(0, 1).reshape(b * T, -1)
-    kl_sum = SparseIndexerKL.apply(q, w, k, _flat(topk_bSK, T), target_bSK.reshape(b * S, -1))
-    loss = dsa_indexer_loss.reduce_indexer_kl_sum(kl_sum, num_rows=b * S,
+    target = target_bSK.reshape(b * S, -1)
+    rows, count = b * S, None
+    if query_valid_rows is not None:  # a zero target row adds nothing to the KL nor to its gradient
+        keep = query_valid_rows.reshape(b * S)
+        target = target * keep[:, None]
+        count = keep.sum()
+        rows = int(count)
+    kl_sum = SparseIndexerKL.apply(q, w, k, _flat(topk_bSK, T), target)
+    loss = dsa_indexer_loss.reduce_indexer_kl_sum(kl_sum, num_rows=b * S, valid_row_count=count,
                                                   calculate_per_token_loss=calculate_per_token_loss)
-    return loss * loss_coeff, kl_sum.detach()
+    return loss * loss_coeff, kl_sum.detach(), rows
 
 
 @torch.no_grad()

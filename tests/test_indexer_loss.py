@@ -24,7 +24,7 @@ def _case(seed=0, b=2, S=24, n=3, h=8, nI=4, dI=6, K=5):
                 doc_start=doc_start, K=K, scale=h ** -0.5)
 
 
-def _reference(c, topk, coeff):
+def _reference(c, topk, coeff, rows=None):
     """Per query: KL over its selected keys only; target = Σ_heads softmax(q·k·scale) over them,
     normalised to 1; prediction = softmax of Σ_h w·ReLU(q_i·k_i) over them. Summed over rows × coeff
     (Megatron-Core's ``calculate_per_token_loss``)."""
@@ -32,6 +32,8 @@ def _reference(c, topk, coeff):
     total = 0.0
     for bi in range(b):
         for s in range(S):
+            if rows is not None and not rows[bi, s]:
+                continue
             J = [int(j) for j in topk[bi, s] if j >= 0]
             att = torch.zeros(len(J), dtype=torch.float64)
             for hd in range(n):
@@ -67,7 +69,8 @@ def test_sparse_loss_equals_hand_reference_and_megatron_core():
     topk = _topk(c)
     assert bool((topk[:, :3] < 0).any()) and bool((topk[:, 14:] >= 0).all())  # short rows keep -1 slots
     target = compute_sparse_attention_target(c["query"], c["key"], topk, c["scale"])
-    got, kl_sum = compute_sparse_indexer_loss(c["q_i"], c["w_i"], c["k_i"], topk, target, 0.01, True)
+    got, kl_sum, n = compute_sparse_indexer_loss(c["q_i"], c["w_i"], c["k_i"], topk, target, 0.01, True)
+    assert n == topk.shape[0] * topk.shape[1]
     ref = _reference(c, topk, 0.01)
     assert abs(float(got) - float(ref)) <= 1e-5 * abs(float(ref)), (float(got), float(ref))
     assert abs(float(kl_sum) * 0.01 - float(got)) <= 1e-7
@@ -80,12 +83,25 @@ def test_sparse_loss_equals_hand_reference_and_megatron_core():
     mc = compute_dsa_indexer_loss(scores, topk, c["query"], c["key"], c["scale"], 0.01, True, _PG,
                                   varlen_starts=c["doc_start"], varlen_ends=c["q_pos"] + 1,
                                   key_positions=torch.arange(c["q_pos"].numel()))
-    mine, _ = compute_sparse_indexer_loss(c["q_i"], c["w_i"], c["k_i"], topk, target, 0.01, False)
+    mine, _, _ = compute_sparse_indexer_loss(c["q_i"], c["w_i"], c["k_i"], topk, target, 0.01, False)
     assert abs(float(mine) - float(mc)) <= 1e-5 * abs(float(mc)), (float(mine), float(mc))
     gm = torch.autograd.grad(mc, (c["q_i"], c["w_i"], c["k_i"]))
     g2 = torch.autograd.grad(mine, (c["q_i"], c["w_i"], c["k_i"]))
     for a, r in zip(g2, gm):
         assert (a - r).abs().max() <= 1e-5 * (1 + r.abs().max())
+    # padding rows marked as Megatron does (real_token_mask_q): they add nothing, and the mean skips them
+    keep = torch.rand(topk.shape[:2], generator=torch.Generator().manual_seed(1)) > 0.3
+    masked, _, n = compute_sparse_indexer_loss(c["q_i"], c["w_i"], c["k_i"], topk, target, 0.01, True, keep)
+    ref = _reference(c, topk, 0.01, keep)
+    assert n == int(keep.sum()) and abs(float(masked) - float(ref)) <= 1e-5 * abs(float(ref))
+    for a, r in zip(torch.autograd.grad(masked, (c["q_i"], c["w_i"], c["k_i"])),
+                    torch.autograd.grad(ref, (c["q_i"], c["w_i"], c["k_i"]))):
+        assert (a.double() - r).abs().max() <= 1e-5 * (1 + r.abs().max())
+    mc = compute_dsa_indexer_loss(_compute_index_scores(c["q_i"], c["w_i"], c["k_i"]), topk, c["query"], c["key"],
+                                  c["scale"], 0.01, True, _PG, varlen_starts=c["doc_start"], varlen_ends=c["q_pos"] + 1,
+                                  key_positions=torch.arange(c["q_pos"].numel()), query_valid_rows=keep)
+    mine, _, _ = compute_sparse_indexer_loss(c["q_i"], c["w_i"], c["k_i"], topk, target, 0.01, False, keep)
+    assert abs(float(mine) - float(mc)) <= 1e-5 * abs(float(mc)), (float(mine), float(mc))
 
 
 def test_recall_counts_dense_mass_in_topk_on_eligible_rows():
