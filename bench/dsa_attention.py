@@ -5,7 +5,10 @@ One MLA + DSA attention layer at GLM-5's proportions scaled down (hidden 512, 4 
 fp32, 1 thread. "dense" is the same module with index_topk >= T (the indexer is skipped, causal SDPA);
 "hf" is transformers' GlmMoeDsaAttention (eager, dense scores + DSA mask). Each (impl, T) runs in
 its own process so peak RSS is its own. The ideal speed-up counts FLOPs of the whole layer
-(projections, attention over the kept keys, and the indexer's own T² scoring).
+(projections, attention over the kept keys, and the indexer's own T² scoring). "sparse+loss" is the
+sparse layer in the sparse training stage (trainable indexer, Megatron-Core's sparse KL indexer loss over
+the selected keys + the top-k recall on 128 rows): its time and memory over plain "sparse" is the cost of
+the indexer keeping on learning.
 
 Usage: .venv/bin/python bench/dsa_attention.py [--seqs 2048 4096 8192] [--reps 2]
 """
@@ -75,7 +78,7 @@ def run_one(impl: str, T: int, reps: int) -> dict:
         if impl == "dense":
             glm5.index_topk = T
         init_parallel(ParallelConfig())
-        model = build_model(glm5)
+        model = build_model(glm5, dsa_indexer_loss_coeff=0.001 if impl == "sparse+loss" else 0.0)
         attn = model.decoder.layers[0].self_attention
         xs = x.clone().requires_grad_(True)
 
@@ -107,7 +110,7 @@ def main() -> None:
     out = {"k": K, "rows": [], "target_fraction_of_ideal_at_8192": 0.8}
     for T in a.seqs:
         res = {}
-        for impl in ("sparse", "dense", "hf"):
+        for impl in ("sparse", "sparse+loss", "dense", "hf"):
             r = subprocess.run([sys.executable, __file__, "--one", impl, str(T), "--reps", str(a.reps)],
                                env=env, capture_output=True, text=True)
             line = [l for l in r.stdout.splitlines() if l.startswith("{")]
@@ -120,13 +123,16 @@ def main() -> None:
                "hf_s": res["hf"]["time_s"], "speedup_vs_dense": speed, "ideal_speedup": ideal,
                "fraction_of_ideal": speed / ideal, "speedup_vs_hf": res["hf"]["time_s"] / res["sparse"]["time_s"],
                "peak_rss_mib": {k: v["peak_rss_mib"] for k, v in res.items()},
-               "mem_ratio_sparse_vs_hf": res["sparse"]["peak_rss_mib"] / res["hf"]["peak_rss_mib"]}
+               "mem_ratio_sparse_vs_hf": res["sparse"]["peak_rss_mib"] / res["hf"]["peak_rss_mib"],
+               "indexer_loss_time_ratio": res["sparse+loss"]["time_s"] / res["sparse"]["time_s"],
+               "indexer_loss_mem_ratio": res["sparse+loss"]["peak_rss_mib"] / res["sparse"]["peak_rss_mib"]}
         out["rows"].append(row)
         print(f"T={T:5d}  sparse {row['sparse_s']:.3f}s  dense {row['dense_s']:.3f}s  hf {row['hf_s']:.3f}s  "
               f"speed-up vs dense {speed:.2f}x (ideal {ideal:.2f}x, {speed / ideal:.0%})  vs hf "
               f"{row['speedup_vs_hf']:.2f}x  peak RSS MiB sparse/dense/hf "
-              f"{row['peak_rss_mib']['sparse']:.0f}/{row['peak_rss_mib']['dense']:.0f}/{row['peak_rss_mib']['hf']:.0f}",
-              flush=True)
+              f"{row['peak_rss_mib']['sparse']:.0f}/{row['peak_rss_mib']['dense']:.0f}/{row['peak_rss_mib']['hf']:.0f}  "
+              f"sparse+indexer loss {res['sparse+loss']['time_s']:.3f}s ({row['indexer_loss_time_ratio']:.2f}x time, "
+              f"{row['indexer_loss_mem_ratio']:.2f}x RSS)", flush=True)
     last = out["rows"][-1]
     out["fraction_of_ideal_at_max_T"] = last["fraction_of_ideal"]
     out["pass"] = last["T"] == 8192 and last["fraction_of_ideal"] >= 0.8

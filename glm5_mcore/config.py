@@ -277,7 +277,10 @@ class GLM5Config:
             dsa_indexer_rotate_activation=False,
             dsa_indexer_scoring_relu=True,
             dsa_indexer_k_norm_epsilon=self.indexer_k_norm_eps,
-            dsa_indexer_loss_coeff=0.0,
+            dsa_indexer_loss_coeff=0.0,  # > 0: the sparse-stage indexer loss (glm5_mcore.dsa)
+            dsa_indexer_use_sparse_loss=True,
+            # Megatron's schedule scales the indexer loss's backward like the main loss (grad scaler, CP)
+            experimental_attention_variant_loss_scale_func=_dsa_loss_scale,
             # MoE
             num_moe_experts=self.n_routed_experts,
             moe_layer_freq=self.moe_layer_pattern,
@@ -352,6 +355,19 @@ class ParallelConfig:
             raise ValueError(f"pp: num_hidden_layers={model.num_hidden_layers} is not divisible by pp={self.pp}")
         if self.dispatcher not in ("alltoall", "allgather"):
             raise ValueError("moe_token_dispatcher_type: 'alltoall' or 'allgather'")
+
+
+def _dsa_loss_scale(scale) -> None:
+    """Megatron's schedule hook for an attention variant's auxiliary loss: the DSA indexer loss's
+    backward scale (``DSAIndexerLossAutoScaler``), as it sets it itself for ``experimental_attention_variant="dsa"``."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
+
+    current = DSAIndexerLossAutoScaler.main_loss_backward_scale
+    if current is not None and current.shape != scale.shape:
+        # a backward outside the schedule left its default 0-dim scale (dsa.py:1034), which set_loss_scale
+        # cannot copy the schedule's [1] scale into (dsa.py:1057, schedules.py:255)
+        DSAIndexerLossAutoScaler.main_loss_backward_scale = None
+    DSAIndexerLossAutoScaler.set_loss_scale(scale)
 
 
 def glm5_744b() -> GLM5Config:

@@ -14,7 +14,10 @@ what GLM-5 training needs around it:
   ``(q_nope·W_uk)·c + q_rope·k_rope`` over the shared kv latent ``c``, gathered once per query for
   all heads; the default wherever the core can capture its MLA's normalised latent.
 - ``GLM5SparseAttention``: the core attention module: THD packing, allgather context parallel,
-  IndexShare (a "shared" layer reuses the previous full layer's top-k), and a frozen-indexer switch.
+  IndexShare (a "shared" layer reuses the previous full layer's top-k), a frozen-indexer switch, and
+  the indexer's two training stages: the dense warm-up (``set_indexer_warmup``) and the sparse stage
+  (``config.dsa_indexer_loss_coeff`` > 0 with a trainable indexer: Megatron-Core's sparse KL over the
+  selected keys, ``glm5_mcore.indexer_loss``), each attached with ``DSAIndexerLossAutoScaler``.
 
 Legend: S query rows, T key rows, b batch, n heads, h head dim, K top-k, C query-chunk rows.
 """
@@ -29,13 +32,15 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-from megatron.core.transformer.experimental_attention_variant import dsa_layout
+from megatron.core.transformer.experimental_attention_variant import dsa_layout, dsa_masking
 from megatron.core.transformer.experimental_attention_variant.dsa import DSAttentionSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.utils import get_pg_size
 
 from glm5_mcore import kernels
+from glm5_mcore.indexer_loss import (compute_sparse_attention_target, compute_sparse_attention_target_latent,
+                                     compute_sparse_indexer_loss, compute_topk_recall, indexer_trainable)
 
 _SCORE_ELEMS_PER_CHUNK = 1 << 22
 
@@ -294,12 +299,14 @@ class SparseLatentAttention(torch.autograd.Function):
         return dq.to(q.dtype), dlat.to(lat.dtype), None, None, None
 
 
-def absorbed_sparse_attention(q_SbnH, k_rope_Tbr, c_Tbc, w_kv_up, topk_bSK, scale, dn, dv):
+def absorbed_sparse_attention(q_SbnH, k_rope_Tbr, c_Tbc, w_kv_up, topk_bSK, scale, dn, dv,
+                              stash: Optional[list] = None):
     """Sparse MLA in the absorbed form. q [S, b, n, dn+dr], k_rope [T, b, dr], latent c [T, b, dc],
     ``w_kv_up`` [n·(dn+dv), dc] (per head: dn key rows then dv value rows) → [S, b, n·dv].
 
     q·k = (q_nope·W_uk)·c + q_rope·k_rope and Σ p·v = W_uv·(Σ p·c): the same function as attention over
-    the expanded per-head keys and values."""
+    the expanded per-head keys and values. ``stash`` gets the detached absorbed query [b·S, n, D] and
+    latent [b·T, D] (the sparse indexer loss's target reads them)."""
     S, b, n, _ = q_SbnH.shape
     T, dc = c_Tbc.shape[0], c_Tbc.shape[-1]
     w = w_kv_up.view(n, dn + dv, dc)
@@ -307,6 +314,8 @@ def absorbed_sparse_attention(q_SbnH, k_rope_Tbr, c_Tbc, w_kv_up, topk_bSK, scal
     q_cat = torch.cat([q_abs, q_SbnH[..., dn:].transpose(0, 1)], dim=-1).reshape(b * S, n, -1)
     lat = torch.cat([c_Tbc, k_rope_Tbr.to(c_Tbc.dtype)], dim=-1).transpose(0, 1).reshape(b * T, -1)
     idx = _flat_topk(topk_bSK, T)
+    if stash is not None:
+        stash[:] = [q_cat.detach(), lat.detach()]
     o = SparseLatentAttention.apply(q_cat.contiguous(), lat.contiguous(), idx, scale, dc)  # [b*S, n, dc]
     out = torch.einsum("xnc,nvc->xnv", o, w[:, dn:])  # [b*S, n, dv]
     return out.reshape(b, S, n * dv).transpose(0, 1).contiguous()
@@ -367,8 +376,14 @@ class GLM5SparseAttention(MegatronModule):
         self.last_topk: Optional[torch.Tensor] = None
         self._latent: Optional[torch.Tensor] = None  # kv_layernorm output of this forward (absorbed path)
         self.warmup_coeff = 0.0  # > 0: indexer warm-up (dense attention + KL indexer loss), set_indexer_warmup
-        self.last_recall: Optional[float] = None
-        self.last_indexer_loss: Optional[float] = None
+        if (config.dsa_indexer_loss_coeff or 0.0) > 0 and not config.dsa_indexer_use_sparse_loss:
+            raise ValueError("dsa_indexer_loss_coeff > 0 with dsa_indexer_use_sparse_loss=False (a dense KL "
+                             "while attending sparsely) is not supported: the dense form is the indexer "
+                             "warm-up stage (set_indexer_warmup)")
+        self.recall_rows = 128  # query rows per forward sampled for the top-k recall metric
+        self.probe_recall = False  # measure the recall in training forwards without the loss too
+        self._absorbed_inputs: list = []  # [absorbed query, latent] of this forward, for the loss target
+        self.indexer_stats = [0.0, 0, 0.0, 0]  # Σ KL, #rows, Σ recall, #rows since indexer_metrics read them
         self._kv_up: list = []  # [the parent MLA's linear_kv_up_proj], set by link_absorbed_mla
 
     def _positions(self, sq: int, device, packed_seq_params: Optional[PackedSeqParams]):
@@ -412,7 +427,14 @@ class GLM5SparseAttention(MegatronModule):
             out = dense_attention(query, key, value, q_pos, doc_start, self.softmax_scale)
             out = self._warmup_indexer_loss(out, query, key, x, qr, packed_seq_params, reorder, q_pos, doc_start)
             return out.squeeze(1) if thd else out
-        if self.index_topk >= skv:
+        learn = self.sparse_loss_active()
+        if learn:  # sparse stage: the indexer's outputs keep their graph (its inputs are detached)
+            q_i, k_i, w_i = self.indexer.forward_before_topk(x.detach(), qr.detach(), packed_seq_params)
+            k_i = self._gather_cp(k_i, reorder)
+            selected = compute_index_topk(q_i.detach(), k_i.detach(), w_i.detach(), self.index_topk, q_pos,
+                                          doc_start)
+            topk = None if self.index_topk >= skv else selected
+        elif self.index_topk >= skv:
             topk = None
         elif self.computes_topk:
             with torch.no_grad():
@@ -432,13 +454,58 @@ class GLM5SparseAttention(MegatronModule):
             out = self._absorbed(query, key, latent, topk, reorder, value.shape[-1])
         else:
             out = sparse_attention(query, key, value, topk, self.softmax_scale)
+        if learn:
+            out = self._sparse_indexer_loss(out, query, key, q_i, w_i, k_i, selected, q_pos, doc_start,
+                                            packed_seq_params)
+        elif self.probe_recall and self.training and self.computes_topk and topk is not None:
+            self._add_stats(0.0, 0, *compute_topk_recall(query.detach(), key.detach(), topk, q_pos, doc_start,
+                                                         self.softmax_scale, self.pg_collection.tp,
+                                                         self.recall_rows))
         return out.squeeze(1) if thd else out
+
+    def sparse_loss_active(self) -> bool:
+        """The sparse-stage indexer loss runs in this forward: a full layer in a training forward with
+        grads, outside the warm-up, ``config.dsa_indexer_loss_coeff`` > 0 and a trainable indexer."""
+        return (self.computes_topk and self.training and self.warmup_coeff == 0 and torch.is_grad_enabled()
+                and (self.config.dsa_indexer_loss_coeff or 0.0) > 0 and indexer_trainable(self.indexer))
+
+    def _sparse_indexer_loss(self, out, query, key, q_i, w_i, k_i, selected, q_pos, doc_start, packed_seq_params):
+        """Sparse stage (DeepSeek-V3.2 / GLM-5): Megatron-Core's sparse KL between the main
+        attention over each query's selected keys (heads summed) and the indexer's scores there,
+        attached to ``out`` with its autoscaler; only the indexer's outputs carry grads (the MLA query
+        and key are detached). Adds to ``indexer_stats`` (Σ KL, rows, Σ recall, rows)."""
+        from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
+
+        tp = self.pg_collection.tp
+        if self._absorbed_inputs:  # the sparse core ran absorbed: score the shared latent rows once for all heads
+            (q_abs, lat), self._absorbed_inputs = self._absorbed_inputs, []
+            target = compute_sparse_attention_target_latent(q_abs, lat, selected, self.softmax_scale, tp)
+        else:
+            target = compute_sparse_attention_target(query.detach(), key.detach(), selected, self.softmax_scale, tp)
+        b, S = selected.shape[:2]
+        valid_rows = dsa_masking.extract_query_valid_rows_from_packed_seq_params(  # padding rows, if marked
+            packed_seq_params, b=b, sq=S, device=selected.device)
+        loss, kl_sum, rows = compute_sparse_indexer_loss(
+            q_i, w_i, k_i, selected, target, float(self.config.dsa_indexer_loss_coeff),
+            bool(getattr(self.config, "calculate_per_token_loss", False)), valid_rows)
+        recall, n = compute_topk_recall(query.detach(), key.detach(), selected, q_pos, doc_start,
+                                        self.softmax_scale, tp, self.recall_rows)
+        self._add_stats(kl_sum, rows, recall, n)
+        return DSAIndexerLossAutoScaler.apply(out, loss)
+
+    def _add_stats(self, kl_sum, rows: int, recall_sum, recall_rows: int) -> None:
+        """Sums may be 0-dim tensors (no device sync here; ``indexer_metrics`` reads them once a step)."""
+        st = self.indexer_stats
+        st[0] += kl_sum
+        st[1] += rows
+        st[2] += recall_sum
+        st[3] += recall_rows
 
     def _warmup_indexer_loss(self, out, query, key, x, qr, packed_seq_params, reorder, q_pos, doc_start):
         """Indexer warm-up (DeepSeek-V3.2 dense stage): Megatron-Core's KL loss between the head-summed
         dense attention distribution and the indexer's, attached to ``out`` with its autoscaler so
         only the indexer gets gradients (its inputs are detached). Records the top-k recall of the
-        dense attention mass (``last_recall``)."""
+        dense attention mass (``indexer_stats``)."""
         from megatron.core.transformer.experimental_attention_variant.dsa import (
             DSAIndexerLossAutoScaler, compute_dsa_indexer_loss)
 
@@ -464,8 +531,10 @@ class GLM5SparseAttention(MegatronModule):
             att = att / att.sum(-1, keepdim=True)
             mass = att.gather(-1, topk.clamp(min=0)).masked_fill(topk < 0, 0.0).sum(-1)  # [b, S]
             rows = allowed.sum(-1) > K  # rows where the top-k is a real choice
-            self.last_recall = float(mass[:, rows].mean()) if bool(rows.any()) else 1.0
-        self.last_indexer_loss = float(loss.detach())
+        per_token = bool(getattr(self.config, "calculate_per_token_loss", False))
+        n_rows = topk.shape[0] * topk.shape[1]
+        kl_sum = loss.detach() / self.warmup_coeff * (1 if per_token else n_rows)
+        self._add_stats(kl_sum, n_rows, mass[:, rows].sum(), int(rows.sum()) * mass.shape[0])
         return DSAIndexerLossAutoScaler.apply(out, loss)
 
     def _absorbed(self, query, key, latent, topk, reorder, v_out: int):
@@ -486,7 +555,8 @@ class GLM5SparseAttention(MegatronModule):
         adapter = lora.applied() if lora is not None else None
         if adapter is not None:
             w = w + lora.local_delta_weight(adapter).to(w.dtype)
-        out = absorbed_sparse_attention(query, key[:, :, 0, dn:], latent, w, topk, self.softmax_scale, dn, dv)
+        out = absorbed_sparse_attention(query, key[:, :, 0, dn:], latent, w, topk, self.softmax_scale, dn, dv,
+                                        stash=self._absorbed_inputs if self.sparse_loss_active() else None)
         if v_out > dv:  # MLA padded the value heads (THD) and trims the padding from our output
             S, b, n = query.shape[:3]
             out = F.pad(out.view(S, b, n, dv), [0, v_out - dv]).view(S, b, n * v_out)
@@ -547,13 +617,56 @@ def set_indexer_warmup(model: torch.nn.Module, coeff: float) -> int:
     return n
 
 
-def indexer_metrics(model: torch.nn.Module) -> dict[str, float]:
-    """Mean top-k recall of dense attention mass and indexer loss over layers (last warm-up forward)."""
-    cores = [m for m in model.modules() if isinstance(m, GLM5SparseAttention) and m.last_recall is not None]
-    if not cores:
-        return {}
-    return {"indexer/recall": sum(c.last_recall for c in cores) / len(cores),
-            "indexer/loss": sum(c.last_indexer_loss for c in cores) / len(cores)}
+def indexer_metrics(model: torch.nn.Module, group=None) -> dict[str, float]:
+    """``indexer/loss`` (mean KL per query row, before the coefficient) and ``indexer/recall`` (mean
+    share of dense attention mass inside the top-k, on the sampled rows where K is a real choice)
+    over every layer and row of the training forwards since the last call (warm-up or sparse stage),
+    summed over the ranks of ``group`` (default: all; a collective every rank must call — TP copies
+    count twice on both sides of each ratio). {} when no indexer loss ran."""
+    import torch.distributed as dist
+
+    tot = torch.zeros(4, dtype=torch.float64)
+    for m in model.modules():
+        if isinstance(m, GLM5SparseAttention):
+            tot += torch.stack([torch.as_tensor(v).detach().to("cpu", torch.float64) for v in m.indexer_stats])
+            m.indexer_stats = [0.0, 0, 0.0, 0]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        if torch.cuda.is_available():  # NCCL reduces device tensors only
+            tot = tot.cuda()
+        dist.all_reduce(tot, group=group)
+        tot = tot.cpu()
+    out = {}
+    if tot[1] > 0:
+        out["indexer/loss"] = float(tot[0] / tot[1])
+    if tot[3] > 0:
+        out["indexer/recall"] = float(tot[2] / tot[3])
+    return out
+
+
+def set_recall_probe(model: torch.nn.Module, on: bool = True) -> int:
+    """Measure ``indexer/recall`` in every training forward of a full DSA layer, also where no indexer
+    loss runs (a frozen indexer: shows how far the model's attention drifts from its top-k), at the
+    cost of ``recall_rows`` dense attention rows per layer. Returns #layers."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, GLM5SparseAttention) and m.computes_topk:
+            m.probe_recall = bool(on)
+            n += 1
+    return n
+
+
+def check_indexer_learns(model: torch.nn.Module, setting: str = "train.indexer_loss_coeff") -> None:
+    """Refuse an indexer that takes gradients with no loss to give it any: the LM loss never reaches
+    it (its top-k is not differentiable), so without the warm-up or sparse-stage loss it would be a
+    silent no-op. Raises ValueError naming ``setting``."""
+    for m in model.modules():
+        if not (isinstance(m, GLM5SparseAttention) and indexer_trainable(m.indexer)):
+            continue
+        if m.warmup_coeff > 0 or (m.config.dsa_indexer_loss_coeff or 0.0) > 0:
+            continue
+        raise ValueError(f"{setting}: layer {m.layer_number}'s DSA indexer requires gradients but no indexer loss "
+                         "reaches it (the LM loss does not); set the indexer loss coefficient > 0 or freeze "
+                         "the indexer")
 
 
 def set_indexer_frozen(model: torch.nn.Module, frozen: bool = True) -> int:

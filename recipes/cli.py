@@ -42,11 +42,15 @@ def sft_main(overrides: list[str]) -> int:
     out = run(cfg)
     if not dist.is_initialized() or dist.get_rank() == 0:
         hist = out["history"]
-        print(json.dumps({"steps": out["state"]["step"], "first_loss": hist[0]["loss"] if hist else None,
-                          "last_loss": hist[-1]["loss"] if hist else None, "val": out["val"],
-                          "losses": [h["loss"] for h in hist],
-                          "skipped_rows": out["data"]["skipped"], "truncated_rows": out["data"]["truncated"],
-                          "valid_truncated_rows": out["valid_data"]["truncated"]}))
+        summary = {"steps": out["state"]["step"], "first_loss": hist[0]["loss"] if hist else None,
+                   "last_loss": hist[-1]["loss"] if hist else None, "val": out["val"],
+                   "losses": [h["loss"] for h in hist], "skipped_rows": out["data"]["skipped"],
+                   "truncated_rows": out["data"]["truncated"],
+                   "valid_truncated_rows": out["valid_data"]["truncated"]}
+        for key in ("indexer/loss", "indexer/recall"):  # DSA warm-up / sparse stage, frozen-indexer recall
+            if any(key in h for h in hist):
+                summary[key] = [round(h[key], 5) if key in h else None for h in hist]
+        print(json.dumps(summary))
     return 0
 
 

@@ -76,10 +76,14 @@ class TrainCfg:
     moe_bias_update_rate: float = 0.0
     """> 0 lets the expert bias (e_score_correction_bias) drift; the release keeps it fixed."""
     freeze_indexer: bool = True
+    """False: the sparse stage — the model attends to the top-k keys and the indexer keeps learning with
+    Megatron-Core's sparse KL loss (full fine-tuning: its weights; LoRA: adapters on its linears)."""
     indexer_warmup: bool = False
     """Warm-up stage: everything frozen but the indexer, trained with the KL indexer loss against
     dense attention (which the model uses meanwhile); logs the top-k recall of dense attention mass."""
-    indexer_loss_coeff: float = 1.0
+    indexer_loss_coeff: float = 0.001
+    """Weight of the indexer's KL loss (warm-up and sparse stage; Megatron-Bridge's GLM-5 default).
+    Logged as ``indexer/loss`` (mean KL per query row) and ``indexer/recall``."""
     resume: bool = True
     allow_resume_mismatch: bool = False
     """Resume even if data files, batch sizes, LoRA or model settings differ from the run's."""
@@ -167,7 +171,23 @@ def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConf
                 raise ValueError(f"train.{flag}: needs CUDA ({why}); CPU runs are fp32 without it")
     if cfg.train.steps < 1:
         raise ValueError("train.steps must be >= 1")
+    _check_indexer_settings(cfg)
     return parallel, d.global_batch_tokens // (d.micro_batch_tokens * dp)
+
+
+def _check_indexer_settings(cfg: SFTConfig) -> None:
+    """A trainable indexer needs a loss: the LM loss never reaches it (its top-k is not differentiable)."""
+    from glm5_mcore.lora import INDEXER
+
+    t = cfg.train
+    if (t.indexer_warmup or not t.freeze_indexer) and t.indexer_loss_coeff <= 0:
+        raise ValueError(f"train.indexer_loss_coeff={t.indexer_loss_coeff}: the indexer trains "
+                         f"({'train.indexer_warmup=true' if t.indexer_warmup else 'train.freeze_indexer=false'}) "
+                         "but only its KL loss reaches it; set train.indexer_loss_coeff > 0 (e.g. 0.001) or "
+                         "train.freeze_indexer=true")
+    if cfg.lora.enabled and not t.freeze_indexer and not t.indexer_warmup and not set(cfg.lora.targets) & set(INDEXER):
+        raise ValueError("train.freeze_indexer=false with LoRA: the indexer learns through adapters on its "
+                         f"linears, and lora.targets has none (add {', '.join(INDEXER)})")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -332,7 +352,8 @@ def run(cfg: SFTConfig) -> dict:
     from transformers import AutoTokenizer
 
     from glm5_mcore.checkpoint import load_model, model_dir
-    from glm5_mcore.dsa import indexer_metrics, set_indexer_frozen, set_indexer_warmup
+    from glm5_mcore.dsa import (check_indexer_learns, indexer_metrics, set_indexer_frozen, set_indexer_warmup,
+                                set_recall_probe)
     from glm5_mcore.lora import apply_lora
     from glm5_mcore.model import build_model, init_parallel, load_hf_weights
     from glm5_mcore.mtp_loss import mtp_depth_losses
@@ -361,7 +382,8 @@ def run(cfg: SFTConfig) -> dict:
     init_parallel(parallel, seed=cfg.train.seed)
     random.seed(cfg.train.seed)
     overrides = dict(calculate_per_token_loss=True, mtp_loss_scaling_factor=cfg.train.mtp_loss_scale,
-                     moe_router_bias_update_rate=cfg.train.moe_bias_update_rate)
+                     moe_router_bias_update_rate=cfg.train.moe_bias_update_rate,
+                     dsa_indexer_loss_coeff=0.0 if cfg.train.freeze_indexer else cfg.train.indexer_loss_coeff)
     if cfg.train.moe_aux_loss_coeff > 0:
         overrides.update(moe_aux_loss_coeff=cfg.train.moe_aux_loss_coeff, moe_router_load_balancing_type="seq_aux_loss")
     if cfg.train.bf16:
@@ -386,6 +408,8 @@ def run(cfg: SFTConfig) -> dict:
                    freeze_indexer=cfg.train.freeze_indexer)
     else:
         set_indexer_frozen(model, cfg.train.freeze_indexer)
+    check_indexer_learns(model)
+    set_recall_probe(model)  # indexer/recall also with a frozen indexer: how far attention drifts from it
     moe_load = MoELoad(model)
     ddp, opt, sched = build_trainer(model, cfg.optim, cfg.train.steps, cfg.train.bf16, cfg.train.cpu_offload)
     state = _restore(cfg, model, opt, sched, settings) or {"step": 0, "epoch": 0, "cursor": 0, "tokens": 0,

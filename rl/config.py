@@ -159,6 +159,8 @@ class TrainerCfg:
     allow_resume_mismatch: bool = False
     """Resume even if data, batch sizes, LoRA or model settings differ from the run's."""
     freeze_indexer: bool = True
+    """Always true: RL keeps the DSA indexer frozen (no indexer loss runs here, and its top-k must stay the
+    rollout engine's); the indexer learns in the SFT sparse stage (``glm5 sft train.freeze_indexer=false``)."""
     progress: bool = True
     stop_at_reward: Optional[float] = None
     """End the run early once the held-out reward reaches this value."""
@@ -307,6 +309,10 @@ def validate(c: RLConfig) -> None:
     if t.steps < 1:
         raise ValueError("trainer.steps must be >= 1")
     _check_importable(r.engine, "rollout.engine")
+    if not t.freeze_indexer:
+        raise ValueError("trainer.freeze_indexer=false: the RL trainer keeps the DSA indexer frozen (no indexer "
+                         "loss reaches it here, so it would not learn); train it in the SFT sparse stage "
+                         "(glm5 sft train.freeze_indexer=false)")
     if t.backend not in ("local", "te"):
         raise ValueError(f"trainer.backend={t.backend!r}: local or te")
     import torch

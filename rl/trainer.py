@@ -90,6 +90,7 @@ class PolicyTrainer:
     def __init__(self, cfg: RLConfig, rank: int = 0, world: int = 1, master_addr: Optional[str] = None,
                  master_port: Optional[int] = None):
         from glm5_mcore.config import GLM5Config, ParallelConfig
+        from glm5_mcore.dsa import check_indexer_learns
         from glm5_mcore.lora import LoRAConfig, apply_lora, set_adapter
         from glm5_mcore.model import build_model, init_parallel, load_hf_weights
         from glm5_mcore.training import MoELoad, OptimCfg, build_trainer
@@ -125,6 +126,7 @@ class PolicyTrainer:
             self._hidden = None
             model.output_layer.register_forward_pre_hook(self._capture_hidden)
         set_adapter(model, "default")
+        check_indexer_learns(model, "trainer.freeze_indexer")
         self.model = model
         self.moe_load = MoELoad(model)
         a = cfg.actor

@@ -1,0 +1,216 @@
+"""DSA's sparse-stage indexer loss on the selected keys only, and the top-k recall metric.
+
+Megatron-Core's ``compute_dsa_indexer_loss(..., sparse_loss=True)`` (transformer/
+experimental_attention_variant/dsa.py) masks full [b, n, S, T] attention scores and [b, S, T]
+indexer scores down to each query's top-k keys: per query, the main attention softmax over the
+selected keys, summed over heads (all-reduced over TP) and L1-normalised, is the target of a KL
+against the softmax of the indexer's scores over the same keys. Every term outside the selected
+set is zero, so the same function is computed here on the gathered [S, K] form, O(S·K) memory:
+
+- ``compute_sparse_attention_target`` (per-head query/key) or ``..._latent`` (the absorbed MLA query and
+  shared latent the sparse core scores): the target, [b, S, K], computed without grad.
+- ``SparseIndexerKL``: Σ_rows KL(target || softmax(I_sel)) where I[s, j] = Σ_h w[s,h]·ReLU(q[s,h]·k[idx[s,j]]),
+  differentiable w.r.t. the indexer's q, w, k; backward recomputes per query chunk (nothing [S, K, nI]
+  is kept). Megatron-Core's helpers reduce it (``dsa_indexer_loss.reduce_indexer_kl_sum``).
+- ``compute_topk_recall``: the dense attention mass (summed over heads, over every allowed key) that
+  falls inside the top-k set, on a strided sample of at most ``max_rows`` query rows.
+
+Legend: S query rows, T key rows, b batch, n heads (local to a TP rank), h head dim, nI/dI indexer
+heads/dim, K top-k, C query-chunk rows, R = b·S rows flattened.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.experimental_attention_variant import dsa_indexer_loss
+
+_CHUNK_ELEMS = 1 << 22
+
+
+def _rows_per_chunk(per_row: int) -> int:
+    return max(1, _CHUNK_ELEMS // max(1, per_row))
+
+
+def _flat(idx_bSK: torch.Tensor, T: int) -> torch.Tensor:
+    """[b, S, K] key indices → [b·S, K] into the batch-merged key axis (b·T), -1 kept."""
+    b = idx_bSK.shape[0]
+    off = (torch.arange(b, device=idx_bSK.device) * T)[:, None, None]
+    return torch.where(idx_bSK >= 0, idx_bSK + off, -1).reshape(-1, idx_bSK.shape[-1])
+
+
+@torch.no_grad()
+def compute_sparse_attention_target(query_SbnH: torch.Tensor, key_TbnH: torch.Tensor, topk_bSK: torch.Tensor,
+                                    scale: float, tp_group=None) -> torch.Tensor:
+    """Megatron-Core's sparse indexer target on the selected keys: per head softmax(q·k·scale) over
+    each query's selected keys, summed over heads (all-reduced over ``tp_group``, which holds the
+    other heads), L1-normalised. query [S, b, n, h], key [T, b, n, h], topk [b, S, K] (-1 = none)
+    → float32 [b, S, K], 0 where not selected."""
+    S, b, n, h = query_SbnH.shape
+    T, K = key_TbnH.shape[0], topk_bSK.shape[-1]
+    q = query_SbnH.permute(2, 1, 0, 3).reshape(n, b * S, 1, h).float()  # head-major, as the sparse core
+    k = key_TbnH.permute(2, 1, 0, 3).reshape(n, b * T, h).float()
+    idx = _flat(topk_bSK, T)
+    out = torch.empty(b * S, K, dtype=torch.float32, device=q.device)
+    rows = _rows_per_chunk(K * n * h)
+    for r0 in range(0, b * S, rows):
+        r1 = min(b * S, r0 + rows)
+        valid = (idx[r0:r1] >= 0).expand(n, -1, -1)
+        kg = k[:, idx[r0:r1].clamp(min=0)]  # [n, C, K, h]
+        logits = torch.matmul(q[:, r0:r1], kg.transpose(-1, -2)).squeeze(2).mul_(scale)  # [n, C, K]
+        out[r0:r1] = logits.masked_fill_(~valid, float("-inf")).softmax(-1).sum(0)  # every row selects >= 1 key
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(out, group=tp_group)
+    return dsa_indexer_loss.normalize_indexer_target(out).view(b, S, K)
+
+
+@torch.no_grad()
+def compute_sparse_attention_target_latent(q_RnD: torch.Tensor, lat_TD: torch.Tensor, topk_bSK: torch.Tensor,
+                                           scale: float, tp_group=None) -> torch.Tensor:
+    """``compute_sparse_attention_target`` in the absorbed MLA form: q·k = q_abs·lat (see
+    ``dsa.absorbed_sparse_attention``), so each query's selected latent rows are gathered once for all
+    heads ([C, K, D], n times less than per-head keys). q [b·S, n, D], lat [b·T, D] → [b, S, K]."""
+    b, S, K = topk_bSK.shape
+    R, n, D = q_RnD.shape
+    idx = _flat(topk_bSK, lat_TD.shape[0] // b)
+    out = torch.empty(R, K, dtype=torch.float32, device=q_RnD.device)
+    latf = lat_TD.float()
+    rows = _rows_per_chunk(K * (D + n))
+    for r0 in range(0, R, rows):
+        r1 = min(R, r0 + rows)
+        valid = (idx[r0:r1] >= 0)[:, None, :].expand(-1, n, -1)
+        lg = latf[idx[r0:r1].clamp(min=0)]  # [C, K, D]
+        logits = torch.bmm(q_RnD[r0:r1].float(), lg.transpose(1, 2)).mul_(scale)  # [C, n, K]
+        out[r0:r1] = logits.masked_fill_(~valid, float("-inf")).softmax(-1).sum(1)  # every row selects >= 1 key
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(out, group=tp_group)
+    return dsa_indexer_loss.normalize_indexer_target(out).view(b, S, K)
+
+
+def _index_scores(q_CnD, w_Cn, kg_CKD):
+    """I [C, K] = Σ_h w·ReLU(q·k) and the pre-ReLU products [C, n, K]."""
+    dots = torch.einsum("cnd,ckd->cnk", q_CnD, kg_CKD)
+    return torch.einsum("cn,cnk->ck", w_Cn, dots.clamp(min=0)), dots
+
+
+class SparseIndexerKL(torch.autograd.Function):
+    """Σ over query rows of KL(target || softmax over the selected keys of the indexer scores).
+
+    q [R, nI, dI], w [R, nI], k [b·T, dI] (flattened like ``_flat``), idx [R, K] (-1 = not selected),
+    target [R, K] (rows sum to 1 over the selected keys) → scalar float32, unscaled sum over rows.
+    Gradients reach q, w and k only; the saved state is the inputs (chunks are recomputed).
+    """
+
+    @staticmethod
+    def forward(ctx, q, w, k, idx, target):
+        R, K = idx.shape
+        total = torch.zeros((), dtype=torch.float32, device=q.device)
+        kf = k.float()
+        rows = _rows_per_chunk(K * (q.shape[1] + q.shape[2]))
+        for r0 in range(0, R, rows):
+            r1 = min(R, r0 + rows)
+            valid = idx[r0:r1] >= 0
+            scores, _ = _index_scores(q[r0:r1].float(), w[r0:r1].float(), kf[idx[r0:r1].clamp(min=0)])
+            logp = scores.masked_fill_(~valid, float("-inf")).log_softmax(-1)  # every row selects >= 1 key
+            total += dsa_indexer_loss.indexer_kl_sum(target[r0:r1], logp, valid)
+        ctx.save_for_backward(q, w, k, idx, target)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, w, k, idx, target = ctx.saved_tensors
+        R, K = idx.shape
+        kf = k.float()
+        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        dw = torch.empty(w.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        g = grad.float()
+        rows = _rows_per_chunk(K * (q.shape[1] + q.shape[2]))
+        for r0 in range(0, R, rows):
+            r1 = min(R, r0 + rows)
+            valid = idx[r0:r1] >= 0
+            sel = idx[r0:r1].clamp(min=0)
+            qc, wc, kg = q[r0:r1].float(), w[r0:r1].float(), kf[sel]
+            scores, dots = _index_scores(qc, wc, kg)
+            p = scores.masked_fill_(~valid, float("-inf")).softmax(-1)
+            t = target[r0:r1]
+            dI = g * (p * t.sum(-1, keepdim=True) - t)  # d KL / d I over the selected keys, [C, K]
+            dw[r0:r1] = torch.einsum("ck,cnk->cn", dI, dots.clamp(min=0))
+            dr = dI[:, None, :] * wc[:, :, None] * (dots > 0)  # [C, n, K]
+            dq[r0:r1] = torch.einsum("cnk,ckd->cnd", dr, kg)
+            dk.index_add_(0, sel.reshape(-1), torch.einsum("cnk,cnd->ckd", dr, qc).reshape(-1, k.shape[-1]))
+        return dq.to(q.dtype), dw.to(w.dtype), dk.to(k.dtype), None, None
+
+
+def compute_sparse_indexer_loss(q_SbnD: torch.Tensor, w_Sbn: torch.Tensor, k_TbD: torch.Tensor,
+                                topk_bSK: torch.Tensor, target_bSK: torch.Tensor, loss_coeff: float,
+                                calculate_per_token_loss: bool, query_valid_rows: Optional[torch.Tensor] = None
+                                ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(loss, Σ_rows KL detached, #rows counted): Megatron-Core's sparse indexer loss on the gathered form.
+
+    q [S, b, nI, dI], w [S, b, nI], k [T, b, dI] are the indexer's outputs (they carry its grads);
+    topk / target [b, S, K]; ``query_valid_rows`` (bool [b, S], Megatron's ``real_token_mask_q``) drops
+    padding rows. The loss is ``loss_coeff`` × (Σ KL over rows, or its mean over rows unless
+    ``calculate_per_token_loss``), as ``dsa_indexer_loss.indexer_loss_from_target`` reduces it."""
+    S, b = q_SbnD.shape[:2]
+    T = k_TbD.shape[0]
+    q = q_SbnD.transpose(0, 1).reshape(b * S, *q_SbnD.shape[2:])
+    w = w_Sbn.transpose(0, 1).reshape(b * S, -1)
+    k = k_TbD.transpose(0, 1).reshape(b * T, -1)
+    target = target_bSK.reshape(b * S, -1)
+    rows, count = b * S, None
+    if query_valid_rows is not None:  # a zero target row adds nothing to the KL nor to its gradient
+        keep = query_valid_rows.reshape(b * S)
+        target = target * keep[:, None]
+        count = keep.sum()
+        rows = int(count)
+    kl_sum = SparseIndexerKL.apply(q, w, k, _flat(topk_bSK, T), target)
+    loss = dsa_indexer_loss.reduce_indexer_kl_sum(kl_sum, num_rows=b * S, valid_row_count=count,
+                                                  calculate_per_token_loss=calculate_per_token_loss)
+    return loss * loss_coeff, kl_sum.detach(), rows
+
+
+@torch.no_grad()
+def compute_topk_recall(query_SbnH: torch.Tensor, key_TbnH: torch.Tensor, topk_bSK: torch.Tensor,
+                        q_pos_S: torch.Tensor, doc_start_S: torch.Tensor, scale: float, tp_group=None,
+                        max_rows: int = 128) -> tuple[torch.Tensor, int]:
+    """(Σ recall as a 0-dim tensor on the inputs' device, #rows): for each sampled query row with more
+    allowed keys than K, the share of its dense attention mass (softmax over doc_start ≤ u ≤ pos, summed
+    over all heads) inside its top-k.
+
+    Rows are taken evenly spaced from the eligible ones, at most ``max_rows`` per call, so the cost is
+    that of ``max_rows`` dense attention rows. Under TP every rank samples the same rows and the head
+    sums are all-reduced."""
+    S, b, n, _ = query_SbnH.shape
+    T, K = key_TbnH.shape[0], topk_bSK.shape[-1]
+    eligible = (q_pos_S - doc_start_S + 1) > K  # [S]
+    cand = eligible.nonzero().squeeze(1)
+    if cand.numel() == 0 or b == 0:
+        return torch.zeros((), device=query_SbnH.device), 0
+    if cand.numel() > max(1, max_rows // b):
+        pick = torch.linspace(0, cand.numel() - 1, max(1, max_rows // b), device=cand.device).round().long()
+        cand = cand[pick]
+    key_pos = torch.arange(T, device=query_SbnH.device)
+    mass = torch.zeros(b, cand.numel(), dtype=torch.float32, device=query_SbnH.device)
+    rows = _rows_per_chunk(n * T)
+    for bi in range(b):
+        kf = key_TbnH[:, bi].float()
+        for c0 in range(0, cand.numel(), rows):
+            r = cand[c0: c0 + rows]
+            allowed = (key_pos[None, :] <= q_pos_S[r, None]) & (key_pos[None, :] >= doc_start_S[r, None])
+            logits = torch.einsum("cnh,tnh->cnt", query_SbnH[r, bi].float(), kf) * scale
+            p = logits.masked_fill(~allowed[:, None], float("-inf")).softmax(-1).sum(1)  # [C, T]
+            sel = topk_bSK[bi, r]
+            mass[bi, c0: c0 + r.numel()] = p.gather(-1, sel.clamp(min=0)).masked_fill(sel < 0, 0.0).sum(-1)
+    heads = n
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(mass, group=tp_group)
+        heads *= dist.get_world_size(tp_group)  # TP splits the heads evenly
+    return (mass / heads).sum(), mass.numel()
+
+
+def indexer_trainable(indexer: Optional[torch.nn.Module]) -> bool:
+    """Whether any parameter of the indexer (LoRA adapters on its linears included) takes gradients."""
+    return indexer is not None and any(p.requires_grad for p in indexer.parameters())
