@@ -312,8 +312,10 @@ def _lazy_dcp_save(model, out: Path, source, workers: int, on_item: Callable[[in
 def hf_to_mcore(hf_dir: str | Path, out: str | Path, workers: int = 1, dtype: Optional[str] = None,
                 progress: bool = True) -> Path:
     """Convert an HF GLM-5 folder into ``out`` (``iter_0000000/model``, ``hf/``, ``latest``)."""
+    from glm5_mcore.stored import hf_dir_config
+
     hf_dir = Path(hf_dir)
-    glm5 = GLM5Config.from_hf_dir(hf_dir)
+    glm5 = hf_dir_config(hf_dir)  # MTP layers the weights lack are left out (a notice)
     ckpt = HFCheckpoint(hf_dir)
     if dtype is None:
         td = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}.get(
@@ -448,6 +450,71 @@ class _GroupLoader:
         self.reader.close()
 
 
+class _OutputDtypes:
+    """The dtype each HF tensor is written in by ``mcore_to_hf`` (see there), and FP8 quantization."""
+
+    def __init__(self, hf_meta: Path, ckpt_dtype: torch.dtype, override: Optional[str]):
+        from glm5_mcore.hf_io import DTYPES as ST_DTYPES
+        from glm5_mcore.stored import read_dtypes
+
+        if override is not None and override not in (*DTYPES, "fp8"):
+            raise ValueError(f"--dtype {override}: expected one of {sorted(DTYPES) + ['fp8']}")
+        self.override = override
+        self.record = read_dtypes(hf_meta) if override is None else None
+        self.st_dtypes = ST_DTYPES
+        config_dtype = json.loads((hf_meta / "config.json").read_text()).get("dtype")
+        names = {v: k for k, v in _HF_DTYPE_NAMES.items()}
+        self.default = names.get(config_dtype, ckpt_dtype)
+        self.fp8_written = False
+
+    def dtype(self, hf_name: str) -> torch.dtype:
+        """The stored dtype of ``hf_name`` (``torch.float8_e4m3fn``: FP8 block format)."""
+        from glm5_mcore.fp8 import is_quantized
+        from glm5_mcore.stored import stored_dtype
+
+        if self.override == "fp8":
+            if is_quantized(hf_name):
+                return torch.float8_e4m3fn
+            return torch.float32 if hf_name.endswith(FP32_HF_SUFFIXES) else torch.bfloat16
+        if self.override is not None:
+            return torch.float32 if hf_name.endswith(FP32_HF_SUFFIXES) else DTYPES[self.override]
+        recorded = stored_dtype(self.record, hf_name)
+        if recorded is not None:
+            return self.st_dtypes[recorded]
+        return torch.float32 if hf_name.endswith(FP32_HF_SUFFIXES) else self.default
+
+    def plan(self, hf_name: str, shape: tuple) -> list:
+        from glm5_mcore.fp8 import scale_shape
+
+        d = self.dtype(hf_name)
+        if d in FP8:
+            if len(shape) != 2:
+                raise ValueError(f"{hf_name}: recorded as FP8 but has shape {list(shape)} (FP8 blocks need 2-D)")
+            return [(hf_name, torch.float8_e4m3fn, tuple(shape)), (hf_name + "_scale_inv", torch.float32,
+                                                                    scale_shape(tuple(shape)))]
+        return [(hf_name, d, tuple(shape))]
+
+    def tensors(self, hf_name: str, t: torch.Tensor) -> list:
+        from glm5_mcore.fp8 import quantize_fp8_blocks
+
+        d = self.dtype(hf_name)
+        if d in FP8:
+            q, s = quantize_fp8_blocks(t)
+            self.fp8_written = True
+            return [(hf_name, q), (hf_name + "_scale_inv", s)]
+        return [(hf_name, t.to(d))]
+
+    def config_dtype(self, plan: list) -> str:
+        """config.json's ``dtype``: the most common non-FP8, non-fp32-router dtype written."""
+        import collections
+
+        counts = collections.Counter(d for n, d, _ in plan if d in _HF_DTYPE_NAMES and not n.endswith(
+            FP32_HF_SUFFIXES) and not n.endswith("_scale_inv"))
+        if not counts:
+            return _HF_DTYPE_NAMES.get(self.default, "bfloat16")
+        return _HF_DTYPE_NAMES[counts.most_common(1)[0][0]]
+
+
 def _layer_groups(model) -> list[str]:
     groups = ["embedding"]
     groups += [f"decoder.layers.{i}" for i in range(len(model.decoder.layers))]
@@ -459,12 +526,17 @@ def _layer_groups(model) -> list[str]:
 
 @torch.no_grad()
 def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "5GB",
-                iteration: Optional[int] = None, progress: bool = True, merge_adapter=None) -> Path:
-    """Write an HF GLM-5 folder (on-disk per-expert layout, MTP layer included) from a checkpoint.
+                iteration: Optional[int] = None, progress: bool = True, merge_adapter=None,
+                dtype: Optional[str] = None) -> Path:
+    """Write an HF GLM-5 folder (on-disk per-expert layout, the MTP layers the checkpoint holds) from a checkpoint.
 
+    Each tensor is written in the dtype its HF origin stored it in (``hf/dtypes.json``); without
+    a record, in ``config.json``'s dtype. ``dtype`` overrides: "bf16"/"fp16"/"fp32" (the router stays
+    fp32), or "fp8": the release's FP8 block format (``glm5_mcore.fp8``), the rest in bf16.
     ``merge_adapter`` (an ``AdapterState``): its ``scale·B·A`` is added to each Megatron weight
     before the weight is split into HF tensors (gate/up halves, per-expert names)."""
     from glm5_mcore.checkpoint import model_dir
+    from glm5_mcore.stored import checkpoint_config
 
     root = Path(ckpt)
     model_path = model_dir(root, iteration)
@@ -472,8 +544,9 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
         raise FileNotFoundError(f"{model_path}: not a Megatron-Core distributed checkpoint (no metadata.json)")
     if not (root / "hf" / "config.json").is_file():
         raise FileNotFoundError(f"{root / 'hf' / 'config.json'}: missing; the checkpoint has no HF config")
-    glm5 = GLM5Config.from_hf_dir(root / "hf")
+    glm5 = checkpoint_config(root, iteration)  # MTP layers the checkpoint lacks are left out (a notice)
     td = _checkpoint_dtype(model_path)
+    out_dtype = _OutputDtypes(root / "hf", td, dtype)
     max_bytes = _parse_size(max_shard_size)
     model = meta_model(glm5, td)
     tensors = _named_tensors(model)
@@ -488,7 +561,7 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
             src = hf_source(name, glm5.num_hidden_layers)
             shape = (t.shape[0] // 2, *t.shape[1:]) if src.is_glu else tuple(t.shape)
             for h in src.names:
-                plan.append((h, torch.float32 if h.endswith(FP32_HF_SUFFIXES) else td, shape))
+                plan.extend(out_dtype.plan(h, shape))
     bar = _Progress(sum(t.numel() * t.element_size() for t in tensors.values()), len(plan), "mcore-to-hf",
                     progress)
     try:
@@ -517,7 +590,8 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
                     else:
                         parts = t.chunk(2, dim=0) if src.is_glu else (t,)
                     for h, part in zip(src.names, parts):
-                        writer.write(h, part.to(torch.float32 if h.endswith(FP32_HF_SUFFIXES) else td))
+                        for name_out, t_out in out_dtype.tensors(h, part):
+                            writer.write(name_out, t_out)
                         bar.update(part.numel() * part.element_size())
             writer.finish()
             if merge_adapter is not None and set(merge_adapter.A) - merged:
@@ -528,7 +602,11 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
             config = json.loads((root / "hf" / "config.json").read_text())
             config.pop("quantization_config", None)
             config.pop("torch_dtype", None)
-            config["dtype"] = _HF_DTYPE_NAMES.get(td, "bfloat16")
+            config["dtype"] = out_dtype.config_dtype(plan)
+            if out_dtype.fp8_written:
+                from glm5_mcore.fp8 import QUANTIZATION_CONFIG
+
+                config["quantization_config"] = dict(QUANTIZATION_CONFIG)
             (tmp / "config.json").write_text(json.dumps(config, indent=2))
             for name in HF_META_FILES:
                 if name != "config.json" and (root / "hf" / name).is_file():
