@@ -151,6 +151,8 @@ def test_engine_refuses_dense_mla_while_dsa_selects(tiny576):
 
 
 def test_rl_loop_runs_two_steps_with_the_vllm_engine(tiny576, tmp_path):
+    import ray
+
     from rl.config import RLConfig
     from rl.driver import run
 
@@ -158,11 +160,16 @@ def test_rl_loop_runs_two_steps_with_the_vllm_engine(tiny576, tmp_path):
         "model": {"hf_dir": tiny576}, "wandb": {"mode": "disabled"},
         "rollout": {"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine", "num_actors": 1, "n": 2,
                     "temperature": T, "max_new_tokens": 8, "engine_kwargs": engine_kwargs()},
-        "data": {"prompts_per_step": 4, "val_prompts": 0},
-        "trainer": {"steps": 2, "out": str(tmp_path / "run"), "save_every": 0, "eval_every": 0},
-        "ray": {"num_cpus": 2}})
+        "data": {"prompts_per_step": 4, "val": None}, "actor": {"ppo_mini_batch_size": 4},
+        "trainer": {"steps": 2, "out": str(tmp_path / "run"), "save_every": 0, "eval_every": 0, "progress": False}})
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(ROOT)  # Ray workers import rl
     t0 = time.perf_counter()
-    out = run(cfg)
+    try:
+        out = run(cfg)
+    finally:
+        ray.shutdown()
+        os.environ.pop("PYTHONPATH") if before is None else os.environ.update(PYTHONPATH=before)
     FIGURES["rl_two_steps_s"] = time.perf_counter() - t0
     h = out["history"]
     assert len(h) == 2 and out["state"]["step"] == 2
