@@ -144,3 +144,86 @@ def test_fp8_export_reimports_to_its_dequantized_values(saved_dir, tmp_path):
                            env=env)
     assert again.returncode == 0, again.stderr
     assert _stored(tmp_path / "fp8b") == stored
+
+
+def _sft_cfg(hf_dir, tmp_path, **over):
+    from recipes.sft import SFTConfig
+
+    data = Path(tmp_path) / "train.jsonl"
+    data.parent.mkdir(parents=True, exist_ok=True)
+    data.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1}", "response": f"w{i + 2} w{i + 3}"}) + "\n"
+                            for i in range(16)))
+    d = {"model": {"hf_dir": hf_dir}, "data": {"train": str(data), "micro_batch_tokens": 64,
+                                               "global_batch_tokens": 128, "max_tokens": 32},
+         "optim": {"lr": 3e-3, "decay_style": "constant"}, "lora": {"enabled": False},
+         "train": {"steps": 2, "out": str(tmp_path / "run"), "save_every": 2, "progress": False},
+         "wandb": {"mode": "disabled"}}
+    for k, v in over.items():
+        d.setdefault(k, {}).update(v)
+    return SFTConfig.from_dict(d)
+
+
+def test_saved_folder_fine_tunes_without_mtp_or_with_a_fresh_one(saved_dir, tmp_path):
+    """model.mtp=auto: no MTP block, no MTP loss, the export holds the tensors read; model.mtp=init: a
+    fresh MTP layer (Megatron-Core's init) is trained and exported as model.layers.{L}.*."""
+    from glm5_mcore.convert import mcore_to_hf
+    from recipes.sft import run
+
+    L = json.loads((Path(saved_dir) / "config.json").read_text())["num_hidden_layers"]
+    auto = run(_sft_cfg(saved_dir, tmp_path / "auto"))
+    assert all("mtp_loss/depth_1" not in m for m in auto["history"]), auto["history"][-1]
+    names = HFCheckpoint(mcore_to_hf(tmp_path / "auto" / "run", tmp_path / "auto_hf", progress=False)).keys()
+    assert sorted(names) == sorted(HFCheckpoint(saved_dir).keys())
+
+    init = run(_sft_cfg(saved_dir, tmp_path / "init", model={"mtp": "init"}))
+    assert all(m["mtp_loss/depth_1"] > 0 for m in init["history"]), init["history"][-1]
+    back = HFCheckpoint(mcore_to_hf(tmp_path / "init" / "run", tmp_path / "init_hf", progress=False))
+    mtp = [n for n in back.keys() if n.startswith(f"model.layers.{L}.")]
+    assert f"model.layers.{L}.eh_proj.weight" in mtp and len(mtp) == len(back.keys()) - len(HFCheckpoint(saved_dir).keys())
+
+
+def test_saved_folder_lora_exports_and_is_an_rl_base(saved_dir, tmp_path):
+    """Converted, then a LoRA run on the checkpoint (adapters saved next to the base): exports as PEFT and
+    merged (no MTP tensors invented); the RL trainer and the transformers engine load the folder and
+    agree on sampled log-probs."""
+    import subprocess
+    import sys
+
+    from recipes.sft import run
+    from rl.config import RLConfig
+    from rl.rollout.base import Request, SamplingParams, sample_seed
+    from rl.rollout.hf_engine import HFRolloutEngine
+    from rl.trainer import PolicyTrainer
+
+    from glm5_mcore.convert import hf_to_mcore
+
+    ck = hf_to_mcore(saved_dir, tmp_path / "run", progress=False)
+    run(_sft_cfg(saved_dir, tmp_path, model={"hf_dir": None, "ckpt": str(ck)}, lora={"enabled": True, "rank": 4},
+                 train={"resume": False}))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent))
+    cli = [sys.executable, "-m", "glm5_mcore.cli", "lora", "export", "--ckpt", str(tmp_path / "run"), "--no-progress"]
+    for extra, out in (([], "peft"), (["--merged"], "merged")):
+        r = subprocess.run(cli + extra + ["--out", str(tmp_path / out)], env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr
+    assert (tmp_path / "peft" / "adapter_model.safetensors").is_file()
+    assert sorted(HFCheckpoint(tmp_path / "merged").keys()) == sorted(HFCheckpoint(saved_dir).keys())
+
+    cfg = RLConfig.from_dict({"model": {"hf_dir": saved_dir}, "wandb": {"mode": "disabled"},
+                              "rollout": {"temperature": 0.8, "max_new_tokens": 8}})
+    trainer = PolicyTrainer(cfg)
+    engine = HFRolloutEngine(saved_dir)
+    engine.load_adapter(trainer.export_adapter(1))
+    from rl.driver import fill_log_probs, make_batch
+    from rl.tasks import toy_prompts
+    from transformers import AutoTokenizer
+
+    prompts = toy_prompts(AutoTokenizer.from_pretrained(saved_dir), 2, seed=0)
+    reqs = [Request((p.index, k), p.ids, sample_seed(1, 0, p.index, k)) for p in prompts for k in range(2)]
+    results = engine.generate(reqs, SamplingParams(0.8, 1.0, 8, ()))
+    batch = make_batch(prompts, results, 2)
+    fill_log_probs(batch, [trainer.compute_log_probs(batch, ref=False)])
+    diff = (batch.old_log_probs - batch.rollout_log_probs)[batch.response_mask.bool()].abs()
+    assert float(diff.max()) <= 1e-5, float(diff.max())
