@@ -227,3 +227,25 @@ def test_saved_folder_lora_exports_and_is_an_rl_base(saved_dir, tmp_path):
     fill_log_probs(batch, [trainer.compute_log_probs(batch, ref=False)])
     diff = (batch.old_log_probs - batch.rollout_log_probs)[batch.response_mask.bool()].abs()
     assert float(diff.max()) <= 1e-5, float(diff.max())
+
+
+def test_bad_dtype_record_and_mtp_mode_name_the_problem(saved_dir, tmp_path):
+    """A corrupt hf/dtypes.json: exit 2 naming the file, no output folder; model.mtp=bogus names the field."""
+    import subprocess
+    import sys
+
+    from glm5_mcore.convert import hf_to_mcore
+    from recipes.sft import run
+
+    ck = hf_to_mcore(saved_dir, tmp_path / "ck", progress=False)
+    (ck / "hf" / "dtypes.json").write_text("{not json")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent))
+    r = subprocess.run([sys.executable, "-m", "glm5_mcore.cli", "convert", "mcore-to-hf", "--ckpt", str(ck),
+                        "--out", str(tmp_path / "out"), "--no-progress"], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and f"error: {ck / 'hf' / 'dtypes.json'}: not a dtype record" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="model.mtp: expected auto, init or off"):
+        run(_sft_cfg(saved_dir, tmp_path / "bad", model={"mtp": "bogus"}))

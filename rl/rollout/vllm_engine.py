@@ -163,7 +163,6 @@ class VLLMRolloutEngine(RolloutEngine):
         self.merge = merge
         self.lora: Optional[tuple] = None
         self._pushed: set[str] = set()
-        self._dir = tempfile.mkdtemp(prefix="glm5_vllm_")
         env: dict = {}
         llm = dict(model=str(hf_dir), dtype=dtype, enable_lora=not merge, tensor_parallel_size=tensor_parallel_size,
                    logprobs_mode="processed_logprobs", enable_prefix_caching=False)
@@ -185,6 +184,7 @@ class VLLMRolloutEngine(RolloutEngine):
             from rl.rollout.vllm_server import Server
 
             self.server = _LocalServer(Server(llm, dense_mla=dense_mla))
+        self._dir = tempfile.mkdtemp(prefix="glm5_vllm_")  # adapters and merged files, this engine's own
 
     def load_adapter(self, payload: Optional[AdapterPayload]) -> None:
         if payload is None or not payload.files:
