@@ -37,11 +37,10 @@ from glm5_mcore.checkpoint import HF_META_FILES, iter_dir, write_hf_meta
 from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.dcp_read import DirectReader, load_sharded
 from glm5_mcore.direct_io import DirectWriter, bulk_io
+from glm5_mcore.export_dtypes import DTYPES, HF_DTYPE_NAMES, OutputDtypes
 from glm5_mcore.hf_io import FP8, HFCheckpoint, PlannedSafetensorsWriter
-from glm5_mcore.hf_names import FP32_HF_SUFFIXES, hf_source
+from glm5_mcore.hf_names import hf_source
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-_HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -332,7 +331,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, workers: int = 1, dtype: Op
             _lazy_dcp_save(model, iter_dir(tmp, 0) / "model", plan, workers, bar.update)
             config = json.loads((hf_dir / "config.json").read_text())
             config.pop("quantization_config", None)
-            config["dtype"] = _HF_DTYPE_NAMES[td]
+            config["dtype"] = HF_DTYPE_NAMES[td]
             config.pop("torch_dtype", None)
             write_hf_meta(tmp / "hf", hf_dir, config)
             (iter_dir(tmp, 0) / "trainer_state.json").write_text(json.dumps({"iteration": 0}, indent=2))
@@ -450,71 +449,6 @@ class _GroupLoader:
         self.reader.close()
 
 
-class _OutputDtypes:
-    """The dtype each HF tensor is written in by ``mcore_to_hf`` (see there), and FP8 quantization."""
-
-    def __init__(self, hf_meta: Path, ckpt_dtype: torch.dtype, override: Optional[str]):
-        from glm5_mcore.hf_io import DTYPES as ST_DTYPES
-        from glm5_mcore.stored import read_dtypes
-
-        if override is not None and override not in (*DTYPES, "fp8"):
-            raise ValueError(f"--dtype {override}: expected one of {sorted(DTYPES) + ['fp8']}")
-        self.override = override
-        self.record = read_dtypes(hf_meta) if override is None else None
-        self.st_dtypes = ST_DTYPES
-        config_dtype = json.loads((hf_meta / "config.json").read_text()).get("dtype")
-        names = {v: k for k, v in _HF_DTYPE_NAMES.items()}
-        self.default = names.get(config_dtype, ckpt_dtype)
-        self.fp8_written = False
-
-    def dtype(self, hf_name: str) -> torch.dtype:
-        """The stored dtype of ``hf_name`` (``torch.float8_e4m3fn``: FP8 block format)."""
-        from glm5_mcore.fp8 import is_quantized
-        from glm5_mcore.stored import stored_dtype
-
-        if self.override == "fp8":
-            if is_quantized(hf_name):
-                return torch.float8_e4m3fn
-            return torch.float32 if hf_name.endswith(FP32_HF_SUFFIXES) else torch.bfloat16
-        if self.override is not None:
-            return torch.float32 if hf_name.endswith(FP32_HF_SUFFIXES) else DTYPES[self.override]
-        recorded = stored_dtype(self.record, hf_name)
-        if recorded is not None:
-            return self.st_dtypes[recorded]
-        return torch.float32 if hf_name.endswith(FP32_HF_SUFFIXES) else self.default
-
-    def plan(self, hf_name: str, shape: tuple) -> list:
-        from glm5_mcore.fp8 import scale_shape
-
-        d = self.dtype(hf_name)
-        if d in FP8:
-            if len(shape) != 2:
-                raise ValueError(f"{hf_name}: recorded as FP8 but has shape {list(shape)} (FP8 blocks need 2-D)")
-            return [(hf_name, torch.float8_e4m3fn, tuple(shape)), (hf_name + "_scale_inv", torch.float32,
-                                                                    scale_shape(tuple(shape)))]
-        return [(hf_name, d, tuple(shape))]
-
-    def tensors(self, hf_name: str, t: torch.Tensor) -> list:
-        from glm5_mcore.fp8 import quantize_fp8_blocks
-
-        d = self.dtype(hf_name)
-        if d in FP8:
-            q, s = quantize_fp8_blocks(t)
-            self.fp8_written = True
-            return [(hf_name, q), (hf_name + "_scale_inv", s)]
-        return [(hf_name, t.to(d))]
-
-    def config_dtype(self, plan: list) -> str:
-        """config.json's ``dtype``: the most common non-FP8, non-fp32-router dtype written."""
-        import collections
-
-        counts = collections.Counter(d for n, d, _ in plan if d in _HF_DTYPE_NAMES and not n.endswith(
-            FP32_HF_SUFFIXES) and not n.endswith("_scale_inv"))
-        if not counts:
-            return _HF_DTYPE_NAMES.get(self.default, "bfloat16")
-        return _HF_DTYPE_NAMES[counts.most_common(1)[0][0]]
-
-
 def _layer_groups(model) -> list[str]:
     groups = ["embedding"]
     groups += [f"decoder.layers.{i}" for i in range(len(model.decoder.layers))]
@@ -546,7 +480,7 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
         raise FileNotFoundError(f"{root / 'hf' / 'config.json'}: missing; the checkpoint has no HF config")
     glm5 = checkpoint_config(root, iteration)  # MTP layers the checkpoint lacks are left out (a notice)
     td = _checkpoint_dtype(model_path)
-    out_dtype = _OutputDtypes(root / "hf", td, dtype)
+    out_dtype = OutputDtypes(root / "hf", td, dtype)
     max_bytes = _parse_size(max_shard_size)
     model = meta_model(glm5, td)
     tensors = _named_tensors(model)
