@@ -101,7 +101,7 @@ def record_dtypes(hf_dir: str | Path) -> dict:
     for name in ckpt.keys():
         if name.endswith("_scale_inv"):
             continue
-        stored[name] = DTYPE_NAMES[ckpt._file(ckpt.files[name]).tensors[name][0]]
+        stored[name] = DTYPE_NAMES[ckpt.info(name)[1]]
     if not stored:
         return {"default": None, "tensors": {}}
     default = collections.Counter(stored.values()).most_common(1)[0][0]
