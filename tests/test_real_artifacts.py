@@ -174,6 +174,9 @@ def test_saved_folder_fine_tunes_without_mtp_or_with_a_fresh_one(saved_dir, tmp_
     names = HFCheckpoint(mcore_to_hf(tmp_path / "auto" / "run", tmp_path / "auto_hf", progress=False)).keys()
     assert sorted(names) == sorted(HFCheckpoint(saved_dir).keys())
 
+    from recipes.cli import compose
+
+    assert compose("sft", ["model.mtp=init", "data.train=x"])["model"]["mtp"] == "init"  # glm5 sft model.mtp=init
     init = run(_sft_cfg(saved_dir, tmp_path / "init", model={"mtp": "init"}))
     assert all(m["mtp_loss/depth_1"] > 0 for m in init["history"]), init["history"][-1]
     back = HFCheckpoint(mcore_to_hf(tmp_path / "init" / "run", tmp_path / "init_hf", progress=False))
