@@ -265,7 +265,7 @@ def export_checkpoint_adapter(ckpt: str | Path, out: str | Path, adapter: str = 
 
     root = Path(ckpt)
     state = read_adapter_state(adapter_dir(root, adapter, iteration))
-    glm5 = GLM5Config.from_hf_dir(root / "hf")  # the adapter's layer numbering: MTP count not needed
+    glm5 = GLM5Config.from_hf_dir(root / "hf")
     if merged:
         from glm5_mcore.convert import mcore_to_hf
 
