@@ -236,12 +236,15 @@ def _model_config(cfg: SFTConfig, hf_dir: str) -> tuple[GLM5Config, bool]:
     declared = GLM5Config.from_hf_dir(hf_dir)
     if mode == "off":
         return dataclasses.replace(declared, num_nextn_predict_layers=0), False
+    if mode == "init" and declared.num_nextn_predict_layers == 0:
+        raise ValueError(f"model.mtp=init: {hf_dir}/config.json declares num_nextn_predict_layers=0")
     stored = checkpoint_config(cfg.model.ckpt, quiet=mode == "init") if cfg.model.ckpt else hf_dir_config(
         hf_dir, quiet=mode == "init")
     if mode == "auto" or stored.num_nextn_predict_layers == declared.num_nextn_predict_layers:
         return stored, False
-    if declared.num_nextn_predict_layers == 0:
-        raise ValueError(f"model.mtp=init: {hf_dir}/config.json declares num_nextn_predict_layers=0")
+    if cfg.lora.enabled:
+        raise ValueError("model.mtp=init trains a whole fresh MTP layer, which a LoRA run neither trains nor "
+                         "saves: set lora.enabled=false (or model.mtp=auto)")
     if stored.num_nextn_predict_layers or cfg.model.ckpt:
         raise ValueError(f"model.mtp=init: {cfg.model.ckpt or hf_dir} stores {stored.num_nextn_predict_layers} of "
                          f"{declared.num_nextn_predict_layers} MTP layers; init starts all of them fresh from an "

@@ -251,3 +251,6 @@ def test_bad_dtype_record_and_mtp_mode_name_the_problem(saved_dir, tmp_path):
     assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match="model.mtp: expected auto, init or off"):
         run(_sft_cfg(saved_dir, tmp_path / "bad", model={"mtp": "bogus"}))
+    with pytest.raises(ValueError, match="model.mtp=init trains a whole fresh MTP layer.*lora.enabled=false"):
+        run(_sft_cfg(saved_dir, tmp_path / "bad", model={"mtp": "init"}, lora={"enabled": True}))
+    assert not (tmp_path / "bad" / "run").exists()
