@@ -33,7 +33,7 @@ FIGURES: dict = {}
 
 def engine_kwargs() -> dict:
     return {"merge": True, "dtype": "float32", "vllm_python": VLLM_PYTHON, "device": "cpu", "dense_mla": True,
-            "max_model_len": 256, "max_num_seqs": 16, "seed": 0}
+            "max_model_len": 256, "max_num_seqs": 16, "seed": 0, "push_bytes": 1 << 20}  # several reloads per push
 
 
 @pytest.fixture(scope="module")

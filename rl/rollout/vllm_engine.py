@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -39,33 +40,84 @@ from rl.rollout.base import AdapterPayload, Request, Result, RolloutEngine, Samp
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def vllm_module_tensors(hf_name: str, n_experts: int) -> list[str]:
+    """The HF tensors that land in the same vLLM module as ``hf_name`` (DeepSeek-V2/V3 model code):
+    ``fused_qkv_a_proj`` = q_a_proj + kv_a_proj_with_mqa, ``gate_up_proj`` = gate + up, and one
+    ``FusedMoE`` per layer = every routed expert's gate/up/down. vLLM's in-place reload rebuilds a
+    module from what one ``reload_weights`` call brings, so a push must bring whole modules."""
+    m = _LAYER.match(hf_name)
+    if not m:
+        return [hf_name]
+    prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
+    if rest in ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"):
+        return [prefix + "self_attn.q_a_proj.weight", prefix + "self_attn.kv_a_proj_with_mqa.weight"]
+    g = re.match(r"^(mlp(?:\.shared_experts)?)\.(gate_proj|up_proj)\.weight$", rest)
+    if g:
+        return [f"{prefix}{g.group(1)}.{k}.weight" for k in ("gate_proj", "up_proj")]
+    if re.match(r"^mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$", rest):
+        return [f"{prefix}mlp.experts.{e}.{k}.weight" for e in range(n_experts) for k in ("gate_proj", "up_proj", "down_proj")]
+    return [hf_name]
+
+
 @torch.no_grad()
-def merged_weights(hf_dir: str | Path, adapter_dir: str | Path, also: tuple = ()) -> dict[str, torch.Tensor]:
-    """HF name → merged tensor, ready for vLLM's checkpoint-format loader: ``W + scale·B·A`` for every
-    HF tensor the PEFT adapter in ``adapter_dir`` touches (GLU halves and per-expert names split as the
-    one name table says), plus the untouched base tensors named in ``also`` (restoring what an earlier
-    push changed). Each comes in the dtype the folder stores it; an FP8-stored weight comes as e4m3 +
-    ``weight_scale_inv`` blocks. MTP-layer adapters are skipped (vLLM serves MTP as a draft model)."""
+def iter_merged_weights(hf_dir: str | Path, adapter_dir: Optional[str | Path], also: tuple = (),
+                        max_bytes: int = 2 << 30):
+    """HF name → tensor for vLLM's checkpoint-format loader, in dicts of whole decoder layers, at most
+    ``max_bytes`` each unless one layer is larger: ``W + scale·B·A`` for every HF tensor the PEFT
+    adapter in ``adapter_dir`` touches (GLU halves and per-expert names split as the one name table
+    says), the base value of the untouched tensors named in ``also`` (restoring what an earlier push
+    changed; ``adapter_dir=None``: only those), and the base value of every other tensor of the vLLM
+    modules these land in (``vllm_module_tensors``). Each comes in the dtype the folder stores it; an
+    FP8-stored weight comes as e4m3 + ``weight_scale_inv`` blocks. MTP-layer adapters are skipped
+    (vLLM serves MTP as a draft model). Host memory is about one chunk."""
     from glm5_mcore.config import GLM5Config
-    from glm5_mcore.hf_io import FP8, HFCheckpoint
+    from glm5_mcore.hf_io import HFCheckpoint
     from glm5_mcore.hf_names import hf_source
     from glm5_mcore.peft_io import import_peft
 
     glm5 = GLM5Config.from_hf_dir(hf_dir)
-    state = import_peft(str(adapter_dir), glm5.num_hidden_layers)
+    L = glm5.num_hidden_layers
+    state = import_peft(str(adapter_dir), L) if adapter_dir is not None else None
     base = HFCheckpoint(hf_dir)
-    merged: dict[str, torch.Tensor] = {}
-    for module in state.modules():
+    deltas: dict[str, tuple[str, int]] = {}  # HF name -> (Megatron module, GLU half or -1)
+    for module in (state.modules() if state else []):
         if module.startswith("mtp."):
             continue
-        src = hf_source(module + ".weight", glm5.num_hidden_layers)
-        delta = state.delta(module)
-        for h, d in zip(src.names, delta.chunk(2, 0) if src.is_glu else (delta,)):
-            merged[h] = base.get(h).float() + d
-    for h in also:
-        if h not in merged:
-            merged[h] = base.get(h).float()
-    return _as_stored(base, merged)
+        src = hf_source(module + ".weight", L)
+        for i, h in enumerate(src.names):
+            deltas[h] = (module, i if src.is_glu else -1)
+    names = {n for h in (*deltas, *also) for n in vllm_module_tensors(h, glm5.n_routed_experts)}
+    layer_of = {h: int(m.group(1)) if (m := _LAYER.match(h)) else -1 for h in names}
+    chunk: dict[str, torch.Tensor] = {}
+    size = 0
+    for layer in sorted(set(layer_of.values())):
+        parts = {}
+        for h in sorted(n for n in names if layer_of[n] == layer):
+            w = base.get(h).float()
+            if h in deltas:
+                module, half = deltas[h]
+                d = state.delta(module)
+                w = w + (d.chunk(2, 0)[half] if half >= 0 else d)
+            parts[h] = w
+        out = _as_stored(base, parts)
+        chunk.update(out)
+        size += sum(t.numel() * t.element_size() for t in out.values())
+        if size >= max_bytes:
+            yield chunk
+            chunk, size = {}, 0
+    if chunk:
+        yield chunk
+
+
+def merged_weights(hf_dir: str | Path, adapter_dir: str | Path, also: tuple = ()) -> dict[str, torch.Tensor]:
+    """All of ``iter_merged_weights`` in one dict."""
+    out: dict[str, torch.Tensor] = {}
+    for chunk in iter_merged_weights(hf_dir, adapter_dir, also):
+        out.update(chunk)
+    return out
 
 
 def _as_stored(base, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -145,12 +197,13 @@ class VLLMRolloutEngine(RolloutEngine):
     """``engine_kwargs``: ``merge`` (push merged weights instead of a LoRARequest), ``dtype``,
     ``vllm_python`` (run vLLM under that interpreter), ``device="cpu"`` (vLLM's CPU build:
     ``cpu_compat.vllm_cpu_llm_kwargs``), ``dense_mla`` (serve without the DSA indexer: only while
-    ``index_topk`` >= ``max_model_len``, where DSA selects every key), anything else goes to ``vllm.LLM``."""
+    ``index_topk`` >= ``max_model_len``, where DSA selects every key), ``push_bytes`` (merged tensors per
+    reload), anything else goes to ``vllm.LLM``."""
 
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, merge: bool = False, max_lora_rank: int = 64,
                  dtype: str = "bfloat16", gpu_memory_utilization: float = 0.8, tensor_parallel_size: int = 1,
                  vllm_python: Optional[str] = None, dense_mla: bool = False, device: Optional[str] = None,
-                 **kwargs):
+                 push_bytes: int = 2 << 30, **kwargs):
         super().__init__(hf_dir, deterministic_topk)
         config = json.loads((Path(hf_dir) / "config.json").read_text())
         if dense_mla:
@@ -161,6 +214,7 @@ class VLLMRolloutEngine(RolloutEngine):
         elif deterministic_topk:
             warnings.warn("vLLM selects DSA top-k with its own kernel; the trainer's tie rule is not enforced")
         self.merge = merge
+        self.push_bytes = push_bytes
         self.lora: Optional[tuple] = None
         self._pushed: set[str] = set()
         env: dict = {}
@@ -197,27 +251,30 @@ class VLLMRolloutEngine(RolloutEngine):
         for name, data in payload.files.items():
             (path / name).write_bytes(data)
         if self.merge:
-            self._push(merged_weights(self.hf_dir, path, tuple(self._pushed)))
+            self._push(iter_merged_weights(self.hf_dir, path, tuple(self._pushed), self.push_bytes))
             shutil.rmtree(path, ignore_errors=True)
             return
         self.lora = (f"policy_v{payload.version}", payload.version + 1, str(path))
 
-    def _push(self, weights: dict) -> None:
-        """Reload ``weights`` (HF names) in vLLM; names pushed before and absent now go back to base."""
+    def _push(self, chunks) -> None:
+        """Reload each dict of ``chunks`` (HF names → tensors) in vLLM, one safetensors file at a time;
+        ``{}``: every tensor pushed before goes back to base. Remembers what now differs from base."""
         from safetensors.torch import save_file
 
-        if not weights:  # base model again: every pushed tensor from the base shards
-            from glm5_mcore.hf_io import HFCheckpoint
-
-            base = HFCheckpoint(self.hf_dir)
-            weights = _as_stored(base, {h: base.get(h) for h in self._pushed})
+        if chunks == {}:  # base model again: every pushed tensor from the base shards
+            chunks = iter_merged_weights(self.hf_dir, None, tuple(self._pushed), self.push_bytes)
+        pushed = set()
         file = Path(self._dir) / "merged.safetensors"
-        save_file(weights, str(file))
-        try:
-            self.server.call("reload", str(file))
-        finally:
-            file.unlink(missing_ok=True)
-        self._pushed = {h for h in weights if not h.endswith("_scale_inv")}
+        for weights in chunks:
+            save_file(weights, str(file))
+            try:
+                self.server.call("reload", str(file))
+            finally:
+                file.unlink(missing_ok=True)
+            names = {h for h in weights if not h.endswith("_scale_inv")}
+            pushed |= names
+            self._pushed |= names  # a failure mid-way still restores these with the next push
+        self._pushed = pushed
 
     def generate(self, requests: list[Request], params: SamplingParams, batched: bool = True) -> list[Result]:
         if params.top_p < 1.0:
