@@ -111,12 +111,19 @@ def model_dir(root: str | Path, iteration: Optional[int] = None) -> Path:
 
 
 def write_hf_meta(dst: Path, hf_dir: str | Path, config: Optional[dict] = None) -> None:
-    """Fill ``DIR/hf``: the HF config (``config`` when given), tokenizer files and where they came from."""
+    """Fill ``DIR/hf``: the HF config (``config`` when given), tokenizer files, where they came from,
+    and the dtype each HF tensor is stored in (``stored.DTYPES_FILE``: copied from a checkpoint's
+    ``hf/``, or read from the weights' headers)."""
+    from glm5_mcore.stored import DTYPES_FILE, record_dtypes
+
     dst.mkdir(parents=True, exist_ok=True)
     src = Path(hf_dir)
-    for name in HF_META_FILES:
+    for name in HF_META_FILES + (DTYPES_FILE,):
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
+    if not (src / DTYPES_FILE).is_file() and (any(src.glob("*.safetensors"))
+                                              or (src / "model.safetensors.index.json").is_file()):
+        (dst / DTYPES_FILE).write_text(json.dumps(record_dtypes(src), indent=1))
     if config is not None:
         (dst / "config.json").write_text(json.dumps(config, indent=2))
     (dst / "source.json").write_text(json.dumps({"hf_dir": str(src.resolve())}, indent=2))

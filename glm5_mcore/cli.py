@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True)
     m.add_argument("--max-shard-size", default="5GB")
     m.add_argument("--iteration", type=int, help="default: DIR/latest")
+    m.add_argument("--dtype", choices=["bf16", "fp32", "fp16", "fp8"],
+                   help="default: each tensor as its HF origin stored it; fp8: the release's 128x128 block format")
     lo = sub.add_parser("lora", help="LoRA adapters")
     losub = lo.add_subparsers(dest="action", required=True)
     ex = losub.add_parser("export", help="checkpoint adapter -> HF PEFT folder (or merged HF checkpoint)")
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 out = convert.mcore_to_hf(args.ckpt, args.out, args.max_shard_size, args.iteration,
                                           progress=not args.no_progress, overwrite=args.overwrite,
-                                          allow_nonfinite=args.allow_nonfinite)
+                                          allow_nonfinite=args.allow_nonfinite, dtype=args.dtype)
             print(f"wrote {out}")
             return 0
         if args.cmd == "lora":

@@ -39,11 +39,10 @@ from glm5_mcore.checkpoint import HF_META_FILES, NonFiniteError, check_finite, i
 from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.dcp_read import DirectReader, load_sharded
 from glm5_mcore.direct_io import DirectWriter, bulk_io
+from glm5_mcore.export_dtypes import DTYPES, HF_DTYPE_NAMES, OutputDtypes
 from glm5_mcore.hf_io import FP8, HFCheckpoint, PlannedSafetensorsWriter
-from glm5_mcore.hf_names import FP32_HF_SUFFIXES, hf_source
+from glm5_mcore.hf_names import hf_source
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-_HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -334,11 +333,12 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, workers: int = 1, dtype: Op
                 progress: bool = True, overwrite: bool = False, allow_nonfinite: bool = False) -> Path:
     """Convert an HF GLM-5 folder into ``out`` (``iter_0000000/model``, ``hf/``, ``latest``)."""
     from glm5_mcore.manifest import verify_under, write_manifest
+    from glm5_mcore.stored import hf_dir_config
 
     hf_dir = Path(hf_dir)
     check_output(out, "convert hf-to-mcore", [hf_dir], overwrite)
     verify_under(hf_dir)  # an HF folder we wrote (mcore-to-hf) carries a manifest
-    glm5 = GLM5Config.from_hf_dir(hf_dir)
+    glm5 = hf_dir_config(hf_dir)  # MTP layers the weights lack are left out (a notice)
     ckpt = HFCheckpoint(hf_dir)
     if dtype is None:
         td = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}.get(
@@ -359,7 +359,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, workers: int = 1, dtype: Op
                 raise
             config = json.loads((hf_dir / "config.json").read_text())
             config.pop("quantization_config", None)
-            config["dtype"] = _HF_DTYPE_NAMES[td]
+            config["dtype"] = HF_DTYPE_NAMES[td]
             config.pop("torch_dtype", None)
             write_hf_meta(tmp / "hf", hf_dir, config)
             (iter_dir(tmp, 0) / "trainer_state.json").write_text(json.dumps({"iteration": 0}, indent=2))
@@ -492,13 +492,18 @@ def _layer_groups(model) -> list[str]:
 @torch.no_grad()
 def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "5GB",
                 iteration: Optional[int] = None, progress: bool = True, merge_adapter=None,
-                overwrite: bool = False, kind: str = "convert mcore-to-hf", allow_nonfinite: bool = False) -> Path:
-    """Write an HF GLM-5 folder (on-disk per-expert layout, MTP layer included) from a checkpoint.
+                overwrite: bool = False, kind: str = "convert mcore-to-hf", allow_nonfinite: bool = False,
+                dtype: Optional[str] = None) -> Path:
+    """Write an HF GLM-5 folder (on-disk per-expert layout, the MTP layers the checkpoint holds) from a checkpoint.
 
+    Each tensor is written in the dtype its HF origin stored it in (``hf/dtypes.json``); without
+    a record, in ``config.json``'s dtype. ``dtype`` overrides: "bf16"/"fp16"/"fp32" (the router stays
+    fp32), or "fp8": the release's FP8 block format (``glm5_mcore.fp8``), the rest in bf16.
     ``merge_adapter`` (an ``AdapterState``): its ``scale·B·A`` is added to each Megatron weight
     before the weight is split into HF tensors (gate/up halves, per-expert names)."""
     from glm5_mcore.checkpoint import model_dir
     from glm5_mcore.manifest import Background
+    from glm5_mcore.stored import checkpoint_config
 
     root = Path(ckpt)
     check_output(out, kind, [root], overwrite)
@@ -507,8 +512,9 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
         raise FileNotFoundError(f"{model_path}: not a Megatron-Core distributed checkpoint (no metadata.json)")
     if not (root / "hf" / "config.json").is_file():
         raise FileNotFoundError(f"{root / 'hf' / 'config.json'}: missing; the checkpoint has no HF config")
-    glm5 = GLM5Config.from_hf_dir(root / "hf")
+    glm5 = checkpoint_config(root, iteration)  # MTP layers the checkpoint lacks are left out (a notice)
     td = _checkpoint_dtype(model_path)
+    out_dtype = OutputDtypes(root / "hf", td, dtype)
     max_bytes = _parse_size(max_shard_size)
     model = meta_model(glm5, td)
     tensors = _named_tensors(model)
@@ -523,7 +529,7 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
             src = hf_source(name, glm5.num_hidden_layers)
             shape = (t.shape[0] // 2, *t.shape[1:]) if src.is_glu else tuple(t.shape)
             for h in src.names:
-                plan.append((h, torch.float32 if h.endswith(FP32_HF_SUFFIXES) else td, shape))
+                plan.extend(out_dtype.plan(h, shape))
     bar = _Progress(sum(t.numel() * t.element_size() for t in tensors.values()), len(plan), "mcore-to-hf",
                     progress)
     checks = Background(model_path)  # checksums verified alongside the conversion, before publishing
@@ -555,7 +561,8 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
                     for h, part in zip(src.names, parts):
                         if not allow_nonfinite:
                             check_finite(part, f"{h} (Megatron {name})", model_path)
-                        writer.write(h, part.to(torch.float32 if h.endswith(FP32_HF_SUFFIXES) else td))
+                        for name_out, t_out in out_dtype.tensors(h, part):
+                            writer.write(name_out, t_out)
                         bar.update(part.numel() * part.element_size())
             writer.finish()
             if merge_adapter is not None and set(merge_adapter.A) - merged:
@@ -566,7 +573,11 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
             config = json.loads((root / "hf" / "config.json").read_text())
             config.pop("quantization_config", None)
             config.pop("torch_dtype", None)
-            config["dtype"] = _HF_DTYPE_NAMES.get(td, "bfloat16")
+            config["dtype"] = out_dtype.config_dtype(plan)
+            if out_dtype.fp8_written:
+                from glm5_mcore.fp8 import QUANTIZATION_CONFIG
+
+                config["quantization_config"] = dict(QUANTIZATION_CONFIG)
             (tmp / "config.json").write_text(json.dumps(config, indent=2))
             for name in HF_META_FILES:
                 if name != "config.json" and (root / "hf" / name).is_file():

