@@ -101,17 +101,24 @@ def write_latest(root: str | Path, iteration: int) -> None:
 
 def model_dir(root: str | Path, iteration: Optional[int] = None) -> Path:
     """``DIR/iter_N/model`` for ``iteration`` (default: ``latest``), or, for a LoRA run that saves
-    only adapters, the newest earlier iteration that has base weights."""
+    only adapters, the newest earlier iteration that has base weights, or else the base checkpoint
+    the run started from (``base_ckpt`` in ``DIR/hf/source.json``)."""
     it = latest_iteration(root) if iteration is None else iteration
     require_iteration(root, it)
     for i in reversed(iterations(root)):
         if i <= it and (iter_dir(root, i) / "model").is_dir():
             return iter_dir(root, i) / "model"
+    source = Path(root) / "hf" / "source.json"
+    base = json.loads(source.read_text()).get("base_ckpt") if source.is_file() else None
+    if base:
+        return model_dir(base)
     raise FileNotFoundError(f"{iter_dir(root, it) / 'model'}: missing (and no earlier iteration has base weights)")
 
 
-def write_hf_meta(dst: Path, hf_dir: str | Path, config: Optional[dict] = None) -> None:
-    """Fill ``DIR/hf``: the HF config (``config`` when given), tokenizer files, where they came from,
+def write_hf_meta(dst: Path, hf_dir: str | Path, config: Optional[dict] = None,
+                  base_ckpt: Optional[str | Path] = None) -> None:
+    """Fill ``DIR/hf``: the HF config (``config`` when given), tokenizer files, where they came from
+    (``base_ckpt``: the checkpoint a run's base weights are loaded from, for runs that save adapters only),
     and the dtype each HF tensor is stored in (``stored.DTYPES_FILE``: copied from a checkpoint's
     ``hf/``, or read from the weights' headers)."""
     from glm5_mcore.stored import DTYPES_FILE, record_dtypes
@@ -126,7 +133,10 @@ def write_hf_meta(dst: Path, hf_dir: str | Path, config: Optional[dict] = None) 
         (dst / DTYPES_FILE).write_text(json.dumps(record_dtypes(src), indent=1))
     if config is not None:
         (dst / "config.json").write_text(json.dumps(config, indent=2))
-    (dst / "source.json").write_text(json.dumps({"hf_dir": str(src.resolve())}, indent=2))
+    source = {"hf_dir": str(src.resolve())}
+    if base_ckpt is not None:
+        source["base_ckpt"] = str(Path(base_ckpt).resolve())
+    (dst / "source.json").write_text(json.dumps(source, indent=2))
 
 
 def hf_source_dir(root: str | Path) -> Optional[Path]:

@@ -258,7 +258,7 @@ def save(cfg: SFTConfig, model, opt, sched, state: dict) -> None:
                     rank_state=rank_state)
     if dist.get_rank() == 0:
         if not (out / "hf").is_dir():
-            write_hf_meta(out / "hf", _hf_dir(cfg))
+            write_hf_meta(out / "hf", _hf_dir(cfg), base_ckpt=cfg.model.ckpt)
         prune_iterations(out, cfg.train.keep_last)
     dist.barrier()
 

@@ -185,7 +185,8 @@ def test_saved_folder_fine_tunes_without_mtp_or_with_a_fresh_one(saved_dir, tmp_
 
 
 def test_saved_folder_lora_exports_and_is_an_rl_base(saved_dir, tmp_path):
-    """Converted, then a LoRA run on the checkpoint (adapters saved next to the base): exports as PEFT and
+    """Converted, then a LoRA run from the checkpoint (adapters only in its own folder; the base weights
+    found through the recorded base checkpoint): exports as PEFT and
     merged (no MTP tensors invented); the RL trainer and the transformers engine load the folder and
     agree on sampled log-probs."""
     import subprocess
@@ -199,7 +200,7 @@ def test_saved_folder_lora_exports_and_is_an_rl_base(saved_dir, tmp_path):
 
     from glm5_mcore.convert import hf_to_mcore
 
-    ck = hf_to_mcore(saved_dir, tmp_path / "run", progress=False)
+    ck = hf_to_mcore(saved_dir, tmp_path / "base", progress=False)
     run(_sft_cfg(saved_dir, tmp_path, model={"hf_dir": None, "ckpt": str(ck)}, lora={"enabled": True, "rank": 4},
                  train={"resume": False}))
     env = {k: v for k, v in os.environ.items()
