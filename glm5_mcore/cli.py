@@ -46,6 +46,10 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True)
     m.add_argument("--max-shard-size", default="5GB")
     m.add_argument("--iteration", type=int, help="default: DIR/latest")
+    pl = sub.add_parser("plan", help="memory and layout planner: every kind of rank sized against a cluster")
+    from glm5_mcore.plan.cli import add_arguments as add_plan_arguments
+
+    add_plan_arguments(pl)
     lo = sub.add_parser("lora", help="LoRA adapters")
     losub = lo.add_subparsers(dest="action", required=True)
     ex = losub.add_parser("export", help="checkpoint adapter -> HF PEFT folder (or merged HF checkpoint)")
@@ -98,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
                                             args.max_shard_size, progress=not args.no_progress)
             print(f"wrote {out}")
             return 0
+        if args.cmd == "plan":
+            from glm5_mcore.plan.cli import run as plan_run
+
+            return plan_run(args)
         if args.cmd == "parity":
             from glm5_mcore.parity import main as parity_main
 
