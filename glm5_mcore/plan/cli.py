@@ -44,7 +44,7 @@ def _job_from_args(args):
 
         name = args.config[:-5] if args.config.endswith(".yaml") else args.config
         kind = "rl" if name.startswith("rl/") else "sft"
-        d = compose(name, list(args.overrides))
+        d = compose(name, list(args.overrides), require_all=False)
     elif args.overrides:
         raise ValueError("key=value overrides need --config")
     from glm5_mcore.plan.cluster import cluster_from

@@ -111,3 +111,20 @@ def plan_engine(m: GLM5Config, e: EngineSpec, cluster: Cluster, n: int, prompt: 
     else:
         why = ""
     return EnginePlan(e, w, per_tok, max(budget, 0), seq, n, not why, why)
+
+
+def smallest_engine(m: GLM5Config, cluster: Cluster, n: int, prompt: int, response: int,
+                    base: EngineSpec) -> EnginePlan | None:
+    """The engine with the fewest GPUs (TP within a node, FP8 before more GPUs, then PP) that holds
+    the model and a group of ``n`` sequences; None if none up to 8 nodes does."""
+    for pp in (1, 2, 4, 8):
+        for fp8 in (False, True):
+            for tp in (1, 2, 4, 8, 16):
+                if tp > cluster.gpus_per_node:
+                    continue
+                e = EngineSpec(tp=tp, pp=pp, dp=1, expert_parallel=True, fp8=fp8 or base.fp8, kv_fp8=base.kv_fp8,
+                               gpu_memory_utilization=base.gpu_memory_utilization)
+                p = plan_engine(m, e, cluster, n, prompt, response)
+                if p.fits:
+                    return p
+    return None
