@@ -170,3 +170,18 @@ def test_glm5_plan_cli_bad_input(capsys):
     assert "tp: num_attention_heads=64 is not divisible by tp=3" in capsys.readouterr().err
     assert main(["plan", "--config", "no_such_config"]) == 2
     assert "no_such_config.yaml: missing" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_pp2_with_mtp_gives_one_rank_losses(tiny_mtp_dir, tmp_path):
+    """The last stage's MTP embedding copy is synced on CPU (cpu_compat, language_module.py:307): PP 2
+    with the MTP layer trains exactly like one rank."""
+    from test_sft import _reverse_task, _sft_losses
+
+    args = [f"model.hf_dir={tiny_mtp_dir}", f"data.train={_reverse_task(tmp_path / 't.jsonl', 32, 0)}",
+            "data.micro_batch_tokens=128", "data.global_batch_tokens=256", "data.max_tokens=64", "train.steps=3",
+            "optim.optimizer=sgd", "optim.lr=0.1", "optim.decay_style=constant", "wandb.mode=disabled",
+            "train.progress=false"]
+    ref = _sft_losses(args, 1, tmp_path / "one")
+    got = _sft_losses(args + ["parallel.pp=2"], 2, tmp_path / "pp2")
+    assert max(abs(a - b) / b for a, b in zip(got, ref)) <= 1e-6, (got, ref)
