@@ -185,3 +185,14 @@ def test_pp2_with_mtp_gives_one_rank_losses(tiny_mtp_dir, tmp_path):
     ref = _sft_losses(args, 1, tmp_path / "one")
     got = _sft_losses(args + ["parallel.pp=2"], 2, tmp_path / "pp2")
     assert max(abs(a - b) / b for a, b in zip(got, ref)) <= 1e-6, (got, ref)
+
+
+def test_engine_gpus_must_match_the_actor_reservation():
+    from glm5_mcore.config import glm5_744b
+    from glm5_mcore.plan.cluster import cluster_from
+    from glm5_mcore.plan.job import rl_job
+    from glm5_mcore.plan.planner import plan_job
+
+    d = _compose("rl/glm5_744b", ["rollout.gpus_per_actor=16"])
+    plan = plan_job(glm5_744b(), rl_job(d), cluster_from("h200:12"))
+    assert not plan.fits and any("rollout.gpus_per_actor=16 but the engine spans" in p for p in plan.problems)

@@ -30,6 +30,8 @@ class RolloutJob:
     n: int
     prompt_tokens: int
     response_tokens: int
+    gpus_per_engine: float = 0.0
+    """What Ray reserves per engine actor (``rollout.gpus_per_actor``)."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,8 @@ def rl_job(d: dict) -> Job:
     engine = EngineSpec.from_engine_kwargs(dict(r.get("engine_kwargs") or {}))
     ro = RolloutJob(engines=int(r.get("num_actors", 1)), engine=engine, n=int(r.get("n", 8)),
                     prompt_tokens=int(data.get("max_prompt_tokens", 512)),
-                    response_tokens=int(r.get("max_new_tokens", 8)))
+                    response_tokens=int(r.get("max_new_tokens", 8)),
+                    gpus_per_engine=float(r.get("gpus_per_actor", 0.0)))
     return Job(kind="rl", layout=layout, micro_batch_tokens=int(a.get("micro_batch_tokens", 4096)),
                bf16=bool(t.get("bf16", False)), lora=(tuple(lora.get("targets", DEFAULT_TARGETS)), int(lora.get("rank", 16))),
                freeze_indexer=bool(t.get("freeze_indexer", True)), mtp=False, rollout=ro,

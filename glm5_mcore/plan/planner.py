@@ -96,6 +96,9 @@ def plan_job(m: GLM5Config, job: Job, cluster: Cluster) -> Plan:
     if job.rollout is not None:
         ro = job.rollout
         plan.engine = plan_engine(m, ro.engine, cluster, ro.n, ro.prompt_tokens, ro.response_tokens)
+        if ro.gpus_per_engine and ro.gpus_per_engine != ro.engine.gpus:
+            plan.problems.append(f"rollout.gpus_per_actor={ro.gpus_per_engine:g} but the engine spans "
+                                 f"tensor x pipeline x data parallel = {ro.engine.gpus} GPUs")
         if not plan.engine.fits:
             plan.problems.append(f"rollout engine ({ro.engine.gpus} GPUs): {plan.engine.why} "
                                  f"(weights {plan.engine.weights / GIB:.1f} GiB per GPU)")
