@@ -152,6 +152,10 @@ def test_glm5_plan_cli_shipped_config():
 def test_glm5_plan_search(capsys):
     from glm5_mcore.cli import main
 
+    assert main(["plan", "--config", "rl/glm5_744b", "trainer.ep=8"]) == 1  # the old trainer layout
+    out = capsys.readouterr().out
+    assert "verdict: does not fit" in out and "(weights 190.0 GB)" in out
+
     rc = main(["plan", "--kind", "sft", "--cluster", "h100:8", "--tp", "8", "--ep", "8", "--micro-batch-tokens",
                "4096", "--search"])
     out = capsys.readouterr().out

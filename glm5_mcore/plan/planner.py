@@ -91,7 +91,8 @@ def plan_job(m: GLM5Config, job: Job, cluster: Cluster) -> Plan:
     plan = Plan(job, cluster, ranks)
     for r in ranks:
         if not r.fits:
-            plan.problems.append(f"trainer {r.kind.name} (rank {r.kind.rank}) needs {r.total / GIB:.1f} GiB, "
+            plan.problems.append(f"trainer {r.kind.name} (rank {r.kind.rank}) needs {r.total / GIB:.1f} GiB "
+                                 f"(weights {(r.state.weights + r.state.buffers) / 1e9:.1f} GB), "
                                  f"{cluster.gpu} has {r.capacity / GIB:.1f} GiB usable")
     if job.rollout is not None:
         ro = job.rollout
