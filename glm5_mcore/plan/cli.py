@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 from glm5_mcore.config import GLM5Config, glm5_744b
 
@@ -69,7 +70,7 @@ def _job_from_args(args):
             d["train"] = {"bf16": True}
         job = sft_job(d, args.world or cluster.num_gpus)
     if kind == "rl" and args.micro_batch_tokens:
-        job = type(job)(**{**job.__dict__, "micro_batch_tokens": args.micro_batch_tokens})
+        job = replace(job, micro_batch_tokens=args.micro_batch_tokens)
     return job, cluster
 
 

@@ -6,7 +6,7 @@ and the switch that lets a run start although the planner says it does not fit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Optional
 
 from glm5_mcore.lora import DEFAULT_TARGETS
@@ -67,9 +67,6 @@ class Job:
     @property
     def rollout_gpus(self) -> int:
         return self.rollout.engines * self.rollout.engine.gpus if self.rollout else 0
-
-    def with_layout(self, layout: Layout) -> "Job":
-        return replace(self, layout=layout)
 
 
 def sft_job(d: dict, world: int) -> Job:

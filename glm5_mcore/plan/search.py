@@ -8,6 +8,8 @@ fullest rank.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from glm5_mcore.config import GLM5Config
 from glm5_mcore.plan.cluster import Cluster
 from glm5_mcore.plan.job import Job
@@ -50,8 +52,7 @@ def search_layouts(m: GLM5Config, job: Job, cluster: Cluster, limit: int = 8, mi
         if world < min_world:
             continue
         for L in candidate_layouts(m, job, world, step):
-            trial = job.with_layout(L)
-            trial = type(trial)(**{**trial.__dict__, "rollout": None})
+            trial = replace(job, layout=L, rollout=None)
             try:
                 p = plan_job(m, trial, big)
             except ValueError:
