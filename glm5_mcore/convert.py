@@ -12,7 +12,7 @@ would write, and Megatron-Core's own loader reshards it into any TP/EP/PP.
 - mcore-to-hf: one decoder/MTP layer at a time is materialised, loaded (Megatron-Core's key
   translation and planner; chunks read in large runs straight into the parameters, ``dcp_read``)
   while the previous layer is appended to the output shards, which stream front to back. A layer
-  bigger than half an output shard is loaded in slices of its experts (``layer_slices``), so peak
+  bigger than a quarter of an output shard is loaded in slices of its experts (``layer_slices``), so peak
   memory stays near one output shard whatever the layer size.
 
 Both write past the page cache (``direct_io``): the bytes are written once and never read back.
@@ -532,11 +532,12 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
             stack.callback(writer.close)
             merged: set[str] = set()
             loader = stack.enter_context(_GroupLoader(model, model_path))
-            # Units of at most half an output shard (a full-size GLM-5 MoE layer, ~19 GB, is cut
-            # into slices of its experts): the next loads while this one is written, and the two
-            # in memory stay within one shard.
+            # Units of at most a quarter of an output shard (a full-size GLM-5 MoE layer, ~19 GB, is
+            # cut into slices of its experts): the next loads while this one is written, and the two
+            # in memory stay within half a shard; the process itself (torch, Megatron-Core, the meta
+            # model) takes about 1 GB more.
             nbytes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
-            units = slice_units(groups, nbytes, max(1, max_bytes // 2))
+            units = slice_units(groups, nbytes, max(1, max_bytes // 4))
             largest = max(sum(nbytes[n] for n in names) for _, names in units)
             for names, loaded in loader.stream(units, ahead=2 * largest <= max_bytes):
                 for name in names:

@@ -48,9 +48,9 @@ def test_layers_3x_the_shard_round_trip_bit_exact_in_slices(tmp_path):
                 if n.startswith("decoder.layers.1.") and not n.endswith("_extra_state"))
     assert layer >= 3 * shard  # the MoE layer is at least 3 output shards
     sliced = [label for label, _ in seen if label.startswith("decoder.layers.1[")]
-    assert len(sliced) >= 6 and sliced[-1].endswith(f"[{len(sliced)}/{len(sliced)}]")
+    assert len(sliced) >= 12 and sliced[-1].endswith(f"[{len(sliced)}/{len(sliced)}]")
     assert max(sum(model.state_dict(keep_vars=True)[n].numel() * 4 for n in names) for _, names in seen
-               if len(names) > 1) <= shard // 2
+               if len(names) > 1) <= shard // 4
 
 
 def test_missing_piece_is_named(tmp_path):
