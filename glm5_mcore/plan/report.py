@@ -50,7 +50,9 @@ def format_plan(plan: Plan) -> str:
                       f"pipeline_parallel_size={s.pp}, data_parallel_size={s.dp}, "
                       f"enable_expert_parallel={s.expert_parallel}), weights {'FP8' if s.fp8 else 'bf16'}",
                   f"  weights per GPU {e.weights / GIB:.2f} GiB; KV cache {e.kv_per_token / 1024:.1f} KiB per token "
-                  f"per GPU, budget {e.kv_budget / GIB:.2f} GiB; {e.sequences} sequences of "
+                  f"per GPU (a group of n={ro.n} x {ro.prompt_tokens + ro.response_tokens} tokens: "
+                  f"{ro.n * (ro.prompt_tokens + ro.response_tokens) * e.kv_per_token / GIB:.1f} GiB), "
+                  f"budget {e.kv_budget / GIB:.2f} GiB; {e.sequences} sequences of "
                   f"{ro.prompt_tokens}+{ro.response_tokens} tokens at once per engine (a group is n={ro.n}): "
                   f"{'fits' if e.fits else 'DOES NOT FIT: ' + e.why}"]
     lines.append("")
