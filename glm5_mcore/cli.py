@@ -49,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--iteration", type=int, help="default: DIR/latest")
     m.add_argument("--dtype", choices=["bf16", "fp32", "fp16", "fp8"],
                    help="default: each tensor as its HF origin stored it; fp8: the release's 128x128 block format")
+    pl = sub.add_parser("plan", help="memory and layout planner: every kind of rank sized against a cluster")
+    from glm5_mcore.plan.cli import add_arguments as add_plan_arguments
+
+    add_plan_arguments(pl)
     lo = sub.add_parser("lora", help="LoRA adapters")
     losub = lo.add_subparsers(dest="action", required=True)
     ex = losub.add_parser("export", help="checkpoint adapter -> HF PEFT folder (or merged HF checkpoint)")
@@ -123,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
             for folder, n in verify_tree(args.dir):
                 print(f"{folder}: {n} files ok")
             return 0
+        if args.cmd == "plan":
+            from glm5_mcore.plan.cli import run as plan_run
+
+            return plan_run(args)
         if args.cmd == "parity":
             from glm5_mcore.parity import main as parity_main
 

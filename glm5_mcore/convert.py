@@ -11,7 +11,9 @@ would write, and Megatron-Core's own loader reshards it into any TP/EP/PP.
   items end up together. Peak memory is the items in flight, not the model.
 - mcore-to-hf: one decoder/MTP layer at a time is materialised, loaded (Megatron-Core's key
   translation and planner; chunks read in large runs straight into the parameters, ``dcp_read``)
-  while the previous layer is appended to the output shards, which stream front to back.
+  while the previous layer is appended to the output shards, which stream front to back. A layer
+  bigger than a quarter of an output shard is loaded in slices of its experts (``layer_slices``), so peak
+  memory stays near one output shard whatever the layer size.
 
 Both write past the page cache (``direct_io``): the bytes are written once and never read back.
 
@@ -37,11 +39,13 @@ import torch
 from glm5_mcore.atomic import check_output, output_dir, publish_file
 from glm5_mcore.checkpoint import HF_META_FILES, NonFiniteError, check_finite, iter_dir, write_hf_meta
 from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.dcp_pieces import load_pieces
 from glm5_mcore.dcp_read import DirectReader, load_sharded
 from glm5_mcore.direct_io import DirectWriter, bulk_io
 from glm5_mcore.export_dtypes import DTYPES, HF_DTYPE_NAMES, OutputDtypes
 from glm5_mcore.hf_io import FP8, HFCheckpoint, PlannedSafetensorsWriter
 from glm5_mcore.hf_names import hf_source
+from glm5_mcore.layer_slices import slice_units
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -403,14 +407,16 @@ def _checkpoint_dtype(model_path: Path) -> torch.dtype:
 
 
 class _GroupLoader:
-    """Loads a checkpoint one layer group at a time (Megatron-Core's key translation and planner,
-    ``dcp_read`` reads), the next group on a background thread while the caller writes the current
-    one (two groups in memory at most).
+    """Loads a checkpoint one unit (a list of tensor names: a layer, or a slice of a big layer's
+    experts, ``layer_slices``) at a time with Megatron-Core's key translation and planner
+    (``dcp_read`` reads), the next unit on a background thread while the caller writes the current
+    one (two units in memory at most).
 
-    Each group's submodule is materialised (``to_empty``) and its sharded state dict taken on the
-    caller's thread; GLU factories are built before loading, so a fused ``linear_fc1`` comes back as
-    its gate and up halves (views of the parameter) instead of Megatron's merged copy
-    (``torch.cat``) that the HF side would split again."""
+    The model's sharded state dict is taken once on the meta device; a unit's tensors are
+    materialised into a slab kept across units and its entries pointed at them. GLU factories are
+    built before loading, so a fused ``linear_fc1`` comes back as its gate and up halves (views of
+    the parameter) instead of Megatron's merged copy (``torch.cat``) that the HF side would split
+    again."""
 
     def __init__(self, model, model_path: Path):
         from concurrent.futures import ThreadPoolExecutor
@@ -419,58 +425,87 @@ class _GroupLoader:
         self.reader = DirectReader(model_path)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="glm5-convert-load")
         self.slabs: list[Optional[torch.Tensor]] = [None, None]
+        self.sharded = model.sharded_state_dict()
 
-    def _materialize(self, module: torch.nn.Module, slot: int) -> None:
-        """``to_empty(device="cpu")`` into a slab kept across groups: a fresh allocation per group
+    def _slot(self, name: str) -> tuple[torch.nn.Module, str, torch.Tensor]:
+        path, attr = name.rsplit(".", 1)
+        mod = self.model.get_submodule(path)
+        t = mod._parameters.get(attr) if attr in mod._parameters else mod._buffers.get(attr)
+        if t is None:
+            raise RuntimeError(f"{name}: not a parameter or buffer of the model")
+        return mod, attr, t
+
+    def _set(self, mod: torch.nn.Module, attr: str, t: torch.Tensor) -> None:
+        if attr in mod._parameters:
+            mod._parameters[attr] = torch.nn.Parameter(t, requires_grad=False)
+        else:
+            mod._buffers[attr] = t
+
+    def _materialize(self, names: list[str], slot: int) -> dict[str, torch.Tensor]:
+        """The unit's tensors as views of a slab kept across units: a fresh allocation per unit
         would be page-faulted in again (a third of the load time on a VM)."""
-        sizes = [-(-t.numel() * t.element_size() // 64) * 64
-                 for t in list(module.parameters()) + list(module.buffers())]
+        slots = [self._slot(n) for n in names]
+        sizes = [-(-t.numel() * t.element_size() // 64) * 64 for _, _, t in slots]
         if self.slabs[slot] is None or self.slabs[slot].numel() < sum(sizes):
             self.slabs[slot] = None
             self.slabs[slot] = torch.empty(sum(sizes), dtype=torch.uint8)
-        slab, offset = self.slabs[slot], 0
+        slab, offset, views = self.slabs[slot], 0, {}
+        for name, (mod, attr, t), n in zip(names, slots, sizes):
+            view = slab[offset: offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            offset += n
+            self._set(mod, attr, view)
+            views[name] = self._slot(name)[2]
+        return views
 
-        def place(t: torch.Tensor) -> torch.Tensor:
-            nonlocal offset
-            n = t.numel() * t.element_size()
-            view = slab[offset: offset + n].view(t.dtype).view(t.shape)
-            offset += -(-n // 64) * 64
-            return view
+    def _release(self, names: list[str]) -> None:
+        for name in names:
+            mod, attr, t = self._slot(name)
+            self._set(mod, attr, torch.empty(t.shape, dtype=t.dtype, device="meta"))
 
-        module._apply(place)
+    def _prepare(self, names: list[str], slot: int) -> tuple[dict, dict]:
+        import copy
 
-    def _prepare(self, group: str, slot: int) -> dict:
         from megatron.core.dist_checkpointing.mapping import apply_factories
 
-        self._materialize(self.model.get_submodule(group), slot)
-        sharded = {k: v for k, v in self.model.sharded_state_dict().items() if k.startswith(group + ".")}
+        views = self._materialize(names, slot)
+        sharded = {}
+        for name in names:
+            if name not in self.sharded:
+                raise RuntimeError(f"{name}: not in the model's sharded state dict")
+            entry = copy.copy(self.sharded[name])
+            entry.data = views[name]
+            sharded[name] = entry
         apply_factories(sharded)
-        return sharded
+        return sharded, views
 
-    def _load(self, group: str, sharded: dict) -> dict:
+    def _load(self, label: str, prepared: tuple) -> dict:
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
+        sharded, views = prepared
         try:
+            if label.endswith("]"):  # a slice of a layer: some fragments of its expert keys
+                load_pieces(sharded, self.reader, str(self.path))
+                return views
             return load_sharded(sharded, self.reader)
         except (Exception, CheckpointException) as e:
             from glm5_mcore.checkpoint import short_error
 
-            raise ValueError(f"{self.path}: could not load {group} ({short_error(e)})") from None
+            raise ValueError(f"{self.path}: could not load {label} ({short_error(e)})") from None
 
-    def stream(self, groups: list[str], ahead: bool = True):
-        """Yield (group, loaded state dict) in order; a group's memory is released after the next
-        yield. ``ahead=False`` loads a group only after the previous one is released (one layer in
-        memory: for layers too big to hold two)."""
-        future = self.pool.submit(self._load, groups[0], self._prepare(groups[0], 0))
-        for i, group in enumerate(groups):
+    def stream(self, units: list[tuple[str, list[str]]], ahead: bool = True):
+        """Yield (names, loaded state dict) per unit in order; a unit's memory is released after the
+        next yield. ``ahead=False`` loads a unit only after the previous one is released (one unit
+        in memory)."""
+        future = self.pool.submit(self._load, units[0][0], self._prepare(units[0][1], 0))
+        for i, (label, names) in enumerate(units):
             loaded = future.result()
-            if ahead and i + 1 < len(groups):
-                future = self.pool.submit(self._load, groups[i + 1], self._prepare(groups[i + 1], (i + 1) % 2))
-            yield group, loaded
+            if ahead and i + 1 < len(units):
+                future = self.pool.submit(self._load, units[i + 1][0], self._prepare(units[i + 1][1], (i + 1) % 2))
+            yield names, loaded
             del loaded
-            self.model.get_submodule(group).to_empty(device="meta")
-            if not ahead and i + 1 < len(groups):
-                future = self.pool.submit(self._load, groups[i + 1], self._prepare(groups[i + 1], 0))
+            self._release(names)
+            if not ahead and i + 1 < len(units):
+                future = self.pool.submit(self._load, units[i + 1][0], self._prepare(units[i + 1][1], 0))
 
     def __enter__(self) -> "_GroupLoader":
         return self
@@ -539,12 +574,15 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
             stack.callback(writer.close)
             merged: set[str] = set()
             loader = stack.enter_context(_GroupLoader(model, model_path))
-            # the next layer loads while this one is written when two layers fit in one output
-            # shard; a full-size GLM-5 MoE layer (~19 GB) outweighs a 5 GB shard: one at a time
-            largest = max(sum(tensors[n].numel() * tensors[n].element_size() for n in names)
-                          for names in groups.values())
-            for group, loaded in loader.stream(list(groups), ahead=2 * largest <= max_bytes):
-                for name in groups[group]:
+            # Units of at most a quarter of an output shard (a full-size GLM-5 MoE layer, ~19 GB, is
+            # cut into slices of its experts): the next loads while this one is written, and the two
+            # in memory stay within half a shard; the process itself (torch, Megatron-Core, the meta
+            # model) takes about 1 GB more.
+            nbytes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
+            units = slice_units(groups, nbytes, max(1, max_bytes // 4))
+            largest = max(sum(nbytes[n] for n in names) for _, names in units)
+            for names, loaded in loader.stream(units, ahead=2 * largest <= max_bytes):
+                for name in names:
                     t = loaded[name]
                     src = hf_source(name, glm5.num_hidden_layers)
                     target = name[: -len(".weight")] if name.endswith(".weight") else None

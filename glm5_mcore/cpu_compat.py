@@ -209,6 +209,30 @@ def _ddp_grad_sync_on_cpu() -> None:
     torch.cuda.current_stream = lambda device=None: _NullStream()  # type: ignore[assignment]
 
 
+def _embedding_copy_sync_on_cpu() -> None:
+    """language_module.py:307 moves the last stage's copy of the word embedding (kept by the MTP
+    layer, or a tied output layer, when PP > 1) to CUDA before all-reducing it over the embedding
+    group. The same all-reduce where the weight lives (CPU, or meta for a planned rank)."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    setup = LanguageModule.setup_embeddings_and_output_layer
+
+    def setup_embeddings_and_output_layer(self) -> None:
+        cfg = self.config
+        if cfg.init_model_with_meta_device:
+            return setup(self)
+        cfg.init_model_with_meta_device = True  # skips the .cuda() + all-reduce (only read there)
+        try:
+            setup(self)
+        finally:
+            cfg.init_model_with_meta_device = False
+        if torch.distributed.is_initialized() and self._is_in_embd_group():
+            weight = self.shared_embedding_or_output_weight()
+            torch.distributed.all_reduce(weight.data, group=self.embd_group)
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
 def _disable_torch_compile_jit() -> None:
     """jit.py: ``jit_fuser`` is ``torch.compile``, ~20 s cold per fused function on CPU."""
     import torch._dynamo
@@ -227,6 +251,7 @@ def apply() -> None:
     _clip_grads_on_cpu()
     _dist_checkpointing_on_cpu()
     _ddp_grad_sync_on_cpu()
+    _embedding_copy_sync_on_cpu()
     _disable_torch_compile_jit()
     _applied = True
 

@@ -9,8 +9,9 @@ from pathlib import Path
 CONFIG_DIR = Path(os.environ.get("GLM5_CONFIG_DIR", Path(__file__).resolve().parent.parent / "configs"))
 
 
-def compose(name: str, overrides: list[str]) -> dict:
-    """The resolved config ``configs/{name}.yaml`` with command-line ``overrides`` as a plain dict."""
+def compose(name: str, overrides: list[str], require_all: bool = True) -> dict:
+    """The resolved config ``configs/{name}.yaml`` with command-line ``overrides`` as a plain dict
+    (``require_all=False``: ``???`` values are left as they are, for ``glm5 plan``)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -26,19 +27,47 @@ def compose(name: str, overrides: list[str]) -> dict:
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
             cfg = hydra_compose(config_name=name, overrides=overrides)
-        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=require_all)
     except (HydraException, OmegaConfBaseException) as e:
         raise ValueError(f"configs/{name}.yaml + overrides: {e}") from None
 
 
-def sft_main(overrides: list[str]) -> int:
+def _config_name(argv: list[str], default: str) -> tuple[str, list[str]]:
+    """``--config NAME`` (or ``--config=NAME``) at the front of ``argv``, and the overrides after it."""
+    if argv[:1] == ["--config"] and len(argv) > 1:
+        return argv[1], argv[2:]
+    if argv and argv[0].startswith("--config="):
+        return argv[0].split("=", 1)[1], argv[1:]
+    return default, argv
+
+
+def plan_gate(kind: str, d: dict, hf_dir: str, check: bool) -> None:
+    """Plan the job before any work when it runs on GPUs (``glm5_mcore.plan.gate``); a layout that
+    cannot fit is refused with the numbers and the nearest one that fits."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    from glm5_mcore.config import GLM5Config
+    from glm5_mcore.plan.gate import gate
+    from glm5_mcore.plan.job import rl_job, sft_job
+
+    job = rl_job(d) if kind == "rl" else sft_job(d, int(os.environ.get("WORLD_SIZE", "1")))
+    gate(GLM5Config.from_hf_dir(hf_dir), job, (d.get("plan") or {}).get("cluster"), check)
+
+
+def sft_main(argv: list[str]) -> int:
+    """``glm5 sft [--config NAME] key=value ...`` with ``configs/NAME.yaml`` (default sft)."""
     import json
 
     import torch.distributed as dist
 
-    from recipes.sft import SFTConfig, run
+    from recipes.sft import SFTConfig, _hf_dir, run
 
-    cfg = SFTConfig.from_dict(compose("sft", overrides))
+    name, overrides = _config_name(argv, "sft")
+    d = compose(name, overrides)
+    cfg = SFTConfig.from_dict(d)
+    plan_gate("sft", d, _hf_dir(cfg), cfg.plan.check)
     out = run(cfg)
     if not dist.is_initialized() or dist.get_rank() == 0:
         hist = out["history"]
@@ -64,12 +93,10 @@ def rl_main(argv: list[str]) -> int:
     from rl.config import RLConfig
     from rl.driver import run
 
-    name = "grpo_tiny"
-    if argv[:1] == ["--config"] and len(argv) > 1:
-        name, argv = argv[1], argv[2:]
-    elif argv and argv[0].startswith("--config="):
-        name, argv = argv[0].split("=", 1)[1], argv[1:]
-    cfg = RLConfig.from_dict(compose(f"rl/{name}", argv))
+    name, argv = _config_name(argv, "grpo_tiny")
+    d = compose(f"rl/{name}", argv)
+    cfg = RLConfig.from_dict(d)
+    plan_gate("rl", d, cfg.model.hf_dir, cfg.plan.check)
     out = run(cfg)
     hist = out["history"]
     rewards = [h["critic/score/mean"] for h in hist]

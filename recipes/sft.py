@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.lora import DEFAULT_TARGETS, LoRAConfig
+from glm5_mcore.plan.job import PlanCfg
 from glm5_mcore.training import MoELoad, OptimCfg, WandbCfg, build_trainer, init_wandb, rng_state, set_rng_state
 from rl.config import _typed  # the RL config's field typing, one definition for both recipes
 from recipes.data import DataStats, PackedBatch, epoch_order, pack, pad_to, read_jsonl, split_for_cp
@@ -103,6 +104,7 @@ class SFTConfig:
     optim: OptimCfg = field(default_factory=OptimCfg)
     train: TrainCfg = field(default_factory=TrainCfg)
     wandb: WandbCfg = field(default_factory=WandbCfg)
+    plan: PlanCfg = field(default_factory=PlanCfg)
 
     @staticmethod
     def from_dict(d: dict) -> "SFTConfig":

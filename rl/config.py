@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
 from glm5_mcore.lora import DEFAULT_TARGETS
+from glm5_mcore.plan.job import PlanCfg
 from glm5_mcore.training import WandbCfg
 
 ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "gae")
@@ -186,6 +187,7 @@ class RLConfig:
     trainer: TrainerCfg = field(default_factory=TrainerCfg)
     ray: RayCfg = field(default_factory=RayCfg)
     wandb: WandbCfg = field(default_factory=WandbCfg)
+    plan: PlanCfg = field(default_factory=PlanCfg)
 
     @property
     def use_critic(self) -> bool:

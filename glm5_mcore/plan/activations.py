@@ -1,0 +1,98 @@
+"""Activation memory of one rank for one micro-batch of ``tokens`` tokens: a formula.
+
+Counted, per decoder layer, are the tensors autograd keeps for the backward pass (dtype ``b`` bytes;
+s = tokens / CP on this rank, s' = s / TP under sequence parallelism, h = heads / TP,
+r = s' · top-k · ETP tokens routed to this rank's experts on average):
+
+    attention  s'·H (norm input) + s·H (gathered input of the replicated down projections)
+               + 2·s·q_lora + s·(2·kv_lora + rope)          latents and their norms
+               + s·h·(2·qk_head + nope + v)                 q, k (rope applied), k_nope|v
+               + s·h·v + 4·s·h (out, fp32 log-sum-exp)       fused sparse core
+               + 8·s·topk bytes                              selected key indices (int64)
+    MoE        2·s'·H + 4·3·s'·E bytes (router logits, scores, probs, fp32)
+               + r·(2·H + 3·M/ETP) + 4·r bytes               permuted tokens, fc1, act, fc2 out, probs
+               + s·H + 3·s·S/TP                              shared expert
+    dense MLP  s·H + 3·s·I/TP
+    last stage s·H + 2·4·s·V/TP bytes (logits, their softmax in the loss) per output head (+ MTP)
+
+With full recompute (Megatron's ``recompute_granularity="full"``, uniform, one layer per chunk) a
+layer keeps only its input (s'·H), and one layer's full set lives again while it is recomputed.
+Transient, one layer at a time: the DSA indexer's scores of this rank's queries against every key
+of the sequence (4·s·T bytes, fp32) and the MoE dispatch buffers (send + receive, 2·r·H). Under
+1F1B, stage ``i`` of ``pp`` holds ``min(pp - i, micro-batches)`` micro-batches in flight.
+
+Checked against a measured forward+backward (``tests/test_plan.py::test_activation_formula_*``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from glm5_mcore.config import GLM5Config
+from glm5_mcore.plan.layout import Layout
+
+
+@dataclass
+class ActivationBytes:
+    saved_per_microbatch: int
+    """Kept for backward by one micro-batch on this stage."""
+    in_flight: int
+    indexer_scores: int
+    dispatch: int
+    recompute_layer: int
+    """One layer's full activations, alive while it is recomputed (0 without recompute)."""
+
+    @property
+    def peak(self) -> int:
+        return (self.saved_per_microbatch * self.in_flight + self.recompute_layer
+                + max(self.indexer_scores, self.dispatch))
+
+
+def layer_bytes(m: GLM5Config, L: Layout, tokens: int, moe: bool, b: int) -> tuple[int, int]:
+    """(attention + MLP bytes saved for backward by one layer, MoE routed tokens r) for ``tokens``."""
+    s = tokens // L.cp
+    s_sp = s // L.tp if L.tp > 1 else s
+    h = m.num_attention_heads // L.tp
+    H = m.hidden_size
+    att = b * (s_sp * H + s * H + 2 * s * m.q_lora_rank + s * (2 * m.kv_lora_rank + m.qk_rope_head_dim)
+               + s * h * (2 * m.qk_head_dim + m.qk_nope_head_dim + m.v_head_dim) + s * h * m.v_head_dim)
+    att += 4 * s * h + 8 * s * min(m.index_topk, s)
+    if not moe:
+        return att + b * (s * H + 3 * s * (m.intermediate_size // L.tp)), 0
+    r = s_sp * m.num_experts_per_tok * L.etp
+    mlp = b * 2 * s_sp * H + 4 * 3 * s_sp * m.n_routed_experts
+    mlp += b * r * (2 * H + 3 * (m.moe_intermediate_size // L.etp)) + 4 * r
+    if m.n_shared_experts:
+        mlp += b * (s * H + 3 * s * (m.shared_expert_intermediate_size // L.tp))
+    return att + mlp, r
+
+
+def stage_activations(m: GLM5Config, L: Layout, stage: int, tokens: int, *, bf16: bool, recompute: bool,
+                      mtp: bool, microbatches: int) -> ActivationBytes:
+    b = 2 if bf16 else 4
+    s = tokens // L.cp
+    s_sp = s // L.tp if L.tp > 1 else s
+    H = m.hidden_size
+    layers = list(L.stage_layers(m, stage))
+    last = stage == L.pp - 1
+    n_mtp = m.num_nextn_predict_layers if (mtp and last) else 0
+    per_layer = [layer_bytes(m, L, tokens, m.mlp_layer_types[i] == "sparse", b) for i in layers]
+    per_layer += [layer_bytes(m, L, tokens, True, b) for _ in range(n_mtp)]
+    full = sum(x for x, _ in per_layer)
+    biggest = max((x for x, _ in per_layer), default=0)
+    r = max((y for _, y in per_layer), default=0)
+    saved = len(per_layer) * b * s_sp * H if recompute else full
+    if stage == 0:
+        saved += b * s_sp * H
+    if last:
+        heads = 1 + n_mtp
+        saved += heads * (b * s * H + 2 * 4 * s * (m.vocab_size // L.tp))
+        saved += n_mtp * b * s * 3 * H  # MTP: enorm/hnorm outputs and the eh_proj input [s, 2H]
+    has_indexer = any(m.indexer_types[i] == "full" for i in layers) or n_mtp > 0
+    return ActivationBytes(
+        saved_per_microbatch=saved,
+        in_flight=max(1, min(L.pp - stage, microbatches)),
+        indexer_scores=4 * s * tokens if has_indexer else 0,
+        dispatch=2 * b * r * H,
+        recompute_layer=biggest if recompute else 0,
+    )

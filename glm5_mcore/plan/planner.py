@@ -1,0 +1,110 @@
+"""``plan_job``: every kind of rank of a job's layout sized against a cluster, and a verdict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from glm5_mcore.config import GLM5Config
+from glm5_mcore.plan.activations import ActivationBytes, stage_activations
+from glm5_mcore.plan.cluster import GIB, Cluster
+from glm5_mcore.plan.job import Job
+from glm5_mcore.plan.layout import RankKind, rank_kinds
+from glm5_mcore.plan.memory import StateBytes, state_bytes
+from glm5_mcore.plan.params import lora_tensors, stage_tensors
+from glm5_mcore.plan.rollout import EnginePlan, plan_engine
+
+
+@dataclass
+class RankPlan:
+    kind: RankKind
+    state: StateBytes
+    act: ActivationBytes
+    act_no_recompute: ActivationBytes
+    act_recompute: ActivationBytes
+    dist_opt: bool
+    capacity: int
+
+    @property
+    def total(self) -> int:
+        s = self.state
+        opt = (s.main_params_dist + s.optimizer_dist) if self.dist_opt else (s.main_params + s.optimizer)
+        return s.weights + s.buffers + s.grads + opt + self.act.peak
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    def as_dict(self) -> dict:
+        s, g = self.state, lambda x: round(x / GIB, 2)
+        return {"rank": self.kind.rank, "kind": self.kind.name, "params_b": round(s.params / 1e9, 3),
+                "expert_params_b": round(s.expert_params / 1e9, 3), "weights_gib": g(s.weights + s.buffers),
+                "grads_gib": g(s.grads), "main_params_gib": g(s.main_params), "optimizer_gib": g(s.optimizer),
+                "main_params_dist_gib": g(s.main_params_dist), "optimizer_dist_gib": g(s.optimizer_dist),
+                "activations_gib": g(self.act.peak), "activations_no_recompute_gib": g(self.act_no_recompute.peak),
+                "activations_recompute_gib": g(self.act_recompute.peak),
+                "indexer_scores_gib": g(self.act.indexer_scores), "moe_dispatch_gib": g(self.act.dispatch),
+                "total_gib": g(self.total), "capacity_gib": g(self.capacity), "fits": self.fits}
+
+
+@dataclass
+class Plan:
+    job: Job
+    cluster: Cluster
+    ranks: list
+    engine: Optional[EnginePlan] = None
+    problems: list = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def worst(self) -> RankPlan:
+        return max(self.ranks, key=lambda r: r.total)
+
+    def as_dict(self) -> dict:
+        d = {"fits": self.fits, "cluster": self.cluster.describe(), "layout": self.job.layout.as_dict(),
+             "gpus": self.job.trainer_gpus + self.job.rollout_gpus, "ranks": [r.as_dict() for r in self.ranks],
+             "problems": self.problems}
+        if self.engine is not None:
+            d["rollout_engine"] = dict(self.engine.as_dict(), engines=self.job.rollout.engines)
+        return d
+
+
+def plan_rank(m: GLM5Config, job: Job, kind: RankKind, capacity: int) -> RankPlan:
+    L = job.layout
+    base = stage_tensors(m, L, kind.stage, job.mtp)
+    lora = lora_tensors(base, L, job.lora[0], job.lora[1], job.freeze_indexer) if job.lora else []
+    st = state_bytes(base, lora, bf16=job.bf16, full_ft=job.lora is None, freeze_indexer=job.freeze_indexer,
+                     dp_cp=L.dp_cp, expert_dp=L.expert_dp)
+    acts = {rc: stage_activations(m, L, kind.stage, job.micro_batch_tokens, bf16=job.bf16, recompute=rc,
+                                  mtp=job.mtp, microbatches=max(job.microbatches, L.pp)) for rc in (False, True)}
+    return RankPlan(kind, st, acts[job.recompute], acts[False], acts[True], job.dist_opt, capacity)
+
+
+def plan_job(m: GLM5Config, job: Job, cluster: Cluster) -> Plan:
+    """Size every kind of rank of ``job`` (and its rollout engine) on ``cluster``."""
+    L = job.layout
+    L.validate(m)
+    ranks = [plan_rank(m, job, k, cluster.usable_bytes) for k in rank_kinds(L, job.mtp)]
+    plan = Plan(job, cluster, ranks)
+    for r in ranks:
+        if not r.fits:
+            plan.problems.append(f"trainer {r.kind.name} (rank {r.kind.rank}) needs {r.total / GIB:.1f} GiB "
+                                 f"(weights {(r.state.weights + r.state.buffers) / 1e9:.1f} GB), "
+                                 f"{cluster.gpu} has {r.capacity / GIB:.1f} GiB usable")
+    if job.rollout is not None:
+        ro = job.rollout
+        plan.engine = plan_engine(m, ro.engine, cluster, ro.n, ro.prompt_tokens, ro.response_tokens)
+        if ro.gpus_per_engine and ro.gpus_per_engine != ro.engine.gpus:
+            plan.problems.append(f"rollout.gpus_per_actor={ro.gpus_per_engine:g} but the engine spans "
+                                 f"tensor x pipeline x data parallel = {ro.engine.gpus} GPUs")
+        if not plan.engine.fits:
+            plan.problems.append(f"rollout engine ({ro.engine.gpus} GPUs): {plan.engine.why} "
+                                 f"(weights {plan.engine.weights / GIB:.1f} GiB per GPU)")
+    need = job.trainer_gpus + job.rollout_gpus
+    if need > cluster.num_gpus:
+        plan.problems.append(f"the job needs {need} GPUs ({job.trainer_gpus} trainer + {job.rollout_gpus} rollout), "
+                             f"the cluster has {cluster.num_gpus}")
+    return plan

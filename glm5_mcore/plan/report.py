@@ -1,0 +1,72 @@
+"""The plan as text: one column per kind of rank, the rollout engine, the verdict."""
+
+from __future__ import annotations
+
+from glm5_mcore.plan.cluster import GIB
+from glm5_mcore.plan.planner import Plan
+
+
+def _g(x: int) -> str:
+    return f"{x / GIB:8.2f}"
+
+
+def format_plan(plan: Plan) -> str:
+    job, L = plan.job, plan.job.layout
+    lines = [f"{job.kind} job on {plan.cluster.describe()}, {plan.cluster.usable_bytes / GIB:.1f} GiB usable per GPU",
+             f"trainer: {L.describe()}; micro-batch {job.micro_batch_tokens} tokens, "
+             f"{'bf16' if job.bf16 else 'fp32'}, {'LoRA r=%d' % job.lora[1] if job.lora else 'full fine-tuning'}, "
+             f"recompute {'on' if job.recompute else 'off'}, distributed optimizer {'on' if job.dist_opt else 'off'}",
+             ""]
+    w = 20
+    head = "GiB per GPU".ljust(30) + "".join(f"{r.kind.name[:w]:>{w}}" for r in plan.ranks)
+    lines.append(head)
+    lines.append("-" * len(head))
+
+    def row(label, f):
+        lines.append(label.ljust(30) + "".join(f"{f(r):>{w}}" for r in plan.ranks))
+
+    row("rank", lambda r: str(r.kind.rank))
+    row("parameters (B)", lambda r: f"{r.state.params / 1e9:.3f}")
+    row("  routed experts (B)", lambda r: f"{r.state.expert_params / 1e9:.3f}")
+    row("  trainable (B)", lambda r: f"{r.state.trainable / 1e9:.4f}")
+    row("weights + buffers", lambda r: _g(r.state.weights + r.state.buffers).strip())
+    row("gradients", lambda r: _g(r.state.grads).strip())
+    row("fp32 main params", lambda r: _g(r.state.main_params).strip())
+    row("  with distributed optimizer", lambda r: _g(r.state.main_params_dist).strip())
+    row("Adam state", lambda r: _g(r.state.optimizer).strip())
+    row("  with distributed optimizer", lambda r: _g(r.state.optimizer_dist).strip())
+    row("activations, no recompute", lambda r: _g(r.act_no_recompute.peak).strip())
+    row("activations, full recompute", lambda r: _g(r.act_recompute.peak).strip())
+    row("  DSA indexer scores", lambda r: _g(r.act.indexer_scores).strip())
+    row("  MoE dispatch buffers", lambda r: _g(r.act.dispatch).strip())
+    row("  micro-batches in flight", lambda r: str(r.act.in_flight))
+    row("TOTAL (this job)", lambda r: _g(r.total).strip())
+    row("capacity", lambda r: _g(r.capacity).strip())
+    row("fits", lambda r: "yes" if r.fits else "NO")
+    if plan.engine is not None:
+        e, ro = plan.engine, job.rollout
+        s = e.spec
+        lines += ["", f"rollout: {ro.engines} engine(s) x {s.gpus} GPUs (vLLM tensor_parallel_size={s.tp}, "
+                      f"pipeline_parallel_size={s.pp}, data_parallel_size={s.dp}, "
+                      f"enable_expert_parallel={s.expert_parallel}), weights {'FP8' if s.fp8 else 'bf16'}",
+                  f"  weights per GPU {e.weights / GIB:.2f} GiB; KV cache {e.kv_per_token / 1024:.1f} KiB per token "
+                  f"per GPU (a group of n={ro.n} x {ro.prompt_tokens + ro.response_tokens} tokens: "
+                  f"{ro.n * (ro.prompt_tokens + ro.response_tokens) * e.kv_per_token / GIB:.1f} GiB), "
+                  f"budget {e.kv_budget / GIB:.2f} GiB; {e.sequences} sequences of "
+                  f"{ro.prompt_tokens}+{ro.response_tokens} tokens at once per engine (a group is n={ro.n}): "
+                  f"{'fits' if e.fits else 'DOES NOT FIT: ' + e.why}"]
+    lines.append("")
+    need = job.trainer_gpus + job.rollout_gpus
+    if plan.fits:
+        lines.append(f"verdict: fits ({need} GPUs of {plan.cluster.num_gpus}; fullest trainer rank "
+                     f"{plan.worst.total / GIB:.1f} of {plan.worst.capacity / GIB:.1f} GiB)")
+    else:
+        lines.append("verdict: does not fit")
+        lines += [f"  - {p}" for p in plan.problems]
+    return "\n".join(lines)
+
+
+def format_layout_row(p: Plan) -> str:
+    L, r = p.job.layout, p.worst
+    return (f"  {L.world:5d} GPUs  TP {L.tp} EP {L.ep} ETP {L.etp} PP {L.pp} CP {L.cp} DP {L.dp}: "
+            f"fullest rank {r.total / GIB:.1f} GiB ({r.kind.name})")
