@@ -1,0 +1,106 @@
+"""Device bugs caught on CPU: the model, the SFT and RL data paths and their losses run on a stand-in
+accelerator (``tests/fake_device.py``: tensors on ``meta`` holding CPU values), where a tensor made
+on the CPU inside them fails as it would on CUDA; collectives must get training-device tensors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fake_device import fake_device, host
+
+from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.lora import FAMILIES, LoRAConfig
+
+
+def _docs(hf_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from recipes.data import read_jsonl
+
+    with open(tmp_path / "d.jsonl", "w") as f:
+        for i in range(3):
+            f.write(json.dumps({"prompt": " ".join(f"w{(i * 7 + k) % 90}" for k in range(5 + 4 * i)),
+                                "response": f"w{i} w{i + 1} w{i + 2} w{i + 3}"}) + "\n")
+    return read_jsonl(tmp_path / "d.jsonl", AutoTokenizer.from_pretrained(hf_dir), 64)
+
+
+def _sft_loss_and_grads(hf_dir, batch):
+    """One SFT micro-batch through ``recipes.sft._forward_step`` (the data path, the model with LoRA on
+    every family, MTP, DSA, THD) and its loss function; (loss, n, {param: grad}) as CPU values."""
+    from glm5_mcore.device import training_device
+    from glm5_mcore.lora import apply_lora
+    from glm5_mcore.model import build_model, load_hf_weights
+    from recipes.sft import _forward_step
+
+    glm5 = GLM5Config.from_hf_dir(hf_dir)
+    m = build_model(glm5, ParallelConfig())
+    dev = training_device()
+    off = [n for n, t in [*m.named_parameters(), *m.named_buffers()] if t.device.type != dev.type]
+    assert not off, f"build_model left {len(off)} tensors off the training device {dev}: {off[:6]}"
+    load_hf_weights(m, hf_dir, glm5)
+    apply_lora(m, LoRAConfig(rank=2, targets=FAMILIES, init="random", seed=3), "default", freeze_indexer=False)
+    off = [n for n, p in m.named_parameters() if p.device.type != dev.type]
+    assert not off, f"LoRA adapters off the training device {dev}: {off[:6]}"
+    m.train()
+    out, loss_func = _forward_step(iter([batch]), m)
+    loss, n, _ = loss_func(out)
+    loss.backward()
+    grads = {k: host(p.grad).clone() for k, p in m.named_parameters() if p.grad is not None}
+    return float(host(loss)), int(host(n)), grads
+
+
+def test_sft_forward_backward_on_a_device_matches_cpu(tiny_mtp_dir, tmp_path, single_rank, monkeypatch):
+    from recipes.data import pack
+
+    monkeypatch.setenv("GLM5_CPU_KERNELS", "0")  # the PyTorch DSA path, as on CUDA
+    batch = pack(_docs(tiny_mtp_dir, tmp_path), 1000)[0]
+    assert len(batch.cu_seqlens) == 4
+    ref_loss, ref_n, ref_grads = _sft_loss_and_grads(tiny_mtp_dir, batch)
+    with fake_device():
+        loss, n, grads = _sft_loss_and_grads(tiny_mtp_dir, batch)
+    assert n == ref_n and abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
+    lora = [k for k in ref_grads if ".lora." in k]
+    assert set(grads) == set(ref_grads) and any("indexer" in k for k in lora) and any(k.startswith("mtp.") for k in lora)
+    worst = max(float((grads[k] - g).abs().max()) for k, g in ref_grads.items())
+    assert worst <= 1e-5, worst
+
+
+def test_rl_trainer_on_a_device_matches_cpu(tiny_dir, monkeypatch):
+    """The RL trainer (policy + GAE critic with its value head) builds, computes log-probs / values and
+    updates on the device; results equal the CPU trainer's."""
+    from rl import algos
+    from rl.batch import RolloutBatch
+    from rl.config import RLConfig
+    from rl.driver import fill_log_probs
+    from rl.trainer import PolicyTrainer
+
+    monkeypatch.setenv("GLM5_CPU_KERNELS", "0")
+    cfg = RLConfig.from_dict({"model": {"hf_dir": tiny_dir}, "wandb": {"mode": "disabled"},
+                              "algorithm": {"adv_estimator": "gae"}, "rollout": {"n": 2},
+                              "actor": {"ppo_mini_batch_size": 2}})
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 90, (6 + 5 * (i // 2),), generator=g).tolist() for i in range(4)]
+    responses = [torch.randint(3, 90, (4,), generator=g).tolist() for _ in range(4)]
+
+    def run():
+        batch = RolloutBatch.build(prompts, responses, [[-1.0] * 4] * 4, [0, 0, 1, 1])
+        batch.scores = torch.tensor([1.0, 0.0, 0.0, 1.0])
+        t = PolicyTrainer(cfg)
+        lp = t.compute_log_probs(batch)
+        fill_log_probs(batch, [lp])
+        algos.rollout_correction(cfg, batch)
+        algos.compute_advantages(cfg, batch, 0.0)
+        return lp, t.update(batch, step=0)
+
+    ref_lp, ref_m = run()
+    with fake_device():
+        lp, m = run()
+    for k in ("old_log_probs", "ref_log_probs", "values"):
+        assert (lp[k] - ref_lp[k]).abs().max() <= 1e-5, (k, lp[k], ref_lp[k])
+    assert m["actor/updates_skipped"] == 0.0
+    assert abs(m["actor/grad_norm"] - ref_m["actor/grad_norm"]) <= 1e-4 * ref_m["actor/grad_norm"]
