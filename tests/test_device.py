@@ -73,6 +73,7 @@ def test_sft_forward_backward_on_a_device_matches_cpu(tiny_mtp_dir, tmp_path, si
 def test_rl_trainer_on_a_device_matches_cpu(tiny_dir, monkeypatch):
     """The RL trainer (policy + GAE critic with its value head) builds, computes log-probs / values and
     updates on the device; results equal the CPU trainer's."""
+    from glm5_mcore.device import training_device
     from rl import algos
     from rl.batch import RolloutBatch
     from rl.config import RLConfig
@@ -91,8 +92,12 @@ def test_rl_trainer_on_a_device_matches_cpu(tiny_dir, monkeypatch):
         batch = RolloutBatch.build(prompts, responses, [[-1.0] * 4] * 4, [0, 0, 1, 1])
         batch.scores = torch.tensor([1.0, 0.0, 0.0, 1.0])
         t = PolicyTrainer(cfg)
+        dev = training_device()
+        off = [n for n, p in t.model.named_parameters() if p.device.type != dev.type]
+        assert not off, f"trainer parameters off the training device {dev}: {off[:6]}"
         lp = t.compute_log_probs(batch)
         fill_log_probs(batch, [lp])
+        batch.rollout_log_probs = batch.old_log_probs - 0.01
         algos.rollout_correction(cfg, batch)
         algos.compute_advantages(cfg, batch, 0.0)
         return lp, t.update(batch, step=0)
