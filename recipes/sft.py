@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.device import training_device
 from glm5_mcore.lora import DEFAULT_TARGETS, LoRAConfig
 from glm5_mcore.training import MoELoad, OptimCfg, WandbCfg, build_trainer, init_wandb, rng_state, set_rng_state
 from recipes.data import DataStats, PackedBatch, epoch_order, pack, pad_to, read_jsonl, split_for_cp
@@ -155,7 +156,7 @@ def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConf
 # the training step
 # --------------------------------------------------------------------------------------------------
 def _forward_step(batch_iter, model):
-    b: PackedBatch = next(batch_iter)
+    b: PackedBatch = next(batch_iter).to(training_device())
     out = model(b.input_ids, b.position_ids, None, labels=b.labels, packed_seq_params=b.packed_seq_params(),
                 loss_mask=b.loss_mask)
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from glm5_mcore.device import training_device
 from rl.algos import ActorLoss
 from rl.batch import RolloutBatch
 from rl.config import RLConfig
@@ -82,10 +83,6 @@ class _Packed:
         return packed_seq_params_from_lengths(self.lengths, device)
 
 
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 class PolicyTrainer:
     def __init__(self, cfg: RLConfig, rank: int = 0, world: int = 1, master_addr: Optional[str] = None,
                  master_port: Optional[int] = None):
@@ -121,7 +118,7 @@ class PolicyTrainer:
             self.lora_cfg["critic"] = LoRAConfig(rank=c.rank, alpha=c.alpha, targets=tuple(c.targets),
                                                  seed=t.seed + 1)
             apply_lora(model, self.lora_cfg["critic"], "critic", freeze_indexer=t.freeze_indexer)
-            model.value_head = self.value_head = ValueHead(self.glm5.hidden_size)
+            model.value_head = self.value_head = ValueHead(self.glm5.hidden_size).to(training_device())
             self._hidden = None
             model.output_layer.register_forward_pre_hook(self._capture_hidden)
         set_adapter(model, "default")
@@ -166,11 +163,12 @@ class PolicyTrainer:
             groups.append(cur)
             sizes.append(size)
         if dist.get_world_size() > 1:
-            cnt = torch.tensor([len(groups)])
+            dev = training_device()
+            cnt = torch.tensor([len(groups)], device=dev)
             dist.all_reduce(cnt, op=dist.ReduceOp.MAX)
             groups += [[] for _ in range(int(cnt) - len(groups))]
             sizes += [1] * (int(cnt) - len(sizes))
-            s = torch.tensor(sizes)
+            s = torch.tensor(sizes, device=dev)
             dist.all_reduce(s, op=dist.ReduceOp.MAX)
             sizes = s.tolist()
         mult = self.parallel.tp if self.model.config.sequence_parallel else 1
@@ -182,7 +180,7 @@ class PolicyTrainer:
 
         from glm5_mcore.mtp_loss import token_logprobs
 
-        dev = _device()
+        dev = training_device()
         logits = model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), attention_mask=None,
                        packed_seq_params=mb.packed_seq_params(dev))[0]  # [T, V/TP]
         group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
@@ -194,7 +192,7 @@ class PolicyTrainer:
         from glm5_mcore.lora import set_adapter
 
         set_adapter(self.model, "critic")
-        dev = _device()
+        dev = training_device()
         try:
             model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), attention_mask=None,
                   packed_seq_params=mb.packed_seq_params(dev))
@@ -276,7 +274,8 @@ class PolicyTrainer:
                         sums[k] = sums.get(k, 0.0) + v * w
                         weights[k] = weights.get(k, 0.0) + w
         keys = sorted(sums)
-        t = torch.tensor([[sums[k], weights[k]] for k in keys], dtype=torch.float64).reshape(-1, 2)
+        t = torch.tensor([[sums[k], weights[k]] for k in keys], dtype=torch.float64,
+                         device=training_device()).reshape(-1, 2)
         from megatron.core import parallel_state as ps
 
         if dp > 1:
@@ -307,9 +306,10 @@ class PolicyTrainer:
     def _finite(self, reports: list[dict]) -> tuple[bool, str]:
         """All ranks agree whether this mini-batch's losses and gradients are finite."""
         bad_loss = any(not np.isfinite(v) for r in reports for k, (v, _) in r.items() if k.endswith("loss"))
-        bad_grad = any(not torch.isfinite(p.main_grad).all() for p in self.ddp.parameters()
-                       if p.requires_grad and getattr(p, "main_grad", None) is not None)
-        flag = torch.tensor([float(bad_loss), float(bad_grad)])
+        grads = [p.main_grad for p in self.ddp.parameters()
+                 if p.requires_grad and getattr(p, "main_grad", None) is not None]
+        bad_grad = bool(grads) and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+        flag = torch.tensor([float(bad_loss), float(bad_grad)], device=training_device())
         if dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag[0]:

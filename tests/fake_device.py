@@ -22,7 +22,8 @@ import functools
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode, return_and_correct_aliasing
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 META = torch.device("meta")
@@ -53,6 +54,9 @@ class OnDevice(torch.Tensor):
 
     def __repr__(self):
         return f"OnDevice({self.elem!r})"
+
+    def tolist(self):  # a host read (a sync on CUDA); torch refuses .tolist() on subclasses
+        return self.elem.tolist()
 
     def __tensor_flatten__(self):
         return ["elem"], None
@@ -95,10 +99,27 @@ def _dispatch(func, args, kwargs):
     dev_out = d if (d := kwargs.get("device")) is not None else (META if on_dev else None)
     if dev_out is not None and torch.device(dev_out).type != "meta":
         return out  # e.g. .to("cpu") / .cpu() of a device tensor
-    wrapped = tree_map(lambda t: OnDevice(t) if isinstance(t, torch.Tensor) else t, out)
-    if on_dev:
-        return return_and_correct_aliasing(func, args, kwargs, wrapped)
-    return wrapped
+    schema = func._schema
+    if not schema.returns:
+        return None
+    if schema.arguments and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write:
+        return args[0]  # in place: the wrapper whose values were written (views alias through ``elem``)
+    if "out" in kwargs:
+        return kwargs["out"]
+    return tree_map(lambda t: OnDevice(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+class _Factories(TorchFunctionMode):
+    """``torch.tensor(data, device=meta)`` fills a meta tensor below the dispatcher (no values):
+    build it on the CPU and wrap it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.tensor, torch.as_tensor):
+            args = tree_map(host, args)  # device scalars in a list are read on the host, as CUDA does
+            if _is_meta_arg(kwargs.get("device")):
+                return OnDevice(func(*args, **{**kwargs, "device": "cpu"}))
+        return func(*args, **kwargs)
 
 
 class _Mode(TorchDispatchMode):
@@ -120,18 +141,35 @@ def _swap_keeping_attributes(real_swap):
     return swap
 
 
+def _viewless_keeping_values(real):
+    """megatron/core/utils.py:731 makes a viewless tensor as ``empty((1,))`` then ``out.data = inp.data``,
+    which swaps the wrapper's metadata but not its ``elem``: wrap the same values instead."""
+
+    @functools.wraps(real)
+    def viewless(inp, requires_grad):
+        if isinstance(inp, OnDevice):
+            return OnDevice(inp.elem, requires_grad=requires_grad)
+        return real(inp, requires_grad)
+
+    return viewless
+
+
 @contextlib.contextmanager
 def fake_device():
     """The training device is ``meta`` (values on the CPU) while active; see the module docstring."""
+    from megatron.core import utils as mutils
+
     from glm5_mcore import device
 
-    real_swap = torch.utils.swap_tensors
+    real_swap, real_viewless = torch.utils.swap_tensors, mutils._kernel_make_viewless_tensor
     torch.utils.swap_tensors = _swap_keeping_attributes(real_swap)
+    mutils._kernel_make_viewless_tensor = _viewless_keeping_values(real_viewless)
     try:
-        with device.training_device_override(META), _Mode():
+        with device.training_device_override(META), _Factories(), _Mode():
             yield META
     finally:
         torch.utils.swap_tensors = real_swap
+        mutils._kernel_make_viewless_tensor = real_viewless
 
 
 def host(t):
