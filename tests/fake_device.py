@@ -182,10 +182,11 @@ _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sc
 
 
 @contextlib.contextmanager
-def assert_collectives_on(device: torch.device | str, seen: list | None = None):
+def assert_collectives_on(device: torch.device | str, seen: list | None = None, violations: list | None = None):
     """Wrap ``torch.distributed``'s collectives (where the project and Megatron-Core call them): every
-    tensor argument must be on ``device`` (AssertionError naming the collective and the caller).
-    ``seen`` collects (collective, caller) pairs. Device tensors travel through gloo as their CPU values."""
+    tensor argument must be on ``device`` (AssertionError naming the collective and the caller, or
+    appended to ``violations`` when given, so one run lists them all). ``seen`` collects
+    (collective, caller) pairs. Device tensors travel through gloo as their CPU values."""
     import inspect
 
     device = torch.device(device)
@@ -194,13 +195,23 @@ def assert_collectives_on(device: torch.device | str, seen: list | None = None):
     def wrap(name, real):
         @functools.wraps(real)
         def checked(*args, **kwargs):
-            caller = inspect.stack()[1]
-            where = f"{caller.filename.split('site-packages/')[-1]}:{caller.lineno}"
+            frame = inspect.currentframe().f_back
+            while frame.f_code.co_filename == __file__ or (  # wrappers, torch-function dispatch
+                    "/torch/" in frame.f_code.co_filename and "/torch/distributed/" not in frame.f_code.co_filename):
+                frame = frame.f_back
+            path = frame.f_code.co_filename
+            where = f"{path.split('site-packages/')[-1].split('/wt/')[-1]}:{frame.f_lineno}"
+            if "torch/distributed/" in path:  # *_object collectives choose their own buffer device
+                return real(*tree_map(host, args), **tree_map(host, kwargs))
             flat, _ = tree_flatten((args, kwargs))
             for t in flat:
                 if isinstance(t, torch.Tensor) and t.device.type != device.type:
-                    raise AssertionError(f"dist.{name} at {where}: tensor {tuple(t.shape)} on {t.device}, "
-                                         f"not the training device {device}")
+                    msg = (f"dist.{name} at {where}: tensor {tuple(t.shape)} on {t.device}, "
+                           f"not the training device {device}")
+                    if violations is None:
+                        raise AssertionError(msg)
+                    violations.append(msg)
+                    break
             if seen is not None:
                 seen.append((name, where))
             return real(*tree_map(host, args), **tree_map(host, kwargs))

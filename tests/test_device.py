@@ -115,3 +115,26 @@ def test_rl_trainer_on_a_device_matches_cpu(tiny_dir):
         assert (lp[k] - ref_lp[k]).abs().max() <= 1e-5, (k, lp[k], ref_lp[k])
     assert m["actor/updates_skipped"] == 0.0
     assert abs(m["actor/grad_norm"] - ref_m["actor/grad_norm"]) <= 1e-4 * ref_m["actor/grad_norm"]
+
+
+def test_collectives_of_sft_rl_and_parity_get_training_device_tensors(tiny_dir, tmp_path):
+    """Two gloo ranks on the stand-in device: every collective SFT (EP2 × DP2), the RL trainer (DP2)
+    and parity (CP2, TP2) issue — theirs and Megatron-Core's — gets tensors on the training device."""
+    data = tmp_path / "d.jsonl"
+    with open(data, "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt": " ".join(f"w{(i * 7 + k) % 90}" for k in range(3 + i % 5)),
+                                "response": f"w{i} w{i + 1} w{i + 2}"}) + "\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(Path(__file__).parent / "device_collectives_check.py"), tiny_dir, str(data), str(tmp_path / "sft")]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    print(json.dumps(res, indent=1))
+    assert not res["violations"], "\n".join(res["violations"])
+    callers = " ".join(res["callers"])
+    for where in ("recipes/sft.py", "rl/trainer.py", "glm5_mcore/parity.py", "megatron/core/distributed"):
+        assert where in callers, (where, res["callers"])
