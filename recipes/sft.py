@@ -175,7 +175,7 @@ def step_losses(ddp, batches: list[PackedBatch], forward_only: bool) -> tuple[fl
     from glm5_mcore.training import forward_backward
 
     res = forward_backward(ddp, _forward_step, batches, forward_only, max(b.num_tokens for b in batches))
-    tot = torch.zeros(2)
+    tot = torch.zeros(2, device=training_device())
     for r in res:  # only the last pipeline stage computes the loss
         tot += r["lm"].float()
     group = ps.get_data_parallel_group(with_context_parallel=True)
@@ -190,14 +190,15 @@ def _equalize(batches: list[PackedBatch], pad_id: int) -> list[PackedBatch]:
     """Pad micro-batch i of every rank to the largest micro-batch i over all ranks (and equal counts)."""
     from recipes.data import pad_to
 
-    sizes = torch.zeros(64, dtype=torch.long)
-    sizes[: len(batches)] = torch.tensor([b.num_tokens for b in batches])
-    count = torch.tensor([len(batches)])
+    dev = training_device()
+    sizes = torch.zeros(64, dtype=torch.long, device=dev)
+    sizes[: len(batches)] = torch.tensor([b.num_tokens for b in batches], device=dev)
+    count = torch.tensor([len(batches)], device=dev)
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     if int(count) != len(batches):
         raise RuntimeError("ranks disagree on the number of micro-batches per step")
-    return [pad_to(b, int(n), pad_id) for b, n in zip(batches, sizes)]
+    return [pad_to(b, int(n), pad_id) for b, n in zip(batches, sizes.tolist())]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -211,9 +212,9 @@ def save(cfg: SFTConfig, model, opt, sched, state: dict) -> None:
     if cfg.lora.enabled:
         adapters = {cfg.lora.name: LoRAConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                                               targets=tuple(cfg.lora.targets))}
-    rank_state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state()}
+    rank_state = {"scheduler": sched.state_dict(), "rng": rng_state()}
     save_checkpoint(out, state["step"], model, state, adapters=adapters, save_base=not cfg.lora.enabled,
-                    rank_state=rank_state)
+                    rank_state=rank_state, optimizer=opt)
     if dist.get_rank() == 0:
         if not (out / "hf").is_dir():
             write_hf_meta(out / "hf", _hf_dir(cfg))
@@ -234,7 +235,7 @@ def _restore(cfg: SFTConfig, model, opt, sched) -> Optional[dict]:
     """Resume from ``train.out`` if it has a checkpoint: weights/adapters in place, optimizer,
     scheduler, RNG and data position. Returns the trainer state or None."""
     from glm5_mcore.adapters import read_adapter_state
-    from glm5_mcore.checkpoint import adapter_dir, iter_dir, latest_iteration, load_model
+    from glm5_mcore.checkpoint import adapter_dir, iter_dir, latest_iteration, load_model, load_optimizer
     from glm5_mcore.lora import lora_layers
 
     out = Path(cfg.train.out)
@@ -249,7 +250,7 @@ def _restore(cfg: SFTConfig, model, opt, sched) -> Optional[dict]:
         load_model(model, iter_dir(out, it) / "model")
     rank_file = iter_dir(out, it) / "optimizer" / f"rank_{dist.get_rank():05d}.pt"
     rs = torch.load(rank_file, weights_only=False)
-    opt.load_state_dict(rs["optimizer"])
+    load_optimizer(opt, model, iter_dir(out, it) / "optimizer" / "dist")
     sched.load_state_dict(rs["scheduler"])
     set_rng_state(rs["rng"])
     return json.loads((iter_dir(out, it) / "trainer_state.json").read_text())

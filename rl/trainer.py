@@ -337,10 +337,10 @@ class PolicyTrainer:
         from glm5_mcore.checkpoint import prune_iterations, save_checkpoint, write_hf_meta
         from glm5_mcore.training import rng_state
 
-        rank_state = {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "rng": rng_state(),
+        rank_state = {"scheduler": self.sched.state_dict(), "rng": rng_state(),
                       "value_head": self.value_head.state_dict() if self.value_head is not None else None}
         save_checkpoint(root, step, self.model, trainer_state, adapters=self.lora_cfg, save_base=False,
-                        rank_state=rank_state)
+                        rank_state=rank_state, optimizer=self.opt)
         if dist.get_rank() == 0:
             if not (Path(root) / "hf").is_dir():
                 write_hf_meta(Path(root) / "hf", self.cfg.model.hf_dir)
@@ -353,7 +353,7 @@ class PolicyTrainer:
         import json
 
         from glm5_mcore.adapters import read_adapter_state
-        from glm5_mcore.checkpoint import adapter_dir, iter_dir, latest_iteration
+        from glm5_mcore.checkpoint import adapter_dir, iter_dir, latest_iteration, load_optimizer
         from glm5_mcore.lora import lora_layers
         from glm5_mcore.training import set_rng_state
 
@@ -366,7 +366,7 @@ class PolicyTrainer:
                 if name in lora.A:
                     lora.load_full_(name, st.A[lora.module_name], st.B[lora.module_name])
         rs = torch.load(iter_dir(root, it) / "optimizer" / f"rank_{dist.get_rank():05d}.pt", weights_only=False)
-        self.opt.load_state_dict(rs["optimizer"])
+        load_optimizer(self.opt, self.model, iter_dir(root, it) / "optimizer" / "dist")
         self.sched.load_state_dict(rs["scheduler"])
         set_rng_state(rs["rng"])
         if self.value_head is not None:
