@@ -122,6 +122,9 @@ class PolicyTrainer:
             self._hidden = None
             model.output_layer.register_forward_pre_hook(self._capture_hidden)
         set_adapter(model, "default")
+        from glm5_mcore.mtp_loss import fp32_output_layer
+
+        fp32_output_layer(model)  # log-probs from fp32 logits under bf16 (old, ref, new: IcePop's ratios)
         self.model = model
         self.moe_load = MoELoad(model)
         a = cfg.actor
