@@ -6,7 +6,9 @@
       iter_{N:07d}/
         model/                    Megatron-Core distributed checkpoint (torch_dist): loads at any TP/EP/PP
         adapters/{name}/          LoRA adapters (the LoRA issue)
-        optimizer/                optimizer + scheduler state (the SFT recipe)
+        optimizer/                optimizer state: Megatron-Core's sharded optimizer state (Adam moments,
+                                  fp32 main params; plain or distributed optimizer) saved with
+                                  dist_checkpointing under dist/, and rank_{r}.pt (scheduler, RNG)
         trainer_state.json        step, consumed samples, RNG / data position
         manifest.json             size + digest of every file above (``glm5_mcore.manifest``)
 
@@ -209,6 +211,72 @@ def load_model(model, path: str | Path, allow_nonfinite: bool = False) -> None:
                          f"unexpected {unexpected[:5]})")
 
 
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
+                      "chained_optim_avoid_prefix": True}
+"""Megatron-LM's sharded-state metadata: the distributed optimizer's buffers saved as they are
+sharded over DP (fully parallel, no gather; reshardable over DP), the plain optimizer's state in
+parameter space (reshardable over every layout)."""
+
+
+def _adapters_tp_sharded(sd: dict) -> dict:
+    """``sd`` with the TP-sharded LoRA tensors (``tensor_model_parallel`` set by ``lora._tag``) marked
+    as sharded: a base linear's ``sharded_state_dict`` covers its ``lora`` child as replicated, so
+    TP rank 0's shard alone would be saved. GLU fc1's B is [gate_shard; up_shard] on each rank, as
+    Megatron's fc1 weight (``apply_swiglu_sharded_factory``)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+    from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
+
+    out = {}
+    for k, v in sd.items():
+        p = getattr(v, "data", None) if isinstance(v, ShardedTensor) else None
+        if ".lora." in k and p is not None and getattr(p, "tensor_model_parallel", False):
+            if v.prepend_axis_num:
+                raise ValueError(f"{k}: a TP-sharded adapter with prepended (expert) axes is not supported")
+            v = make_tp_sharded_tensor_for_checkpoint(p, v.key, tp_axis=p.partition_dim)
+            if ".linear_fc1.lora.B." in k and p.partition_dim == 0 and not k.split(".lora.")[0].endswith(
+                    "experts.linear_fc1"):
+                v = apply_swiglu_sharded_factory(v, ())
+        out[k] = v
+    return out
+
+
+def optimizer_sharded_state_dict(opt, model, is_loading: bool = False) -> dict:
+    """Megatron-Core's sharded optimizer state of ``opt`` over ``model``'s parameters (the plain
+    optimizer's per-parameter state, or the distributed optimizer's moments and fp32 main params)."""
+    model_sd = _adapters_tp_sharded(model.sharded_state_dict())
+    return opt.sharded_state_dict(model_sd, is_loading=is_loading, metadata=dict(OPTIMIZER_METADATA))
+
+
+def save_optimizer(opt, model, path: str | Path) -> None:
+    """dist_checkpointing save of ``opt``'s sharded state (every rank calls it) into the new folder ``path``."""
+    from megatron.core import dist_checkpointing
+
+    cpu_compat.apply()
+    path = Path(path)
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(optimizer_sharded_state_dict(opt, model), str(path))
+
+
+def load_optimizer(opt, model, path: str | Path) -> None:
+    """Restore ``opt`` from ``save_optimizer``'s folder (every rank calls it); errors name the folder."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    cpu_compat.apply()
+    path = Path(path)
+    if not (path / "metadata.json").is_file():
+        raise FileNotFoundError(f"{path}: no optimizer state (not a Megatron-Core distributed checkpoint)")
+    verify_once(path)
+    try:
+        state = dist_checkpointing.load(optimizer_sharded_state_dict(opt, model, is_loading=True), str(path))
+        opt.load_state_dict(state)
+    except (Exception, CheckpointException) as e:
+        raise ValueError(f"{path}: could not load the optimizer state ({type(e).__name__}: {str(e)[:500]})") from None
+
+
 def adapter_dir(root: str | Path, name: str, iteration: Optional[int] = None) -> Path:
     """``DIR/iter_N/adapters/{name}`` (default: the ``latest`` iteration); errors name the folder."""
     it = latest_iteration(root) if iteration is None else iteration
@@ -222,11 +290,12 @@ def adapter_dir(root: str | Path, name: str, iteration: Optional[int] = None) ->
 
 def save_checkpoint(root: str | Path, iteration: int, model, trainer_state: Optional[dict] = None,
                     adapters: Optional[dict] = None, save_base: bool = True,
-                    rank_state: Optional[dict] = None) -> Path:
+                    rank_state: Optional[dict] = None, optimizer=None) -> Path:
     """Write ``DIR/iter_N`` (model, ``adapters/{name}`` for each ``{name: LoRAConfig}`` in
     ``adapters``, trainer_state.json) atomically, then point ``latest`` at it. ``save_base=False``
-    skips the (frozen) base weights of a LoRA run. ``rank_state`` (optimizer, scheduler, RNG) is saved
-    by every rank as ``optimizer/rank_{r}.pt`` (resumed at the same layout)."""
+    skips the (frozen) base weights of a LoRA run. ``optimizer`` (a Megatron optimizer over
+    ``model``) is saved with ``save_optimizer`` under ``optimizer/dist``; ``rank_state`` (scheduler,
+    RNG) by every rank as ``optimizer/rank_{r}.pt``."""
     root = Path(root)
     final = iter_dir(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
@@ -240,6 +309,8 @@ def save_checkpoint(root: str | Path, iteration: int, model, trainer_state: Opti
         from glm5_mcore.adapters import save_adapter
 
         save_adapter(model, name, tmp / "adapters" / name, cfg)
+    if optimizer is not None:
+        save_optimizer(optimizer, model, tmp / "optimizer" / "dist")
     if rank_state is not None:
         (tmp / "optimizer").mkdir(exist_ok=True)
         torch.save(rank_state, tmp / "optimizer" / f"rank_{dist.get_rank():05d}.pt")
@@ -256,7 +327,7 @@ def save_checkpoint(root: str | Path, iteration: int, model, trainer_state: Opti
 
 
 def load_rank_state(root: str | Path, iteration: int, rank: int) -> dict:
-    """This rank's ``optimizer/rank_{r}.pt`` (optimizer, scheduler, RNG), verified; errors name the file."""
+    """This rank's ``optimizer/rank_{r}.pt`` (scheduler, RNG), verified; errors name the file."""
     path = iter_dir(root, iteration) / "optimizer" / f"rank_{rank:05d}.pt"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing (saved at another world size or layout?)")

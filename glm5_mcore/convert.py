@@ -85,7 +85,7 @@ def meta_model(glm5: GLM5Config, dtype: torch.dtype):
     init_parallel(ParallelConfig())
     with torch.device("meta"):
         return build_model(glm5, ParallelConfig(), params_dtype=dtype, use_cpu_initialization=True,
-                           perform_initialization=False)
+                           perform_initialization=False, device="meta")
 
 
 def _named_tensors(model) -> dict[str, torch.Tensor]:

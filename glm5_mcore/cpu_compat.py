@@ -105,8 +105,11 @@ class LocalBackend(LocalSpecProvider):
 # --------------------------------------------------------------------------------------------------
 def _cpu_device_as_current_device() -> None:
     """``torch.cuda.current_device()`` used as a tensor device: rotary_pos_embedding.py:78,162,
-    moe/router.py:98,184, multi_token_prediction.py:192,374, dsa.py:300. On CPU it names the CPU."""
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    moe/router.py:98,184, multi_token_prediction.py:192,374, dsa.py:300, and Megatron's parameter
+    and buffer allocations. On CPU it names the training device (the CPU, or a test's stand-in)."""
+    from glm5_mcore.device import training_device
+
+    torch.cuda.current_device = training_device  # type: ignore[assignment]
 
 
 def _cp_pos_emb_on_cpu() -> None:
@@ -129,7 +132,8 @@ def _cp_pos_emb_on_cpu() -> None:
 
 class _CudaLiteralToCPU:
     """Stands in for ``torch`` inside one Megatron module: tensor factories given ``device='cuda'``
-    (a string literal, so no device variable can be set) build on the CPU instead."""
+    (a string literal, so no device variable can be set) build on the training device instead (the
+    CPU, or a test's stand-in accelerator)."""
 
     _FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
 
@@ -140,7 +144,9 @@ class _CudaLiteralToCPU:
 
         def factory(*args, **kwargs):
             if str(kwargs.get("device", "")).startswith("cuda"):
-                kwargs["device"] = "cpu"
+                from glm5_mcore.device import training_device
+
+                kwargs["device"] = training_device()
             return real(*args, **kwargs)
 
         return factory

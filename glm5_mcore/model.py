@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from glm5_mcore import cpu_compat
 from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.device import training_device
 from glm5_mcore.dsa import GLM5SparseAttention, link_absorbed_mla, link_index_share
 
 
@@ -104,10 +105,12 @@ def reset_global_trackers() -> None:
 
 
 def build_model(glm5: GLM5Config, parallel: Optional[ParallelConfig] = None, backend: str = "local",
-                pre_process: Optional[bool] = None, post_process: Optional[bool] = None, **config_overrides):
+                pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
+                device: Optional[torch.device | str] = None, **config_overrides):
     """A Megatron-Core ``GPTModel`` computing GLM-5 (this rank's shard: its pipeline stage's layers,
-    the embedding on the first stage, output layer and MTP on the last). Parallel state must be
-    initialised for ``parallel`` (``init_parallel``)."""
+    the embedding on the first stage, output layer and MTP on the last), on ``device``: the training
+    device (``glm5_mcore.device``) unless given ("meta" for a shapes-only model, as conversion
+    builds). Parallel state must be initialised for ``parallel`` (``init_parallel``)."""
     from megatron.core import parallel_state as ps
 
     from megatron.core.models.gpt import GPTModel
@@ -141,7 +144,10 @@ def build_model(glm5: GLM5Config, parallel: Optional[ParallelConfig] = None, bac
     link_index_share(m for m in model.decoder.modules() if isinstance(m, GLM5SparseAttention))
     link_absorbed_mla(model)
     keep_router_fp32(model)
-    return model
+    # Megatron's get_model moves the model to the current CUDA device before DDP and the optimizer;
+    # LoRA adapters, created beside their base weights, follow. Norms, replicated linears and the
+    # router are built without a device, on the CPU.
+    return model.to(training_device() if device is None else device)
 
 
 def keep_router_fp32(model) -> None:

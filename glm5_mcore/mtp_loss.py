@@ -7,6 +7,8 @@
 - ``token_logprobs``: log-probability of given target tokens and the entropy of the main head's
   distribution, computed vocab-parallel (each TP rank holds V/TP logits; three all-reduces of
   [tokens] floats, never the full vocabulary) — what RL needs for π(token) and entropy.
+- ``fp32_output_layer``: the output projection of a bf16 model computed in fp32, so log-probs
+  (old / reference / new, and IcePop's ratios of them) carry no bf16 rounding of the logits.
 """
 
 from __future__ import annotations
@@ -92,6 +94,25 @@ def token_logprobs(logits: torch.Tensor, target: torch.Tensor, tp_group=None,
     if temperature != 1.0:
         logits = logits / temperature
     return _VocabParallelLogProbEntropy.apply(logits, target, vocab_start, tp_group if size > 1 else None)
+
+
+def fp32_output_layer(model):
+    """Make ``model``'s output layer (a Megatron ``ColumnParallelLinear``) compute in fp32: its input
+    hidden states [s, b, H] and weight [V/TP, H] are upcast before the matmul, so the logits
+    [s, b, V/TP] are fp32 products rather than bf16-rounded ones (an error of about |logit|·2⁻⁸ that
+    would go straight into log-probs). A no-op for an fp32 model. Returns the hook handle.
+
+    The upcast weight is a copy, so use it where the output layer is frozen (LoRA: RL's policy)."""
+    layer = model.output_layer
+
+    def upcast(mod, args, kwargs):
+        w = kwargs.get("weight")
+        w = mod.weight if w is None else w
+        if args[0].dtype == torch.float32 and w.dtype == torch.float32:
+            return None
+        return (args[0].float(), *args[1:]), {**kwargs, "weight": w.float()}
+
+    return layer.register_forward_pre_hook(upcast, with_kwargs=True)
 
 
 def model_token_logprobs(model, input_ids, position_ids, targets, packed_seq_params=None,

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from glm5_mcore.config import GLM5Config, ParallelConfig, check_transformers_version
+from glm5_mcore.device import training_device
 from glm5_mcore.stored import checkpoint_config, hf_dir_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -67,7 +68,6 @@ def megatron_forward(hf_dir: Optional[str], glm5: GLM5Config, input_ids: torch.T
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.experimental_attention_variant import dsa_layout
 
-    from glm5_mcore.dsa import GLM5SparseAttention
     from glm5_mcore.model import build_model, forward_logits, init_parallel, load_hf_weights
 
     init_parallel(parallel)
@@ -85,8 +85,10 @@ def megatron_forward(hf_dir: Optional[str], glm5: GLM5Config, input_ids: torch.T
         load_adapter_state(model, import_peft(adapter, glm5.num_hidden_layers), "default", trainable=False)
     model = model.to(dtype).eval()
     B, S = input_ids.shape
+    dev = training_device()
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    pos = dsa_layout.build_zigzag_cp_local_positions(S, cp, cp_rank, torch.device("cpu"))
+    pos = dsa_layout.build_zigzag_cp_local_positions(S, cp, cp_rank, dev)
+    input_ids = input_ids.to(dev)
     routers = []
     hooks = [m.register_forward_hook(lambda mod, inp, out: routers.append(out[1].detach()))
              for n, m in model.named_modules() if n.startswith("decoder.") and n.endswith("mlp.router")]
@@ -94,6 +96,18 @@ def megatron_forward(hf_dir: Optional[str], glm5: GLM5Config, input_ids: torch.T
         logits = forward_logits(model, input_ids[:, pos], pos[None].expand(B, -1).contiguous())
     for h in hooks:
         h.remove()
+    logits, topks, router_sets = _gather_to_token_order(model, logits, routers, pos, B, S)
+    return logits.cpu(), [None if t is None else t.cpu() for t in topks], [r.cpu() for r in router_sets]
+
+
+def _gather_to_token_order(model, logits, routers, pos, B: int, S: int):
+    """Logits, indexer top-k and router sets of every rank gathered (on the training device) into
+    natural token order."""
+    from megatron.core import parallel_state as ps
+
+    from glm5_mcore.dsa import GLM5SparseAttention
+
+    cp = ps.get_context_parallel_world_size()
     cp_group = ps.get_context_parallel_group() if cp > 1 else None
     tp_group = ps.get_tensor_model_parallel_group()
     order = torch.argsort(_all_gather_cat(pos, cp_group))
@@ -227,7 +241,7 @@ def main(args) -> int:
         print(json.dumps(report), flush=True)
         code = 1 if report["pass"] is False else 0
     if dist.is_initialized():
-        codes = torch.tensor([code])
+        codes = torch.tensor([code], device=training_device())
         dist.broadcast(codes, 0)
         code = int(codes)
         dist.destroy_process_group()

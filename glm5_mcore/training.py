@@ -39,7 +39,7 @@ class OptimCfg:
 
 def build_trainer(model, o: OptimCfg, total_steps: int, bf16: bool = False, cpu_offload: bool = False):
     """(ddp, optimizer, scheduler) for ``model``'s parameters that require grad; the schedule spans
-    ``total_steps``."""
+    ``total_steps``. Under bf16 the DDP gradient buffers and their reduction are fp32."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                            finalize_model_grads)
@@ -49,8 +49,10 @@ def build_trainer(model, o: OptimCfg, total_steps: int, bf16: bool = False, cpu_
     model.config.finalize_model_grads_func = finalize_model_grads
     dist_opt = o.distributed if o.distributed is not None else (
         torch.cuda.is_available() and ps.get_data_parallel_world_size() > 1)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=dist_opt),
-                                  model)
+    bf16 = bf16 or bool(model.config.bf16)
+    # Megatron-LM turns grad_reduce_in_fp32 on for bf16: gradients accumulate and are reduced in fp32
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=bf16), model)
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
         adam_beta2=o.adam_beta2, clip_grad=o.clip_grad, bf16=bf16, optimizer_cpu_offload=cpu_offload,

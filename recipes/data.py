@@ -163,6 +163,11 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
+    def to(self, device) -> "PackedBatch":
+        """This batch with its tensors on ``device`` (the training device: batches are built on the CPU)."""
+        return PackedBatch(self.input_ids.to(device), self.labels.to(device), self.loss_mask.to(device),
+                           self.position_ids.to(device), self.cu_seqlens.to(device), self.sources)
+
     def packed_seq_params(self):
         from megatron.core.packed_seq_params import PackedSeqParams
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.device import training_device
 from glm5_mcore.lora import DEFAULT_TARGETS, LoRAConfig
 from glm5_mcore.plan.job import PlanCfg
 from glm5_mcore.training import MoELoad, OptimCfg, WandbCfg, build_trainer, init_wandb, rng_state, set_rng_state
@@ -200,7 +201,7 @@ def _check_indexer_settings(cfg: SFTConfig) -> None:
 # the training step
 # --------------------------------------------------------------------------------------------------
 def _forward_step(batch_iter, model):
-    b: PackedBatch = next(batch_iter)
+    b: PackedBatch = next(batch_iter).to(training_device())
     out = model(b.input_ids, b.position_ids, None, labels=b.labels, packed_seq_params=b.packed_seq_params(),
                 loss_mask=b.loss_mask)
 
@@ -219,7 +220,7 @@ def step_losses(ddp, batches: list[PackedBatch], forward_only: bool) -> tuple[fl
     from glm5_mcore.training import forward_backward
 
     res = forward_backward(ddp, _forward_step, batches, forward_only, max(b.num_tokens for b in batches))
-    tot = torch.zeros(2)
+    tot = torch.zeros(2, device=training_device())
     for r in res:  # only the last pipeline stage computes the loss
         tot += r["lm"].float()
     group = ps.get_data_parallel_group(with_context_parallel=True)
@@ -234,14 +235,15 @@ def _equalize(batches: list[PackedBatch], pad_id: int) -> list[PackedBatch]:
     """Pad micro-batch i of every rank to the largest micro-batch i over all ranks (and equal counts)."""
     from recipes.data import pad_to
 
-    sizes = torch.zeros(64, dtype=torch.long)
-    sizes[: len(batches)] = torch.tensor([b.num_tokens for b in batches])
-    count = torch.tensor([len(batches)])
+    dev = training_device()
+    sizes = torch.zeros(64, dtype=torch.long, device=dev)
+    sizes[: len(batches)] = torch.tensor([b.num_tokens for b in batches], device=dev)
+    count = torch.tensor([len(batches)], device=dev)
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     if int(count) != len(batches):
         raise RuntimeError("ranks disagree on the number of micro-batches per step")
-    return [pad_to(b, int(n), pad_id) for b, n in zip(batches, sizes)]
+    return [pad_to(b, int(n), pad_id) for b, n in zip(batches, sizes.tolist())]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -255,9 +257,9 @@ def save(cfg: SFTConfig, model, opt, sched, state: dict) -> None:
     if cfg.lora.enabled:
         adapters = {cfg.lora.name: LoRAConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                                               targets=tuple(cfg.lora.targets))}
-    rank_state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state()}
+    rank_state = {"scheduler": sched.state_dict(), "rng": rng_state()}
     save_checkpoint(out, state["step"], model, state, adapters=adapters, save_base=not cfg.lora.enabled,
-                    rank_state=rank_state)
+                    rank_state=rank_state, optimizer=opt)
     if dist.get_rank() == 0:
         if not (out / "hf").is_dir():
             write_hf_meta(out / "hf", _hf_dir(cfg), base_ckpt=cfg.model.ckpt)
@@ -310,7 +312,8 @@ def _restore(cfg: SFTConfig, model, opt, sched, settings: dict) -> Optional[dict
     ``train.allow_resume_mismatch``): weights/adapters in place, optimizer, scheduler, RNG and data
     position. Returns the trainer state or None."""
     from glm5_mcore.adapters import read_adapter_state
-    from glm5_mcore.checkpoint import adapter_dir, iter_dir, load_model, load_rank_state, read_trainer_state
+    from glm5_mcore.checkpoint import (adapter_dir, iter_dir, latest_iteration, load_model, load_optimizer,
+                                       load_rank_state, read_trainer_state)
     from glm5_mcore.lora import lora_layers
     from glm5_mcore.resume import guard_resume
 
@@ -334,11 +337,11 @@ def _restore(cfg: SFTConfig, model, opt, sched, settings: dict) -> Optional[dict
     else:
         load_model(model, iter_dir(out, it) / "model")
     rs = load_rank_state(out, it, dist.get_rank())
+    load_optimizer(opt, model, iter_dir(out, it) / "optimizer" / "dist")
     try:
-        opt.load_state_dict(rs["optimizer"])
         sched.load_state_dict(rs["scheduler"])
     except (KeyError, ValueError, RuntimeError) as e:
-        raise ValueError(f"{iter_dir(out, it) / 'optimizer'}: optimizer state does not fit this run "
+        raise ValueError(f"{iter_dir(out, it) / 'optimizer'}: scheduler state does not fit this run "
                          f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
     set_rng_state(rs["rng"])
     state = read_trainer_state(out, it)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from glm5_mcore.device import training_device
 from rl.algos import ActorLoss
 from rl.batch import RolloutBatch
 from rl.config import RLConfig
@@ -82,10 +83,6 @@ class _Packed:
         return packed_seq_params_from_lengths(self.lengths, device)
 
 
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 class PolicyTrainer:
     def __init__(self, cfg: RLConfig, rank: int = 0, world: int = 1, master_addr: Optional[str] = None,
                  master_port: Optional[int] = None):
@@ -125,11 +122,14 @@ class PolicyTrainer:
             self.lora_cfg["critic"] = LoRAConfig(rank=c.rank, alpha=c.alpha, targets=tuple(c.targets),
                                                  seed=t.seed + 1)
             apply_lora(model, self.lora_cfg["critic"], "critic", freeze_indexer=t.freeze_indexer)
-            model.value_head = self.value_head = ValueHead(self.glm5.hidden_size)
+            model.value_head = self.value_head = ValueHead(self.glm5.hidden_size).to(training_device())
             self._hidden = None
             model.output_layer.register_forward_pre_hook(self._capture_hidden)
         set_adapter(model, "default")
         check_indexer_learns(model, "trainer.freeze_indexer")
+        from glm5_mcore.mtp_loss import fp32_output_layer
+
+        fp32_output_layer(model)  # log-probs from fp32 logits under bf16 (old, ref, new: IcePop's ratios)
         self.model = model
         self.moe_load = MoELoad(model)
         a = cfg.actor
@@ -171,11 +171,12 @@ class PolicyTrainer:
             groups.append(cur)
             sizes.append(size)
         if dist.get_world_size() > 1:
-            cnt = torch.tensor([len(groups)])
+            dev = training_device()
+            cnt = torch.tensor([len(groups)], device=dev)
             dist.all_reduce(cnt, op=dist.ReduceOp.MAX)
             groups += [[] for _ in range(int(cnt) - len(groups))]
             sizes += [1] * (int(cnt) - len(sizes))
-            s = torch.tensor(sizes)
+            s = torch.tensor(sizes, device=dev)
             dist.all_reduce(s, op=dist.ReduceOp.MAX)
             sizes = s.tolist()
         mult = self.parallel.tp if self.model.config.sequence_parallel else 1
@@ -187,7 +188,7 @@ class PolicyTrainer:
 
         from glm5_mcore.mtp_loss import token_logprobs
 
-        dev = _device()
+        dev = training_device()
         logits = model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), attention_mask=None,
                        packed_seq_params=mb.packed_seq_params(dev))[0]  # [T, V/TP]
         group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
@@ -199,7 +200,7 @@ class PolicyTrainer:
         from glm5_mcore.lora import set_adapter
 
         set_adapter(self.model, "critic")
-        dev = _device()
+        dev = training_device()
         try:
             model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), attention_mask=None,
                   packed_seq_params=mb.packed_seq_params(dev))
@@ -281,7 +282,8 @@ class PolicyTrainer:
                         sums[k] = sums.get(k, 0.0) + v * w
                         weights[k] = weights.get(k, 0.0) + w
         keys = sorted(sums)
-        t = torch.tensor([[sums[k], weights[k]] for k in keys], dtype=torch.float64).reshape(-1, 2)
+        t = torch.tensor([[sums[k], weights[k]] for k in keys], dtype=torch.float64,
+                         device=training_device()).reshape(-1, 2)
         from megatron.core import parallel_state as ps
 
         if dp > 1:
@@ -312,9 +314,10 @@ class PolicyTrainer:
     def _finite(self, reports: list[dict]) -> tuple[bool, str]:
         """All ranks agree whether this mini-batch's losses and gradients are finite."""
         bad_loss = any(not np.isfinite(v) for r in reports for k, (v, _) in r.items() if k.endswith("loss"))
-        bad_grad = any(not torch.isfinite(p.main_grad).all() for p in self.ddp.parameters()
-                       if p.requires_grad and getattr(p, "main_grad", None) is not None)
-        flag = torch.tensor([float(bad_loss), float(bad_grad)])
+        grads = [p.main_grad for p in self.ddp.parameters()
+                 if p.requires_grad and getattr(p, "main_grad", None) is not None]
+        bad_grad = bool(grads) and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+        flag = torch.tensor([float(bad_loss), float(bad_grad)], device=training_device())
         if dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag[0]:
@@ -342,10 +345,10 @@ class PolicyTrainer:
         from glm5_mcore.checkpoint import prune_iterations, save_checkpoint, write_hf_meta
         from glm5_mcore.training import rng_state
 
-        rank_state = {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "rng": rng_state(),
+        rank_state = {"scheduler": self.sched.state_dict(), "rng": rng_state(),
                       "value_head": self.value_head.state_dict() if self.value_head is not None else None}
         save_checkpoint(root, step, self.model, trainer_state, adapters=self.lora_cfg, save_base=False,
-                        rank_state=rank_state)
+                        rank_state=rank_state, optimizer=self.opt)
         if dist.get_rank() == 0:
             if not (Path(root) / "hf").is_dir():
                 write_hf_meta(Path(root) / "hf", self.cfg.model.hf_dir)
@@ -356,7 +359,8 @@ class PolicyTrainer:
     def restore(self, root: str) -> Optional[dict]:
         """Adapters, optimizer, scheduler, RNG and value head from ``root``'s latest iteration."""
         from glm5_mcore.adapters import read_adapter_state
-        from glm5_mcore.checkpoint import adapter_dir, latest_iteration, load_rank_state, read_trainer_state
+        from glm5_mcore.checkpoint import (adapter_dir, iter_dir, latest_iteration, load_optimizer, load_rank_state,
+                                           read_trainer_state)
         from glm5_mcore.lora import lora_layers
         from glm5_mcore.training import set_rng_state
 
@@ -369,7 +373,7 @@ class PolicyTrainer:
                 if name in lora.A:
                     lora.load_full_(name, st.A[lora.module_name], st.B[lora.module_name])
         rs = load_rank_state(root, it, dist.get_rank())
-        self.opt.load_state_dict(rs["optimizer"])
+        load_optimizer(self.opt, self.model, iter_dir(root, it) / "optimizer" / "dist")
         self.sched.load_state_dict(rs["scheduler"])
         set_rng_state(rs["rng"])
         if self.value_head is not None:

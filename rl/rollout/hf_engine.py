@@ -74,8 +74,11 @@ class HFRolloutEngine(RolloutEngine):
         super().__init__(hf_dir, deterministic_topk)
         from transformers import AutoModelForCausalLM
 
+        from glm5_mcore.device import training_device
+
         torch.set_num_threads(threads)
-        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
+        self.device = training_device()  # the GPU a Ray actor is given (CUDA_VISIBLE_DEVICES), else the CPU
+        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval().to(self.device)
         if deterministic_topk:
             cls = _deterministic_indexer_class()
             for m in self.model.modules():
@@ -131,7 +134,7 @@ class HFRolloutEngine(RolloutEngine):
         B = len(reqs)
         gens = [torch.Generator().manual_seed(r.seed) for r in reqs]
         stop = set(int(t) for t in p.stop_token_ids)
-        ids = torch.tensor([r.prompt_ids for r in reqs], dtype=torch.long)
+        ids = torch.tensor([r.prompt_ids for r in reqs], dtype=torch.long, device=self.device)
         out = self._net(input_ids=ids, use_cache=True)
         cache = out.past_key_values
         logits = out.logits[:, -1].float()
@@ -140,8 +143,9 @@ class HFRolloutEngine(RolloutEngine):
         done = [False] * B
         reason = ["length"] * B
         for t in range(p.max_new_tokens):
-            logp = torch.log_softmax(logits / p.temperature, dim=-1)
-            probs = _top_p_probs(logits, p.temperature, p.top_p)
+            # sampled on the CPU with each request's CPU generator: the same tokens on any device
+            logp = torch.log_softmax(logits / p.temperature, dim=-1).cpu()
+            probs = _top_p_probs(logits, p.temperature, p.top_p).cpu()
             nxt = torch.zeros(B, dtype=torch.long)
             for i in range(B):
                 if done[i]:
@@ -154,7 +158,7 @@ class HFRolloutEngine(RolloutEngine):
                     done[i], reason[i] = True, "stop"
             if all(done) or t == p.max_new_tokens - 1:
                 break
-            out = self._net(input_ids=nxt[:, None], cache=cache, use_cache=True)
+            out = self._net(input_ids=nxt[:, None].to(self.device), cache=cache, use_cache=True)
             cache = out.past_key_values
             logits = out.logits[:, -1].float()
         return [Result(r.key, toks[i], lps[i], reason[i]) for i, r in enumerate(reqs)]

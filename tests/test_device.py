@@ -1,0 +1,140 @@
+"""Device bugs caught on CPU: the model, the SFT and RL data paths and their losses run on a stand-in
+accelerator (``tests/fake_device.py``: tensors on ``meta`` holding CPU values), where a tensor made
+on the CPU inside them fails as it would on CUDA; collectives must get training-device tensors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fake_device import fake_device, host
+
+from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.lora import FAMILIES, LoRAConfig
+
+
+def _docs(hf_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from recipes.data import read_jsonl
+
+    with open(tmp_path / "d.jsonl", "w") as f:
+        for i in range(3):
+            f.write(json.dumps({"prompt": " ".join(f"w{(i * 7 + k) % 90}" for k in range(5 + 4 * i)),
+                                "response": f"w{i} w{i + 1} w{i + 2} w{i + 3}"}) + "\n")
+    return read_jsonl(tmp_path / "d.jsonl", AutoTokenizer.from_pretrained(hf_dir), 64)
+
+
+def _sft_loss_and_grads(hf_dir, batch):
+    """One SFT micro-batch through ``recipes.sft._forward_step`` (the data path, the model with LoRA on
+    every family, MTP, DSA, THD) and its loss function; (loss, n, {param: grad}) as CPU values."""
+    from glm5_mcore.device import training_device
+    from glm5_mcore.lora import apply_lora
+    from glm5_mcore.model import build_model, load_hf_weights
+    from glm5_mcore.mtp_loss import mtp_depth_losses
+    from recipes.sft import _forward_step
+
+    glm5 = GLM5Config.from_hf_dir(hf_dir)
+    m = build_model(glm5, ParallelConfig())
+    dev = training_device()
+    off = [n for n, t in [*m.named_parameters(), *m.named_buffers()] if t.device.type != dev.type]
+    assert not off, f"build_model left {len(off)} tensors off the training device {dev}: {off[:6]}"
+    load_hf_weights(m, hf_dir, glm5)
+    apply_lora(m, LoRAConfig(rank=2, targets=FAMILIES, init="random", seed=3), "default", freeze_indexer=False)
+    off = [n for n, p in m.named_parameters() if p.device.type != dev.type]
+    assert not off, f"LoRA adapters off the training device {dev}: {off[:6]}"
+    m.train()
+    mtp_depth_losses(1)  # clear the tracker
+    out, loss_func = _forward_step(iter([batch]), m)
+    loss, n, _ = loss_func(out)
+    loss.backward()
+    assert mtp_depth_losses(1).get("mtp_loss/depth_1", 1) > 0  # the MTP layer ran
+    grads = {k: host(p.grad).clone() for k, p in m.named_parameters() if p.grad is not None}
+    return float(host(loss)), int(host(n)), grads
+
+
+def test_sft_forward_backward_on_a_device_matches_cpu(tiny_mtp_dir, tmp_path, single_rank):
+    from glm5_mcore import kernels
+    from recipes.data import pack
+
+    batch = pack(_docs(tiny_mtp_dir, tmp_path), 1000)[0]
+    assert len(batch.cu_seqlens) == 4
+    with kernels.disabled():  # the PyTorch DSA path on both sides, as on CUDA
+        ref_loss, ref_n, ref_grads = _sft_loss_and_grads(tiny_mtp_dir, batch)
+    with fake_device():
+        loss, n, grads = _sft_loss_and_grads(tiny_mtp_dir, batch)
+    assert n == ref_n and abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
+    lora = [k for k in ref_grads if ".lora." in k]
+    assert set(grads) == set(ref_grads) and lora
+    worst = max((float((grads[k] - g).abs().max()), k) for k, g in ref_grads.items())
+    assert worst[0] <= 1e-5, sorted(((float((grads[k] - g).abs().max()), k) for k, g in ref_grads.items()), reverse=True)[:12]
+
+
+def test_rl_trainer_on_a_device_matches_cpu(tiny_dir):
+    """The RL trainer (policy + GAE critic with its value head) builds, computes log-probs / values and
+    updates on the device; results equal the CPU trainer's."""
+    from glm5_mcore.device import training_device
+    from rl import algos
+    from rl.batch import RolloutBatch
+    from rl.config import RLConfig
+    from rl.driver import fill_log_probs
+    from rl.trainer import PolicyTrainer
+
+    cfg = RLConfig.from_dict({"model": {"hf_dir": tiny_dir}, "wandb": {"mode": "disabled"},
+                              "algorithm": {"adv_estimator": "gae"}, "rollout": {"n": 2},
+                              "actor": {"ppo_mini_batch_size": 2}})
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 90, (6 + 5 * (i // 2),), generator=g).tolist() for i in range(4)]
+    responses = [torch.randint(3, 90, (4,), generator=g).tolist() for _ in range(4)]
+
+    def run():
+        batch = RolloutBatch.build(prompts, responses, [[-1.0] * 4] * 4, [0, 0, 1, 1])
+        batch.scores = torch.tensor([1.0, 0.0, 0.0, 1.0])
+        t = PolicyTrainer(cfg)
+        dev = training_device()
+        off = [n for n, p in t.model.named_parameters() if p.device.type != dev.type]
+        assert not off, f"trainer parameters off the training device {dev}: {off[:6]}"
+        lp = t.compute_log_probs(batch)
+        fill_log_probs(batch, [lp])
+        batch.rollout_log_probs = batch.old_log_probs - 0.01
+        algos.rollout_correction(cfg, batch)
+        algos.compute_advantages(cfg, batch, 0.0)
+        return lp, t.update(batch, step=0)
+
+    from glm5_mcore import kernels
+
+    with kernels.disabled():
+        ref_lp, ref_m = run()
+    with fake_device():
+        lp, m = run()
+    for k in ("old_log_probs", "ref_log_probs", "values"):
+        assert (lp[k] - ref_lp[k]).abs().max() <= 1e-5, (k, lp[k], ref_lp[k])
+    assert m["actor/updates_skipped"] == 0.0
+    assert abs(m["actor/grad_norm"] - ref_m["actor/grad_norm"]) <= 1e-4 * ref_m["actor/grad_norm"]
+
+
+def test_collectives_of_sft_rl_and_parity_get_training_device_tensors(tiny_dir, tmp_path):
+    """Two gloo ranks on the stand-in device: every collective SFT (EP2 × DP2), the RL trainer (DP2)
+    and parity (CP2, TP2) issue — theirs and Megatron-Core's — gets tensors on the training device."""
+    data = tmp_path / "d.jsonl"
+    with open(data, "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt": " ".join(f"w{(i * 7 + k) % 90}" for k in range(3 + i % 5)),
+                                "response": f"w{i} w{i + 1} w{i + 2}"}) + "\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(Path(__file__).parent / "device_collectives_check.py"), tiny_dir, str(data), str(tmp_path / "sft")]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    print(json.dumps(res, indent=1))
+    assert not res["violations"], "\n".join(res["violations"])
+    callers = " ".join(res["callers"])
+    for where in ("recipes/sft.py", "rl/trainer.py", "glm5_mcore/parity.py", "megatron/core/distributed"):
+        assert where in callers, (where, res["callers"])
