@@ -631,8 +631,9 @@ def indexer_metrics(model: torch.nn.Module, group=None) -> dict[str, float]:
             tot += torch.stack([torch.as_tensor(v).detach().to("cpu", torch.float64) for v in m.indexer_stats])
             m.indexer_stats = [0.0, 0, 0.0, 0]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        if torch.cuda.is_available():  # NCCL reduces device tensors only
-            tot = tot.cuda()
+        from glm5_mcore.device import training_device
+
+        tot = tot.to(training_device())  # NCCL reduces device tensors only
         dist.all_reduce(tot, group=group)
         tot = tot.cpu()
     out = {}
