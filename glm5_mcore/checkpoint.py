@@ -101,7 +101,12 @@ def write_latest(root: str | Path, iteration: int) -> None:
 
 def model_dir(root: str | Path, iteration: Optional[int] = None) -> Path:
     """``DIR/iter_N/model`` for ``iteration`` (default: ``latest``), or, for a LoRA run that saves
-    only adapters, the newest earlier iteration that has base weights."""
+    only adapters, the newest earlier iteration that has base weights. A Megatron-LM / Megatron-Bridge
+    folder: its ``iter_N`` itself (``glm5_mcore.foreign_ckpt.model_path``)."""
+    from glm5_mcore import foreign_ckpt
+
+    if foreign_ckpt.is_foreign(root):
+        return foreign_ckpt.model_path(root, iteration)
     it = latest_iteration(root) if iteration is None else iteration
     require_iteration(root, it)
     for i in reversed(iterations(root)):
@@ -167,7 +172,10 @@ def save_model(model, path: str | Path) -> None:
 @torch.no_grad()
 def load_model(model, path: str | Path, allow_nonfinite: bool = False) -> None:
     """Load a Megatron-Core distributed checkpoint into ``model`` at this process's TP/EP/PP layout,
-    its files verified against the iteration's manifest; a NaN/Inf weight is an error naming it."""
+    its files verified against the iteration's manifest; a NaN/Inf weight is an error naming it.
+    Megatron-LM / Bridge checkpoints: the non-tensor state their trainers save beside the weights
+    (``checkpoint_version``, ``iteration``, ``args``, ``content_metadata``, ...) is not the model's and is
+    left out; tensors stored in another dtype (a bf16 router) are cast to the parameter's."""
     from megatron.core import dist_checkpointing
 
     cpu_compat.apply()
@@ -178,9 +186,11 @@ def load_model(model, path: str | Path, allow_nonfinite: bool = False) -> None:
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     try:
-        state = dist_checkpointing.load(base_sharded_state_dict(model), str(path))
+        sharded = base_sharded_state_dict(model)
+        state = dist_checkpointing.load(dict(sharded), str(path))
     except (Exception, CheckpointException) as e:
         raise ValueError(f"{path}: could not load the checkpoint ({short_error(e)})") from None
+    state = {k: v for k, v in state.items() if k in sharded}
     if not allow_nonfinite:
         for k, v in state.items():
             if torch.is_tensor(v):
