@@ -204,6 +204,12 @@ def load_model(model, path: str | Path, allow_nonfinite: bool = False) -> None:
 
 def adapter_dir(root: str | Path, name: str, iteration: Optional[int] = None) -> Path:
     """``DIR/iter_N/adapters/{name}`` (default: the ``latest`` iteration); errors name the folder."""
+    from glm5_mcore import foreign_ckpt
+
+    if foreign_ckpt.is_foreign(root):
+        raise ValueError(f"{root}: a Megatron-LM / Megatron-Bridge checkpoint: its LoRA adapters (Bridge's "
+                         "adapter.linear_in/linear_out) are not read; `glm5 convert mcore-to-hf` writes its "
+                         "(merged) weights as an HF folder")
     it = latest_iteration(root) if iteration is None else iteration
     path = require_iteration(root, it) / "adapters" / name
     if not path.is_dir():

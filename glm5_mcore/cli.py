@@ -68,6 +68,14 @@ def _parser() -> argparse.ArgumentParser:
     cksub = ck.add_subparsers(dest="action", required=True)
     v = cksub.add_parser("verify", help="check every file of a folder against its checksum manifest(s)")
     v.add_argument("dir")
+    xp = cksub.add_parser("export", help="a checkpoint in another tool's layout (Megatron-LM / Megatron-Bridge)")
+    xp.add_argument("--format", choices=["megatron"], required=True)
+    xp.add_argument("--ckpt", required=True)
+    xp.add_argument("--iteration", type=int, help="default: DIR/latest")
+    xp.add_argument("--out", required=True)
+    xp.add_argument("--overwrite", action="store_true",
+                    help="replace an existing output that is not a previous output of this command")
+    xp.add_argument("--no-verify", action="store_true", help="skip checksum verification of the inputs")
     return p
 
 
@@ -114,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
                                             args.max_shard_size, progress=not args.no_progress,
                                             overwrite=args.overwrite, allow_nonfinite=args.allow_nonfinite)
             print(f"wrote {out}")
+            return 0
+        if args.cmd == "checkpoint" and args.action == "export":
+            from glm5_mcore.foreign_ckpt import export_megatron
+
+            print(f"wrote {export_megatron(args.ckpt, args.out, args.iteration, args.overwrite)}")
             return 0
         if args.cmd == "checkpoint":
             from glm5_mcore.manifest import verify_tree

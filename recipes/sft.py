@@ -390,6 +390,11 @@ def run(cfg: SFTConfig) -> dict:
         overrides.update(bf16=True, params_dtype=torch.bfloat16)
     if cfg.train.recompute:
         overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if cfg.model.ckpt:
+        from glm5_mcore import foreign_ckpt
+
+        if foreign_ckpt.is_foreign(cfg.model.ckpt):  # Megatron-LM / Bridge: config checked, MTP as stored
+            glm5 = foreign_ckpt.glm5_config(cfg.model.ckpt, glm5)
     model = build_model(glm5, parallel, **overrides)
     if cfg.model.ckpt:
         load_model(model, model_dir(cfg.model.ckpt))

@@ -103,6 +103,11 @@ class PolicyTrainer:
         t = cfg.trainer
         self.parallel = ParallelConfig(tp=t.tp, ep=t.ep)
         self.glm5 = GLM5Config.from_hf_dir(cfg.model.hf_dir)
+        if cfg.model.ckpt:
+            from glm5_mcore import foreign_ckpt
+
+            if foreign_ckpt.is_foreign(cfg.model.ckpt):  # Megatron-LM / Bridge: config checked against hf_dir
+                self.glm5 = foreign_ckpt.glm5_config(cfg.model.ckpt, self.glm5)
         init_parallel(self.parallel, seed=t.seed)
         self.pad_id = AutoTokenizer.from_pretrained(cfg.model.hf_dir).pad_token_id or 0
         overrides = {"bf16": True, "params_dtype": torch.bfloat16} if t.bf16 else {}
