@@ -195,6 +195,22 @@ def test_sft_starts_from_a_bridge_folder_exactly_as_from_its_weights(foreign, co
     assert [x["loss"] for x in a] == [x["loss"] for x in b]
 
 
+def test_rl_trainer_starts_from_a_megatron_lm_folder(foreign, tiny_mtp_dir):
+    """RL's ``model.ckpt``: the policy's base weights are the Megatron-LM folder's (router upcast)."""
+    from rl.config import RLConfig
+    from rl.trainer import PolicyTrainer
+
+    def base(**model):
+        t = PolicyTrainer(RLConfig.from_dict({"model": {"hf_dir": tiny_mtp_dir, **model},
+                                              "wandb": {"mode": "disabled"}}))
+        return {k: p.detach().clone() for k, p in t.model.named_parameters() if ".lora." not in k}
+
+    ref, got = base(), base(ckpt=str(foreign["mlm"]))
+    assert sorted(ref) == sorted(got)
+    for k, v in ref.items():
+        assert torch.equal(got[k], v.bfloat16().float() if k.endswith("router.weight") else v), k
+
+
 def test_lora_export_names_what_it_cannot_read(foreign, tmp_path, capsys):
     assert cli(["lora", "export", "--ckpt", str(foreign["bridge"]), "--out", str(tmp_path / "o")]) == 2
     assert "Megatron-Bridge checkpoint: its LoRA adapters" in capsys.readouterr().err
