@@ -73,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     xp.add_argument("--ckpt", required=True)
     xp.add_argument("--iteration", type=int, help="default: DIR/latest")
     xp.add_argument("--out", required=True)
+    xp.add_argument("--merge-adapter", metavar="NAME", help="export the base weights with this LoRA adapter merged")
     xp.add_argument("--overwrite", action="store_true",
                     help="replace an existing output that is not a previous output of this command")
     xp.add_argument("--no-verify", action="store_true", help="skip checksum verification of the inputs")
@@ -126,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "checkpoint" and args.action == "export":
             from glm5_mcore.foreign_ckpt import export_megatron
 
-            print(f"wrote {export_megatron(args.ckpt, args.out, args.iteration, args.overwrite)}")
+            out = export_megatron(args.ckpt, args.out, args.iteration, args.overwrite, args.merge_adapter)
+            print(f"wrote {out}")
             return 0
         if args.cmd == "checkpoint":
             from glm5_mcore.manifest import verify_tree

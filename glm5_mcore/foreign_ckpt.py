@@ -317,7 +317,48 @@ def _link_or_copy(src: Path, dst: Path) -> str:
 
 
 def export_megatron(ckpt: str | Path, out: str | Path, iteration: Optional[int] = None,
-                    overwrite: bool = False) -> Path:
+                    overwrite: bool = False, merge_adapter: Optional[str] = None) -> Path:
+    """``glm5 checkpoint export --format megatron``; ``merge_adapter`` (a LoRA run's adapter name):
+    the weights exported are the base with that adapter merged in, made by the two streaming
+    conversions (``mcore_to_hf`` merging it, ``hf_to_mcore``) in a scratch folder beside ``out``."""
+    if merge_adapter is None:
+        return _export_megatron(ckpt, out, iteration, overwrite)
+    import tempfile
+
+    from glm5_mcore.adapters import read_adapter_state
+    from glm5_mcore.atomic import check_output
+    from glm5_mcore.checkpoint import adapter_dir, hf_source_dir, latest_iteration, model_dir
+    from glm5_mcore.convert import hf_to_mcore, mcore_to_hf
+
+    root = Path(ckpt)
+    if is_foreign(root):
+        raise ValueError(f"{root}: already a Megatron-LM / Megatron-Bridge checkpoint")
+    check_output(out, "checkpoint export", [root], overwrite)
+    it = latest_iteration(root) if iteration is None else iteration
+    state = read_adapter_state(adapter_dir(root, merge_adapter, it))
+    Path(out).absolute().parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".glm5-export-", dir=Path(out).absolute().parent))
+    try:
+        base, base_it = root, it
+        try:
+            model_dir(root, it)
+        except FileNotFoundError:  # a LoRA run from an HF folder saves no base weights: its HF origin
+            origin = hf_source_dir(root)
+            if origin is None or not origin.is_dir():
+                raise FileNotFoundError(f"{root}: no base weights saved, and its HF origin ({origin}) is "
+                                        "missing") from None
+            base, base_it = hf_to_mcore(origin, work / "base", progress=False), None
+        hf = mcore_to_hf(base, work / "hf", iteration=base_it, progress=False, merge_adapter=state,
+                         kind="lora export")
+        merged = hf_to_mcore(hf, work / "mc", progress=False)
+        (merged / "hf" / "source.json").unlink(missing_ok=True)  # the scratch folder goes away
+        return _export_megatron(merged, out, None, overwrite, inputs=[root], name_iteration=it)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _export_megatron(ckpt: str | Path, out: str | Path, iteration: Optional[int] = None,
+                     overwrite: bool = False, inputs=None, name_iteration: Optional[int] = None) -> Path:
     """``glm5 checkpoint export --format megatron``: our checkpoint's base weights in the layout
     Megatron-LM and Megatron-Bridge load (``OUT/iter_N/`` = the distributed checkpoint, its files
     hard-linked where the file system allows, else copied; ``latest_checkpointed_iteration.txt``;
@@ -342,12 +383,13 @@ def export_megatron(ckpt: str | Path, out: str | Path, iteration: Optional[int] 
     have = set(stored_keys(src))
     if glm5.num_nextn_predict_layers and not any(k.startswith("mtp.") for k in have):
         glm5 = GLM5Config.from_hf_dict({**glm5.to_hf_dict(), "num_nextn_predict_layers": 0})
-    if (iter_dir(root, it) / "adapters").is_dir():
-        say_once(f"{iter_dir(root, it) / 'adapters'}: LoRA adapters are not part of a Megatron export (base "
-                 "weights only); `glm5 lora export --merged` writes the merged model as HF")
+    if inputs is None and (iter_dir(root, it) / "adapters").is_dir():
+        say_once(f"{iter_dir(root, it) / 'adapters'}: adapters not merged (base weights exported); "
+                 "--merge-adapter NAME exports the base with that adapter merged in")
     manifest.verify_under(src)  # what is linked out is what was saved
     dtype = _checkpoint_dtype(src)
-    with output_dir(out, "checkpoint export", [root], overwrite, manifest=False) as tmp:
+    it = it if name_iteration is None else name_iteration
+    with output_dir(out, "checkpoint export", inputs or [root], overwrite, manifest=False) as tmp:
         dst = tmp / f"iter_{it:07d}"
         dst.mkdir()
         recorded = (manifest.read_manifest(src.parent) or {}).get("files", {})
@@ -370,10 +412,10 @@ def export_megatron(ckpt: str | Path, out: str | Path, iteration: Optional[int] 
                           "tokenizer_model": str(Path(out).absolute() / dst.name / TOKENIZER_DIR)},
             "checkpoint": {"save": str(Path(out).absolute()), "load": str(Path(out).absolute()),
                            "ckpt_format": "torch_dist"},
-            "glm5_mcore": {"source": str(root.absolute()), "iteration": it},
+            "glm5_mcore": {"source": str(Path(inputs[0] if inputs else root).absolute()), "iteration": it},
         }
         (dst / RUN_CONFIG).write_text(yaml.safe_dump(run_config, sort_keys=False))
         manifest.write_manifest(dst)  # per iteration, as ours: `glm5 checkpoint verify OUT` checks it
         (tmp / TRACKER).write_text(f"{it}\n")
-    say_once(f"{out}: iteration {it} ({'/'.join(sorted(how))} from {src})")
+    say_once(f"{out}: iteration {it} ({'/'.join(sorted(how))} from {src if inputs is None else 'the merge'})")
     return Path(out)

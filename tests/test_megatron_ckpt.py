@@ -253,3 +253,35 @@ def test_export_megatron_round_trip(tiny_mtp_dir, tmp_path, capsys, single_rank)
     assert cli(["checkpoint", "export", "--format", "megatron", "--ckpt", str(ours), "--out", str(other)]) == 2
     assert "glm5 checkpoint: error:" in capsys.readouterr().err
     assert (other / "keep.txt").read_text() == "mine"
+
+
+def test_export_megatron_merges_a_lora_result(tiny_dir, tmp_path, single_rank):
+    """A LoRA SFT result exported with --merge-adapter: the Megatron folder computes what the base
+    plus the adapter computes."""
+    from glm5_mcore.adapters import load_adapter_state, read_adapter_state
+    from glm5_mcore.checkpoint import adapter_dir, load_model, model_dir
+    from glm5_mcore.config import GLM5Config
+    from glm5_mcore.foreign_ckpt import glm5_config
+    from glm5_mcore.model import build_model, forward_logits, load_hf_weights
+    from recipes.sft import run
+    from test_sft import _cfg
+
+    run(_cfg(tiny_dir, tmp_path, lora={"enabled": True, "rank": 4},
+             train={"steps": 2, "save_every": 2, "eval_every": 0}))
+    ckpt, out = tmp_path / "run", tmp_path / "meg"
+    assert cli(["checkpoint", "export", "--format", "megatron", "--ckpt", str(ckpt), "--merge-adapter",
+                "default", "--out", str(out)]) == 0
+    assert (out / "iter_0000002" / "metadata.json").is_file() and not list(tmp_path.glob(".glm5-export-*"))
+    hf = GLM5Config.from_hf_dir(tiny_dir)
+    ids = torch.randint(0, hf.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    ref = build_model(hf, None)
+    load_hf_weights(ref, tiny_dir, hf)
+    load_adapter_state(ref, read_adapter_state(adapter_dir(ckpt, "default")), "default", trainable=False)
+    merged = build_model(glm5_config(out, hf), None)
+    load_model(merged, model_dir(out))
+    with torch.no_grad():
+        a, b = forward_logits(ref.eval(), ids), forward_logits(merged.eval(), ids)
+        base = build_model(hf, None)
+        load_hf_weights(base, tiny_dir, hf)
+        c = forward_logits(base.eval(), ids)
+    assert (a - b).abs().max() <= 1e-5 and (a - c).abs().max() > 1e-3
