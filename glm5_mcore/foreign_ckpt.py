@@ -289,7 +289,7 @@ def bridge_model_config(glm5, dtype) -> dict:
     d = {"_target_": "megatron.bridge.models.mla_provider.MLAModelProvider"}
     for f in dataclasses.fields(cfg):
         v = _yaml_value(getattr(cfg, f.name))
-        if v is not None and not f.name.startswith("_"):
+        if v is not None and f.init and not f.name.startswith("_"):
             d[f.name] = v
     low = dtype in (torch.bfloat16, torch.float16)
     d.update(
@@ -410,9 +410,6 @@ def _export_megatron(ckpt: str | Path, out: str | Path, iteration: Optional[int]
             "tokenizer": {"_target_": "megatron.bridge.training.tokenizers.config.TokenizerConfig",
                           "tokenizer_type": "HuggingFaceTokenizer",
                           "tokenizer_model": str(Path(out).absolute() / dst.name / TOKENIZER_DIR)},
-            "checkpoint": {"save": str(Path(out).absolute()), "load": str(Path(out).absolute()),
-                           "ckpt_format": "torch_dist"},
-            "glm5_mcore": {"source": str(Path(inputs[0] if inputs else root).absolute()), "iteration": it},
         }
         (dst / RUN_CONFIG).write_text(yaml.safe_dump(run_config, sort_keys=False))
         manifest.write_manifest(dst)  # per iteration, as ours: `glm5 checkpoint verify OUT` checks it
