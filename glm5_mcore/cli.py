@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {out}")
             return 0
         if args.cmd == "checkpoint" and args.action == "export":
-            from glm5_mcore.foreign_ckpt import export_megatron
+            from glm5_mcore.megatron_export import export_megatron
 
             out = export_megatron(args.ckpt, args.out, args.iteration, args.overwrite, args.merge_adapter)
             print(f"wrote {out}")
