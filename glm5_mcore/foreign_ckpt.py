@@ -213,9 +213,10 @@ def glm5_config(root: str | Path, hf=None, iteration: Optional[int] = None):
     if own is not None:
         try:
             cfg = GLM5Config.from_hf_dict(hf_dict_from_megatron(own), source=where)
-        except ValueError:
+        except ValueError as e:
             if hf is None:
                 raise
+            say_once(f"{where}: not read as a GLM-5 config ({e}); the HF config alone is used")
     if cfg is not None and hf is not None:
         for f in ARCH_FIELDS:
             a, b = getattr(cfg, f), getattr(hf, f)
@@ -223,6 +224,8 @@ def glm5_config(root: str | Path, hf=None, iteration: Optional[int] = None):
                 raise ValueError(f"{where}: {f} = {a!r} but the HF config says {b!r}")
         cfg = hf
     elif cfg is None:
+        if hf is not None and own is None:
+            say_once(f"{where}: no config of its own; the HF config alone is used")
         if hf is None:
             raise ValueError(f"{where}; give the HF config (--hf-dir / model.hf_dir) of this model")
         cfg = hf

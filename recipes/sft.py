@@ -263,6 +263,11 @@ def _hf_dir(cfg: SFTConfig) -> str:
     if cfg.model.hf_dir:
         return cfg.model.hf_dir
     if cfg.model.ckpt:
+        from glm5_mcore.foreign_ckpt import is_foreign
+
+        if is_foreign(cfg.model.ckpt):
+            raise ValueError(f"model.ckpt={cfg.model.ckpt}: a Megatron-LM / Megatron-Bridge checkpoint; give "
+                             "model.hf_dir too (the HF config and tokenizer)")
         return str(Path(cfg.model.ckpt) / "hf")
     raise ValueError("model.hf_dir or model.ckpt must be given")
 

@@ -211,6 +211,24 @@ def test_rl_trainer_starts_from_a_megatron_lm_folder(foreign, tiny_mtp_dir):
         assert torch.equal(got[k], v.bfloat16().float() if k.endswith("router.weight") else v), k
 
 
+def test_bad_foreign_inputs_are_one_line_errors_and_write_nothing(foreign, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(foreign["bridge"], bad)
+    (bad / "iter_0000030" / "run_config.yaml").write_text("model: [unclosed\n")
+    assert cli(["convert", "mcore-to-hf", "--ckpt", str(bad), "--out", str(tmp_path / "o1"), "--no-progress"]) == 2
+    assert "run_config.yaml: not valid YAML" in capsys.readouterr().err
+    legacy = tmp_path / "legacy"
+    (legacy / "iter_0000005" / "mp_rank_00").mkdir(parents=True)
+    (legacy / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"x")
+    (legacy / "latest_checkpointed_iteration.txt").write_text("5")
+    assert cli(["convert", "mcore-to-hf", "--ckpt", str(legacy), "--out", str(tmp_path / "o2"), "--no-progress"]) == 2
+    assert "legacy torch format (mp_rank_*/model_optim_rng.pt) is not read" in capsys.readouterr().err
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+    assert cli(["sft", f"model.ckpt={foreign['bridge']}", "data.train=x.jsonl", f"train.out={tmp_path / 'r'}"]) == 2
+    assert "a Megatron-LM / Megatron-Bridge checkpoint; give model.hf_dir too" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
 def test_lora_export_names_what_it_cannot_read(foreign, tmp_path, capsys):
     assert cli(["lora", "export", "--ckpt", str(foreign["bridge"]), "--out", str(tmp_path / "o")]) == 2
     assert "Megatron-Bridge checkpoint: its LoRA adapters" in capsys.readouterr().err
