@@ -22,7 +22,8 @@ def _parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("parity", help="compare our Megatron-Core model with transformers")
     q.add_argument("--hf-dir", help="HF folder (weights for the reference; our weights unless --ckpt)")
-    q.add_argument("--ckpt", help="a glm5-mcore checkpoint folder: our model loads it (latest iteration)")
+    q.add_argument("--ckpt", help="a glm5-mcore or Megatron-LM / Megatron-Bridge checkpoint folder: "
+                   "our model loads it (latest iteration)")
     q.add_argument("--adapter", help="HF PEFT adapter folder: ours imports it, the reference loads it with peft")
     q.add_argument("--input-ids", help="safetensors file with int64 input_ids [B, S]")
     q.add_argument("--save-logits", help="write Megatron logits (safetensors, key 'logits')")
