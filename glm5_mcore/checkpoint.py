@@ -104,7 +104,12 @@ def write_latest(root: str | Path, iteration: int) -> None:
 def model_dir(root: str | Path, iteration: Optional[int] = None) -> Path:
     """``DIR/iter_N/model`` for ``iteration`` (default: ``latest``), or, for a LoRA run that saves
     only adapters, the newest earlier iteration that has base weights, or else the base checkpoint
-    the run started from (``base_ckpt`` in ``DIR/hf/source.json``)."""
+    the run started from (``base_ckpt`` in ``DIR/hf/source.json``). A Megatron-LM / Megatron-Bridge
+    folder: its ``iter_N`` itself (``glm5_mcore.foreign_ckpt.model_path``)."""
+    from glm5_mcore import foreign_ckpt
+
+    if foreign_ckpt.is_foreign(root):
+        return foreign_ckpt.model_path(root, iteration)
     it = latest_iteration(root) if iteration is None else iteration
     require_iteration(root, it)
     for i in reversed(iterations(root)):
@@ -186,7 +191,10 @@ def save_model(model, path: str | Path) -> None:
 @torch.no_grad()
 def load_model(model, path: str | Path, allow_nonfinite: bool = False) -> None:
     """Load a Megatron-Core distributed checkpoint into ``model`` at this process's TP/EP/PP layout,
-    its files verified against the iteration's manifest; a NaN/Inf weight is an error naming it."""
+    its files verified against the iteration's manifest; a NaN/Inf weight is an error naming it.
+    Megatron-LM / Bridge checkpoints: the non-tensor state their trainers save beside the weights
+    (``checkpoint_version``, ``iteration``, ``args``, ``content_metadata``, ...) is not the model's and is
+    left out; tensors stored in another dtype (a bf16 router) are cast to the parameter's."""
     from megatron.core import dist_checkpointing
 
     cpu_compat.apply()
@@ -197,9 +205,11 @@ def load_model(model, path: str | Path, allow_nonfinite: bool = False) -> None:
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     try:
-        state = dist_checkpointing.load(base_sharded_state_dict(model), str(path))
+        sharded = base_sharded_state_dict(model)
+        state = dist_checkpointing.load(dict(sharded), str(path))
     except (Exception, CheckpointException) as e:
         raise ValueError(f"{path}: could not load the checkpoint ({short_error(e)})") from None
+    state = {k: v for k, v in state.items() if k in sharded}
     if not allow_nonfinite:
         for k, v in state.items():
             if torch.is_tensor(v):
@@ -279,6 +289,12 @@ def load_optimizer(opt, model, path: str | Path) -> None:
 
 def adapter_dir(root: str | Path, name: str, iteration: Optional[int] = None) -> Path:
     """``DIR/iter_N/adapters/{name}`` (default: the ``latest`` iteration); errors name the folder."""
+    from glm5_mcore import foreign_ckpt
+
+    if foreign_ckpt.is_foreign(root):
+        raise ValueError(f"{root}: a Megatron-LM / Megatron-Bridge checkpoint: its LoRA adapters (Bridge's "
+                         "adapter.linear_in/linear_out) are not read; `glm5 convert mcore-to-hf` writes its "
+                         "(merged) weights as an HF folder")
     it = latest_iteration(root) if iteration is None else iteration
     path = require_iteration(root, it) / "adapters" / name
     if not path.is_dir():

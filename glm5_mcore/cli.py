@@ -22,7 +22,8 @@ def _parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("parity", help="compare our Megatron-Core model with transformers")
     q.add_argument("--hf-dir", help="HF folder (weights for the reference; our weights unless --ckpt)")
-    q.add_argument("--ckpt", help="a glm5-mcore checkpoint folder: our model loads it (latest iteration)")
+    q.add_argument("--ckpt", help="a glm5-mcore or Megatron-LM / Megatron-Bridge checkpoint folder: "
+                   "our model loads it (latest iteration)")
     q.add_argument("--adapter", help="HF PEFT adapter folder: ours imports it, the reference loads it with peft")
     q.add_argument("--input-ids", help="safetensors file with int64 input_ids [B, S]")
     q.add_argument("--save-logits", help="write Megatron logits (safetensors, key 'logits')")
@@ -74,6 +75,15 @@ def _parser() -> argparse.ArgumentParser:
     cksub = ck.add_subparsers(dest="action", required=True)
     v = cksub.add_parser("verify", help="check every file of a folder against its checksum manifest(s)")
     v.add_argument("dir")
+    xp = cksub.add_parser("export", help="a checkpoint in another tool's layout (Megatron-LM / Megatron-Bridge)")
+    xp.add_argument("--format", choices=["megatron"], required=True)
+    xp.add_argument("--ckpt", required=True)
+    xp.add_argument("--iteration", type=int, help="default: DIR/latest")
+    xp.add_argument("--out", required=True)
+    xp.add_argument("--merge-adapter", metavar="NAME", help="export the base weights with this LoRA adapter merged")
+    xp.add_argument("--overwrite", action="store_true",
+                    help="replace an existing output that is not a previous output of this command")
+    xp.add_argument("--no-verify", action="store_true", help="skip checksum verification of the inputs")
     return p
 
 
@@ -119,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
             out = export_checkpoint_adapter(args.ckpt, args.out, args.adapter, args.iteration, args.merged,
                                             args.max_shard_size, progress=not args.no_progress,
                                             overwrite=args.overwrite, allow_nonfinite=args.allow_nonfinite)
+            print(f"wrote {out}")
+            return 0
+        if args.cmd == "checkpoint" and args.action == "export":
+            from glm5_mcore.megatron_export import export_megatron
+
+            out = export_megatron(args.ckpt, args.out, args.iteration, args.overwrite, args.merge_adapter)
             print(f"wrote {out}")
             return 0
         if args.cmd == "checkpoint":

@@ -545,11 +545,17 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
     model_path = model_dir(root, iteration)
     if not (model_path / "metadata.json").is_file():
         raise FileNotFoundError(f"{model_path}: not a Megatron-Core distributed checkpoint (no metadata.json)")
-    if not (root / "hf" / "config.json").is_file():
-        raise FileNotFoundError(f"{root / 'hf' / 'config.json'}: missing; the checkpoint has no HF config")
-    glm5 = checkpoint_config(root, iteration)  # MTP layers the checkpoint lacks are left out (a notice)
+    from glm5_mcore import foreign_ckpt
+
+    if foreign_ckpt.is_foreign(root):  # Megatron-LM / Bridge: config from the checkpoint's own
+        glm5, hf_config, meta_dir = foreign_ckpt.hf_side(root, iteration)
+    else:
+        if not (root / "hf" / "config.json").is_file():
+            raise FileNotFoundError(f"{root / 'hf' / 'config.json'}: missing; the checkpoint has no HF config")
+        glm5, meta_dir = checkpoint_config(root, iteration), root / "hf"  # MTP as stored (a notice)
+        hf_config = json.loads((root / "hf" / "config.json").read_text())
     td = _checkpoint_dtype(model_path)
-    out_dtype = OutputDtypes(root / "hf", td, dtype)
+    out_dtype = OutputDtypes(meta_dir, hf_config, td, dtype)
     max_bytes = _parse_size(max_shard_size)
     model = meta_model(glm5, td)
     tensors = _named_tensors(model)
@@ -608,7 +614,7 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
                 raise ValueError(f"adapter modules {left[:3]} have no weight in {model_path}")
             for f in tmp.glob("*.safetensors"):
                 publish_file(f)
-            config = json.loads((root / "hf" / "config.json").read_text())
+            config = dict(hf_config)
             config.pop("quantization_config", None)
             config.pop("torch_dtype", None)
             config["dtype"] = out_dtype.config_dtype(plan)
@@ -618,8 +624,8 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
                 config["quantization_config"] = dict(QUANTIZATION_CONFIG)
             (tmp / "config.json").write_text(json.dumps(config, indent=2))
             for name in HF_META_FILES:
-                if name != "config.json" and (root / "hf" / name).is_file():
-                    (tmp / name).write_bytes((root / "hf" / name).read_bytes())
+                if name != "config.json" and meta_dir is not None and (meta_dir / name).is_file():
+                    (tmp / name).write_bytes((meta_dir / name).read_bytes())
             checks.result()
     except BaseException:
         checks.result()  # a corrupt file explains a failure better than what it caused

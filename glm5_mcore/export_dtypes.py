@@ -29,12 +29,14 @@ HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.fl
 class OutputDtypes:
     """The dtype each HF tensor is written in by ``mcore_to_hf`` (see there), and FP8 quantization."""
 
-    def __init__(self, hf_meta: Path, ckpt_dtype: torch.dtype, override: Optional[str]):
+    def __init__(self, hf_meta: Optional[Path], hf_config: dict, ckpt_dtype: torch.dtype, override: Optional[str]):
+        """``hf_meta``: the folder holding the dtype record (a checkpoint's ``hf/``; None: no HF origin);
+        ``hf_config``: the config.json written out."""
         if override is not None and override not in (*DTYPES, "fp8"):
             raise ValueError(f"--dtype {override}: expected one of {sorted(DTYPES) + ['fp8']}")
         self.override = override
-        self.record = read_dtypes(hf_meta) if override is None else None
-        config_dtype = json.loads((hf_meta / "config.json").read_text()).get("dtype")
+        self.record = read_dtypes(hf_meta) if override is None and hf_meta is not None else None
+        config_dtype = hf_config.get("dtype", hf_config.get("torch_dtype"))
         names = {v: k for k, v in HF_DTYPE_NAMES.items()}
         self.default = names.get(config_dtype, ckpt_dtype)
         self.fp8_written = False

@@ -71,6 +71,11 @@ def megatron_forward(hf_dir: Optional[str], glm5: GLM5Config, input_ids: torch.T
     from glm5_mcore.model import build_model, forward_logits, init_parallel, load_hf_weights
 
     init_parallel(parallel)
+    if ckpt is not None:
+        from glm5_mcore import foreign_ckpt
+
+        if foreign_ckpt.is_foreign(ckpt):  # their config checked against the HF one; MTP as stored
+            glm5 = foreign_ckpt.glm5_config(ckpt, glm5)
     model = build_model(glm5, parallel)
     if ckpt is not None:
         from glm5_mcore.checkpoint import load_model, model_dir
@@ -173,7 +178,7 @@ def run_parity(hf_dir: str, input_ids: torch.Tensor, parallel: ParallelConfig, d
                ckpt: Optional[str] = None, adapter: Optional[str] = None) -> Optional[dict]:
     """Compare and return the report dict (rank 0) or None (other ranks). With ``ckpt`` our model
     loads that Megatron checkpoint and the reference runs the HF weights in ``hf_dir``."""
-    glm5 = checkpoint_config(ckpt) if ckpt else hf_dir_config(hf_dir)
+    glm5 = checkpoint_config(ckpt) if ckpt and Path(ckpt, "hf").is_dir() else hf_dir_config(hf_dir)
     check_transformers_version()
     td = DTYPES[dtype]
     logits, topks, routers = megatron_forward(hf_dir, glm5, input_ids, parallel, td, ckpt, adapter)
@@ -219,6 +224,11 @@ def main(args) -> int:
     hf_dir, ckpt = args.hf_dir, getattr(args, "ckpt", None)
     if ckpt is not None and hf_dir is None:
         from glm5_mcore.checkpoint import hf_source_dir
+        from glm5_mcore.foreign_ckpt import is_foreign
+
+        if is_foreign(ckpt):
+            raise ValueError(f"{ckpt}: a Megatron-LM / Megatron-Bridge checkpoint; pass --hf-dir with the "
+                             "HF weights to compare with")
 
         hf_dir = hf_source_dir(ckpt)
         if hf_dir is None:
@@ -231,7 +241,8 @@ def main(args) -> int:
 
         check_output_file(args.save_logits, SAVE_LOGITS_KIND, _logits_file_kind, [args.input_ids],
                           getattr(args, "overwrite", False), what="--save-logits")
-    glm5 = checkpoint_config(ckpt, quiet=True) if ckpt else hf_dir_config(hf_dir, quiet=True)
+    glm5 = (checkpoint_config(ckpt, quiet=True) if ckpt and Path(ckpt, "hf").is_dir()
+            else hf_dir_config(hf_dir, quiet=True))
     ids = load_input_ids(args.input_ids, glm5.vocab_size, args.batch, args.seq_len, args.seed)
     parallel = ParallelConfig(tp=args.tp, ep=args.ep, cp=args.cp)
     report = run_parity(hf_dir, ids, parallel, args.dtype, args.atol, args.save_logits, ckpt,

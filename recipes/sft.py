@@ -302,6 +302,11 @@ def _hf_dir(cfg: SFTConfig) -> str:
     if cfg.model.hf_dir:
         return cfg.model.hf_dir
     if cfg.model.ckpt:
+        from glm5_mcore.foreign_ckpt import is_foreign
+
+        if is_foreign(cfg.model.ckpt):
+            raise ValueError(f"model.ckpt={cfg.model.ckpt}: a Megatron-LM / Megatron-Bridge checkpoint; give "
+                             "model.hf_dir too (the HF config and tokenizer)")
         return str(Path(cfg.model.ckpt) / "hf")
     raise ValueError("model.hf_dir or model.ckpt must be given")
 
@@ -430,6 +435,11 @@ def run(cfg: SFTConfig) -> dict:
         overrides.update(bf16=True, params_dtype=torch.bfloat16)
     if cfg.train.recompute:
         overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if cfg.model.ckpt:
+        from glm5_mcore import foreign_ckpt
+
+        if foreign_ckpt.is_foreign(cfg.model.ckpt):  # Megatron-LM / Bridge: config checked, MTP as stored
+            glm5 = foreign_ckpt.glm5_config(cfg.model.ckpt, glm5)
     model = build_model(glm5, parallel, **overrides)
     if cfg.model.ckpt:
         load_model(model, model_dir(cfg.model.ckpt))

@@ -99,10 +99,14 @@ class PolicyTrainer:
         self.cfg = cfg
         t = cfg.trainer
         self.parallel = ParallelConfig(tp=t.tp, ep=t.ep)
+        from glm5_mcore import foreign_ckpt
         from glm5_mcore.stored import checkpoint_config, hf_dir_config
 
         # RL builds no MTP block (mtp_num_layers=None below); the stored count only decides the notice
-        self.glm5 = checkpoint_config(cfg.model.ckpt) if cfg.model.ckpt else hf_dir_config(cfg.model.hf_dir)
+        if cfg.model.ckpt and foreign_ckpt.is_foreign(cfg.model.ckpt):  # Megatron-LM / Bridge: checked against hf_dir
+            self.glm5 = foreign_ckpt.glm5_config(cfg.model.ckpt, GLM5Config.from_hf_dir(cfg.model.hf_dir))
+        else:
+            self.glm5 = checkpoint_config(cfg.model.ckpt) if cfg.model.ckpt else hf_dir_config(cfg.model.hf_dir)
         init_parallel(self.parallel, seed=t.seed)
         self.pad_id = AutoTokenizer.from_pretrained(cfg.model.hf_dir).pad_token_id or 0
         overrides = {"bf16": True, "params_dtype": torch.bfloat16} if t.bf16 else {}
