@@ -549,6 +549,7 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
 
     if foreign_ckpt.is_foreign(root):  # Megatron-LM / Bridge: config from the checkpoint's own
         glm5, hf_config, meta_dir = foreign_ckpt.hf_side(root, iteration)
+        hf_config = {k: v for k, v in hf_config.items() if k not in ("dtype", "torch_dtype")}  # the checkpoint's
     else:
         if not (root / "hf" / "config.json").is_file():
             raise FileNotFoundError(f"{root / 'hf' / 'config.json'}: missing; the checkpoint has no HF config")

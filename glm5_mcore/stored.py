@@ -76,9 +76,13 @@ def checkpoint_model_keys(model_path: str | Path) -> list[str]:
 
 def checkpoint_config(root: str | Path, iteration: Optional[int] = None, quiet: bool = False) -> GLM5Config:
     """The config of a glm5-mcore checkpoint folder (``DIR/hf/config.json``), its MTP count cut to
-    the MTP layers the base weights (``DIR/iter_N/model``) store."""
+    the MTP layers the base weights (``DIR/iter_N/model``) store; of a Megatron-LM / Bridge folder,
+    ``foreign_ckpt.glm5_config``."""
+    from glm5_mcore import foreign_ckpt
     from glm5_mcore.checkpoint import model_dir
 
+    if foreign_ckpt.is_foreign(root):  # Megatron-LM / Bridge: their own config, MTP as stored
+        return foreign_ckpt.glm5_config(root, None, iteration)
     glm5 = GLM5Config.from_hf_dir(Path(root) / "hf")
     if glm5.num_nextn_predict_layers == 0:
         return glm5
