@@ -232,6 +232,11 @@ class DocumentStream:
         return pack(docs, budget, multiple_of, pad_id)[0]
 
 
+def check_data(data) -> None:
+    """Fail before any work on an indexed ``data`` config that cannot load (errors name the field)."""
+    _config(data, data.seed, None)
+
+
 def _config(data, seed: int, cache: Optional[str]):
     """Megatron's dataset config from ``data`` (the recipe's DataCfg): blend or blend_per_split."""
     Config, _ = _dataset_classes()
@@ -247,7 +252,11 @@ def _config(data, seed: int, cache: Optional[str]):
         if is_jsonl(data.valid):
             raise ValueError(f"data.valid={data.valid}: indexed training data needs indexed validation data")
         return Config(blend_per_split=[(prefixes, weights), parse_blend(data.valid, "data.valid"), None], **kw)
-    return Config(blend=(prefixes, weights), split=data.split or "100,0,0", **kw)
+    split = str(data.split or "100,0,0")
+    if not re.fullmatch(r"\s*[.0-9]+(\s*[,/:\s]\s*[.0-9]+){0,2}\s*", split) or not any(
+            float(x) for x in re.findall(r"[.0-9]+", split)):
+        raise ValueError(f"data.split={data.split!r}: expected up to three non-negative weights, e.g. '969,30,1'")
+    return Config(blend=(prefixes, weights), split=split, **kw)
 
 
 def _valid_size(cfg) -> Optional[int]:

@@ -144,8 +144,14 @@ def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConf
         raise ValueError("data.train: no training file given")
     if d.train and d.blend:
         raise ValueError("data.train and data.blend: give one")
-    if d.split and (is_jsonl(d.train) and not d.blend):
+    if d.blend or not is_jsonl(d.train):  # indexed: every prefix exists, the blend parses
+        from recipes.indexed_data import check_data
+
+        check_data(d)
+    elif d.split:
         raise ValueError("data.split: splits indexed datasets; for jsonl give data.valid")
+    elif d.valid and not is_jsonl(d.valid):
+        raise ValueError(f"data.valid={d.valid}: jsonl training data needs jsonl validation data")
     if not torch.cuda.is_available():
         if cfg.optim.distributed:
             raise ValueError("optim.distributed: the distributed optimizer reduce-scatters gradients, which "

@@ -228,3 +228,25 @@ def test_indexed_sft_gives_jsonl_losses_and_resumes_after_a_kill_at_the_next_sam
     tail = full["history"][killed_at:]
     assert [h["data/consumed_samples"] for h in resumed["history"]] == [h["data/consumed_samples"] for h in tail]
     assert [h["loss"] for h in resumed["history"]] == [h["loss"] for h in tail]
+
+
+def test_indexed_config_that_cannot_load_fails_before_work_naming_the_field(tiny_dir, tmp_path):
+    from glm5_mcore.config import GLM5Config
+    from recipes.sft import validate
+
+    preprocess([_mixed_rows(tmp_path / "a.jsonl", 6, 0)], tmp_path / "a", tiny_dir, progress=False)
+    glm5 = GLM5Config.from_hf_dir(tiny_dir)
+    a = str(tmp_path / "a")
+    for data, msg in (({"train": str(tmp_path / "nope")}, "nope: not an indexed dataset"),
+                      ({"train": "", "blend": [0.7, a, 0.3, str(tmp_path / "b")]}, "b: not an indexed dataset"),
+                      ({"train": "", "blend": [-1, a]}, "data.blend: weights must be positive"),
+                      ({"train": a, "blend": [1.0, a]}, "data.train and data.blend: give one"),
+                      ({"train": a, "split": "x"}, "data.split='x'"),
+                      ({"train": a, "valid": str(tmp_path / "a.jsonl")}, "needs indexed validation data"),
+                      ({"train": str(tmp_path / "a.jsonl"), "valid": a}, "needs jsonl validation data"),
+                      ({"train": a, "valid": a, "split": "9,1"}, "data.split and data.valid: give one")):
+        cfg = _cfg(tiny_dir, tmp_path / "c", data={"valid": None, **data})
+        with pytest.raises((ValueError, FileNotFoundError), match=msg):
+            validate(cfg, glm5, 1)
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["loss_mask.bin", "loss_mask.idx", "summary.json",
+                                                                  "tokens.bin", "tokens.idx"]
