@@ -26,6 +26,7 @@ drawn.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import os
@@ -213,8 +214,12 @@ class DocumentStream:
         return np.asarray(self.ds.dataset_index[start: start + count], dtype=np.int64)
 
     def _length_iter(self, start: int, block: int = 4096):
-        for a in itertools.count(start, block):
-            yield from self.lengths(a, block).tolist()
+        a = start
+        while True:
+            self._ensure(a + 1)  # grows only once the stream is used up
+            k = min(block, len(self.ds) - a)
+            yield from self.lengths(a, k).tolist()
+            a += k
 
     def plan(self, start: int, n_packs: int, budget: int) -> tuple[list[list[int]], list[int], int]:
         """The next ``n_packs`` micro-batches from sample ``start``: (sample indices of each, their
@@ -308,7 +313,12 @@ class IndexedData:
 
         def build(size: int, split: Split = Split.train):
             sizes = [size if split == Split.train else 0, valid if split == Split.valid else 0, 0]
-            return BlendedMegatronDatasetBuilder(DocumentDataset, sizes, lambda: True, self.cfg).build()[split.value]
+            cfg = copy.copy(self.cfg)  # only this split is built (and cached)
+            if cfg.blend_per_split is not None:
+                cfg.blend_per_split = [b if i == split.value else None for i, b in enumerate(cfg.blend_per_split)]
+            else:
+                cfg.split_matrix = [m if i == split.value else None for i, m in enumerate(cfg.split_matrix)]
+            return BlendedMegatronDatasetBuilder(DocumentDataset, sizes, lambda: True, cfg).build()[split.value]
 
         n = max(_estimate_samples(self.cfg, steps, data.global_batch_tokens, data.max_tokens), start_sample + 1)
         self.train = DocumentStream(build, n)
