@@ -188,8 +188,8 @@ def _batch(docs: list[Document], multiple_of: int = 1, pad_id: int = 0) -> Packe
         pos += list(range(pad))
         cu.append(cu[-1] + pad)
         src.append("<pad>")
-    t = lambda x, dt=torch.long: torch.tensor(x, dtype=dt)[None]  # noqa: E731
-    return PackedBatch(t(ids), t(labels), t(mask, torch.float32), t(pos), torch.tensor(cu, dtype=torch.int32), src)
+    t = lambda x, dt=np.int64: torch.from_numpy(np.fromiter(x, dtype=dt, count=len(x)))[None]  # noqa: E731
+    return PackedBatch(t(ids), t(labels), t(mask, np.float32), t(pos), torch.tensor(cu, dtype=torch.int32), src)
 
 
 def pad_to(batch: PackedBatch, tokens: int, pad_id: int = 0) -> PackedBatch:

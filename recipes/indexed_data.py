@@ -81,10 +81,10 @@ class Corpus:
     def __init__(self, prefix: str, mmap: bool = True):
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-        self.prefix = prefix
-        self.tokens = IndexedDataset(prefix, mmap=mmap)
+        self.prefix, self.mmap, self._fds = prefix, mmap, {}
+        self.tokens = IndexedDataset(prefix, mmap=True)  # the .bin mapping is only touched with mmap
         mask = str(Path(prefix).with_name(MASK)) if Path(prefix).name == TOKENS else None
-        self.mask = IndexedDataset(mask, mmap=mmap) if mask and Path(mask + ".idx").is_file() else None
+        self.mask = IndexedDataset(mask, mmap=True) if mask and Path(mask + ".idx").is_file() else None
         n = len(self.tokens.document_indices) - 1
         if len(self.tokens) != n:
             raise ValueError(f"{prefix}: {len(self.tokens)} sequences in {n} documents; one sequence per "
@@ -95,11 +95,26 @@ class Corpus:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def _get(self, ds, doc: int, n: int) -> np.ndarray:
+        """The first ``n`` items of sequence ``doc``: from the mapping, or one pread of a kept-open file
+        (Megatron's own file reader opens the file for every read)."""
+        if self.mmap:
+            return ds.get(doc, 0, n)
+        if ds.path_prefix not in self._fds:
+            self._fds[ds.path_prefix] = os.open(ds.path_prefix + ".bin", os.O_RDONLY)
+        size = ds.index.dtype_size
+        raw = os.pread(self._fds[ds.path_prefix], n * size, int(ds.index.sequence_pointers[doc]))
+        return np.frombuffer(raw, dtype=ds.index.dtype)
+
     def document(self, doc: int, max_tokens: int) -> Document:
         n = min(int(self.tokens.sequence_lengths[doc]), max_tokens + 1)
-        toks = self.tokens.get(doc, 0, n).tolist()
-        mask = self.mask.get(doc, 0, n).tolist() if self.mask is not None else [1] * n
+        toks = self._get(self.tokens, doc, n).tolist()
+        mask = self._get(self.mask, doc, n).tolist() if self.mask is not None else [1] * n
         return Document(toks, mask, f"{self.prefix}#{doc}")
+
+    def __del__(self):
+        for fd in getattr(self, "_fds", {}).values():
+            os.close(fd)
 
 
 def _dataset_classes():
@@ -145,18 +160,20 @@ def _dataset_classes():
         def __len__(self) -> int:
             return self.num_samples if self.num_samples is not None else len(self.indices)
 
+        def _order(self, epoch: int) -> np.ndarray:
+            if self._perm[0] != epoch:  # one epoch's permutation kept: 8 bytes per document
+                self._perm = (epoch, epoch_order(len(self.indices), self.config.random_seed, epoch))
+            return self._perm[1]
+
         def doc_ids(self, samples: np.ndarray) -> np.ndarray:
             """Document ids (rows of the corpus) of sample indices int64 [k]."""
-            n = len(self.indices)
-            epoch, j = np.divmod(np.asarray(samples, dtype=np.int64), n)
+            epoch, j = np.divmod(np.asarray(samples, dtype=np.int64), len(self.indices))
             if not self.shuffle:
                 return self.indices[j]
             out = np.empty_like(j)
-            for e in np.unique(epoch):
-                if self._perm[0] != e:
-                    self._perm = (int(e), epoch_order(n, self.config.random_seed, int(e)))
+            for e in range(int(epoch.min(initial=0)), int(epoch.max(initial=-1)) + 1):
                 sel = epoch == e
-                out[sel] = self.indices[self._perm[1][j[sel]]]
+                out[sel] = self.indices[self._order(e)[j[sel]]]
             return out
 
         def lengths(self, samples: np.ndarray) -> np.ndarray:
@@ -165,7 +182,9 @@ def _dataset_classes():
             return np.clip(np.minimum(n, self.config.max_tokens + 1) - 1, 0, None)
 
         def __getitem__(self, i: int) -> Document:
-            return self.dataset.document(int(self.doc_ids(np.array([i]))[0]), self.config.max_tokens)
+            e, j = divmod(int(i), len(self.indices))
+            doc = self.indices[self._order(e)[j]] if self.shuffle else self.indices[j]
+            return self.dataset.document(int(doc), self.config.max_tokens)
 
     _CLASSES = (DocumentDatasetConfig, DocumentDataset)
     return _CLASSES
@@ -203,8 +222,9 @@ class DocumentStream:
         return out
 
     def document(self, i: int) -> Document:
-        (leaf, _, idx), = self._parts(np.array([i]))
-        return leaf[int(idx[0])]
+        if not hasattr(self.ds, "dataset_index"):
+            return self.ds[i]
+        return self.ds.datasets[int(self.ds.dataset_index[i])][int(self.ds.dataset_sample_index[i])]
 
     def sources(self, start: int, count: int) -> np.ndarray:
         """Blend member (0, 1, ...) of each sample in [start, start + count)."""
@@ -249,8 +269,10 @@ def _config(data, seed: int, cache: Optional[str]):
     prefixes, weights = train
     if weights is None and len(prefixes) > 1:  # Megatron's rule (weights = sizes), as weights
         weights = [float(len(Corpus(p).tokens)) for p in prefixes]  # so the stream can span epochs
+    # mmap_bin_files=False: token files are read by offset (Megatron's _FileBinReader), so the loader's
+    # resident memory holds what it reads, not mapped page cache of the whole corpus (.idx stays mapped)
     kw = dict(random_seed=seed, sequence_length=data.micro_batch_tokens, max_tokens=data.max_tokens,
-              path_to_cache=cache, mid_level_dataset_surplus=0.005)
+              path_to_cache=cache, mid_level_dataset_surplus=0.005, mmap_bin_files=False)
     if data.valid:
         if data.split:
             raise ValueError("data.split and data.valid: give one (a split of data.train, or a validation set)")
