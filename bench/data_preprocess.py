@@ -87,10 +87,18 @@ def _concat(src: Path, out: Path, times: int) -> None:
 
 
 def _rss_mb() -> float:
-    """Resident set size now (MB): anonymous memory + the mapped pages of the dataset files touched."""
+    """Resident set size now (MB): anonymous memory + mapped file pages (the .idx files touched)."""
     import psutil
 
     return psutil.Process().memory_info().rss / (1 << 20)
+
+
+def _rss_anon_mb() -> float:
+    """Anonymous resident memory now (MB): what the loader allocates, no file pages."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def _loader(kind: str, data: str, tok_dir: str, steps: int, cache: str) -> dict:
@@ -103,7 +111,7 @@ def _loader(kind: str, data: str, tok_dir: str, steps: int, cache: str) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    rss0 = peak = _rss_mb()
+    rss0, anon0 = peak, peak_anon = _rss_mb(), _rss_anon_mb()
     cfg = DataCfg(train=data, micro_batch_tokens=MICRO, global_batch_tokens=MICRO * ACCUM, max_tokens=MAX_TOKENS)
     t0 = time.perf_counter()
     tokens = 0
@@ -116,19 +124,20 @@ def _loader(kind: str, data: str, tok_dir: str, steps: int, cache: str) -> dict:
         for _ in range(steps):
             batches, n, sample = d.step(sample)
             tokens += sum(b.num_tokens for b in batches)
-            peak = max(peak, _rss_mb())
+            peak, peak_anon = max(peak, _rss_mb()), max(peak_anon, _rss_anon_mb())
     else:
         docs = read_jsonl(data, tok, MAX_TOKENS)
         packs = pack([docs[i] for i in epoch_order(len(docs), cfg.seed, 0)], MICRO)
         t_start = time.perf_counter() - t0
         for s in range(steps):
             tokens += sum(b.num_tokens for b in packs[(s * ACCUM) % len(packs):][:ACCUM])
-            peak = max(peak, _rss_mb())
+            peak, peak_anon = max(peak, _rss_mb()), max(peak_anon, _rss_anon_mb())
     dt = time.perf_counter() - t0
     return {"startup_s": round(t_start, 3), "seconds": round(dt, 3), "tokens": tokens,
             "tokens_per_s": round(tokens / dt, 1), "steady_tokens_per_s": round(tokens / max(dt - t_start, 1e-9), 1),
             "rss_before_mb": round(rss0, 1), "peak_rss_mb": round(max(peak, _rss_mb()), 1),
-            "loader_rss_mb": round(max(peak, _rss_mb()) - rss0, 1)}
+            "loader_rss_mb": round(max(peak, _rss_mb()) - rss0, 1),
+            "loader_rss_anon_mb": round(max(peak_anon, _rss_anon_mb()) - anon0, 1)}
 
 
 def _run_loader(kind: str, data: Path, tok_dir: Path, steps: int, cache: Path) -> dict:
@@ -194,7 +203,8 @@ def main() -> None:
         for k, v in loaders.items():
             print(f"loader {k}: start-up {v['startup_s']:.2f} s, {v['tokens_per_s'] / 1e6:.2f} M tok/s over "
                   f"{a.steps} steps (steady {v['steady_tokens_per_s'] / 1e6:.2f}), peak RSS {v['peak_rss_mb']:.0f} MB "
-                  f"(before loading {v['rss_before_mb']:.0f})", flush=True)
+                  f"(before loading {v['rss_before_mb']:.0f}; loader +{v['loader_rss_mb']:.0f}, "
+                  f"anonymous +{v['loader_rss_anon_mb']:.0f})", flush=True)
         ix1, ix4, j1, j2 = (loaders[k] for k in ("indexed_1x", "indexed_4x", "jsonl_slice1", "jsonl_slice2"))
         res = {
             "corpus_mb": round(mb, 1), "tokens": pre[1]["tokens"], "documents": pre[1]["documents"],
@@ -213,6 +223,7 @@ def main() -> None:
             "jsonl_rss_2x_over_1x": round(j2["peak_rss_mb"] / j1["peak_rss_mb"], 3),
             "indexed_loader_rss_mb_1x": ix1["loader_rss_mb"], "indexed_loader_rss_mb_4x": ix4["loader_rss_mb"],
             "jsonl_loader_rss_mb_slice1": j1["loader_rss_mb"], "jsonl_loader_rss_mb_slice2": j2["loader_rss_mb"],
+            "indexed_loader_rss_anon_mb_1x": ix1["loader_rss_anon_mb"], "indexed_loader_rss_anon_mb_4x": ix4["loader_rss_anon_mb"],
             "cpus": os.cpu_count(), "load_avg_1min_at_end": round(os.getloadavg()[0], 2),
             "targets": {"w2_over_w1": 1.5, "indexed_rss_4x_over_1x_max": 1.1, "loader_indexed_over_jsonl": 1.0},
         }
