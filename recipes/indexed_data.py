@@ -89,8 +89,9 @@ class Corpus:
         if len(self.tokens) != n:
             raise ValueError(f"{prefix}: {len(self.tokens)} sequences in {n} documents; one sequence per "
                              "document expected (preprocess without sentence splitting)")
-        if self.mask is not None and not np.array_equal(self.mask.sequence_lengths, self.tokens.sequence_lengths):
-            raise ValueError(f"{mask}: loss-mask lengths differ from {prefix}'s")
+        if self.mask is not None and (len(self.mask) != n or os.path.getsize(mask + ".bin") * self.tokens.index.dtype_size
+                                      != os.path.getsize(prefix + ".bin")):  # O(1): no pass over the index
+            raise ValueError(f"{mask}: the loss-mask stream does not match {prefix} (documents or tokens differ)")
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -259,7 +260,10 @@ class DocumentStream:
 
 def check_data(data) -> None:
     """Fail before any work on an indexed ``data`` config that cannot load (errors name the field)."""
-    _config(data, data.seed, None)
+    cfg = _config(data, data.seed, None)
+    for blend in [cfg.blend] if cfg.blend is not None else cfg.blend_per_split:
+        for prefix in (blend or ([], None))[0]:
+            Corpus(prefix)  # opens the index (O(1)); streams that do not match raise here
 
 
 def _config(data, seed: int, cache: Optional[str]):

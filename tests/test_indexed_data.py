@@ -235,10 +235,18 @@ def test_indexed_config_that_cannot_load_fails_before_work_naming_the_field(tiny
     from recipes.sft import validate
 
     preprocess([_mixed_rows(tmp_path / "a.jsonl", 6, 0)], tmp_path / "a", tiny_dir, progress=False)
+    preprocess([_mixed_rows(tmp_path / "b.jsonl", 9, 1)], tmp_path / "b", tiny_dir, progress=False)
+    mixed = tmp_path / "mixed"  # a's tokens with b's loss mask
+    mixed.mkdir()
+    for f in ("tokens.bin", "tokens.idx"):
+        (mixed / f).write_bytes((tmp_path / "a" / f).read_bytes())
+    for f in ("loss_mask.bin", "loss_mask.idx"):
+        (mixed / f).write_bytes((tmp_path / "b" / f).read_bytes())
     glm5 = GLM5Config.from_hf_dir(tiny_dir)
     a = str(tmp_path / "a")
     for data, msg in (({"train": str(tmp_path / "nope")}, "nope: not an indexed dataset"),
-                      ({"train": "", "blend": [0.7, a, 0.3, str(tmp_path / "b")]}, "b: not an indexed dataset"),
+                      ({"train": str(mixed)}, "loss_mask: the loss-mask stream does not match"),
+                      ({"train": "", "blend": [0.7, a, 0.3, str(tmp_path / "c")]}, "c: not an indexed dataset"),
                       ({"train": "", "blend": [-1, a]}, "data.blend: weights must be positive"),
                       ({"train": a, "blend": [1.0, a]}, "data.train and data.blend: give one"),
                       ({"train": a, "split": "x"}, "data.split='x'"),
