@@ -235,11 +235,15 @@ class DocumentStream:
         return np.asarray(self.ds.dataset_index[start: start + count], dtype=np.int64)
 
     def _length_iter(self, start: int, block: int = 4096):
-        a = start
+        a, empty = start, 0
         while True:
             self._ensure(a + 1)  # grows only once the stream is used up
             k = min(block, len(self.ds) - a)
-            yield from self.lengths(a, k).tolist()
+            lengths = self.lengths(a, k)
+            empty = empty + k if not lengths.any() else 0
+            if empty > 1 << 20:
+                raise ValueError(f"data.train: samples {a + k - empty}..{a + k}: no document with 2 tokens or more")
+            yield from lengths.tolist()
             a += k
 
     def plan(self, start: int, n_packs: int, budget: int) -> tuple[list[list[int]], list[int], int]:
@@ -360,6 +364,6 @@ class IndexedData:
         if self.valid is None or self.valid.ds is None:
             return []
         lengths = self.valid.lengths(0, len(self.valid))
-        groups = list(greedy_packs(lengths.tolist(), self.budget))
+        groups = [g for g in greedy_packs(lengths.tolist(), self.budget) if lengths[g].any()]
         mine = groups[self.dp_rank::self.dp] or groups[:1]
         return [self.valid.batch(g, self.budget, self.multiple_of, self.pad_id) for g in mine]
