@@ -169,6 +169,10 @@ def test_blend_draws_in_weight_proportions_dp_ranks_read_only_their_share(tiny_d
         assert nxt2 == nxt1 and tokens == one_tokens
         assert [b.sources for b in mine] == [b.sources for b in one[2 * rank: 2 * rank + 2]]
         assert len(reads[rank]) == sum(len(b.sources) for b in mine)
+        for b in mine:  # THD: whole documents, positions restart at each boundary, no padding
+            lens = (b.cu_seqlens[1:] - b.cu_seqlens[:-1]).tolist()
+            assert b.num_tokens == sum(lens) <= 64 and "<pad>" not in b.sources
+            assert b.position_ids[0].tolist() == [i for n in lens for i in range(n)]
     assert not set(reads[0]) & set(reads[1])
     # a stream built short and grown (rebuilt at twice the size) draws the same samples
     short = IndexedData(_data_cfg(blend=blend, split="90,10,0"), 1, 4, 1, 0, 1, 0, str(tmp_path / "cache"))
