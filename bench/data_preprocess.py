@@ -14,8 +14,10 @@ temporary folder (``--workdir``, removed at the end unless ``--keep``):
 - peak RSS of each loader at two corpus sizes: indexed at 1x and 4x the corpus (the 4x dataset is
   the 1x one concatenated four times with Megatron's ``IndexedDatasetBuilder.add_index``), jsonl at
   a 1/10 and a 2/10 slice (it holds every document in memory).
-Targets: 2 workers ≥ 1.5x the 1-worker rate (2 cores); indexed loader RSS at 4x ≤ 1.1x its RSS at
-1x; the indexed loader's tokens/s over the run ≥ the jsonl path's.
+Targets: 2 workers ≥ 1.5x the 1-worker rate (2 cores; on a machine shared with other jobs the wall-clock
+ratio is noise, so the CPU seconds of main process and workers are reported too, with the ratio an idle
+2-core machine would give); indexed loader RSS at 4x ≤ 1.1x its RSS at 1x; the indexed loader's
+tokens/s over the run ≥ the jsonl path's.
 
 Usage: .venv/bin/python bench/data_preprocess.py [--mb 100] [--workdir DIR] [--keep]
 """
@@ -26,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -57,6 +60,12 @@ def _corpus(path: Path, mb: float, seed: int = 0) -> int:
             size += len(line)
             rows += 1
     return rows
+
+
+def _cpu() -> tuple[float, float]:
+    """(CPU seconds of this process, of its reaped children)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
 
 
 def _baseline(path: Path, tok_dir: Path) -> dict:
@@ -177,11 +186,16 @@ def main() -> None:
         mb = corpus.stat().st_size / (1 << 20)
         print(f"corpus: {rows} rows, {mb:.1f} MB ({time.perf_counter() - t0:.1f} s to generate)", flush=True)
 
+        c0 = _cpu()
         base = _baseline(corpus, tok_dir)
+        base["cpu_s"] = _cpu()[0] - c0[0]
         print(f"baseline (1 process, tokenize only): {base['tokens_per_s'] / 1e6:.2f} M tok/s", flush=True)
         pre = {}
         for w in (1, 2):
+            c0 = _cpu()
             out = preprocess([corpus], work / f"idx_w{w}", tok_dir, workers=w, progress=False)
+            c1 = _cpu()
+            out["main_cpu_s"], out["worker_cpu_s"] = c1[0] - c0[0], c1[1] - c0[1]
             pre[w] = out
             print(f"preprocess --workers {w}: {out['tokens_per_s'] / 1e6:.2f} M tok/s "
                   f"({out['seconds']:.1f} s, {out['documents']} documents, {out['tokens']} tokens)", flush=True)
@@ -214,6 +228,12 @@ def main() -> None:
             "w2_over_baseline": round(pre[2]["tokens_per_s"] / base["tokens_per_s"], 3),
             "w2_over_w1": round(pre[2]["tokens_per_s"] / pre[1]["tokens_per_s"], 3),
             "outputs_identical_w1_w2": same,
+            # CPU seconds (independent of how busy the machine is): the work per token, and the 2-worker
+            # wall time an idle 2-core machine would give (main process serial + workers' CPU / 2)
+            "baseline_cpu_s": round(base["cpu_s"], 1), "w1_cpu_s": round(pre[1]["main_cpu_s"], 1),
+            "w2_main_cpu_s": round(pre[2]["main_cpu_s"], 1), "w2_worker_cpu_s": round(pre[2]["worker_cpu_s"], 1),
+            "w2_over_w1_idle_projection": round(pre[1]["main_cpu_s"] / (pre[2]["main_cpu_s"]
+                                                                        + pre[2]["worker_cpu_s"] / 2), 3),
             "loader_indexed_tokens_per_s": ix1["tokens_per_s"], "loader_jsonl_tokens_per_s": j1["tokens_per_s"],
             "loader_indexed_startup_s": ix1["startup_s"], "loader_jsonl_startup_s": j1["startup_s"],
             "loader_indexed_over_jsonl": round(ix1["tokens_per_s"] / j1["tokens_per_s"], 3),
