@@ -11,7 +11,7 @@ Output: a folder ``OUT/`` holding
 
 Rows are parsed by the recipe's own ``recipes.data.parse_line`` (every row kind, same masks, same
 errors), cut by ``recipes.data.truncate``. The inputs are cut into byte ranges at line boundaries;
-worker processes each tokenize a range into a part dataset, and the parts are merged in input order
+worker processes (forked, so they start at once) each tokenize a range into a part dataset, and the parts are merged in input order
 with Megatron's ``IndexedDatasetBuilder.add_index``, so the output does not depend on the worker
 count. A bad row stops the run with ``file:line`` (or is skipped and counted with ``skip_bad_rows``);
 everything is built under a temporary sibling folder and renamed into place at the end, so a
@@ -177,7 +177,7 @@ def preprocess(inputs: list[str | Path], out: str | Path, hf_dir: str | Path, wo
                progress: bool = True) -> dict:
     """Tokenize the jsonl ``inputs`` (in order) into the indexed dataset folder ``out`` with
     ``workers`` processes; returns the summary (also written to ``out/summary.json``)."""
-    from multiprocessing import get_context
+    from multiprocessing import get_all_start_methods, get_context
 
     from megatron.core.datasets.indexed_dataset import DType
     from transformers import AutoTokenizer
@@ -203,34 +203,33 @@ def preprocess(inputs: list[str | Path], out: str | Path, hf_dir: str | Path, wo
     total_bytes = sum(p.stat().st_size for p in inputs)
     t0 = time.perf_counter()
     summary = Summary()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # fork where there is one: workers start with this process's imports (torch, transformers) at once;
+    # made before the progress bar's monitor thread exists
+    ctx = get_context("fork" if "fork" in get_all_start_methods() else "spawn")
+    pool = ctx.Pool(workers, _init_worker, (str(hf_dir),)) if workers > 1 else None
     bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="preprocess", dynamic_ncols=True)
     try:
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="preprocess", dynamic_ncols=True)
         with atomic_dir(out) as tmp:
             parts = tmp / "parts"
             parts.mkdir()
             tasks = [_Task(str(p), a, b, line, str(parts / f"{i:06d}"), max_tokens, skip_bad_rows, dtype)
                      for i, (p, (a, b, line)) in enumerate(plan)]
-            pool = get_context("spawn").Pool(workers, _init_worker, (str(hf_dir),)) if workers > 1 else None
-            try:
-                if pool is None:
-                    _init_worker(str(hf_dir))
-                results = pool.imap(_encode_range, tasks) if pool else map(_encode_range, tasks)
-                done = []
-                for task, (s, lengths, err) in zip(tasks, results):
-                    if err is not None:
-                        raise DataError(err)
-                    summary.add(s)
-                    done.append((task.part, lengths))
-                    if bar is not None:
-                        bar.update(task.end - task.start)
-            finally:
-                if pool is not None:
-                    pool.terminate()
-                    pool.join()
+            if pool is None:
+                _init_worker(str(hf_dir))
+            results = pool.imap(_encode_range, tasks) if pool else map(_encode_range, tasks)
+            done = []
+            for task, (s, lengths, err) in zip(tasks, results):
+                if err is not None:
+                    raise DataError(err)
+                summary.add(s)
+                done.append((task.part, lengths))
+                if bar is not None:
+                    bar.update(task.end - task.start)
             if summary.documents == 0:
                 raise DataError(f"{inputs[0]}: no usable rows ({summary.skipped} skipped)")
             _merge(tmp, TOKENS, "", dtype, done)
@@ -246,6 +245,9 @@ def preprocess(inputs: list[str | Path], out: str | Path, hf_dir: str | Path, wo
                       "tokens_per_s": round(summary.tokens / dt, 1)}
             (tmp / "summary.json").write_text(json.dumps(result, indent=1) + "\n")
     finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
         if bar is not None:
             bar.close()
     return result
