@@ -243,7 +243,8 @@ def main() -> None:
             "jsonl_rss_2x_over_1x": round(j2["peak_rss_mb"] / j1["peak_rss_mb"], 3),
             "indexed_loader_rss_mb_1x": ix1["loader_rss_mb"], "indexed_loader_rss_mb_4x": ix4["loader_rss_mb"],
             "jsonl_loader_rss_mb_slice1": j1["loader_rss_mb"], "jsonl_loader_rss_mb_slice2": j2["loader_rss_mb"],
-            "indexed_loader_rss_anon_mb_1x": ix1["loader_rss_anon_mb"], "indexed_loader_rss_anon_mb_4x": ix4["loader_rss_anon_mb"],
+            "indexed_loader_rss_anon_mb_1x": ix1["loader_rss_anon_mb"],
+            "indexed_loader_rss_anon_mb_4x": ix4["loader_rss_anon_mb"],
             "cpus": os.cpu_count(), "load_avg_1min_at_end": round(os.getloadavg()[0], 2),
             "targets": {"w2_over_w1": 1.5, "indexed_rss_4x_over_1x_max": 1.1, "loader_indexed_over_jsonl": 1.0},
         }

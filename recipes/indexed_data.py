@@ -89,8 +89,9 @@ class Corpus:
         if len(self.tokens) != n:
             raise ValueError(f"{prefix}: {len(self.tokens)} sequences in {n} documents; one sequence per "
                              "document expected (preprocess without sentence splitting)")
-        if self.mask is not None and (len(self.mask) != n or os.path.getsize(mask + ".bin") * self.tokens.index.dtype_size
-                                      != os.path.getsize(prefix + ".bin")):  # O(1): no pass over the index
+        item = self.tokens.index.dtype_size
+        if self.mask is not None and (len(self.mask) != n or  # O(1): no pass over the index
+                                      os.path.getsize(mask + ".bin") * item != os.path.getsize(prefix + ".bin")):
             raise ValueError(f"{mask}: the loss-mask stream does not match {prefix} (documents or tokens differ)")
 
     def __len__(self) -> int:

@@ -64,7 +64,8 @@ def test_preprocess_keeps_tokens_loss_masks_and_documents_of_every_row_kind(tiny
     assert out["documents"] == len(ref) == 91 and out["skipped"] == 3 and out["rows"] == 94
     assert out["truncated"] == stats.truncated > 0 and out["tokens"] == sum(len(d.tokens) for d in ref)
     assert "mixed.jsonl:91: 'prompt' and a non-empty 'response'" in out["errors"][0]
-    assert "mixed.jsonl:92: not valid JSON" in out["errors"][1] and "mixed.jsonl:94: not valid UTF-8" in out["errors"][2]
+    assert "mixed.jsonl:92: not valid JSON" in out["errors"][1]
+    assert "mixed.jsonl:94: not valid UTF-8" in out["errors"][2]
     got = _read(str(tmp_path / "idx" / "tokens"))
     assert [d.tokens for d in got] == [d.tokens for d in ref]
     assert [d.mask for d in got] == [d.mask for d in ref]  # prompt / user tokens carry no loss
