@@ -12,9 +12,8 @@ Output: a folder ``OUT/`` holding
 Rows are parsed by the recipe's own ``recipes.data.parse_line`` (every row kind, same masks, same
 errors), cut by ``recipes.data.truncate``. The inputs are cut into byte ranges at line boundaries;
 worker processes (forked, so they start at once) each tokenize a range into a part dataset, and the
-parts are merged in input order
-with Megatron's ``IndexedDatasetBuilder.add_index``, so the output does not depend on the worker
-count. A bad row stops the run with ``file:line`` (or is skipped and counted with ``skip_bad_rows``);
+parts are merged in input order into one ``IndexedDatasetBuilder`` (as its ``add_index`` does), so the
+output does not depend on the worker count. A bad row stops the run with ``file:line`` (or is skipped and counted with ``skip_bad_rows``);
 everything is built under a temporary sibling folder and renamed into place at the end, so a
 failed run leaves a previous output byte-identical.
 """
