@@ -1,5 +1,5 @@
 """The ``glm5`` console command: ``glm5 tiny``, ``glm5 parity``, ``glm5 convert``, ``glm5 lora``,
-``glm5 checkpoint verify``."""
+``glm5 checkpoint verify``, ``glm5 data preprocess``."""
 
 from __future__ import annotations
 
@@ -63,7 +63,17 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True)
     ex.add_argument("--merged", action="store_true", help="full HF checkpoint with the adapter merged")
     ex.add_argument("--max-shard-size", default="5GB")
-    for x in (h, m, ex):
+    da = sub.add_parser("data", help="datasets")
+    dasub = da.add_subparsers(dest="action", required=True)
+    pre = dasub.add_parser("preprocess", help="jsonl -> Megatron-Core indexed dataset folder (tokens + loss mask)")
+    pre.add_argument("--input", nargs="+", required=True, help="jsonl files (concatenated in order)")
+    pre.add_argument("--out", required=True, help="output folder (prefix OUT/tokens)")
+    pre.add_argument("--hf-dir", required=True, help="HF folder with the tokenizer (and chat template)")
+    pre.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    pre.add_argument("--max-tokens", type=int, help="truncate documents to this many training positions")
+    pre.add_argument("--skip-bad-rows", action="store_true", help="skip and count bad rows instead of stopping")
+    pre.add_argument("--chunk-mb", type=float, default=8.0, help="input bytes per work item")
+    for x in (h, m, ex, pre):
         x.add_argument("--no-progress", action="store_true")
         x.add_argument("--allow-nonfinite", action="store_true", help="convert NaN/Inf weights instead of refusing")
     for x in (t, h, m, ex, q):
@@ -147,6 +157,15 @@ def main(argv: list[str] | None = None) -> int:
             from glm5_mcore.plan.cli import run as plan_run
 
             return plan_run(args)
+        if args.cmd == "data":
+            import json
+
+            from recipes.preprocess import preprocess
+
+            out = preprocess(args.input, args.out, args.hf_dir, args.workers, args.max_tokens, args.skip_bad_rows,
+                             args.chunk_mb, progress=not args.no_progress)
+            print(json.dumps({k: v for k, v in out.items() if k != "errors"} | {"errors": out["errors"][:3]}))
+            return 0
         if args.cmd == "parity":
             from glm5_mcore.parity import main as parity_main
 

@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from glm5_mcore.plan.job import PlanCfg
 from glm5_mcore.training import MoELoad, OptimCfg, WandbCfg, build_trainer, init_wandb, rng_state, set_rng_state
 from rl.config import _typed  # the RL config's field typing, one definition for both recipes
 from recipes.data import DataStats, PackedBatch, epoch_order, pack, pad_to, read_jsonl, split_for_cp
+from recipes.indexed_data import is_jsonl
 
 
 @dataclass
@@ -62,6 +63,10 @@ class DataCfg:
     max_tokens: int = 1024
     skip_bad_rows: bool = False
     seed: int = 1234
+    blend: Optional[Any] = None
+    """Weighted indexed datasets instead of ``train``: ``[0.7, web, 0.3, code]`` or ``"0.7 web 0.3 code"``."""
+    split: Optional[str] = None
+    """Megatron's train/valid/test split of indexed ``train``/``blend`` by documents, e.g. ``"969,30,1"``."""
 
 
 @dataclass
@@ -128,13 +133,39 @@ class SFTConfig:
         return out
 
 
+def data_inputs(d: "DataCfg") -> list[str]:
+    """The indexed-dataset prefixes named by ``data.blend`` (none for jsonl runs)."""
+    if not d.blend:
+        return []
+    from recipes.indexed_data import parse_blend
+
+    return parse_blend(d.blend)[0]
+
+
+def data_fingerprint(path: Optional[str]):
+    """A jsonl file's size + digest; an indexed dataset's ``.idx`` digest (every document's length)
+    and ``.bin`` size, without reading the corpus."""
+    from glm5_mcore.resume import file_fingerprint
+
+    if not path or is_jsonl(path):
+        return file_fingerprint(path)
+    from recipes.indexed_data import resolve_prefix
+
+    try:
+        prefix = resolve_prefix(path)
+    except FileNotFoundError:
+        return path
+    return {"idx": file_fingerprint(f"{prefix}.idx"), "bin_size": Path(f"{prefix}.bin").stat().st_size}
+
+
 def run_settings(cfg: SFTConfig, world: int) -> dict:
     """What a resume must keep (``glm5_mcore.resume``): data, batch sizes, LoRA, model, layout."""
-    from glm5_mcore.resume import file_fingerprint, model_fingerprint
+    from glm5_mcore.resume import model_fingerprint
 
     d, lo = cfg.data, cfg.lora
     return {
-        "data": {"train": file_fingerprint(d.train), "valid": file_fingerprint(d.valid),
+        "data": {"train": data_fingerprint(d.train), "valid": data_fingerprint(d.valid),
+                 "blend": [data_fingerprint(x) for x in data_inputs(d)], "split": d.split,
                  "micro_batch_tokens": d.micro_batch_tokens, "global_batch_tokens": d.global_batch_tokens,
                  "max_tokens": d.max_tokens, "seed": d.seed},
         "lora": {"enabled": lo.enabled, "name": lo.name, "rank": lo.rank, "alpha": lo.alpha,
@@ -165,8 +196,18 @@ def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConf
                          f"data.micro_batch_tokens × DP = {d.micro_batch_tokens} × {dp}")
     if d.max_tokens > d.micro_batch_tokens:
         raise ValueError(f"data.max_tokens={d.max_tokens} exceeds data.micro_batch_tokens={d.micro_batch_tokens}")
-    if not d.train:
+    if not d.train and not d.blend:
         raise ValueError("data.train: no training file given")
+    if d.train and d.blend:
+        raise ValueError("data.train and data.blend: give one")
+    if d.blend or not is_jsonl(d.train):  # indexed: every prefix exists, the blend parses
+        from recipes.indexed_data import check_data
+
+        check_data(d)
+    elif d.split:
+        raise ValueError("data.split: splits indexed datasets; for jsonl give data.valid")
+    elif d.valid and not is_jsonl(d.valid):
+        raise ValueError(f"data.valid={d.valid}: jsonl training data needs jsonl validation data")
     if not torch.cuda.is_available():
         if cfg.optim.distributed:
             raise ValueError("optim.distributed: the distributed optimizer reduce-scatters gradients, which "
@@ -410,9 +451,11 @@ def run(cfg: SFTConfig) -> dict:
     parallel, accum = validate(cfg, glm5, world)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     stats, val_stats = DataStats(), DataStats()
-    docs = read_jsonl(cfg.data.train, tokenizer, cfg.data.max_tokens, cfg.data.skip_bad_rows, stats)
+    indexed = bool(cfg.data.blend) or not is_jsonl(cfg.data.train)  # Megatron indexed datasets
+    docs = None if indexed else read_jsonl(cfg.data.train, tokenizer, cfg.data.max_tokens, cfg.data.skip_bad_rows,
+                                           stats)
     val_docs = (read_jsonl(cfg.data.valid, tokenizer, cfg.data.max_tokens, cfg.data.skip_bad_rows, val_stats)
-                if cfg.data.valid else None)
+                if cfg.data.valid and not indexed else None)
     rank0 = (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0
     if (stats.truncated or val_stats.truncated) and rank0:
         print(f"sft: {stats.truncated} training and {val_stats.truncated} validation row(s) longer than "
@@ -420,7 +463,8 @@ def run(cfg: SFTConfig) -> dict:
               f"first: {(stats.truncated_rows or val_stats.truncated_rows)[0]}", file=sys.stderr)
     settings = run_settings(cfg, world)
     if rank0:
-        claim_run_dir(cfg.train.out, "sft", [cfg.model.hf_dir, cfg.model.ckpt, cfg.data.train, cfg.data.valid])
+        claim_run_dir(cfg.train.out, "sft", [cfg.model.hf_dir, cfg.model.ckpt, cfg.data.train, cfg.data.valid,
+                                             *data_inputs(cfg.data)])
     if cfg.train.resume:  # refuse changed settings before any work
         guard_resume(cfg.train.out, settings, cfg.train.allow_resume_mismatch, "train")
 
@@ -462,18 +506,26 @@ def run(cfg: SFTConfig) -> dict:
     set_recall_probe(model)  # indexer/recall also with a frozen indexer: how far attention drifts from it
     moe_load = MoELoad(model)
     ddp, opt, sched = build_trainer(model, cfg.optim, cfg.train.steps, cfg.train.bf16, cfg.train.cpu_offload)
-    state = _restore(cfg, model, opt, sched, settings) or {"step": 0, "epoch": 0, "cursor": 0, "tokens": 0,
-                                                             "settings": settings}
+    state = _restore(cfg, model, opt, sched, settings) or {"step": 0, "epoch": 0, "cursor": 0, "sample": 0,
+                                                             "tokens": 0, "settings": settings}
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     cp_rank = ps.get_context_parallel_rank()
     multiple = parallel.tp if model.config.sequence_parallel else 1
     pad_id = tokenizer.pad_token_id or 0
-    packs = pack([docs[i] for i in epoch_order(len(docs), cfg.data.seed, state["epoch"])],
-                 cfg.data.micro_batch_tokens, multiple, pad_id)
-    if len(packs) < accum * dp:
-        raise ValueError(f"data.train: one epoch packs into {len(packs)} micro-batches, a step needs "
-                         f"{accum * dp} (lower data.global_batch_tokens)")
-    val_packs = pack(val_docs, cfg.data.micro_batch_tokens, multiple, pad_id) if val_docs else []
+    if indexed:  # samples read lazily by index; state["sample"] is the next one
+        from recipes.indexed_data import IndexedData
+
+        data = IndexedData(cfg.data, cfg.train.steps, accum, dp, dp_rank, multiple, pad_id,
+                           str(Path(cfg.train.out) / "data_cache"), state.setdefault("sample", 0))
+        val_mine = data.valid_batches()
+    else:
+        packs = pack([docs[i] for i in epoch_order(len(docs), cfg.data.seed, state["epoch"])],
+                     cfg.data.micro_batch_tokens, multiple, pad_id)
+        if len(packs) < accum * dp:
+            raise ValueError(f"data.train: one epoch packs into {len(packs)} micro-batches, a step needs "
+                             f"{accum * dp} (lower data.global_batch_tokens)")
+        val_packs = pack(val_docs, cfg.data.micro_batch_tokens, multiple, pad_id) if val_docs else []
+        val_mine = val_packs[dp_rank::dp] or val_packs[:1]
     # Megatron's allgather token dispatcher (the CPU one) gathers every EP rank's tokens with equal
     # sizes: pad each micro-batch to the largest of its peers (a masked filler document).
     equal_sizes = parallel.ep > 1 and model.config.moe_token_dispatcher_type == "allgather"
@@ -485,7 +537,7 @@ def run(cfg: SFTConfig) -> dict:
 
     def validate_now() -> float:
         ddp.eval()
-        mine = val_packs[dp_rank::dp] or val_packs[:1]
+        mine = val_mine
         if fixed_tokens:
             mine = [pad_to(b, fixed_tokens, pad_id) for b in mine]
         elif equal_sizes:
@@ -498,16 +550,20 @@ def run(cfg: SFTConfig) -> dict:
 
     ddp.train()
     try:
-        if val_packs and cfg.train.eval_every and state["step"] == 0:
+        if val_mine and cfg.train.eval_every and state["step"] == 0:
             vals.append((0, validate_now()))
         while state["step"] < cfg.train.steps:
-            if state["cursor"] + accum * dp > len(packs):
-                state["epoch"] += 1
-                state["cursor"] = 0
-                packs = pack([docs[i] for i in epoch_order(len(docs), cfg.data.seed, state["epoch"])],
-                             cfg.data.micro_batch_tokens, multiple, pad_id)
-            step_batches = packs[state["cursor"]: state["cursor"] + accum * dp]
-            mine = step_batches[dp_rank * accum: (dp_rank + 1) * accum]
+            if indexed:
+                mine, tokens, next_sample = data.step(state["sample"])
+            else:
+                if state["cursor"] + accum * dp > len(packs):
+                    state["epoch"] += 1
+                    state["cursor"] = 0
+                    packs = pack([docs[i] for i in epoch_order(len(docs), cfg.data.seed, state["epoch"])],
+                                 cfg.data.micro_batch_tokens, multiple, pad_id)
+                step_batches = packs[state["cursor"]: state["cursor"] + accum * dp]
+                mine = step_batches[dp_rank * accum: (dp_rank + 1) * accum]
+                tokens, next_sample = sum(b.num_tokens for b in step_batches), state.get("sample", 0)
             if fixed_tokens:
                 mine = [pad_to(b, fixed_tokens, pad_id) for b in mine]
             elif equal_sizes:
@@ -520,25 +576,27 @@ def run(cfg: SFTConfig) -> dict:
             ok, grad_norm, _ = opt.step()
             sched.step(increment=1)
             dt = time.perf_counter() - t0
-            tokens = sum(b.num_tokens for b in step_batches)
-            state["cursor"] += accum * dp
+            state["cursor"] += 0 if indexed else accum * dp
+            state["sample"] = next_sample
             state["step"] += 1
             state["tokens"] += tokens
             loss = s / max(n, 1)
             m = {"loss": loss, "loss_tokens": n, "lr": opt.param_groups[0]["lr"],
                  "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                  "tokens_per_s": tokens / dt, "step_time_s": dt, "update_skipped": float(not ok)}
+            if indexed:
+                m["data/consumed_samples"] = next_sample  # Megatron's name: documents drawn so far
             m.update(mtp_depth_losses(glm5.num_nextn_predict_layers, accum))
             m.update(moe_load.metrics())
             m.update(indexer_metrics(model))
-            if val_packs and cfg.train.eval_every and state["step"] % cfg.train.eval_every == 0:
+            if val_mine and cfg.train.eval_every and state["step"] % cfg.train.eval_every == 0:
                 m["val_loss"] = validate_now()
                 vals.append((state["step"], m["val_loss"]))
             history.append(m)
             log.log(state["step"], m)
             if cfg.train.save_every and state["step"] % cfg.train.save_every == 0:
                 save(cfg, model, opt, sched, dict(state))
-        if val_packs and (not vals or vals[-1][0] != state["step"]):
+        if val_mine and (not vals or vals[-1][0] != state["step"]):
             vals.append((state["step"], validate_now()))
     finally:
         log.close()
