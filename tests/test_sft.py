@@ -1,6 +1,7 @@
 """The SFT recipe: data and packing, THD losses, a tiny run that learns, resume, bad input."""
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -173,7 +174,9 @@ def test_tp2_ep2_pp2_cp2_give_one_rank_losses_over_three_steps(tiny_dir, tmp_pat
             "train.progress=false", "lora.rank=4",
             "lora.targets=[linear_q_up_proj,linear_kv_up_proj,linear_proj,linear_fc1,linear_fc2,experts.linear_fc1]"]
     ref = _sft_losses(args, 1, tmp_path / "one")
-    assert len(ref) == 3 and ref[2] < ref[0]
+    # three steps see three different batches, so their losses are not ordered; that the recipe learns is
+    # test_tiny_sft_lowers_train_and_validation_loss's job, this test's is that every layout gives one rank's
+    assert len(ref) == 3 and all(math.isfinite(x) for x in ref)
     for layout in (["parallel.tp=2"], ["parallel.ep=2"], ["parallel.tp=2", "parallel.ep=2"], ["parallel.pp=2"],
                    ["parallel.cp=2"]):
         got = _sft_losses(args + layout, 2, tmp_path / "_".join(x.replace("=", "") for x in layout))
