@@ -88,7 +88,12 @@ class GroupFilter:
 
 
 def mask_truncated(batch, results: list) -> dict:
-    """Zero ``batch.response_mask`` rows of responses that hit the token budget (finish_reason "length")."""
+    """Zero ``batch.response_mask`` rows of responses that hit the token budget (finish_reason "length").
+    A step where every response is truncated is left unmasked (nothing would train) and says so in
+    ``overlong/all_truncated``."""
     cut = torch.tensor([r.finish_reason == "length" for r in results])
-    batch.response_mask[cut] = 0.0
-    return {"overlong/masked_truncated_fraction": float(cut.float().mean())}
+    every = bool(cut.all())
+    if not every:
+        batch.response_mask[cut] = 0.0
+    return {"overlong/masked_truncated_fraction": 0.0 if every else float(cut.float().mean()),
+            "overlong/all_truncated": float(every)}

@@ -186,6 +186,7 @@ class RolloutPool:
     def submit(self, requests: list[Request], params: SamplingParams) -> dict:
         """Start generating ``requests`` (sharded by prompt) and return at once; ``collect`` waits. The
         adapter is the last one ``sync``-ed before this call (its version travels with the handle)."""
+        self._settle_loads()
         prompt_ids = sorted({r.key[0] for r in requests})
         n = len(self.actors)
         owner = {p: j % n for j, p in enumerate(prompt_ids)}
@@ -194,6 +195,17 @@ class RolloutPool:
                    for i in range(n) if shards[i]}
         return {"requests": requests, "params": params, "shards": shards, "pending": pending,
                 "payload": self.payload, "version": self.payload.version if self.payload is not None else -1}
+
+    def _settle_loads(self) -> None:
+        """Wait for queued ``sync(wait=False)`` loads (done by now: they ran after the previous generation),
+        so a failed load stops the run instead of leaving an actor on an old adapter; a dead actor is
+        replaced, with the current adapter, by the next ``collect``."""
+        loads, self.loading = self.loading, []
+        for ref in loads:
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
+                pass
 
     def collect(self, job: dict) -> list[Result]:
         """The results of a ``submit``, in request order. An actor that died is replaced, loaded with the

@@ -115,7 +115,11 @@ def test_overlong_penalty_and_truncation_mask_in_the_step():
     batch = make_batch(got.prompts, got.results, 3)
     m = mask_truncated(batch, got.results)
     assert batch.response_mask[1].sum() == 0 and batch.response_mask[0].sum() == 2
-    assert m["overlong/masked_truncated_fraction"] == pytest.approx(1 / 12)
+    assert m["overlong/masked_truncated_fraction"] == pytest.approx(1 / 12) and m["overlong/all_truncated"] == 0
+    for r in got.results:
+        r.finish_reason = "length"
+    batch = make_batch(got.prompts, got.results, 3)
+    assert mask_truncated(batch, got.results)["overlong/all_truncated"] == 1 and batch.response_mask.sum() == 24
 
 
 def test_one_step_off_policy_prefetch_keeps_prompts_seeds_and_versions():
