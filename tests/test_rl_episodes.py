@@ -140,3 +140,12 @@ def test_trainer_and_engine_logprobs_agree_on_episode_tokens(episodes):
     assert (after_obs & m).sum() >= 4  # tokens generated after an observation are compared too
     diff = (batch.old_log_probs - batch.rollout_log_probs)[m].abs()
     assert float(diff.max()) <= 1e-5, float(diff.max())
+
+
+def test_bad_multi_turn_settings_name_the_field(tiny_dir):
+    with pytest.raises(ValueError, match="rollout.multi_turn.env"):
+        _cfg(tiny_dir, **{"rollout.multi_turn.env": "rl.envs.no_such_env"})
+    with pytest.raises(ValueError, match="rollout.multi_turn.tool_call_stop_tokens"):
+        _cfg(tiny_dir, **{"rollout.multi_turn.tool_call_stop_tokens": "[]"})
+    with pytest.raises(ValueError, match="rollout.multi_turn.max_assistant_turns"):
+        _cfg(tiny_dir, **{"rollout.multi_turn.max_assistant_turns": 0})
