@@ -136,3 +136,19 @@ def test_one_step_off_policy_resume_and_actor_death(tiny_dir, tmp_path, ray_loca
               "response_length/mean", "rollout/staleness"):
         assert x[k] == y[k], (k, x[k], y[k])
     assert resumed["state"] == full["state"]
+
+
+@pytest.mark.slow
+def test_tool_episodes_reward_rises_from_chance(tiny_dir, tmp_path):
+    """``glm5 rl --config tool_tiny``: multi-turn episodes with the toy lookup tool; held-out reward from
+    chance (~0.1: the answer needs the value only the tool returns) to >= 0.9."""
+    out = tmp_path / "rl"
+    cmd = [sys.executable, "-m", "glm5_mcore.cli", "rl", "--config", "tool_tiny", f"model.hf_dir={tiny_dir}",
+           f"trainer.out={out}", "trainer.steps=120", "trainer.stop_at_reward=0.9", "trainer.save_every=0",
+           "trainer.progress=false", "wandb.mode=disabled"]
+    p = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=1200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    val = dict((s, r) for s, r in res["val_reward"])
+    assert val[0] <= 0.3, val
+    assert max(val.values()) >= 0.9, val
