@@ -12,7 +12,14 @@ numbers are the work itself), on the tiny model:
    model; bytes computed for the 744B architecture (adapter from the meta-device model's shapes, fp32
    as exported; merged weights bf16).
 
+4. one-step-off-policy overlap (``trainer.off_policy_steps=1``) vs synchronous: the real Ray driver
+   (``rl.driver.run``) on the quickstart shape (``configs/rl/grpo_tiny``: 16 prompts x 8 samples, 2
+   rollout actors, 1 trainer rank), both runs in this process one after the other, steps/s after
+   ``--overlap-warmup`` steps; the ideal is the synchronous run's sum of phases over their max (rollout
+   vs everything else), target >= 80% of it. Needs as many free cores as actors + trainer ranks.
+
 Usage: .venv/bin/python bench/rl_step.py [--steps 3] [--prompts 16] [--n 8] [--max-new 16] [--no-744b]
+       [--overlap-steps 10] [--overlap-warmup 2] (--overlap-steps 0: skip part 4)
 """
 
 from __future__ import annotations
@@ -34,7 +41,14 @@ def main() -> None:
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-new", type=int, default=16)
     p.add_argument("--no-744b", action="store_true")
+    p.add_argument("--overlap-steps", type=int, default=10)
+    p.add_argument("--overlap-warmup", type=int, default=2)
+    p.add_argument("--overlap-actors", type=int, default=2, help="rollout actors (quickstart: 2)")
+    p.add_argument("--overlap-only", action="store_true")
     a = p.parse_args()
+    if a.overlap_only:
+        print(json.dumps(overlap_bench(a.overlap_steps, a.overlap_warmup, a.overlap_actors)))
+        return
     import torch
 
     torch.set_num_threads(1)
@@ -152,7 +166,50 @@ def main() -> None:
         out.update({"sync_744b_adapter_bytes": ab, "sync_744b_full_bytes": fb, "sync_744b_ratio": fb / ab})
     out["targets"] = {"batching_speedup_gt": 1.0, "adapter_fewer_bytes": True}
     out["pass"] = out["batching_speedup"] > 1.0 and payload.nbytes < len(data) and same
+    if a.overlap_steps:
+        ov = overlap_bench(a.overlap_steps, a.overlap_warmup, a.overlap_actors)
+        out.update({k: v for k, v in ov.items() if k not in ("targets", "pass")})
+        out["targets"]["overlap_of_ideal_ge"] = ov["targets"]["overlap_of_ideal_ge"]
+        out["pass"] = out["pass"] and ov["pass"]
     print(json.dumps(out))
+
+
+def overlap_bench(steps: int, warmup: int, actors: int = 2) -> dict:
+    """Synchronous vs one-step-off-policy ``rl.driver.run`` on the quickstart shape (same process, one run
+    after the other): steps/s, the ideal (sum / max of rollout and trainer phases) and the ratio."""
+    import statistics
+
+    from glm5_mcore.tiny import write_tiny
+    from rl.config import RLConfig
+    from rl.driver import run
+    from recipes.cli import compose
+
+    tmp = tempfile.mkdtemp()
+    hf = str(write_tiny(f"{tmp}/tiny", seed=0))
+    res = {}
+    for off in (0, 1):
+        d = compose("rl/grpo_tiny", [f"model.hf_dir={hf}", f"trainer.out={tmp}/rl{off}", f"trainer.steps={steps}",
+                                     "trainer.eval_every=0", "trainer.save_every=0", "trainer.progress=false",
+                                     "wandb.mode=disabled", f"trainer.off_policy_steps={off}",
+                                     f"rollout.num_actors={actors}"])
+        hist = run(RLConfig.from_dict(d))["history"][warmup:]
+        step_s = statistics.mean(h["timing_s/step"] for h in hist)
+        gen = statistics.mean(h["timing_s/gen"] + h["timing_s/reward"] for h in hist)
+        res[off] = {"step_s": step_s, "gen_s": gen, "rest_s": step_s - gen,
+                    "staleness": statistics.mean(h["rollout/staleness"] for h in hist)}
+    s0 = res[0]
+    ideal = (s0["gen_s"] + s0["rest_s"]) / max(s0["gen_s"], s0["rest_s"])
+    speedup = s0["step_s"] / res[1]["step_s"]
+    print(f"\noverlap (quickstart shape, {actors} rollout actor(s) + 1 trainer rank, {steps - warmup} steps after "
+          f"{warmup} warm-up, {os.cpu_count()} cores): synchronous "
+          f"{1 / s0['step_s']:.3f} steps/s (rollout {s0['gen_s']:.2f}s + trainer {s0['rest_s']:.2f}s), one-step-off-"
+          f"policy {1 / res[1]['step_s']:.3f} steps/s -> {speedup:.2f}x; ideal {ideal:.2f}x; "
+          f"{speedup / ideal:.0%} of ideal")
+    return {"overlap_sync_steps_per_s": 1 / s0["step_s"], "overlap_steps_per_s": 1 / res[1]["step_s"],
+            "overlap_speedup": speedup, "overlap_ideal_speedup": ideal, "overlap_of_ideal": speedup / ideal,
+            "overlap_phase_s": {"rollout": s0["gen_s"], "trainer": s0["rest_s"]}, "overlap_actors": actors,
+            "overlap_staleness": res[1]["staleness"],
+            "targets": {"overlap_of_ideal_ge": 0.8}, "pass": speedup / ideal >= 0.8}
 
 
 if __name__ == "__main__":

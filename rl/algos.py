@@ -129,7 +129,9 @@ def compute_advantages(cfg: RLConfig, batch: RolloutBatch, kl_coef: float) -> di
     mask = batch.response_mask
     lengths = mask.sum(-1).long()
     scores = torch.zeros_like(mask)
-    scores[torch.arange(batch.size), (lengths - 1).clamp(min=0)] = batch.scores
+    # the last loss token (tool episodes have observation holes in the mask)
+    last = (mask * torch.arange(1, mask.shape[1] + 1, dtype=mask.dtype)).argmax(-1)
+    scores[torch.arange(batch.size), last] = batch.scores
     metrics = {}
     if a.use_kl_in_reward:
         kld = kl_penalty(batch.old_log_probs, batch.ref_log_probs, a.kl_penalty) * mask

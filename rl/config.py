@@ -50,6 +50,24 @@ class DataCfg:
 
 
 @dataclass
+class MultiTurnCfg:
+    """Tool episodes (``rl.episodes``; verl's ``rollout.multi_turn`` keys where they exist): each assistant
+    turn runs until a tool-call stop token (or EOS / the turn's ``max_new_tokens``); a turn ending in a
+    tool-call stop token goes to ``env``, whose observation is appended in the chat template's
+    ``observation_role`` and the episode continues, up to ``max_assistant_turns``."""
+    enable: bool = False
+    env: str = "rl.envs.toy_lookup_env"
+    """Dotted path: ``env(prompt: str, episode: str) -> str | None`` (the texts decoded with special
+    tokens; None ends the episode)."""
+    tool_call_stop_tokens: list = field(default_factory=list)
+    """Token ids or token strings (e.g. GLM's ``<|observation|>``) that end a turn with a tool call."""
+    max_assistant_turns: int = 2
+    max_tool_response_length: int = 64
+    """Observation tokens kept per tool call (the rest is cut)."""
+    observation_role: str = "observation"
+
+
+@dataclass
 class RolloutCfg:
     engine: str = "rl.rollout.hf_engine.HFRolloutEngine"
     """Dotted path of a ``rl.rollout.base.RolloutEngine``; ``rl.rollout.vllm_engine.VLLMRolloutEngine`` on GPU."""
@@ -67,6 +85,18 @@ class RolloutCfg:
     """All of an actor's prompts in one batched decode (False: one prompt at a time, for benchmarks)."""
     gpus_per_actor: float = 0.0
     engine_kwargs: dict = field(default_factory=dict)
+    multi_turn: MultiTurnCfg = field(default_factory=MultiTurnCfg)
+
+
+@dataclass
+class OverlongBufferCfg:
+    """DAPO's soft overlong punishment (verl's ``overlong_buffer`` keys): a response longer than
+    ``rollout.max_new_tokens - len`` gets ``min(-(L - (max_new_tokens - len)) / len · penalty_factor, 0)``
+    added to its reward (-penalty_factor at the token budget)."""
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 1.0
+    log: bool = True
 
 
 @dataclass
@@ -76,6 +106,19 @@ class RewardCfg:
     ``compute_score`` signature), or with ``batched`` lists in, a list of floats out."""
     batched: bool = False
     kwargs: dict = field(default_factory=dict)
+    overlong_buffer: OverlongBufferCfg = field(default_factory=OverlongBufferCfg)
+
+
+@dataclass
+class FilterGroupsCfg:
+    """DAPO's dynamic sampling (verl's ``algorithm.filter_groups``): prompt groups whose ``metric`` is
+    the same for all ``rollout.n`` samples (no GRPO signal) are dropped and further prompts drawn until
+    ``data.prompts_per_step`` groups are kept or ``max_num_gen_batches`` generation rounds ran (<= 0: no
+    limit); a step that hits the limit is topped up with dropped groups (zero advantage) and says so."""
+    enable: bool = False
+    metric: str = "score"
+    """``score`` (the reward function's value) or ``seq_reward`` (after the overlong penalty)."""
+    max_num_gen_batches: int = 10
 
 
 @dataclass
@@ -105,6 +148,10 @@ class AlgorithmCfg:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     kl_ctrl: KLCtrlCfg = field(default_factory=KLCtrlCfg)
+    filter_groups: FilterGroupsCfg = field(default_factory=FilterGroupsCfg)
+    mask_truncated_responses: bool = False
+    """DAPO's overlong filtering: responses cut by ``rollout.max_new_tokens`` carry no loss (their rewards
+    still count in their group's statistics)."""
     rollout_correction: RolloutCorrectionCfg = field(default_factory=RolloutCorrectionCfg)
 
 
@@ -165,6 +212,10 @@ class TrainerCfg:
     progress: bool = True
     stop_at_reward: Optional[float] = None
     """End the run early once the held-out reward reaches this value."""
+    off_policy_steps: int = 0
+    """1: one-step-off-policy (verl's recipe of that name): the engines generate step n+1's batch with the
+    previous adapter while the trainer updates on step n; the trainer's old log-probs and IcePop / TIS
+    correct the staleness. 0: synchronous."""
 
 
 @dataclass
@@ -310,7 +361,24 @@ def validate(c: RLConfig) -> None:
             raise ValueError(f"algorithm.rollout_correction.rollout_is_threshold: {e}") from None
     if t.steps < 1:
         raise ValueError("trainer.steps must be >= 1")
+    if t.off_policy_steps not in (0, 1):
+        raise ValueError(f"trainer.off_policy_steps={t.off_policy_steps}: 0 (synchronous) or 1 (one step off-policy)")
+    fg, ob = a.filter_groups, c.reward.overlong_buffer
+    if fg.metric not in ("score", "seq_reward"):
+        raise ValueError(f"algorithm.filter_groups.metric={fg.metric!r}: score or seq_reward")
+    if fg.enable and r.n < 2:
+        raise ValueError("algorithm.filter_groups.enable: needs rollout.n >= 2 (a group of one is always uniform)")
+    if ob.enable and not 0 < ob.len <= r.max_new_tokens:
+        raise ValueError(f"reward.overlong_buffer.len={ob.len}: must be in [1, rollout.max_new_tokens="
+                         f"{r.max_new_tokens}] when enabled")
     _check_importable(r.engine, "rollout.engine")
+    mt = r.multi_turn
+    if mt.enable:
+        _check_importable(mt.env, "rollout.multi_turn.env")
+        if not mt.tool_call_stop_tokens:
+            raise ValueError("rollout.multi_turn.tool_call_stop_tokens: needs at least one token when enabled")
+        if mt.max_assistant_turns < 1 or mt.max_tool_response_length < 1:
+            raise ValueError("rollout.multi_turn.max_assistant_turns and max_tool_response_length must be >= 1")
     if not t.freeze_indexer:
         raise ValueError("trainer.freeze_indexer=false: the RL trainer keeps the DSA indexer frozen (no indexer "
                          "loss reaches it here, so it would not learn); train it in the SFT sparse stage "

@@ -1,6 +1,8 @@
-"""``glm5 rl``: the GRPO / PPO driver loop. It reads top to bottom: sample prompts → rollout (token
-ids + log-probs) → rewards → old / reference log-probs (and values) on the trainer → rollout
-correction (IcePop) → advantages → policy update → push the adapter to the rollout engines.
+"""``glm5 rl``: the GRPO / PPO driver loop. It reads top to bottom: the step's samples (prompts →
+rollout token ids + log-probs → rewards, DAPO dynamic sampling; with ``trainer.off_policy_steps=1`` the
+next step's rollout starts here and overlaps the update, ``rl.overlap``) → old / reference log-probs
+(and values) on the trainer → rollout correction (IcePop) → advantages → policy update → push the
+adapter to the rollout engines.
 
 ``run(cfg)`` takes a plain ``RLConfig`` (Hydra stops at the entry point, ``recipes.cli``).
 """
@@ -12,12 +14,13 @@ from contextlib import contextmanager
 
 import torch
 
-from rl import algos
+from rl import algos, shaping
 from rl.batch import RolloutBatch
 from rl.config import RLConfig
 from rl.rewards import load_fn, score_batch
+from rl.overlap import StepSource
 from rl.rollout.base import Request, SamplingParams, sample_seed
-from rl.tasks import load_prompts, next_prompts
+from rl.tasks import load_prompts
 
 
 @contextmanager
@@ -28,8 +31,13 @@ def _timer(timing: dict, key: str):
 
 
 def make_batch(prompts, results, n: int) -> RolloutBatch:
-    return RolloutBatch.build([p.ids for p in prompts for _ in range(n)], [r.response_ids for r in results],
-                              [r.logprobs for r in results], [j for j, _ in enumerate(prompts) for _ in range(n)])
+    """The padded batch; observation tokens of tool episodes are out of ``response_mask``."""
+    from rl.episodes import apply_masks
+
+    batch = RolloutBatch.build([p.ids for p in prompts for _ in range(n)], [r.response_ids for r in results],
+                               [r.logprobs for r in results], [j for j, _ in enumerate(prompts) for _ in range(n)])
+    apply_masks(batch, results)
+    return batch
 
 
 def fill_log_probs(batch: RolloutBatch, outputs: list[dict]) -> None:
@@ -88,12 +96,14 @@ def run(cfg: RLConfig) -> dict:
     state = (trainers.first("restore", cfg.trainer.out) if cfg.trainer.resume else None) or {
         "step": 0, "epoch": 0, "cursor": 0, "kl_coef": cfg.algorithm.kl_ctrl.kl_coef}
     state["settings"] = settings
+    resume_payload = state.pop("rollout_adapter", None)
     kl_ctrl = algos.kl_controller(cfg)
     kl_ctrl.value = state["kl_coef"]
     log = RLLogger(cfg, state["step"])
     if state["step"]:
         log.note(f"resuming {cfg.trainer.out} at step {state['step']} (trainer.resume=false starts over)")
     vals: list[tuple[int, float]] = []
+    source = StepSource(cfg, train, rollouts, sampling, rewards, state, resume_payload)
 
     def evaluate() -> float:
         reqs = [Request((p.index, 0), p.ids, sample_seed(cfg.trainer.seed + 1, state["step"], p.index, 0))
@@ -107,17 +117,17 @@ def run(cfg: RLConfig) -> dict:
             log.note(f"step 0: held-out reward {vals[-1][1]:.3f}")
         while state["step"] < cfg.trainer.steps:
             step, timing, t_step = state["step"], {}, time.perf_counter()
-            prompts = next_prompts(train, d.prompts_per_step, d.seed, state)
-            reqs = [Request((p.index, k), p.ids, sample_seed(cfg.trainer.seed, step, p.index, k))
-                    for p in prompts for k in range(r.n)]
             with _timer(timing, "gen"):
-                results = rollouts.generate(reqs, sampling)
-            with _timer(timing, "reward"):
-                batch = make_batch(prompts, results, r.n)
-                batch.scores = rewards(prompts, results, r.n)
+                got = source.take(step, state)
+            timing["timing_s/gen"] -= got.metrics["timing_s/reward"]
+            batch = make_batch(got.prompts, got.results, r.n)
+            batch.scores = got.scores
+            if cfg.algorithm.mask_truncated_responses:
+                got.metrics.update(shaping.mask_truncated(batch, got.results))
             with _timer(timing, "old_log_prob"):
                 fill_log_probs(batch, trainers.call("compute_log_probs", batch))
             metrics = algos.rollout_correction(cfg, batch)
+            metrics.update(got.metrics)
             metrics.update(algos.compute_advantages(cfg, batch, kl_ctrl.value))
             metrics.update(algos.data_metrics(batch))
             with _timer(timing, "update_actor"):
@@ -125,7 +135,7 @@ def run(cfg: RLConfig) -> dict:
             state["step"] += 1
             with _timer(timing, "weight_sync"):
                 payload = trainers.first("export_adapter", state["step"])
-                rollouts.sync(payload)
+                rollouts.sync(payload, wait=not source.overlap)
             if cfg.algorithm.use_kl_in_reward:
                 kl_ctrl.update(metrics.get("actor/reward_kl_penalty", 0.0), batch.size)
                 state["kl_coef"] = kl_ctrl.value
@@ -134,13 +144,13 @@ def run(cfg: RLConfig) -> dict:
             for event in rollouts.events:
                 log.note(f"step {state['step']}: {event}")
             metrics["rollout/actor_restarts"] = float(rollouts.restarts)
-            metrics["rollout/samples"] = float(len({res.key for res in results}))
+            metrics["rollout/samples"] = float(len({(res.round, res.key) for res in got.results}))
             rollouts.events.clear()
             gen_tokens = float(batch.response_mask.sum())
             train_tokens = gen_tokens + sum(len(p) for p in batch.prompts)
             timing["timing_s/step"] = time.perf_counter() - t_step
             metrics.update(timing)
-            metrics.update({"perf/rollout_tokens_per_s": gen_tokens / timing["timing_s/gen"],
+            metrics.update({"perf/rollout_tokens_per_s": gen_tokens / max(timing["timing_s/gen"], 1e-9),
                             "perf/train_tokens_per_s": train_tokens / timing["timing_s/update_actor"],
                             "perf/weight_sync_bytes": float(payload.nbytes)})
             if val and cfg.trainer.eval_every and state["step"] % cfg.trainer.eval_every == 0:
@@ -148,7 +158,8 @@ def run(cfg: RLConfig) -> dict:
                 vals.append((state["step"], metrics["val/reward"]))
             log.log(state["step"], metrics)
             if cfg.trainer.save_every and state["step"] % cfg.trainer.save_every == 0:
-                trainers.call("save", cfg.trainer.out, state["step"], dict(state))
+                trainers.call("save", cfg.trainer.out, state["step"], dict(state),
+                              rollout_adapter=source.inflight_payload)
             stop = cfg.trainer.stop_at_reward
             if stop is not None and vals and vals[-1][0] == state["step"] and vals[-1][1] >= stop:
                 log.note(f"step {state['step']}: held-out reward {vals[-1][1]:.3f} >= {stop}, stopping")

@@ -103,6 +103,10 @@ def load_prompts(spec: Optional[str], tokenizer, *, chat_template: bool, max_tok
         return []
     if spec == "toy":
         return toy_prompts(tokenizer, toy_size, seed)
+    if spec == "toy_tool":
+        from rl.envs import toy_tool_prompts
+
+        return toy_tool_prompts(tokenizer, toy_size, seed)
     return read_prompts(spec, tokenizer, chat_template, max_tokens)
 
 

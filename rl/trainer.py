@@ -345,12 +345,15 @@ class PolicyTrainer:
                               base_model=self.cfg.model.hf_dir)
             return AdapterPayload(version, {p.name: p.read_bytes() for p in out.iterdir()})
 
-    def save(self, root: str, step: int, trainer_state: dict) -> None:
+    def save(self, root: str, step: int, trainer_state: dict, rollout_adapter=None) -> None:
+        """``rollout_adapter``: the adapter payload an in-flight (one-step-off-policy) batch is being
+        generated with, kept in rank 0's state so a resume regenerates that batch exactly."""
         from glm5_mcore.checkpoint import prune_iterations, save_checkpoint, write_hf_meta
         from glm5_mcore.training import rng_state
 
         rank_state = {"scheduler": self.sched.state_dict(), "rng": rng_state(),
-                      "value_head": self.value_head.state_dict() if self.value_head is not None else None}
+                      "value_head": self.value_head.state_dict() if self.value_head is not None else None,
+                      "rollout_adapter": rollout_adapter if dist.get_rank() == 0 else None}
         save_checkpoint(root, step, self.model, trainer_state, adapters=self.lora_cfg, save_base=False,
                         rank_state=rank_state, optimizer=self.opt)
         if dist.get_rank() == 0:
@@ -382,4 +385,7 @@ class PolicyTrainer:
         set_rng_state(rs["rng"])
         if self.value_head is not None:
             self.value_head.load_state_dict(rs["value_head"])
-        return read_trainer_state(root, it)
+        out = read_trainer_state(root, it)
+        if rs.get("rollout_adapter") is not None:
+            out["rollout_adapter"] = rs["rollout_adapter"]
+        return out

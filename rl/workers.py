@@ -106,14 +106,26 @@ class TrainerGroup:
 # --------------------------------------------------------------------------------------------------
 @ray.remote
 class RolloutActor:
-    def __init__(self, engine: str, hf_dir: str, deterministic_topk: bool, kwargs: dict):
+    def __init__(self, engine: str, hf_dir: str, deterministic_topk: bool, kwargs: dict, multi_turn=None):
         self.engine = _load_class(engine)(hf_dir, deterministic_topk=deterministic_topk, **kwargs)
+        self.multi_turn = multi_turn if multi_turn is not None and multi_turn.enable else None
+        if self.multi_turn is not None:
+            from transformers import AutoTokenizer
+
+            from rl.episodes import load_env
+
+            self.tok = AutoTokenizer.from_pretrained(hf_dir)
+            self.env = load_env(multi_turn.env)
 
     def load_adapter(self, payload: Optional[AdapterPayload]) -> bool:
         self.engine.load_adapter(payload)
         return True
 
     def generate(self, requests: list[Request], params: SamplingParams, batched: bool) -> list[Result]:
+        if self.multi_turn is not None:
+            from rl.episodes import run_episodes
+
+            return run_episodes(self.engine, self.tok, self.env, requests, params, self.multi_turn, batched)
         return self.engine.generate(requests, params, batched)
 
 
@@ -123,17 +135,23 @@ class RolloutPool:
         self.payload: Optional[AdapterPayload] = None
         self.restarts = 0
         self.events: list[str] = []
+        self.loading: list = []
         self.actors = [self._new() for _ in range(cfg.rollout.num_actors)]
 
     def _new(self):
         r = self.cfg.rollout
         return RolloutActor.options(num_cpus=1, num_gpus=r.gpus_per_actor, max_concurrency=1).remote(
-            r.engine, self.cfg.model.hf_dir, r.deterministic_topk, dict(r.engine_kwargs))
+            r.engine, self.cfg.model.hf_dir, r.deterministic_topk, dict(r.engine_kwargs), r.multi_turn)
 
-    def sync(self, payload: Optional[AdapterPayload]) -> None:
-        """Push the adapter to every actor (kept for actors started later)."""
+    def sync(self, payload: Optional[AdapterPayload], wait: bool = True) -> None:
+        """Push the adapter to every actor (kept for actors started later). ``wait=False`` queues the load
+        behind each actor's in-flight generation (actor calls run in order) and returns at once: the
+        one-step-off-policy path, where the engines are still generating with the previous adapter."""
         self.payload = payload
-        self._each(lambda a: a.load_adapter.remote(payload))
+        if wait:
+            self._each(lambda a: a.load_adapter.remote(payload))
+        else:
+            self.loading = [a.load_adapter.remote(payload) for a in self.actors]
 
     def _each(self, fn):
         out = []
@@ -148,7 +166,7 @@ class RolloutPool:
                 raise RuntimeError(f"rollout actor {i} keeps dying ({self.cfg.rollout.max_restarts} restarts)")
         return out
 
-    def _replace(self, i: int, err) -> None:
+    def _replace(self, i: int, err, payload=False) -> None:
         self.restarts += 1
         if self.restarts > self.cfg.rollout.max_restarts * len(self.actors) + 100:
             raise RuntimeError(f"rollout actors died {self.restarts} times; last: {err}")
@@ -157,18 +175,42 @@ class RolloutPool:
         except Exception:
             pass
         self.actors[i] = self._new()
-        ray.get(self.actors[i].load_adapter.remote(self.payload))
+        ray.get(self.actors[i].load_adapter.remote(self.payload if payload is False else payload))
         self.events.append(f"rollout actor {i} died ({type(err).__name__}); restarted")
 
     def generate(self, requests: list[Request], params: SamplingParams) -> list[Result]:
         """Every request exactly once, in order; shards by prompt over the actors, redoing the shard
         of an actor that dies."""
+        return self.collect(self.submit(requests, params))
+
+    def submit(self, requests: list[Request], params: SamplingParams) -> dict:
+        """Start generating ``requests`` (sharded by prompt) and return at once; ``collect`` waits. The
+        adapter is the last one ``sync``-ed before this call (its version travels with the handle)."""
+        self._settle_loads()
         prompt_ids = sorted({r.key[0] for r in requests})
         n = len(self.actors)
         owner = {p: j % n for j, p in enumerate(prompt_ids)}
         shards = [[r for r in requests if owner[r.key[0]] == i] for i in range(n)]
         pending = {i: self.actors[i].generate.remote(shards[i], params, self.cfg.rollout.batch_prompts)
                    for i in range(n) if shards[i]}
+        return {"requests": requests, "params": params, "shards": shards, "pending": pending,
+                "payload": self.payload, "version": self.payload.version if self.payload is not None else -1}
+
+    def _settle_loads(self) -> None:
+        """Wait for queued ``sync(wait=False)`` loads (done by now: they ran after the previous generation),
+        so a failed load stops the run instead of leaving an actor on an old adapter; a dead actor is
+        replaced, with the current adapter, by the next ``collect``."""
+        loads, self.loading = self.loading, []
+        for ref in loads:
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
+                pass
+
+    def collect(self, job: dict) -> list[Result]:
+        """The results of a ``submit``, in request order. An actor that died is replaced, loaded with the
+        adapter the job started with, redoes its shard, then gets the current adapter back."""
+        pending, shards, params = job["pending"], job["shards"], job["params"]
         tries = {i: 0 for i in pending}
         results: dict[tuple, Result] = {}
         while pending:
@@ -181,18 +223,20 @@ class RolloutPool:
                 tries[i] += 1
                 if tries[i] > self.cfg.rollout.max_restarts:
                     raise RuntimeError(f"rollout actor {i} died {tries[i]} times in one step") from e
-                self._replace(i, e)
+                self._replace(i, e, job["payload"])
                 self.events[-1] += f"; redoing its {len({r.key[0] for r in shards[i]})} prompts"
                 pending[i] = self.actors[i].generate.remote(shards[i], params, self.cfg.rollout.batch_prompts)
+                if job["payload"] is not self.payload:
+                    self.actors[i].load_adapter.remote(self.payload)  # queued after the redo
                 continue
             for res in got:
                 if res.key in results:
                     raise RuntimeError(f"sample {res.key} returned twice")
                 results[res.key] = res
-        missing = [r.key for r in requests if r.key not in results]
+        missing = [r.key for r in job["requests"] if r.key not in results]
         if missing:
             raise RuntimeError(f"samples {missing[:3]} never returned")
-        return [results[r.key] for r in requests]
+        return [results[r.key] for r in job["requests"]]
 
     def shutdown(self) -> None:
         for a in self.actors:

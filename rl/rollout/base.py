@@ -37,6 +37,9 @@ class Result:
     logprobs: list[float]
     finish_reason: str = "length"
     """"stop" (a stop token was sampled; it is part of the response) or "length"."""
+    mask: Optional[list] = None
+    """Multi-turn episodes (``rl.episodes``): 1 for each token the policy sampled, 0 for observation
+    tokens the environment appended (their ``logprobs`` are 0); None: every token is the policy's."""
 
 
 @dataclass

@@ -1,0 +1,178 @@
+"""DAPO batch shaping and the step source (``rl.shaping``, ``rl.overlap``) without Ray: uniform groups
+are dropped and the batch refilled from further prompts, the overlong penalty follows verl's DAPO
+formula, truncated responses can be masked, and one-step-off-policy prefetching keeps the prompt stream,
+seeds and adapter versions fixed by the step."""
+
+import pytest
+import torch
+
+from rl.config import RLConfig
+from rl.overlap import StepSource
+from rl.rollout.base import AdapterPayload, Result
+from rl.shaping import GroupFilter, mask_truncated, overlong_penalty, uniform_groups
+from rl.tasks import Prompt
+
+
+def _cfg(**sections):
+    d = {"wandb": {"mode": "disabled"}, "data": {"prompts_per_step": 4}, "rollout": {"n": 3, "max_new_tokens": 8},
+         "actor": {"ppo_mini_batch_size": 2}, "trainer": {"steps": 5}}
+    for k, v in sections.items():
+        d.setdefault(k, {}).update(v)
+    return RLConfig.from_dict(d)
+
+
+class FakePool:
+    """``RolloutPool``'s submit / collect / sync: response = [prompt index, seed]; records jobs."""
+
+    def __init__(self):
+        self.payload = AdapterPayload(0)
+        self.jobs, self.syncs = [], []
+
+    def submit(self, requests, params):
+        job = {"requests": requests, "payload": self.payload, "version": self.payload.version}
+        self.jobs.append(job)
+        return job
+
+    def collect(self, job):
+        return [Result(r.key, [r.key[0], r.seed], [0.0, 0.0], "stop") for r in job["requests"]]
+
+    def sync(self, payload, wait=True):
+        self.payload = payload
+        self.syncs.append((payload.version, wait))
+
+
+def uniform_if_even(prompts, results, n):
+    """Prompt index even: every sample scores 1 (uniform group); odd: samples alternate 0/1."""
+    return torch.tensor([1.0 if p.index % 2 == 0 else float(k % 2) for p in prompts for k in range(n)])
+
+
+def _prompts(count=64):
+    return [Prompt(i, [5, i], f"p{i}") for i in range(count)]
+
+
+def _stream_rounds(cfg, k):
+    from rl.tasks import next_prompts
+
+    pos = {"epoch": 0, "cursor": 0}
+    return [[p.index for p in next_prompts(_prompts(), 4, cfg.data.seed, pos)] for _ in range(k)]
+
+
+def test_overlong_penalty_is_verls_dapo_formula():
+    L = torch.tensor([2, 4, 5, 6, 8])
+    got = overlong_penalty(L, max_new_tokens=8, buffer_len=4, factor=0.5)
+    # verl DAPORewardManager: expected_len = max_resp_len - len; min(-(L - expected_len) / len * factor, 0)
+    want = torch.tensor([min(-(x - (8 - 4)) / 4 * 0.5, 0.0) for x in L.tolist()])
+    assert torch.allclose(got, want) and got[-1] == -0.5 and got[1] == 0
+
+
+def test_uniform_groups():
+    assert uniform_groups(torch.tensor([1., 1, 1, 0, 1, 0, 0, 0, 0]), 3).tolist() == [True, False, True]
+
+
+def test_uniform_groups_dropped_and_batch_refilled():
+    cfg = _cfg(algorithm={"filter_groups": {"enable": True, "metric": "score", "max_num_gen_batches": 5}})
+    pool, state = FakePool(), {"epoch": 0, "cursor": 0}
+    src = StepSource(cfg, _prompts(), pool, None, uniform_if_even, state)
+    got = src.take(0, state)
+    m = got.metrics
+    rounds = _stream_rounds(cfg, 5)
+    need = next(i for i in range(1, 6) if sum(p % 2 for r in rounds[:i] for p in r) >= 4)
+    assert need >= 2  # the stream's first round alone cannot fill the batch
+    kept = [p for r in rounds[:need] for p in r if p % 2]
+    assert m["filter_groups/num_gen_batches"] == need and m["filter_groups/kept_groups"] == len(kept)
+    assert m["filter_groups/dropped_groups"] == 4 * need - len(kept) and m["filter_groups/filled_with_uniform"] == 0
+    assert [p.index for p in got.prompts] == kept[:4]
+    assert len(got.results) == 4 * 3 and [r.key[0] for r in got.results] == [p.index for p in got.prompts for _ in "abc"]
+    assert state["cursor"] == 4 * need  # every round's prompts consumed from the stream
+    seeds = [r.response_ids[1] for r in got.results]
+    assert len(set(seeds)) == len(seeds)  # refill rounds draw fresh seeds
+    # disabled: the first round is the batch, uniform groups included
+    cfg0 = _cfg()
+    state0 = {"epoch": 0, "cursor": 0}
+    got0 = StepSource(cfg0, _prompts(), FakePool(), None, uniform_if_even, state0).take(0, state0)
+    assert len(got0.prompts) == 4 and got0.metrics["rollout/staleness"] == 0
+    assert "filter_groups/kept_groups" not in got0.metrics and state0["cursor"] == 4
+
+
+def test_filter_groups_round_limit_tops_up_with_uniform_groups():
+    cfg = _cfg(algorithm={"filter_groups": {"enable": True, "max_num_gen_batches": 1}})
+    state = {"epoch": 0, "cursor": 0}
+    got = StepSource(cfg, _prompts(), FakePool(), None, uniform_if_even, state).take(0, state)
+    odd = sum(p % 2 for p in _stream_rounds(cfg, 1)[0])
+    assert got.metrics["filter_groups/filled_with_uniform"] == 4 - odd > 0 and len(got.prompts) == 4
+
+
+def test_overlong_penalty_and_truncation_mask_in_the_step():
+    from rl.driver import make_batch
+
+    cfg = _cfg(reward={"overlong_buffer": {"enable": True, "len": 8, "penalty_factor": 1.0}})
+    state = {"epoch": 0, "cursor": 0}
+    got = StepSource(cfg, _prompts(), FakePool(), None, uniform_if_even, state).take(0, state)
+    raw = uniform_if_even(got.prompts, got.results, 3)
+    assert torch.allclose(got.scores, raw - 2 / 8)  # 2-token responses, buffer = the whole budget of 8
+    assert got.metrics["overlong/penalized_fraction"] == 1.0
+    got.results[1].finish_reason = "length"
+    batch = make_batch(got.prompts, got.results, 3)
+    m = mask_truncated(batch, got.results)
+    assert batch.response_mask[1].sum() == 0 and batch.response_mask[0].sum() == 2
+    assert m["overlong/masked_truncated_fraction"] == pytest.approx(1 / 12) and m["overlong/all_truncated"] == 0
+    for r in got.results:
+        r.finish_reason = "length"
+    batch = make_batch(got.prompts, got.results, 3)
+    assert mask_truncated(batch, got.results)["overlong/all_truncated"] == 1 and batch.response_mask.sum() == 24
+
+
+def test_one_step_off_policy_prefetch_keeps_prompts_seeds_and_versions():
+    """With overlap, step s+1's round 0 is submitted inside take(s) with the adapter of version s
+    (the update of step s has not been pushed yet); prompts and seeds equal the synchronous run's."""
+    runs = {}
+    for off in (0, 1):
+        cfg = _cfg(trainer={"off_policy_steps": off})
+        pool, state = FakePool(), {"epoch": 0, "cursor": 0}
+        src = StepSource(cfg, _prompts(), pool, None, uniform_if_even, state)
+        seen = []
+        for step in range(3):
+            got = src.take(step, state)
+            assert src.inflight_payload is (pool.payload if off and step < 4 else None)
+            seen.append(([r.response_ids for r in got.results], got.versions.tolist(), got.metrics["rollout/staleness"]))
+            pool.sync(AdapterPayload(step + 1), wait=not off)  # the driver's push after the update
+        runs[off] = seen
+    for s in range(3):
+        assert runs[0][s][0] == runs[1][s][0]  # identical samples
+        assert set(runs[0][s][1]) == {s} and runs[0][s][2] == 0
+        assert set(runs[1][s][1]) == {max(s - 1, 0)} and runs[1][s][2] == (1 if s else 0)
+
+
+def test_resumed_overlap_regenerates_inflight_batch_with_its_adapter():
+    cfg = _cfg(trainer={"off_policy_steps": 1})
+    pool, state = FakePool(), {"epoch": 0, "cursor": 0}
+    src = StepSource(cfg, _prompts(), pool, None, uniform_if_even, state)
+    src.take(0, state)
+    pool.sync(AdapterPayload(1), wait=False)
+    inflight, saved = src.inflight_payload, dict(state)
+    want = src.take(1, state)
+    # resume from the checkpoint of step 1: trainer at version 1, in-flight batch generated with version 0
+    pool2 = FakePool()
+    pool2.sync(AdapterPayload(1))
+    src2 = StepSource(cfg, _prompts(), pool2, None, uniform_if_even, saved, resume_payload=inflight)
+    got = src2.take(1, saved)
+    assert [r.response_ids for r in got.results] == [r.response_ids for r in want.results]
+    assert got.versions.tolist() == want.versions.tolist() == [0.0] * 12
+    assert pool2.payload.version == 1  # the current adapter is back on the engines after the redo
+
+
+def test_bad_shaping_settings_name_the_field():
+    with pytest.raises(ValueError, match="algorithm.filter_groups.metric"):
+        _cfg(algorithm={"filter_groups": {"metric": "acc"}})
+    with pytest.raises(ValueError, match="reward.overlong_buffer.len"):
+        _cfg(reward={"overlong_buffer": {"enable": True, "len": 9}})
+    with pytest.raises(ValueError, match="trainer.off_policy_steps"):
+        _cfg(trainer={"off_policy_steps": 2})
+
+
+def test_group_filter_keeps_first_full_batch():
+    f = GroupFilter(want=1, n=2)
+    ps = _prompts(4)
+    f.add(ps[:2], list("abcd"), torch.tensor([0., 1, 0, 1]), torch.tensor([0., 1, 0, 1]))
+    prompts, results, raw, _, m = f.take()
+    assert [p.index for p in prompts] == [0] and results == ["a", "b"] and m["filter_groups/surplus_groups"] == 1
