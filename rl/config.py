@@ -106,6 +106,9 @@ class AlgorithmCfg:
     kl_penalty: str = "kl"
     kl_ctrl: KLCtrlCfg = field(default_factory=KLCtrlCfg)
     rollout_correction: RolloutCorrectionCfg = field(default_factory=RolloutCorrectionCfg)
+    router_replay: bool = False
+    """R3 (``rl.routing``): the trainer routes every token through the experts the rollout engine chose, in the
+    old-log-prob, reference and update forwards (Megatron-Core's ``RouterReplay``)."""
 
 
 @dataclass

@@ -16,6 +16,7 @@ from rl import algos
 from rl.batch import RolloutBatch
 from rl.config import RLConfig
 from rl.rewards import load_fn, score_batch
+from rl.routing import router_metrics
 from rl.rollout.base import Request, SamplingParams, sample_seed
 from rl.tasks import load_prompts, next_prompts
 
@@ -28,8 +29,11 @@ def _timer(timing: dict, key: str):
 
 
 def make_batch(prompts, results, n: int) -> RolloutBatch:
-    return RolloutBatch.build([p.ids for p in prompts for _ in range(n)], [r.response_ids for r in results],
-                              [r.logprobs for r in results], [j for j, _ in enumerate(prompts) for _ in range(n)])
+    batch = RolloutBatch.build([p.ids for p in prompts for _ in range(n)], [r.response_ids for r in results],
+                               [r.logprobs for r in results], [j for j, _ in enumerate(prompts) for _ in range(n)])
+    if results and all(getattr(r, "routes", None) is not None for r in results):
+        batch.routes = [r.routes for r in results]  # R3 (rl.routing)
+    return batch
 
 
 def fill_log_probs(batch: RolloutBatch, outputs: list[dict]) -> None:
@@ -116,8 +120,10 @@ def run(cfg: RLConfig) -> dict:
                 batch = make_batch(prompts, results, r.n)
                 batch.scores = rewards(prompts, results, r.n)
             with _timer(timing, "old_log_prob"):
-                fill_log_probs(batch, trainers.call("compute_log_probs", batch))
+                outs = trainers.call("compute_log_probs", batch)
+                fill_log_probs(batch, outs)
             metrics = algos.rollout_correction(cfg, batch)
+            metrics.update(router_metrics(outs))
             metrics.update(algos.compute_advantages(cfg, batch, kl_ctrl.value))
             metrics.update(algos.data_metrics(batch))
             with _timer(timing, "update_actor"):

@@ -37,6 +37,9 @@ class Result:
     logprobs: list[float]
     finish_reason: str = "length"
     """"stop" (a stop token was sampled; it is part of the response) or "length"."""
+    routes: Optional[object] = None
+    """R3: the experts the engine chose, numpy uint8 [len(prompt) + len(response) - 1, moe_layers, top_k]
+    (every token it processed; ``rl.routing``), or None when the engine does not report them."""
 
 
 @dataclass
