@@ -16,7 +16,7 @@ from rl import algos
 from rl.batch import RolloutBatch
 from rl.config import RLConfig
 from rl.rewards import load_fn, score_batch
-from rl.routing import router_metrics
+from rl.routing import index_metrics, router_metrics
 from rl.rollout.base import Request, SamplingParams, sample_seed
 from rl.tasks import load_prompts, next_prompts
 
@@ -33,6 +33,8 @@ def make_batch(prompts, results, n: int) -> RolloutBatch:
                                [r.logprobs for r in results], [j for j, _ in enumerate(prompts) for _ in range(n)])
     if results and all(getattr(r, "routes", None) is not None for r in results):
         batch.routes = [r.routes for r in results]  # R3 (rl.routing)
+    if any(getattr(r, "index_topk", None) is not None for r in results):
+        batch.index_topk = [r.index_topk for r in results]
     return batch
 
 
@@ -124,6 +126,7 @@ def run(cfg: RLConfig) -> dict:
                 fill_log_probs(batch, outs)
             metrics = algos.rollout_correction(cfg, batch)
             metrics.update(router_metrics(outs))
+            metrics.update(index_metrics(outs))
             metrics.update(algos.compute_advantages(cfg, batch, kl_ctrl.value))
             metrics.update(algos.data_metrics(batch))
             with _timer(timing, "update_actor"):

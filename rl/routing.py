@@ -172,3 +172,69 @@ def router_metrics(outputs: list[dict]) -> dict:
         return {}
     tot = torch.stack([torch.as_tensor(c, dtype=torch.float64) for c in counts]).sum(0)
     return {"rollout_corr/router_agree": float(tot[0] / tot[1]) if tot[1] > 0 else float("nan")}
+
+
+# ---------------------------------------------------------------------------------------- DSA top-k agreement
+class HFIndexRecorder:
+    """Forward hooks on transformers' ``GlmMoeDsaIndexer`` layers (those that compute a top-k): keeps the
+    selected keys of sampled query rows — positions p >= index_topk (where selection is a real choice)
+    with (p - index_topk) % ``stride`` == 0 — so the trainer can check it selects the same key sets."""
+
+    def __init__(self, model, stride: int):
+        self.indexers = [m for m in model.modules() if type(m).__name__ in ("GlmMoeDsaIndexer", "DeterministicIndexer")]
+        self.K = self.indexers[0].index_topk if self.indexers else 0
+        self.stride = max(1, int(stride))
+        self._cur: list = []
+        for m in self.indexers:
+            m.register_forward_hook(lambda _m, _a, out: self._cur.append(out))
+
+    def step(self, start: int, B: int, S: int) -> list:
+        """After a forward over positions [start, start + S): per row b, [(pos, [Li, K] int32)]."""
+        cur, self._cur = self._cur, []
+        keep = [s for s in range(S) if start + s >= self.K and (start + s - self.K) % self.stride == 0]
+        if not self.indexers or not keep:
+            return [[] for _ in range(B)]
+        idx = torch.stack([c[:, keep] for c in cur], dim=2).to(torch.int32).cpu().numpy()  # [B, m, Li, K]
+        return [[(start + s, idx[b, j]) for j, s in enumerate(keep)] for b in range(B)]
+
+    @staticmethod
+    def sample_rows(steps: list, row: int, num_tokens: int) -> Optional[tuple]:
+        """(positions int32 [m], keys int32 [m, Li, K]) of row ``row`` over positions < ``num_tokens``."""
+        rows = [(p, k) for st in steps for p, k in st[row] if p < num_tokens]
+        if not rows:
+            return None
+        return np.asarray([p for p, _ in rows], dtype=np.int32), np.stack([k for _, k in rows])
+
+
+def index_topk_counts(model, batch, rows: list[int]) -> torch.Tensor:
+    """[agreeing, total] sampled query rows (× indexer layers) whose top-k key set the trainer's last
+    forward (``GLM5SparseAttention.last_topk``, packed THD keys) shares with the engine's
+    (``batch.index_topk``); float64 [2]."""
+    from glm5_mcore.dsa import GLM5SparseAttention
+
+    layers = [m for m in model.modules() if isinstance(m, GLM5SparseAttention) and m.computes_topk]
+    out = torch.zeros(2, dtype=torch.float64)
+    off = 0
+    for i in rows:
+        rec = batch.index_topk[i] if batch.index_topk is not None else None
+        n_seq = len(batch.prompts[i]) + len(batch.responses[i])
+        if rec is not None and layers:
+            pos, keys = rec
+            for li, layer in enumerate(layers[: keys.shape[1]]):
+                t = layer.last_topk
+                for p, k in zip(pos.tolist(), keys[:, li]):
+                    eng = set(int(x) for x in k if x >= 0)
+                    mine = (set(range(p + 1)) if t is None else
+                            {int(x) - off for x in t[0, off + p].tolist() if x >= 0})
+                    out[0] += float(eng == mine)
+                    out[1] += 1.0
+        off += n_seq
+    return out
+
+
+def index_metrics(outputs: list[dict]) -> dict:
+    counts = [o["index_topk_agree"] for o in outputs if o is not None and o.get("index_topk_agree") is not None]
+    if not counts:
+        return {}
+    tot = torch.stack([torch.as_tensor(c, dtype=torch.float64) for c in counts]).sum(0)
+    return {"rollout_corr/index_topk_agree": float(tot[0] / tot[1]) if tot[1] > 0 else float("nan")}

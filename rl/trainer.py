@@ -238,12 +238,16 @@ class PolicyTrainer:
         T = self.cfg.rollout.temperature
         self.ddp.eval()
         out = {"rows": [], "old_log_probs": [], "ref_log_probs": [], "values": []}
-        agree = torch.zeros(2, dtype=torch.float64)
+        from rl.routing import index_topk_counts
+
+        agree, index_agree = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
         for mb in self._micro_batches(batch, rows):
             old, _ = self._logprobs(self.ddp, mb, T)
             out["old_log_probs"].append(old)
             if mb.routes is not None:
                 agree += self.routing.agreement(mb.routes, mb.routes_valid).cpu()
+            if batch.index_topk is not None:
+                index_agree += index_topk_counts(self.model, batch, mb.rows)
             if ref:
                 with disable_adapters(self.model):
                     out["ref_log_probs"].append(self._logprobs(self.ddp, mb, T)[0])
@@ -256,6 +260,7 @@ class PolicyTrainer:
             return None
         res = {k: (torch.cat(v).float().cpu() if v and k != "rows" else v) for k, v in out.items()}
         res["router_agree"] = agree if batch.routes is not None else None
+        res["index_topk_agree"] = index_agree if batch.index_topk is not None else None
         return res
 
     # ------------------------------------------------------------------ update

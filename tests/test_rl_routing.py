@@ -8,7 +8,7 @@ import torch
 
 from rl import algos
 from rl.driver import fill_log_probs, make_batch
-from rl.routing import router_metrics
+from rl.routing import index_metrics, router_metrics
 from test_rl import _cfg, _perturb, _rollout
 
 
@@ -24,7 +24,7 @@ def setup(tiny_dir):
     trainer = PolicyTrainer(cfg)
     _perturb(trainer)
     payload = trainer.export_adapter(1)
-    engine = HFRolloutEngine(tiny_dir)
+    engine = HFRolloutEngine(tiny_dir, index_row_stride=3)
     engine.load_adapter(payload)
     return cfg, trainer, engine, payload, AutoTokenizer.from_pretrained(tiny_dir)
 
@@ -55,6 +55,9 @@ def test_routes_travel_with_samples_and_replay_is_exact_on_same_weights(setup):
     off = _log_probs(trainer, batch, False)
     on = _log_probs(trainer, batch, True)
     assert router_metrics([off]) == {"rollout_corr/router_agree": 1.0}
+    assert index_metrics([off]) == {"rollout_corr/index_topk_agree": 1.0}
+    assert sum(len(r.index_topk[0]) for r in results) >= 20  # sampled rows with a real top-k choice
+    assert float(off["index_topk_agree"][1]) >= 20
     assert router_metrics([on]) == {"rollout_corr/router_agree": 1.0}
     m = batch.response_mask.bool()
     assert float((on["old_log_probs"] - off["old_log_probs"]).abs().max()) <= 1e-6
@@ -70,7 +73,7 @@ def test_replay_follows_a_mismatched_engine(setup, tiny_dir):
     from rl.rollout.hf_engine import HFRolloutEngine
 
     cfg, trainer, _, payload, tok = setup
-    engine = HFRolloutEngine(tiny_dir)
+    engine = HFRolloutEngine(tiny_dir, index_row_stride=3)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for m in engine.model.modules():
@@ -89,7 +92,9 @@ def test_replay_follows_a_mismatched_engine(setup, tiny_dir):
             out = _log_probs(trainer, batch, replay)
             met = algos.rollout_correction(cfg, batch)
             met.update(router_metrics([out]))
-            figures[replay] = {k: met[k] for k in ("rollout_corr/router_agree", "rollout_corr/kl",
+            met.update(index_metrics([out]))
+            figures[replay] = {k: met[k] for k in ("rollout_corr/router_agree", "rollout_corr/index_topk_agree",
+                                                   "rollout_corr/kl",
                                                    "rollout_corr/logprob_abs_diff_mean",
                                                    "rollout_corr/rollout_is_oob_ratio")}
             old_maps = maps[: len(hooks)]  # the first micro-batch's old-log-prob forward, one map per MoE layer
@@ -99,6 +104,7 @@ def test_replay_follows_a_mismatched_engine(setup, tiny_dir):
     print("R3 figures (replay off, on):", figures)
     assert figures[False]["rollout_corr/router_agree"] < 0.99
     assert figures[True]["rollout_corr/router_agree"] < 0.99  # own choices (given the replayed upstream) still differ
+    assert figures[False]["rollout_corr/index_topk_agree"] < figures[True]["rollout_corr/index_topk_agree"]
     assert figures[True]["rollout_corr/kl"] < figures[False]["rollout_corr/kl"]
     assert (figures[True]["rollout_corr/logprob_abs_diff_mean"]
             < figures[False]["rollout_corr/logprob_abs_diff_mean"])
