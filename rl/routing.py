@@ -57,6 +57,27 @@ class HFRouteRecorder:
         return np.ascontiguousarray(np.concatenate([c[row] for c in chunks], axis=0)[:num_tokens])
 
 
+def stash_routes(results: list) -> list:
+    """In a rollout actor: each sample's routes go to the Ray object store and the ``Result`` carries the
+    ``ObjectRef`` (608 B per token at 744B: a step's routes are gigabytes, which must not pass through the
+    driver); each trainer rank fetches only the samples it packs (``fetch_routes``)."""
+    import ray
+
+    for r in results:
+        if isinstance(getattr(r, "routes", None), np.ndarray):
+            r.routes = ray.put(r.routes)
+    return results
+
+
+def fetch_routes(r):
+    """A sample's routes as an array (fetched from the Ray object store if it is an ``ObjectRef``)."""
+    if r is None or isinstance(r, np.ndarray):
+        return r
+    import ray
+
+    return ray.get(r)
+
+
 # ---------------------------------------------------------------------------------------- trainer side
 def pack_routes(routes: list, prompts: list, responses: list, rows: list[int], num_tokens: int, L: int,
                 top_k: int):
@@ -66,7 +87,7 @@ def pack_routes(routes: list, prompts: list, responses: list, rows: list[int], n
     valid = torch.zeros(num_tokens, dtype=torch.bool)
     off = 0
     for i in rows:
-        r = routes[i]
+        r = fetch_routes(routes[i])
         n_seq = len(prompts[i]) + len(responses[i])
         if r.ndim != 3 or r.shape[0] > n_seq or r.shape[1:] != (L, top_k):
             raise ValueError(f"sample {i}: routes {tuple(r.shape)} do not fit {n_seq} tokens x {L} MoE layers x "

@@ -114,7 +114,9 @@ class RolloutActor:
         return True
 
     def generate(self, requests: list[Request], params: SamplingParams, batched: bool) -> list[Result]:
-        return self.engine.generate(requests, params, batched)
+        from rl.routing import stash_routes
+
+        return stash_routes(self.engine.generate(requests, params, batched))  # routes by ObjectRef (R3)
 
 
 class RolloutPool:
