@@ -314,6 +314,9 @@ def validate(c: RLConfig) -> None:
     if t.steps < 1:
         raise ValueError("trainer.steps must be >= 1")
     _check_importable(r.engine, "rollout.engine")
+    if a.router_replay and r.engine.endswith("VLLMRolloutEngine") and not r.engine_kwargs.get("return_routes"):
+        raise ValueError("algorithm.router_replay=true with the vLLM engine needs rollout.engine_kwargs.return_routes="
+                         "true (vLLM's enable_return_routed_experts)")
     if not t.freeze_indexer:
         raise ValueError("trainer.freeze_indexer=false: the RL trainer keeps the DSA indexer frozen (no indexer "
                          "loss reaches it here, so it would not learn); train it in the SFT sparse stage "
