@@ -240,15 +240,15 @@ def index_topk_counts(model, batch, rows: list[int]) -> torch.Tensor:
         rec = batch.index_topk[i] if batch.index_topk is not None else None
         n_seq = len(batch.prompts[i]) + len(batch.responses[i])
         if rec is not None and layers:
-            pos, keys = rec
+            pos, keys = rec  # rows p >= index_topk: both sides pick exactly K distinct keys
+            p = torch.from_numpy(pos.astype(np.int64))
             for li, layer in enumerate(layers[: keys.shape[1]]):
-                t = layer.last_topk
-                for p, k in zip(pos.tolist(), keys[:, li]):
-                    eng = set(int(x) for x in k if x >= 0)
-                    mine = (set(range(p + 1)) if t is None else
-                            {int(x) - off for x in t[0, off + p].tolist() if x >= 0})
-                    out[0] += float(eng == mine)
-                    out[1] += 1.0
+                if layer.last_topk is None:  # dense: only possible when no row has more than K keys
+                    continue
+                mine = layer.last_topk[0].cpu()[off + p] - off  # [m, K]
+                eng = torch.from_numpy(keys[:, li].astype(np.int64))
+                same = (mine.sort(-1).values == eng.sort(-1).values).all(-1)
+                out += torch.tensor([float(same.sum()), float(same.numel())], dtype=torch.float64)
         off += n_seq
     return out
 

@@ -70,7 +70,7 @@ def _top_p_probs(logits_BV: torch.Tensor, temperature: float, top_p: float) -> t
 
 class HFRolloutEngine(RolloutEngine):
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, dtype: str = "float32", threads: int = 1,
-                 index_row_stride: int = 64, **kwargs):
+                 index_row_stride: int = 1024, **kwargs):
         super().__init__(hf_dir, deterministic_topk)
         from transformers import AutoModelForCausalLM
 
