@@ -27,6 +27,10 @@ class RolloutBatch:
     returns: Optional[torch.Tensor] = None
     token_level_rewards: Optional[torch.Tensor] = None
     rollout_is_weights: Optional[torch.Tensor] = None
+    routes: Optional[list] = None
+    """R3: per sample the engine's experts, uint8 [len(prompt) + len(response) - 1, moe_layers, top_k]."""
+    index_topk: Optional[list] = None
+    """Per sample the engine's DSA top-k of sampled query rows (``Result.index_topk``) or None."""
 
     @property
     def size(self) -> int:

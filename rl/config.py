@@ -153,6 +153,9 @@ class AlgorithmCfg:
     """DAPO's overlong filtering: responses cut by ``rollout.max_new_tokens`` carry no loss (their rewards
     still count in their group's statistics)."""
     rollout_correction: RolloutCorrectionCfg = field(default_factory=RolloutCorrectionCfg)
+    router_replay: bool = False
+    """R3 (``rl.routing``): the trainer routes every token through the experts the rollout engine chose, in the
+    old-log-prob, reference and update forwards (Megatron-Core's ``RouterReplay``)."""
 
 
 @dataclass
@@ -379,6 +382,9 @@ def validate(c: RLConfig) -> None:
             raise ValueError("rollout.multi_turn.tool_call_stop_tokens: needs at least one token when enabled")
         if mt.max_assistant_turns < 1 or mt.max_tool_response_length < 1:
             raise ValueError("rollout.multi_turn.max_assistant_turns and max_tool_response_length must be >= 1")
+    if a.router_replay and r.engine.endswith("VLLMRolloutEngine") and not r.engine_kwargs.get("return_routes"):
+        raise ValueError("algorithm.router_replay=true with the vLLM engine needs rollout.engine_kwargs.return_routes="
+                         "true (vLLM's enable_return_routed_experts)")
     if not t.freeze_indexer:
         raise ValueError("trainer.freeze_indexer=false: the RL trainer keeps the DSA indexer frozen (no indexer "
                          "loss reaches it here, so it would not learn); train it in the SFT sparse stage "

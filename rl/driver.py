@@ -19,6 +19,7 @@ from rl.batch import RolloutBatch
 from rl.config import RLConfig
 from rl.rewards import load_fn, score_batch
 from rl.overlap import StepSource
+from rl.routing import index_metrics, router_metrics
 from rl.rollout.base import Request, SamplingParams, sample_seed
 from rl.tasks import load_prompts
 
@@ -37,6 +38,10 @@ def make_batch(prompts, results, n: int) -> RolloutBatch:
     batch = RolloutBatch.build([p.ids for p in prompts for _ in range(n)], [r.response_ids for r in results],
                                [r.logprobs for r in results], [j for j, _ in enumerate(prompts) for _ in range(n)])
     apply_masks(batch, results)
+    if results and all(getattr(r, "routes", None) is not None for r in results):
+        batch.routes = [r.routes for r in results]  # R3 (rl.routing)
+    if any(getattr(r, "index_topk", None) is not None for r in results):
+        batch.index_topk = [r.index_topk for r in results]
     return batch
 
 
@@ -125,9 +130,12 @@ def run(cfg: RLConfig) -> dict:
             if cfg.algorithm.mask_truncated_responses:
                 got.metrics.update(shaping.mask_truncated(batch, got.results))
             with _timer(timing, "old_log_prob"):
-                fill_log_probs(batch, trainers.call("compute_log_probs", batch))
+                outs = trainers.call("compute_log_probs", batch)
+                fill_log_probs(batch, outs)
             metrics = algos.rollout_correction(cfg, batch)
             metrics.update(got.metrics)
+            metrics.update(router_metrics(outs))
+            metrics.update(index_metrics(outs))
             metrics.update(algos.compute_advantages(cfg, batch, kl_ctrl.value))
             metrics.update(algos.data_metrics(batch))
             with _timer(timing, "update_actor"):

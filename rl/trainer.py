@@ -50,7 +50,7 @@ class _Packed:
     """Micro-batch: samples ``rows`` packed THD; ``pos`` [n, R] logit positions of each response
     token (its predecessor's position)."""
 
-    def __init__(self, batch: RolloutBatch, rows: list[int], pad_to: int, pad_id: int):
+    def __init__(self, batch: RolloutBatch, rows: list[int], pad_to: int, pad_id: int, route_shape=None):
         ids, targets, positions, lengths = [], [], [], []
         R = batch.response_mask.shape[1]
         self.rows = rows
@@ -76,6 +76,12 @@ class _Packed:
         self.targets = torch.tensor(targets)
         self.position_ids = torch.tensor([positions])
         self.lengths = lengths
+        self.routes = self.routes_valid = None  # R3: [T, L, k] engine experts in this THD order (rl.routing)
+        if batch.routes is not None and route_shape:
+            from rl.routing import pack_routes
+
+            self.routes, self.routes_valid = pack_routes(batch.routes, batch.prompts, batch.responses, rows,
+                                                         self.num_tokens, *route_shape)
 
     def packed_seq_params(self, device=None):
         from glm5_mcore.model import packed_seq_params_from_lengths
@@ -110,7 +116,8 @@ class PolicyTrainer:
         init_parallel(self.parallel, seed=t.seed)
         self.pad_id = AutoTokenizer.from_pretrained(cfg.model.hf_dir).pad_token_id or 0
         overrides = {"bf16": True, "params_dtype": torch.bfloat16} if t.bf16 else {}
-        model = build_model(self.glm5, self.parallel, backend=t.backend, mtp_num_layers=None, **overrides)
+        model = build_model(self.glm5, self.parallel, backend=t.backend, mtp_num_layers=None,
+                            moe_enable_routing_replay=True, **overrides)
         if cfg.model.ckpt:
             from glm5_mcore.checkpoint import load_model, model_dir
 
@@ -135,6 +142,9 @@ class PolicyTrainer:
 
         fp32_output_layer(model)  # log-probs from fp32 logits under bf16 (old, ref, new: IcePop's ratios)
         self.model = model
+        from rl.routing import TrainerRouting
+
+        self.routing = TrainerRouting(model, replay=cfg.algorithm.router_replay)
         self.moe_load = MoELoad(model)
         a = cfg.actor
         self.ddp, self.opt, self.sched = build_trainer(model, OptimCfg(
@@ -184,7 +194,8 @@ class PolicyTrainer:
             dist.all_reduce(s, op=dist.ReduceOp.MAX)
             sizes = s.tolist()
         mult = self.parallel.tp if self.model.config.sequence_parallel else 1
-        return [_Packed(batch, g, -(-n // mult) * mult, self.pad_id) for g, n in zip(groups, sizes)]
+        shape = (len(self.routing.instances), self.routing.top_k)
+        return [_Packed(batch, g, -(-n // mult) * mult, self.pad_id, shape) for g, n in zip(groups, sizes)]
 
     def _logprobs(self, model, mb: _Packed, temperature: float):
         """(log p [n, R], entropy [n, R]) of each response token under ``model``'s active adapter."""
@@ -193,6 +204,7 @@ class PolicyTrainer:
         from glm5_mcore.mtp_loss import token_logprobs
 
         dev = training_device()
+        self.routing.prepare(mb.routes, dev)
         logits = model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), attention_mask=None,
                        packed_seq_params=mb.packed_seq_params(dev))[0]  # [T, V/TP]
         group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
@@ -205,6 +217,7 @@ class PolicyTrainer:
 
         set_adapter(self.model, "critic")
         dev = training_device()
+        self.routing.prepare(mb.routes, dev)
         try:
             model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), attention_mask=None,
                   packed_seq_params=mb.packed_seq_params(dev))
@@ -229,9 +242,16 @@ class PolicyTrainer:
         T = self.cfg.rollout.temperature
         self.ddp.eval()
         out = {"rows": [], "old_log_probs": [], "ref_log_probs": [], "values": []}
+        from rl.routing import index_topk_counts
+
+        agree, index_agree = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
         for mb in self._micro_batches(batch, rows):
             old, _ = self._logprobs(self.ddp, mb, T)
             out["old_log_probs"].append(old)
+            if mb.routes is not None:
+                agree += self.routing.agreement(mb.routes, mb.routes_valid).cpu()
+            if batch.index_topk is not None:
+                index_agree += index_topk_counts(self.model, batch, mb.rows)
             if ref:
                 with disable_adapters(self.model):
                     out["ref_log_probs"].append(self._logprobs(self.ddp, mb, T)[0])
@@ -239,9 +259,13 @@ class PolicyTrainer:
                 out["values"].append(self._values(self.ddp, mb))
             out["rows"] += mb.rows
         self.ddp.train()
+        self.routing.clear()
         if not self.reports:
             return None
-        return {k: (torch.cat(v).float().cpu() if v and k != "rows" else v) for k, v in out.items()}
+        res = {k: (torch.cat(v).float().cpu() if v and k != "rows" else v) for k, v in out.items()}
+        res["router_agree"] = agree if batch.routes is not None else None
+        res["index_topk_agree"] = index_agree if batch.index_topk is not None else None
+        return res
 
     # ------------------------------------------------------------------ update
     def update(self, batch: RolloutBatch, step: int) -> Optional[dict]:
@@ -285,6 +309,7 @@ class PolicyTrainer:
                     for k, (v, w) in r.items():
                         sums[k] = sums.get(k, 0.0) + v * w
                         weights[k] = weights.get(k, 0.0) + w
+        self.routing.clear()
         keys = sorted(sums)
         t = torch.tensor([[sums[k], weights[k]] for k in keys], dtype=torch.float64,
                          device=training_device()).reshape(-1, 2)

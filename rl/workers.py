@@ -122,11 +122,14 @@ class RolloutActor:
         return True
 
     def generate(self, requests: list[Request], params: SamplingParams, batched: bool) -> list[Result]:
+        from rl.routing import stash_routes  # routes by ObjectRef (R3)
+
         if self.multi_turn is not None:
             from rl.episodes import run_episodes
 
-            return run_episodes(self.engine, self.tok, self.env, requests, params, self.multi_turn, batched)
-        return self.engine.generate(requests, params, batched)
+            return stash_routes(run_episodes(self.engine, self.tok, self.env, requests, params, self.multi_turn,
+                                             batched))
+        return stash_routes(self.engine.generate(requests, params, batched))
 
 
 class RolloutPool:

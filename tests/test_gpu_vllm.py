@@ -62,3 +62,40 @@ def test_vllm_engine_samples_with_logprobs_close_to_trainer(mla576_dir, merge):
     diff = (batch.old_log_probs - batch.rollout_log_probs)[batch.response_mask.bool()].abs()
     print(f"vLLM vs trainer (bf16, merge={merge}): mean |diff| {float(diff.mean()):.3g}, max {float(diff.max()):.3g}")
     assert float(diff.mean()) < BF16_MEAN_ABS, float(diff.mean())
+
+
+def test_vllm_returns_routes_and_trainer_replays_them(mla576_dir):
+    """R3 with vLLM: ``return_routes`` (enable_return_routed_experts) gives uint8 [P + n - 1, moe_layers,
+    top_k] per sample; the trainer replays them and its own choices mostly agree (bf16 on both sides)."""
+    from transformers import AutoTokenizer
+
+    from rl.config import RLConfig
+    from rl.driver import fill_log_probs, make_batch
+    from rl.rollout.base import Request, SamplingParams, sample_seed
+    from rl.rollout.vllm_engine import VLLMRolloutEngine
+    from rl.routing import router_metrics
+    from rl.tasks import toy_prompts
+    from rl.trainer import PolicyTrainer
+
+    cfg = RLConfig.from_dict({"model": {"hf_dir": mla576_dir}, "wandb": {"mode": "disabled"},
+                              "trainer": {"bf16": True}, "algorithm": {"router_replay": True}})
+    trainer = PolicyTrainer(cfg)
+    engine = VLLMRolloutEngine(mla576_dir, merge=True, dtype="bfloat16", gpu_memory_utilization=0.3,
+                               return_routes=True)
+    engine.load_adapter(trainer.export_adapter(1))
+    tok = AutoTokenizer.from_pretrained(mla576_dir)
+    prompts = toy_prompts(tok, 4, 0)
+    reqs = [Request((p.index, k), p.ids, sample_seed(0, 0, p.index, k)) for p in prompts for k in range(2)]
+    res = engine.generate(reqs, SamplingParams(1.0, 1.0, 8, ()))
+    L, k = sum(trainer.glm5.moe_layer_pattern), trainer.glm5.num_experts_per_tok
+    for r, p in zip(res, [p for p in prompts for _ in range(2)]):
+        assert r.routes is not None and r.routes.dtype.itemsize == 1
+        assert r.routes.shape == (len(p.ids) + len(r.response_ids) - 1, L, k), r.routes.shape
+    batch = make_batch(prompts, res, 2)
+    out = trainer.compute_log_probs(batch)
+    fill_log_probs(batch, [out])
+    agree = router_metrics([out])["rollout_corr/router_agree"]
+    diff = (batch.old_log_probs - batch.rollout_log_probs)[batch.response_mask.bool()].abs()
+    print(f"vLLM routes replayed: router_agree {agree:.4f}, mean |diff| {float(diff.mean()):.3g}")
+    assert agree > 0.8, agree
+    assert float(diff.mean()) < BF16_MEAN_ABS, float(diff.mean())

@@ -161,6 +161,8 @@ def test_rewards_builtin_and_bad_outputs():
     ({"actor": {"lr": "abc"}}, "actor.lr"),
     ({"trainer": {"steps": 2.5}}, "trainer.steps"),
     ({"trainer": {"resume": "yes"}}, "trainer.resume"),
+    ({"algorithm": {"router_replay": True}, "rollout": {"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine"}},
+     "algorithm.router_replay"),
 ])
 def test_config_errors_name_the_field(over, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):

@@ -40,6 +40,11 @@ class Result:
     mask: Optional[list] = None
     """Multi-turn episodes (``rl.episodes``): 1 for each token the policy sampled, 0 for observation
     tokens the environment appended (their ``logprobs`` are 0); None: every token is the policy's."""
+    routes: Optional[object] = None
+    """R3: the experts the engine chose, numpy uint8 [len(prompt) + len(response) - 1, moe_layers, top_k]
+    (every token it processed; ``rl.routing``), or None when the engine does not report them."""
+    index_topk: Optional[tuple] = None
+    """DSA: (positions int32 [m], selected keys int32 [m, indexer_layers, index_topk]) of sampled query rows."""
 
 
 @dataclass

@@ -70,7 +70,7 @@ def _top_p_probs(logits_BV: torch.Tensor, temperature: float, top_p: float) -> t
 
 class HFRolloutEngine(RolloutEngine):
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, dtype: str = "float32", threads: int = 1,
-                 **kwargs):
+                 index_row_stride: int = 1024, **kwargs):
         super().__init__(hf_dir, deterministic_topk)
         from transformers import AutoModelForCausalLM
 
@@ -85,6 +85,10 @@ class HFRolloutEngine(RolloutEngine):
                 if type(m).__name__ == "GlmMoeDsaIndexer":
                     m.__class__ = cls
         self.max_positions = self.model.config.max_position_embeddings
+        from rl.routing import HFIndexRecorder, HFRouteRecorder
+
+        self.routes = HFRouteRecorder(self.model)  # R3: each token's experts travel with its sample
+        self.index_rows = HFIndexRecorder(self.model, index_row_stride)  # DSA top-k of sampled query rows
         self.peft = None
         self.adapter_version: Optional[int] = None
 
@@ -136,6 +140,8 @@ class HFRolloutEngine(RolloutEngine):
         stop = set(int(t) for t in p.stop_token_ids)
         ids = torch.tensor([r.prompt_ids for r in reqs], dtype=torch.long, device=self.device)
         out = self._net(input_ids=ids, use_cache=True)
+        chunks = [self.routes.step(B, ids.shape[1])]
+        index_steps = [self.index_rows.step(0, B, ids.shape[1])]
         cache = out.past_key_values
         logits = out.logits[:, -1].float()
         toks: list[list[int]] = [[] for _ in range(B)]
@@ -159,6 +165,12 @@ class HFRolloutEngine(RolloutEngine):
             if all(done) or t == p.max_new_tokens - 1:
                 break
             out = self._net(input_ids=nxt[:, None].to(self.device), cache=cache, use_cache=True)
+            chunks.append(self.routes.step(B, 1))
+            index_steps.append(self.index_rows.step(ids.shape[1] + t, B, 1))
             cache = out.past_key_values
             logits = out.logits[:, -1].float()
-        return [Result(r.key, toks[i], lps[i], reason[i]) for i, r in enumerate(reqs)]
+        routes = [None] * B if chunks[0] is None else [
+            self.routes.sample_routes(chunks, i, len(r.prompt_ids) + len(toks[i]) - 1) for i, r in enumerate(reqs)]
+        index = [self.index_rows.sample_rows(index_steps, i, len(r.prompt_ids) + len(toks[i]) - 1)
+                 for i, r in enumerate(reqs)]
+        return [Result(r.key, toks[i], lps[i], reason[i], routes[i], index[i]) for i, r in enumerate(reqs)]

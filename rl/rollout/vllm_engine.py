@@ -33,6 +33,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 from rl.rollout.base import AdapterPayload, Request, Result, RolloutEngine, SamplingParams
@@ -198,12 +199,14 @@ class VLLMRolloutEngine(RolloutEngine):
     ``vllm_python`` (run vLLM under that interpreter), ``device="cpu"`` (vLLM's CPU build:
     ``cpu_compat.vllm_cpu_llm_kwargs``), ``dense_mla`` (serve without the DSA indexer: only while
     ``index_topk`` >= ``max_model_len``, where DSA selects every key), ``push_bytes`` (merged tensors per
-    reload), anything else goes to ``vllm.LLM``."""
+    reload), ``return_routes`` (R3: vLLM's ``enable_return_routed_experts``, which in vLLM 0.32 needs model
+    runner V2 and prefix caching, so GPU only; each ``Result.routes`` is then uint8 [tokens, moe_layers,
+    top_k]), anything else goes to ``vllm.LLM``."""
 
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, merge: bool = False, max_lora_rank: int = 64,
                  dtype: str = "bfloat16", gpu_memory_utilization: float = 0.8, tensor_parallel_size: int = 1,
                  vllm_python: Optional[str] = None, dense_mla: bool = False, device: Optional[str] = None,
-                 push_bytes: int = 2 << 30, **kwargs):
+                 push_bytes: int = 2 << 30, return_routes: bool = False, **kwargs):
         super().__init__(hf_dir, deterministic_topk)
         config = json.loads((Path(hf_dir) / "config.json").read_text())
         if dense_mla:
@@ -214,12 +217,17 @@ class VLLMRolloutEngine(RolloutEngine):
         elif deterministic_topk:
             warnings.warn("vLLM selects DSA top-k with its own kernel; the trainer's tie rule is not enforced")
         self.merge = merge
+        from rl.routing import route_dtype
+
+        self.route_dtype = route_dtype(int(config.get("n_routed_experts") or config.get("num_local_experts") or 256))
         self.push_bytes = push_bytes
         self.lora: Optional[tuple] = None
         self._pushed: set[str] = set()
         env: dict = {}
         llm = dict(model=str(hf_dir), dtype=dtype, enable_lora=not merge, tensor_parallel_size=tensor_parallel_size,
                    logprobs_mode="processed_logprobs", enable_prefix_caching=False)
+        if return_routes:
+            llm.update(enable_return_routed_experts=True, enable_prefix_caching=True)
         if not merge:
             llm["max_lora_rank"] = max_lora_rank
         if device == "cpu":
@@ -284,8 +292,13 @@ class VLLMRolloutEngine(RolloutEngine):
                     stop_token_ids=list(params.stop_token_ids), ignore_eos=True, seed=r.seed % (2 ** 31),
                     logprobs=0, detokenize=False) for r in requests]  # stops exactly at params.stop_token_ids
         outs = self.server.call("generate", [list(r.prompt_ids) for r in requests], sps, self.lora)
-        return [Result(r.key, ids, lps, "stop" if reason == "stop" else "length")
-                for r, (ids, lps, reason) in zip(requests, outs)]
+        res = []
+        for r, (ids, lps, reason, *routes) in zip(requests, outs):
+            rt = routes[0] if routes else None
+            if rt is not None:  # the tokens the engine processed: prompt + all but the last sampled one
+                rt = np.ascontiguousarray(rt[: len(r.prompt_ids) + len(ids) - 1]).astype(self.route_dtype)
+            res.append(Result(r.key, ids, lps, "stop" if reason == "stop" else "length", rt))
+        return res
 
     def close(self) -> None:
         self.server.close()

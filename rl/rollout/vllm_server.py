@@ -25,6 +25,8 @@ import sys
 import traceback
 from typing import Optional
 
+import numpy as np
+
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 
@@ -59,7 +61,7 @@ class Server:
         self.llm = LLM(**kw)
 
     def generate(self, prompts: list[list[int]], params: list[dict], lora: Optional[tuple] = None) -> list:
-        """[(token ids, log-probs of those tokens, finish reason)] per prompt; ``params`` are
+        """[(token ids, log-probs of those tokens, finish reason, routed experts or None)] per prompt; ``params`` are
         ``vllm.SamplingParams`` keyword dicts, ``lora`` = (name, int id, path) or None."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -75,8 +77,9 @@ class Server:
         for o in outs:
             c = o.outputs[0]
             ids = list(c.token_ids)
+            routes = getattr(c, "routed_experts", None)  # [tokens, moe_layers, top_k] with enable_return_routed_experts
             results.append((ids, [float(step[t].logprob) for step, t in zip(c.logprobs, ids)],
-                            str(c.finish_reason)))
+                            str(c.finish_reason), None if routes is None else np.asarray(routes)))
         return results
 
     def reload(self, path: str) -> int:
