@@ -17,6 +17,7 @@ THD-packed (prompt + response per document) into micro-batches of ``actor.micro_
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -65,6 +66,7 @@ class _Packed:
             lengths.append(len(seq))
             self.pos[j, :n] = torch.arange(off + P - 1, off + P - 1 + n)
             off += len(seq)
+        self.real_tokens = off
         if pad_to > off:  # filler document (masked out) so EP ranks see equal token counts
             extra = pad_to - off
             ids += [pad_id] * extra
@@ -101,12 +103,20 @@ class PolicyTrainer:
         self.parallel = ParallelConfig(tp=t.tp, ep=t.ep)
         from glm5_mcore.stored import checkpoint_config, hf_dir_config
 
-        # RL builds no MTP block (mtp_num_layers=None below); the stored count only decides the notice
+        from rl.mtp import DraftAcceptance, mtp_layers
+
+        # the MTP block only with actor.mtp_loss_scale > 0 (a folder storing none is refused then)
         self.glm5 = checkpoint_config(cfg.model.ckpt) if cfg.model.ckpt else hf_dir_config(cfg.model.hf_dir)
+        mtp = mtp_layers(cfg.actor.mtp_loss_scale, self.glm5, cfg.model.ckpt or cfg.model.hf_dir)
+        if mtp:
+            overrides_mtp = {"mtp_loss_scaling_factor": cfg.actor.mtp_loss_scale}
+        else:
+            overrides_mtp = {}
         init_parallel(self.parallel, seed=t.seed)
         self.pad_id = AutoTokenizer.from_pretrained(cfg.model.hf_dir).pad_token_id or 0
         overrides = {"bf16": True, "params_dtype": torch.bfloat16} if t.bf16 else {}
-        model = build_model(self.glm5, self.parallel, backend=t.backend, mtp_num_layers=None, **overrides)
+        model = build_model(self.glm5, self.parallel, backend=t.backend, mtp_num_layers=mtp, **overrides,
+                            **overrides_mtp)
         if cfg.model.ckpt:
             from glm5_mcore.checkpoint import load_model, model_dir
 
@@ -131,6 +141,7 @@ class PolicyTrainer:
 
         fp32_output_layer(model)  # log-probs from fp32 logits under bf16 (old, ref, new: IcePop's ratios)
         self.model = model
+        self.mtp = DraftAcceptance(model) if mtp else None
         self.moe_load = MoELoad(model)
         a = cfg.actor
         self.ddp, self.opt, self.sched = build_trainer(model, OptimCfg(
@@ -187,10 +198,12 @@ class PolicyTrainer:
         from megatron.core import parallel_state as ps
 
         from glm5_mcore.mtp_loss import token_logprobs
+        from rl.mtp import real_token_mask
 
         dev = training_device()
+        kw = {"loss_mask": real_token_mask(mb.num_tokens, mb.real_tokens, dev)} if self.mtp is not None else {}
         logits = model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), attention_mask=None,
-                       packed_seq_params=mb.packed_seq_params(dev))[0]  # [T, V/TP]
+                       packed_seq_params=mb.packed_seq_params(dev), **kw)[0]  # [T, V/TP]
         group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
         logp, ent = token_logprobs(logits, mb.targets.to(dev), group, temperature)
         pos = mb.pos.to(dev)
@@ -199,11 +212,14 @@ class PolicyTrainer:
     def _values(self, model, mb: _Packed) -> torch.Tensor:
         from glm5_mcore.lora import set_adapter
 
+        from rl.mtp import mtp_loss_off
+
         set_adapter(self.model, "critic")
         dev = training_device()
         try:
-            model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), attention_mask=None,
-                  packed_seq_params=mb.packed_seq_params(dev))
+            with mtp_loss_off(self.model) if self.mtp is not None else contextlib.nullcontext():
+                model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), attention_mask=None,
+                      packed_seq_params=mb.packed_seq_params(dev))
         finally:
             set_adapter(self.model, "default")
         h = self._hidden  # [T, 1, H]
@@ -219,6 +235,7 @@ class PolicyTrainer:
         """{"rows": sample indices, "old_log_probs", "ref_log_probs", "values": [n, R]} for this
         rank's DP share (None on non-reporting ranks)."""
         from glm5_mcore.lora import disable_adapters
+        from rl.mtp import drafted_positions
 
         dp, dp_rank = self._dp()
         rows = list(range(batch.size))[dp_rank::dp]
@@ -226,6 +243,9 @@ class PolicyTrainer:
         self.ddp.eval()
         out = {"rows": [], "old_log_probs": [], "ref_log_probs": [], "values": []}
         for mb in self._micro_batches(batch, rows):
+            if self.mtp is not None:  # rollout/mtp_accept from the MTP logits this forward computes anyway
+                self.mtp.arm(mb.input_ids.to(training_device()),
+                             drafted_positions(mb.pos, [len(batch.responses[i]) for i in mb.rows]))
             old, _ = self._logprobs(self.ddp, mb, T)
             out["old_log_probs"].append(old)
             if ref:
@@ -250,7 +270,7 @@ class PolicyTrainer:
         n_prompts = batch.size // n
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
-        skipped, reasons, grad_norms = 0, [], []
+        skipped, reasons, grad_norms, n_micro = 0, [], [], 0
         self.moe_load.counts = {}  # count the update's routing only
         t0 = time.perf_counter()
         for epoch in range(a.ppo_epochs):
@@ -263,6 +283,7 @@ class PolicyTrainer:
                 gbi = {"dp_size": dp, "batch_num_tokens": int(mask.sum()),
                        "global_batch_size": int((mask.sum(-1) > 0).sum())}
                 micro = self._micro_batches(batch, mb_rows[dp_rank::dp])
+                n_micro += len(micro)
                 self.ddp.zero_grad_buffer()
                 self.opt.zero_grad()
                 reports = forward_backward(self.ddp, self._train_step(batch, gbi, len(micro)), micro,
@@ -293,6 +314,13 @@ class PolicyTrainer:
                         "actor/lr": self.opt.param_groups[0]["lr"], "actor/updates_skipped": float(skipped),
                         "timing_s/update_inner": time.perf_counter() - t0})
         metrics.update(self.moe_load.metrics())
+        if self.mtp is not None:
+            from glm5_mcore.mtp_loss import mtp_depth_losses
+
+            depth = mtp_depth_losses(self.glm5.num_nextn_predict_layers, n_micro)
+            metrics["mtp/loss"] = float(np.mean([v for k, v in depth.items() if k.startswith("mtp_loss/")]))
+            metrics.update(depth)
+            metrics.update(self.mtp.take(ps.get_data_parallel_group() if dp > 1 else None))
         if reasons:
             metrics["skip_reasons"] = reasons
         return metrics if self.reports else None
