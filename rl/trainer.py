@@ -355,8 +355,9 @@ class PolicyTrainer:
         return True, ""
 
     # ------------------------------------------------------------------ weights, checkpoints
-    def export_adapter(self, version: int):
-        """The policy adapter as an HF PEFT payload (rank 0; None elsewhere)."""
+    def export_adapter(self, version: int, include_mtp: bool = False):
+        """The policy adapter as an HF PEFT payload (rank 0; None elsewhere); ``include_mtp``: with the
+        MTP layer's adapter under ``model.layers.{num_hidden_layers}.*`` (for a draft-model engine)."""
         from glm5_mcore.adapters import gather_adapter
         from glm5_mcore.peft_io import export_peft
         from rl.rollout.base import AdapterPayload
@@ -366,7 +367,8 @@ class PolicyTrainer:
             return None
         with tempfile.TemporaryDirectory() as d:
             out = export_peft(state, self.glm5.num_hidden_layers, self.glm5.n_routed_experts, Path(d) / "a",
-                              base_model=self.cfg.model.hf_dir)
+                              base_model=self.cfg.model.hf_dir,
+                              include_mtp=include_mtp)
             return AdapterPayload(version, {p.name: p.read_bytes() for p in out.iterdir()})
 
     def save(self, root: str, step: int, trainer_state: dict) -> None:
