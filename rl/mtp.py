@@ -5,7 +5,10 @@ the MTP layer reads, so with ``actor.mtp_loss_scale > 0`` the trainer builds the
 Megatron-Core's own ``process_mtp_loss`` trains it on the rollout sequences (labels derived from
 ``input_ids``, rolled *within* each packed document; the main logits PPO reads are untouched).
 
-- ``mtp_layers``: the MTP layers to build (None: off), or a ValueError naming why it cannot be on.
+- ``mtp_layers``: the MTP layers to build (those stored; None: none), or a ValueError naming why the
+  loss cannot be on. With the loss off the block is still built (when stored) to measure acceptance:
+  how far the draft head falls behind the moving policy.
+- ``freeze_mtp_adapters``: loss off — the MTP layer's adapters stay at their no-op init.
 - ``real_token_mask``: [1, T] 1 on the documents of a packed micro-batch, 0 on its filler — the
   ``loss_mask`` of the MTP loss (Megatron rolls it twice: position i trains on token i+2 of its doc).
 - ``DraftAcceptance``: ``rollout/mtp_accept`` — of the response tokens after the first, the fraction
@@ -27,17 +30,25 @@ import torch.distributed as dist
 
 
 def mtp_layers(scale: float, glm5, source: str) -> Optional[int]:
-    """MTP layers to build for ``actor.mtp_loss_scale = scale`` (None when 0); a folder storing none
-    is refused, naming why."""
+    """MTP layers to build: those the folder stores (None: it stores none). With ``scale = 0`` they are
+    built to measure ``rollout/mtp_accept`` only (no MTP gradient, their adapters frozen); with
+    ``scale > 0`` a folder storing none is refused, naming why."""
     if scale < 0:
         raise ValueError(f"actor.mtp_loss_scale={scale} must be >= 0")
     if scale == 0:
-        return None
+        return glm5.num_nextn_predict_layers or None
     if not glm5.num_nextn_predict_layers:
         raise ValueError(f"actor.mtp_loss_scale={scale}: {source} stores no MTP layer weights (a transformers "
                          "save_pretrained folder, or num_nextn_predict_layers=0), so there is no draft head to "
                          "train; set actor.mtp_loss_scale=0 or use a folder with the MTP layer")
     return glm5.num_nextn_predict_layers
+
+
+def freeze_mtp_adapters(model) -> None:
+    """No gradient (hence no optimizer state) for the MTP layer's adapter parameters."""
+    for n, p in model.named_parameters():
+        if n.startswith("mtp.") and ".lora." in n:
+            p.requires_grad_(False)
 
 
 def real_token_mask(num_tokens: int, real_tokens: int, device=None) -> torch.Tensor:

@@ -105,13 +105,10 @@ class PolicyTrainer:
 
         from rl.mtp import DraftAcceptance, mtp_layers
 
-        # the MTP block only with actor.mtp_loss_scale > 0 (a folder storing none is refused then)
+        # the MTP block the folder stores (trained with actor.mtp_loss_scale > 0, else measured only)
         self.glm5 = checkpoint_config(cfg.model.ckpt) if cfg.model.ckpt else hf_dir_config(cfg.model.hf_dir)
         mtp = mtp_layers(cfg.actor.mtp_loss_scale, self.glm5, cfg.model.ckpt or cfg.model.hf_dir)
-        if mtp:
-            overrides_mtp = {"mtp_loss_scaling_factor": cfg.actor.mtp_loss_scale}
-        else:
-            overrides_mtp = {}
+        overrides_mtp = {"mtp_loss_scaling_factor": cfg.actor.mtp_loss_scale} if mtp else {}
         init_parallel(self.parallel, seed=t.seed)
         self.pad_id = AutoTokenizer.from_pretrained(cfg.model.hf_dir).pad_token_id or 0
         overrides = {"bf16": True, "params_dtype": torch.bfloat16} if t.bf16 else {}
@@ -136,6 +133,10 @@ class PolicyTrainer:
             self._hidden = None
             model.output_layer.register_forward_pre_hook(self._capture_hidden)
         set_adapter(model, "default")
+        if mtp and not cfg.actor.mtp_loss_scale:
+            from rl.mtp import freeze_mtp_adapters
+
+            freeze_mtp_adapters(model)  # MTP block built to measure rollout/mtp_accept only
         check_indexer_learns(model, "trainer.freeze_indexer")
         from glm5_mcore.mtp_loss import fp32_output_layer
 
@@ -400,7 +401,7 @@ class PolicyTrainer:
         for name in self.lora_cfg:
             st = read_adapter_state(adapter_dir(root, name, it))
             for _, _, lora in lora_layers(self.model):
-                if name in lora.A:
+                if name in lora.A and (lora.module_name in st.A or not lora.module_name.startswith("mtp.")):
                     lora.load_full_(name, st.A[lora.module_name], st.B[lora.module_name])
         rs = load_rank_state(root, it, dist.get_rank())
         load_optimizer(self.opt, self.model, iter_dir(root, it) / "optimizer" / "dist")
