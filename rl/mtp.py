@@ -127,3 +127,15 @@ def mtp_loss_off(model):
         cfg.mtp_loss_scaling_factor = scale
         MTPLossLoggingHelper.tracker.clear()
         MTPLossLoggingHelper.tracker.update(saved)
+
+
+def mtp_speculative_config(config: dict, num_tokens: int, source: str) -> dict:
+    """vLLM's ``speculative_config`` drafting ``num_tokens`` tokens with the checkpoint's own MTP layer
+    (``method="mtp"``: vLLM 0.32 serves GLM-5's ``model.layers.{num_hidden_layers}`` as the draft
+    model); ``config`` is the folder's config.json. A folder declaring no MTP layer is refused."""
+    if num_tokens < 1:
+        raise ValueError(f"rollout.engine_kwargs.mtp_draft_tokens={num_tokens} must be >= 1")
+    if not config.get("num_nextn_predict_layers"):
+        raise ValueError(f"rollout.engine_kwargs.mtp_draft_tokens={num_tokens}: {source}/config.json declares "
+                         "num_nextn_predict_layers=0, there is no MTP layer to draft with")
+    return {"method": "mtp", "num_speculative_tokens": int(num_tokens)}

@@ -4,6 +4,9 @@ log-probs unchanged by it, the MTP loss against a hand-written reference and whe
 a folder without MTP tensors."""
 
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -162,3 +165,12 @@ def test_mtp_loss_refused_without_mtp_tensors(tiny_dir, tmp_path):
 
     with pytest.raises(ValueError, match="actor.mtp_loss_scale=0.1: .* stores no MTP layer weights"):
         PolicyTrainer(_cfg(tiny_dir, actor={"mtp_loss_scale": 0.1}))
+
+
+def test_vllm_mtp_speculative_settings(tiny_mtp_dir, tiny_dir):
+    from rl.mtp import mtp_speculative_config
+
+    c = json.loads((Path(tiny_mtp_dir) / "config.json").read_text())
+    assert mtp_speculative_config(c, 2, tiny_mtp_dir) == {"method": "mtp", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="mtp_draft_tokens=1: .*num_nextn_predict_layers=0"):
+        mtp_speculative_config(json.loads((Path(tiny_dir) / "config.json").read_text()), 1, tiny_dir)

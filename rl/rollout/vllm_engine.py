@@ -198,12 +198,14 @@ class VLLMRolloutEngine(RolloutEngine):
     ``vllm_python`` (run vLLM under that interpreter), ``device="cpu"`` (vLLM's CPU build:
     ``cpu_compat.vllm_cpu_llm_kwargs``), ``dense_mla`` (serve without the DSA indexer: only while
     ``index_topk`` >= ``max_model_len``, where DSA selects every key), ``push_bytes`` (merged tensors per
-    reload), anything else goes to ``vllm.LLM``."""
+    reload), ``mtp_draft_tokens`` (> 0: speculative decoding, that many tokens drafted per step by the
+    checkpoint's MTP layer — vLLM's ``speculative_config`` ``method="mtp"``), anything else goes to
+    ``vllm.LLM``."""
 
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, merge: bool = False, max_lora_rank: int = 64,
                  dtype: str = "bfloat16", gpu_memory_utilization: float = 0.8, tensor_parallel_size: int = 1,
                  vllm_python: Optional[str] = None, dense_mla: bool = False, device: Optional[str] = None,
-                 push_bytes: int = 2 << 30, **kwargs):
+                 push_bytes: int = 2 << 30, mtp_draft_tokens: int = 0, **kwargs):
         super().__init__(hf_dir, deterministic_topk)
         config = json.loads((Path(hf_dir) / "config.json").read_text())
         if dense_mla:
@@ -229,6 +231,10 @@ class VLLMRolloutEngine(RolloutEngine):
             env.update(vllm_cpu_env())
         else:
             llm["gpu_memory_utilization"] = gpu_memory_utilization
+        if mtp_draft_tokens:  # speculative decoding with the checkpoint's MTP layer as the draft
+            from rl.mtp import mtp_speculative_config
+
+            llm["speculative_config"] = mtp_speculative_config(config, mtp_draft_tokens, hf_dir)
         llm.update(kwargs)
         if vllm_python:
             self.server = _RemoteServer(vllm_python, (llm,), {"dense_mla": dense_mla}, env)
