@@ -139,3 +139,15 @@ def mtp_speculative_config(config: dict, num_tokens: int, source: str) -> dict:
         raise ValueError(f"rollout.engine_kwargs.mtp_draft_tokens={num_tokens}: {source}/config.json declares "
                          "num_nextn_predict_layers=0, there is no MTP layer to draft with")
     return {"method": "mtp", "num_speculative_tokens": int(num_tokens)}
+
+
+def check_mtp_loss(cfg) -> None:
+    """Before any worker starts: ``actor.mtp_loss_scale > 0`` on a folder storing no MTP layer is a
+    ValueError naming the folder (what the trainer would refuse later, inside its actor)."""
+    if cfg.actor.mtp_loss_scale == 0:
+        return
+    from glm5_mcore.stored import checkpoint_config, hf_dir_config
+
+    m = cfg.model
+    glm5 = checkpoint_config(m.ckpt, quiet=True) if m.ckpt else hf_dir_config(m.hf_dir, quiet=True)
+    mtp_layers(cfg.actor.mtp_loss_scale, glm5, m.ckpt or m.hf_dir)

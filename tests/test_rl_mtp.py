@@ -174,3 +174,20 @@ def test_vllm_mtp_speculative_settings(tiny_mtp_dir, tiny_dir):
     assert mtp_speculative_config(c, 2, tiny_mtp_dir) == {"method": "mtp", "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="mtp_draft_tokens=1: .*num_nextn_predict_layers=0"):
         mtp_speculative_config(json.loads((Path(tiny_dir) / "config.json").read_text()), 1, tiny_dir)
+
+
+def test_glm5_rl_mtp_loss_without_mtp_tensors_is_a_one_line_error(tiny_dir, tmp_path):
+    """Refused before Ray or any worker starts: exit 2, one line naming the field and folder, no run folder."""
+    import contextlib
+    import io
+
+    from glm5_mcore.cli import main
+
+    out = tmp_path / "rl"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(["rl", f"model.hf_dir={tiny_dir}", f"trainer.out={out}", "actor.mtp_loss_scale=0.1",
+                   "wandb.mode=disabled"])
+    lines = err.getvalue().strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("glm5 rl: error: actor.mtp_loss_scale=0.1: "), lines
+    assert tiny_dir in lines[0] and not out.exists()
