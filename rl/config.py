@@ -133,6 +133,9 @@ class ActorCfg:
     """> 0: build the MTP block and train it (LoRA on its linears) on the rollout sequences beside the
     PPO loss, so the speculative-decoding draft head follows the policy (as the SFT recipe's
     ``train.mtp_loss_scale``); logs ``mtp/loss`` and ``rollout/mtp_accept``."""
+    mtp_accept: bool = False
+    """With the MTP loss off: still build the stored MTP block (forward only, adapters frozen) to log
+    ``rollout/mtp_accept`` — how far the draft head falls behind the moving policy."""
 
 
 @dataclass

@@ -5,8 +5,8 @@ the MTP layer reads, so with ``actor.mtp_loss_scale > 0`` the trainer builds the
 Megatron-Core's own ``process_mtp_loss`` trains it on the rollout sequences (labels derived from
 ``input_ids``, rolled *within* each packed document; the main logits PPO reads are untouched).
 
-- ``mtp_layers``: the MTP layers to build (those stored; None: none), or a ValueError naming why the
-  loss cannot be on. With the loss off the block is still built (when stored) to measure acceptance:
+- ``mtp_layers``: the MTP layers to build (None: none), or a ValueError naming why the loss cannot be
+  on. With the loss off and ``actor.mtp_accept`` the stored block is built to measure acceptance only:
   how far the draft head falls behind the moving policy.
 - ``freeze_mtp_adapters``: loss off — the MTP layer's adapters stay at their no-op init.
 - ``real_token_mask``: [1, T] 1 on the documents of a packed micro-batch, 0 on its filler — the
@@ -29,14 +29,14 @@ import torch
 import torch.distributed as dist
 
 
-def mtp_layers(scale: float, glm5, source: str) -> Optional[int]:
-    """MTP layers to build: those the folder stores (None: it stores none). With ``scale = 0`` they are
-    built to measure ``rollout/mtp_accept`` only (no MTP gradient, their adapters frozen); with
-    ``scale > 0`` a folder storing none is refused, naming why."""
+def mtp_layers(scale: float, glm5, source: str, measure: bool = False) -> Optional[int]:
+    """MTP layers to build (None: no MTP block). ``scale > 0``: those the folder stores, a folder storing
+    none refused, naming why. ``scale = 0``: none, unless ``measure`` (``actor.mtp_accept``): then those
+    stored, built to measure ``rollout/mtp_accept`` only (no MTP gradient, their adapters frozen)."""
     if scale < 0:
         raise ValueError(f"actor.mtp_loss_scale={scale} must be >= 0")
     if scale == 0:
-        return glm5.num_nextn_predict_layers or None
+        return (glm5.num_nextn_predict_layers or None) if measure else None
     if not glm5.num_nextn_predict_layers:
         raise ValueError(f"actor.mtp_loss_scale={scale}: {source} stores no MTP layer weights (a transformers "
                          "save_pretrained folder, or num_nextn_predict_layers=0), so there is no draft head to "

@@ -105,9 +105,10 @@ class PolicyTrainer:
 
         from rl.mtp import DraftAcceptance, mtp_layers
 
-        # the MTP block the folder stores (trained with actor.mtp_loss_scale > 0, else measured only)
+        # the MTP block: trained with actor.mtp_loss_scale > 0, measured only with actor.mtp_accept
         self.glm5 = checkpoint_config(cfg.model.ckpt) if cfg.model.ckpt else hf_dir_config(cfg.model.hf_dir)
-        mtp = mtp_layers(cfg.actor.mtp_loss_scale, self.glm5, cfg.model.ckpt or cfg.model.hf_dir)
+        mtp = mtp_layers(cfg.actor.mtp_loss_scale, self.glm5, cfg.model.ckpt or cfg.model.hf_dir,
+                         cfg.actor.mtp_accept)
         overrides_mtp = {"mtp_loss_scaling_factor": cfg.actor.mtp_loss_scale} if mtp else {}
         init_parallel(self.parallel, seed=t.seed)
         self.pad_id = AutoTokenizer.from_pretrained(cfg.model.hf_dir).pad_token_id or 0
