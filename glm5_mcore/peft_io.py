@@ -44,8 +44,12 @@ def _target_parameter(hf_weight: str) -> str:
 
 
 def export_peft(state: AdapterState, num_hidden_layers: int, n_experts: int, out: str | Path,
-                base_model: str = "", inputs: tuple = (), overwrite: bool = False) -> Path:
-    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (HF PEFT) for ``state``."""
+                base_model: str = "", inputs: tuple = (), overwrite: bool = False, include_mtp: bool = False) -> Path:
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (HF PEFT) for ``state``.
+
+    MTP-layer adapters are left out (transformers builds no module for the MTP layer) unless
+    ``include_mtp``: then they are written under the release's ``model.layers.{num_hidden_layers}.*``
+    names, as a serving engine that loads the MTP layer as a draft model (vLLM, SGLang) names it."""
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
@@ -56,7 +60,7 @@ def export_peft(state: AdapterState, num_hidden_layers: int, n_experts: int, out
     for module in state.modules():
         names = hf_source(module + ".weight", num_hidden_layers).names
         layer = int(re.match(r"model\.layers\.(\d+)\.", names[0]).group(1))
-        if layer >= num_hidden_layers:
+        if layer >= num_hidden_layers and not include_mtp:
             continue  # MTP: transformers builds no module for it
         a, b, s = state.A[module].float(), state.B[module].float(), state.scale[module]
         r = a.shape[0]

@@ -96,6 +96,9 @@ def rl_main(argv: list[str]) -> int:
     name, argv = _config_name(argv, "grpo_tiny")
     d = compose(f"rl/{name}", argv)
     cfg = RLConfig.from_dict(d)
+    from rl.mtp import check_mtp_loss
+
+    check_mtp_loss(cfg)
     plan_gate("rl", d, cfg.model.hf_dir, cfg.plan.check)
     out = run(cfg)
     hist = out["history"]

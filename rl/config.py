@@ -179,6 +179,13 @@ class ActorCfg:
     clip_grad: float = 1.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
+    mtp_loss_scale: float = 0.0
+    """> 0: build the MTP block and train it (LoRA on its linears) on the rollout sequences beside the
+    PPO loss, so the speculative-decoding draft head follows the policy (as the SFT recipe's
+    ``train.mtp_loss_scale``); logs ``mtp/loss`` and ``rollout/mtp_accept``."""
+    mtp_accept: bool = False
+    """With the MTP loss off: still build the stored MTP block (forward only, adapters frozen) to log
+    ``rollout/mtp_accept`` — how far the draft head falls behind the moving policy."""
 
 
 @dataclass
@@ -314,7 +321,8 @@ def run_settings(c: RLConfig) -> dict:
         "data": {"train": file_fingerprint(d.train), "val": file_fingerprint(d.val), "toy_size": d.toy_size,
                  "prompts_per_step": d.prompts_per_step, "seed": d.seed},
         "rollout": {"n": c.rollout.n},
-        "actor": {"ppo_mini_batch_size": c.actor.ppo_mini_batch_size},
+        "actor": {"ppo_mini_batch_size": c.actor.ppo_mini_batch_size,
+                  **({"mtp": True} if c.actor.mtp_loss_scale > 0 else {})},  # MTP adapters exist or not
         "lora": {"rank": c.lora.rank, "alpha": c.lora.alpha, "targets": sorted(c.lora.targets)},
         "critic": ({"rank": c.critic.lora.rank, "alpha": c.critic.lora.alpha,
                     "targets": sorted(c.critic.lora.targets)} if c.use_critic else None),
@@ -344,6 +352,8 @@ def validate(c: RLConfig) -> None:
     if c.data.prompts_per_step % act.ppo_mini_batch_size:
         raise ValueError(f"actor.ppo_mini_batch_size={act.ppo_mini_batch_size} must divide "
                          f"data.prompts_per_step={c.data.prompts_per_step}")
+    if act.mtp_loss_scale < 0:
+        raise ValueError(f"actor.mtp_loss_scale={act.mtp_loss_scale} must be >= 0")
     if act.clip_ratio_c <= 1:
         raise ValueError(f"actor.clip_ratio_c={act.clip_ratio_c} must be > 1 (dual-clip bound)")
     t = c.trainer

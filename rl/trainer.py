@@ -17,6 +17,7 @@ THD-packed (prompt + response per document) into micro-batches of ``actor.micro_
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -65,6 +66,7 @@ class _Packed:
             lengths.append(len(seq))
             self.pos[j, :n] = torch.arange(off + P - 1, off + P - 1 + n)
             off += len(seq)
+        self.real_tokens = off
         if pad_to > off:  # filler document (masked out) so EP ranks see equal token counts
             extra = pad_to - off
             ids += [pad_id] * extra
@@ -108,16 +110,21 @@ class PolicyTrainer:
         from glm5_mcore import foreign_ckpt
         from glm5_mcore.stored import checkpoint_config, hf_dir_config
 
-        # RL builds no MTP block (mtp_num_layers=None below); the stored count only decides the notice
+        from rl.mtp import DraftAcceptance, mtp_layers
+
         if cfg.model.ckpt and foreign_ckpt.is_foreign(cfg.model.ckpt):  # Megatron-LM / Bridge: checked against hf_dir
             self.glm5 = foreign_ckpt.glm5_config(cfg.model.ckpt, GLM5Config.from_hf_dir(cfg.model.hf_dir))
         else:
             self.glm5 = checkpoint_config(cfg.model.ckpt) if cfg.model.ckpt else hf_dir_config(cfg.model.hf_dir)
+        # the MTP block: trained with actor.mtp_loss_scale > 0, measured only with actor.mtp_accept
+        mtp = mtp_layers(cfg.actor.mtp_loss_scale, self.glm5, cfg.model.ckpt or cfg.model.hf_dir,
+                         cfg.actor.mtp_accept)
+        overrides_mtp = {"mtp_loss_scaling_factor": cfg.actor.mtp_loss_scale} if mtp else {}
         init_parallel(self.parallel, seed=t.seed)
         self.pad_id = AutoTokenizer.from_pretrained(cfg.model.hf_dir).pad_token_id or 0
         overrides = {"bf16": True, "params_dtype": torch.bfloat16} if t.bf16 else {}
-        model = build_model(self.glm5, self.parallel, backend=t.backend, mtp_num_layers=None,
-                            moe_enable_routing_replay=True, **overrides)
+        model = build_model(self.glm5, self.parallel, backend=t.backend, mtp_num_layers=mtp,
+                            moe_enable_routing_replay=True, **overrides, **overrides_mtp)
         if cfg.model.ckpt:
             from glm5_mcore.checkpoint import load_model, model_dir
 
@@ -137,6 +144,10 @@ class PolicyTrainer:
             self._hidden = None
             model.output_layer.register_forward_pre_hook(self._capture_hidden)
         set_adapter(model, "default")
+        if mtp and not cfg.actor.mtp_loss_scale:
+            from rl.mtp import freeze_mtp_adapters
+
+            freeze_mtp_adapters(model)  # MTP block built to measure rollout/mtp_accept only
         check_indexer_learns(model, "trainer.freeze_indexer")
         from glm5_mcore.mtp_loss import fp32_output_layer
 
@@ -145,6 +156,7 @@ class PolicyTrainer:
         from rl.routing import TrainerRouting
 
         self.routing = TrainerRouting(model, replay=cfg.algorithm.router_replay)
+        self.mtp = DraftAcceptance(model) if mtp else None
         self.moe_load = MoELoad(model)
         a = cfg.actor
         self.ddp, self.opt, self.sched = build_trainer(model, OptimCfg(
@@ -202,11 +214,13 @@ class PolicyTrainer:
         from megatron.core import parallel_state as ps
 
         from glm5_mcore.mtp_loss import token_logprobs
+        from rl.mtp import real_token_mask
 
         dev = training_device()
         self.routing.prepare(mb.routes, dev)
+        kw = {"loss_mask": real_token_mask(mb.num_tokens, mb.real_tokens, dev)} if self.mtp is not None else {}
         logits = model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), attention_mask=None,
-                       packed_seq_params=mb.packed_seq_params(dev))[0]  # [T, V/TP]
+                       packed_seq_params=mb.packed_seq_params(dev), **kw)[0]  # [T, V/TP]
         group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
         logp, ent = token_logprobs(logits, mb.targets.to(dev), group, temperature)
         pos = mb.pos.to(dev)
@@ -215,12 +229,15 @@ class PolicyTrainer:
     def _values(self, model, mb: _Packed) -> torch.Tensor:
         from glm5_mcore.lora import set_adapter
 
+        from rl.mtp import mtp_loss_off
+
         set_adapter(self.model, "critic")
         dev = training_device()
         self.routing.prepare(mb.routes, dev)
         try:
-            model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), attention_mask=None,
-                  packed_seq_params=mb.packed_seq_params(dev))
+            with mtp_loss_off(self.model) if self.mtp is not None else contextlib.nullcontext():
+                model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), attention_mask=None,
+                      packed_seq_params=mb.packed_seq_params(dev))
         finally:
             set_adapter(self.model, "default")
         h = self._hidden  # [T, 1, H]
@@ -236,6 +253,7 @@ class PolicyTrainer:
         """{"rows": sample indices, "old_log_probs", "ref_log_probs", "values": [n, R]} for this
         rank's DP share (None on non-reporting ranks)."""
         from glm5_mcore.lora import disable_adapters
+        from rl.mtp import drafted_positions
 
         dp, dp_rank = self._dp()
         rows = list(range(batch.size))[dp_rank::dp]
@@ -246,6 +264,9 @@ class PolicyTrainer:
 
         agree, index_agree = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
         for mb in self._micro_batches(batch, rows):
+            if self.mtp is not None:  # rollout/mtp_accept from the MTP logits this forward computes anyway
+                self.mtp.arm(mb.input_ids.to(training_device()),
+                             drafted_positions(mb.pos, [len(batch.responses[i]) for i in mb.rows]))
             old, _ = self._logprobs(self.ddp, mb, T)
             out["old_log_probs"].append(old)
             if mb.routes is not None:
@@ -278,7 +299,7 @@ class PolicyTrainer:
         n_prompts = batch.size // n
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
-        skipped, reasons, grad_norms = 0, [], []
+        skipped, reasons, grad_norms, n_micro = 0, [], [], 0
         self.moe_load.counts = {}  # count the update's routing only
         t0 = time.perf_counter()
         for epoch in range(a.ppo_epochs):
@@ -291,6 +312,7 @@ class PolicyTrainer:
                 gbi = {"dp_size": dp, "batch_num_tokens": int(mask.sum()),
                        "global_batch_size": int((mask.sum(-1) > 0).sum())}
                 micro = self._micro_batches(batch, mb_rows[dp_rank::dp])
+                n_micro += len(micro)
                 self.ddp.zero_grad_buffer()
                 self.opt.zero_grad()
                 reports = forward_backward(self.ddp, self._train_step(batch, gbi, len(micro)), micro,
@@ -322,6 +344,13 @@ class PolicyTrainer:
                         "actor/lr": self.opt.param_groups[0]["lr"], "actor/updates_skipped": float(skipped),
                         "timing_s/update_inner": time.perf_counter() - t0})
         metrics.update(self.moe_load.metrics())
+        if self.mtp is not None:
+            from glm5_mcore.mtp_loss import mtp_depth_losses
+
+            depth = mtp_depth_losses(self.glm5.num_nextn_predict_layers, n_micro)
+            metrics["mtp/loss"] = float(np.mean([v for k, v in depth.items() if k.startswith("mtp_loss/")]))
+            metrics.update(depth)
+            metrics.update(self.mtp.take(ps.get_data_parallel_group() if dp > 1 else None))
         if reasons:
             metrics["skip_reasons"] = reasons
         return metrics if self.reports else None
@@ -356,8 +385,9 @@ class PolicyTrainer:
         return True, ""
 
     # ------------------------------------------------------------------ weights, checkpoints
-    def export_adapter(self, version: int):
-        """The policy adapter as an HF PEFT payload (rank 0; None elsewhere)."""
+    def export_adapter(self, version: int, include_mtp: bool = False):
+        """The policy adapter as an HF PEFT payload (rank 0; None elsewhere); ``include_mtp``: with the
+        MTP layer's adapter under ``model.layers.{num_hidden_layers}.*`` (for a draft-model engine)."""
         from glm5_mcore.adapters import gather_adapter
         from glm5_mcore.peft_io import export_peft
         from rl.rollout.base import AdapterPayload
@@ -367,7 +397,8 @@ class PolicyTrainer:
             return None
         with tempfile.TemporaryDirectory() as d:
             out = export_peft(state, self.glm5.num_hidden_layers, self.glm5.n_routed_experts, Path(d) / "a",
-                              base_model=self.cfg.model.hf_dir)
+                              base_model=self.cfg.model.hf_dir,
+                              include_mtp=include_mtp)
             return AdapterPayload(version, {p.name: p.read_bytes() for p in out.iterdir()})
 
     def save(self, root: str, step: int, trainer_state: dict, rollout_adapter=None) -> None:
@@ -402,7 +433,7 @@ class PolicyTrainer:
         for name in self.lora_cfg:
             st = read_adapter_state(adapter_dir(root, name, it))
             for _, _, lora in lora_layers(self.model):
-                if name in lora.A:
+                if name in lora.A and (lora.module_name in st.A or not lora.module_name.startswith("mtp.")):
                     lora.load_full_(name, st.A[lora.module_name], st.B[lora.module_name])
         rs = load_rank_state(root, it, dist.get_rank())
         load_optimizer(self.opt, self.model, iter_dir(root, it) / "optimizer" / "dist")

@@ -99,3 +99,36 @@ def test_vllm_returns_routes_and_trainer_replays_them(mla576_dir):
     print(f"vLLM routes replayed: router_agree {agree:.4f}, mean |diff| {float(diff.mean()):.3g}")
     assert agree > 0.8, agree
     assert float(diff.mean()) < BF16_MEAN_ABS, float(diff.mean())
+
+
+def test_vllm_engine_drafts_with_the_mtp_layer(tmp_path):
+    """``engine_kwargs.mtp_draft_tokens``: vLLM serves the checkpoint's MTP layer as the speculative
+    draft (``speculative_config`` method "mtp") and still samples with log-probs, the policy adapter merged."""
+    from transformers import AutoTokenizer
+
+    from glm5_mcore.config import glm5_744b, glm5_tiny
+    from glm5_mcore.tiny import random_hf_state_dict, write_hf_checkpoint
+    from rl.config import RLConfig
+    from rl.rollout.base import Request, SamplingParams, sample_seed
+    from rl.rollout.vllm_engine import VLLMRolloutEngine
+    from rl.tasks import toy_prompts
+    from rl.trainer import PolicyTrainer
+
+    real = glm5_744b()
+    cfg = dataclasses.replace(glm5_tiny(mtp=True), kv_lora_rank=real.kv_lora_rank,
+                              qk_rope_head_dim=real.qk_rope_head_dim, qk_nope_head_dim=real.qk_nope_head_dim,
+                              v_head_dim=real.v_head_dim, q_lora_rank=256, index_head_dim=real.index_head_dim,
+                              torch_dtype="bfloat16")
+    sd = {k: v.to(torch.bfloat16) for k, v in random_hf_state_dict(cfg, seed=0).items()}
+    d = str(write_hf_checkpoint(cfg, sd, tmp_path / "tiny_mtp576"))
+    rl = RLConfig.from_dict({"model": {"hf_dir": d}, "wandb": {"mode": "disabled"}, "trainer": {"bf16": True},
+                             "actor": {"mtp_loss_scale": 0.3}})
+    trainer = PolicyTrainer(rl)
+    engine = VLLMRolloutEngine(d, merge=True, dtype="bfloat16", gpu_memory_utilization=0.3, mtp_draft_tokens=1)
+    engine.load_adapter(trainer.export_adapter(1))
+    tok = AutoTokenizer.from_pretrained(d)
+    prompts = toy_prompts(tok, 4, 0)
+    reqs = [Request((p.index, k), p.ids, sample_seed(0, 0, p.index, k)) for p in prompts for k in range(2)]
+    res = engine.generate(reqs, SamplingParams(1.0, 1.0, 8, ()))
+    assert all(len(r.response_ids) == 8 == len(r.logprobs) for r in res)
+    engine.close()

@@ -88,7 +88,8 @@ def sft_job(d: dict, world: int) -> Job:
 
 
 def rl_job(d: dict) -> Job:
-    """From a resolved ``configs/rl/*.yaml`` dict: the trainer (TP × EP, LoRA, no MTP) and the engines."""
+    """From a resolved ``configs/rl/*.yaml`` dict: the trainer (TP × EP, LoRA, MTP only with
+    ``actor.mtp_loss_scale > 0`` or ``actor.mtp_accept``) and the engines."""
     t, a, r, data = d.get("trainer", {}), d.get("actor", {}), d.get("rollout", {}), d.get("data", {})
     layout = Layout(world=int(t.get("world_size", 1)), tp=int(t.get("tp", 1)), ep=int(t.get("ep", 1)))
     lora = d.get("lora") or {}
@@ -99,5 +100,6 @@ def rl_job(d: dict) -> Job:
                     gpus_per_engine=float(r.get("gpus_per_actor", 0.0)))
     return Job(kind="rl", layout=layout, micro_batch_tokens=int(a.get("micro_batch_tokens", 4096)),
                bf16=bool(t.get("bf16", False)), lora=(tuple(lora.get("targets", DEFAULT_TARGETS)), int(lora.get("rank", 16))),
-               freeze_indexer=bool(t.get("freeze_indexer", True)), mtp=False, rollout=ro,
+               freeze_indexer=bool(t.get("freeze_indexer", True)),
+               mtp=float(a.get("mtp_loss_scale", 0.0)) > 0 or bool(a.get("mtp_accept", False)), rollout=ro,
                cluster=(d.get("plan") or {}).get("cluster"), fixed=("pp", "cp", "etp"))

@@ -201,12 +201,14 @@ class VLLMRolloutEngine(RolloutEngine):
     ``index_topk`` >= ``max_model_len``, where DSA selects every key), ``push_bytes`` (merged tensors per
     reload), ``return_routes`` (R3: vLLM's ``enable_return_routed_experts``, which in vLLM 0.32 needs model
     runner V2 and prefix caching, so GPU only; each ``Result.routes`` is then uint8 [tokens, moe_layers,
-    top_k]), anything else goes to ``vllm.LLM``."""
+    top_k]), ``mtp_draft_tokens`` (> 0: speculative decoding, that many tokens drafted per step by the
+    checkpoint's MTP layer — vLLM's ``speculative_config`` ``method="mtp"``), anything else goes to
+    ``vllm.LLM``."""
 
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, merge: bool = False, max_lora_rank: int = 64,
                  dtype: str = "bfloat16", gpu_memory_utilization: float = 0.8, tensor_parallel_size: int = 1,
                  vllm_python: Optional[str] = None, dense_mla: bool = False, device: Optional[str] = None,
-                 push_bytes: int = 2 << 30, return_routes: bool = False, **kwargs):
+                 push_bytes: int = 2 << 30, return_routes: bool = False, mtp_draft_tokens: int = 0, **kwargs):
         super().__init__(hf_dir, deterministic_topk)
         config = json.loads((Path(hf_dir) / "config.json").read_text())
         if dense_mla:
@@ -237,6 +239,10 @@ class VLLMRolloutEngine(RolloutEngine):
             env.update(vllm_cpu_env())
         else:
             llm["gpu_memory_utilization"] = gpu_memory_utilization
+        if mtp_draft_tokens:  # speculative decoding with the checkpoint's MTP layer as the draft
+            from rl.mtp import mtp_speculative_config
+
+            llm["speculative_config"] = mtp_speculative_config(config, mtp_draft_tokens, hf_dir)
         llm.update(kwargs)
         if vllm_python:
             self.server = _RemoteServer(vllm_python, (llm,), {"dense_mla": dense_mla}, env)

@@ -1,0 +1,153 @@
+"""MTP in RL: the draft head trains beside the policy, and its acceptance is measured every step.
+
+GLM-5 is served with its MTP layer as the speculative-decoding draft. LoRA moves the hidden states
+the MTP layer reads, so with ``actor.mtp_loss_scale > 0`` the trainer builds the MTP block and
+Megatron-Core's own ``process_mtp_loss`` trains it on the rollout sequences (labels derived from
+``input_ids``, rolled *within* each packed document; the main logits PPO reads are untouched).
+
+- ``mtp_layers``: the MTP layers to build (None: none), or a ValueError naming why the loss cannot be
+  on. With the loss off and ``actor.mtp_accept`` the stored block is built to measure acceptance only:
+  how far the draft head falls behind the moving policy.
+- ``freeze_mtp_adapters``: loss off — the MTP layer's adapters stay at their no-op init.
+- ``real_token_mask``: [1, T] 1 on the documents of a packed micro-batch, 0 on its filler — the
+  ``loss_mask`` of the MTP loss (Megatron rolls it twice: position i trains on token i+2 of its doc).
+- ``DraftAcceptance``: ``rollout/mtp_accept`` — of the response tokens after the first, the fraction
+  whose MTP draft (greedy argmax of the depth-1 MTP logits at position t-2, i.e. drafted from the
+  previous position's verified token, as vLLM's MTP proposer does) equals the sampled token t. The
+  logits are the ones the old-log-prob forward already computes (an output-layer hook), counted with
+  Megatron's ``_compute_mtp_acceptance_counts`` (vocab-parallel argmax at TP > 1).
+- ``mtp_loss_off``: a forward that must not train the MTP head (the critic's) contributes no MTP
+  gradient and leaves the loss tracker as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def mtp_layers(scale: float, glm5, source: str, measure: bool = False) -> Optional[int]:
+    """MTP layers to build (None: no MTP block). ``scale > 0``: those the folder stores, a folder storing
+    none refused, naming why. ``scale = 0``: none, unless ``measure`` (``actor.mtp_accept``): then those
+    stored, built to measure ``rollout/mtp_accept`` only (no MTP gradient, their adapters frozen)."""
+    if scale < 0:
+        raise ValueError(f"actor.mtp_loss_scale={scale} must be >= 0")
+    if scale == 0:
+        return (glm5.num_nextn_predict_layers or None) if measure else None
+    if not glm5.num_nextn_predict_layers:
+        raise ValueError(f"actor.mtp_loss_scale={scale}: {source} stores no MTP layer weights (a transformers "
+                         "save_pretrained folder, or num_nextn_predict_layers=0), so there is no draft head to "
+                         "train; set actor.mtp_loss_scale=0 or use a folder with the MTP layer")
+    return glm5.num_nextn_predict_layers
+
+
+def freeze_mtp_adapters(model) -> None:
+    """No gradient (hence no optimizer state) for the MTP layer's adapter parameters."""
+    for n, p in model.named_parameters():
+        if n.startswith("mtp.") and ".lora." in n:
+            p.requires_grad_(False)
+
+
+def real_token_mask(num_tokens: int, real_tokens: int, device=None) -> torch.Tensor:
+    """[1, T] float: 1 on the first ``real_tokens`` (the packed documents), 0 on the filler."""
+    m = torch.zeros(1, num_tokens, device=device)
+    m[0, :real_tokens] = 1.0
+    return m
+
+
+def drafted_positions(pos: torch.Tensor, n_resp: list[int]) -> torch.Tensor:
+    """Packed positions t of the response tokens after the first ([k] long); ``pos`` [n, R] holds
+    each response token's predecessor position (so token k of row j sits at ``pos[j, k] + 1``)."""
+    return torch.cat([pos[j, 1:n] + 1 for j, n in enumerate(n_resp)] or [torch.zeros(0, dtype=torch.long)])
+
+
+class DraftAcceptance:
+    """Counts MTP drafts that equal the sampled tokens, from the depth-1 MTP logits of an armed forward.
+
+    ``process_mtp_loss`` runs the output layer on each MTP depth's hidden states before the main
+    ones, so the first output-layer call after ``arm`` is depth 1: logits [T, 1, V/TP]."""
+
+    def __init__(self, model):
+        self.model = model
+        self._armed: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.correct = 0.0
+        self.total = 0.0
+        model.output_layer.register_forward_hook(self._hook)
+
+    def arm(self, input_ids: torch.Tensor, drafted: torch.Tensor) -> None:
+        """Next forward's depth-1 MTP logits at t-2 are compared with ``input_ids`` [1, T] at each
+        drafted position t."""
+        T = input_ids.shape[1]
+        labels = torch.zeros_like(input_ids)
+        mask = torch.zeros(1, T, device=input_ids.device)
+        src = drafted[drafted >= 2].to(input_ids.device)
+        labels[0, src - 2] = input_ids[0, src]
+        mask[0, src - 2] = 1.0
+        self._armed = (labels, mask)
+
+    def _hook(self, mod, _inp, out):
+        if self._armed is None:
+            return
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.multi_token_prediction import _compute_mtp_acceptance_counts
+
+        labels, mask = self._armed
+        self._armed = None
+        tp = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+        c, t = _compute_mtp_acceptance_counts(out[0], labels, mask, mod, None, tp)
+        self.correct += float(c)
+        self.total += float(t)
+
+    def take(self, dp_group=None) -> dict[str, float]:
+        """{"rollout/mtp_accept": rate over this step's batch (summed over DP ranks)}; resets."""
+        from glm5_mcore.device import training_device
+
+        t = torch.tensor([self.correct, self.total], dtype=torch.float64, device=training_device())
+        if dp_group is not None and dist.get_world_size(dp_group) > 1:
+            dist.all_reduce(t, group=dp_group)
+        self.correct = self.total = 0.0
+        return {"rollout/mtp_accept": float(t[0] / t[1]) if t[1] > 0 else float("nan")}
+
+
+@contextlib.contextmanager
+def mtp_loss_off(model):
+    """Within: the MTP loss adds no gradient (scale 0) and is not logged in the tracker."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    cfg = model.config
+    scale = cfg.mtp_loss_scaling_factor
+    saved = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in MTPLossLoggingHelper.tracker.items()}
+    cfg.mtp_loss_scaling_factor = 0.0
+    try:
+        yield
+    finally:
+        cfg.mtp_loss_scaling_factor = scale
+        MTPLossLoggingHelper.tracker.clear()
+        MTPLossLoggingHelper.tracker.update(saved)
+
+
+def mtp_speculative_config(config: dict, num_tokens: int, source: str) -> dict:
+    """vLLM's ``speculative_config`` drafting ``num_tokens`` tokens with the checkpoint's own MTP layer
+    (``method="mtp"``: vLLM 0.32 serves GLM-5's ``model.layers.{num_hidden_layers}`` as the draft
+    model); ``config`` is the folder's config.json. A folder declaring no MTP layer is refused."""
+    if num_tokens < 1:
+        raise ValueError(f"rollout.engine_kwargs.mtp_draft_tokens={num_tokens} must be >= 1")
+    if not config.get("num_nextn_predict_layers"):
+        raise ValueError(f"rollout.engine_kwargs.mtp_draft_tokens={num_tokens}: {source}/config.json declares "
+                         "num_nextn_predict_layers=0, there is no MTP layer to draft with")
+    return {"method": "mtp", "num_speculative_tokens": int(num_tokens)}
+
+
+def check_mtp_loss(cfg) -> None:
+    """Before any worker starts: ``actor.mtp_loss_scale > 0`` on a folder storing no MTP layer is a
+    ValueError naming the folder (what the trainer would refuse later, inside its actor)."""
+    if cfg.actor.mtp_loss_scale == 0:
+        return
+    from glm5_mcore.stored import checkpoint_config, hf_dir_config
+
+    m = cfg.model
+    glm5 = checkpoint_config(m.ckpt, quiet=True) if m.ckpt else hf_dir_config(m.hf_dir, quiet=True)
+    mtp_layers(cfg.actor.mtp_loss_scale, glm5, m.ckpt or m.hf_dir)
