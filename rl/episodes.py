@@ -98,7 +98,7 @@ def run_episodes(engine, tokenizer, env: Callable, requests: list[Request], para
         live = nxt
         if not live:
             break
-    return [Result(r.key, ep[r.key]["ids"], ep[r.key]["lps"], ep[r.key]["reason"], ep[r.key]["mask"])
+    return [Result(r.key, ep[r.key]["ids"], ep[r.key]["lps"], ep[r.key]["reason"], mask=ep[r.key]["mask"])
             for r in requests]
 
 

@@ -119,7 +119,8 @@ class TrainerRouting:
         from megatron.core.transformer.moe.router import TopKRouter
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
-        routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        # the decoder's MoE layers (the engine's routes); an MTP layer's router routes on its own
+        routers = [m for n, m in model.named_modules() if isinstance(m, TopKRouter) and not n.startswith("mtp.")]
         if any(r.router_replay is None for r in routers):
             raise ValueError("TrainerRouting: build the model with moe_enable_routing_replay=True")
         self.routers = routers  # module order = layer order

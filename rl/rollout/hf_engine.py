@@ -173,4 +173,4 @@ class HFRolloutEngine(RolloutEngine):
             self.routes.sample_routes(chunks, i, len(r.prompt_ids) + len(toks[i]) - 1) for i, r in enumerate(reqs)]
         index = [self.index_rows.sample_rows(index_steps, i, len(r.prompt_ids) + len(toks[i]) - 1)
                  for i, r in enumerate(reqs)]
-        return [Result(r.key, toks[i], lps[i], reason[i], routes[i], index[i]) for i, r in enumerate(reqs)]
+        return [Result(r.key, toks[i], lps[i], reason[i], routes=routes[i], index_topk=index[i]) for i, r in enumerate(reqs)]

@@ -303,7 +303,7 @@ class VLLMRolloutEngine(RolloutEngine):
             rt = routes[0] if routes else None
             if rt is not None:  # the tokens the engine processed: prompt + all but the last sampled one
                 rt = np.ascontiguousarray(rt[: len(r.prompt_ids) + len(ids) - 1]).astype(self.route_dtype)
-            res.append(Result(r.key, ids, lps, "stop" if reason == "stop" else "length", rt))
+            res.append(Result(r.key, ids, lps, "stop" if reason == "stop" else "length", routes=rt))
         return res
 
     def close(self) -> None:
