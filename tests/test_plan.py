@@ -3,6 +3,7 @@ formula against a measured forward+backward, the shipped 744B configs, the gate,
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +22,11 @@ OLD_RL_744B = {  # configs/rl/glm5_744b.yaml before the planner: TP 8 x EP 8 tra
 
 
 def _run_check(script: str, *args: str, timeout: int = 600) -> list[dict]:
+    # a fresh process group: not the rendezvous of this pytest process (init_parallel sets MASTER_PORT)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     out = subprocess.run([sys.executable, str(ROOT / "tests" / script), *args], capture_output=True, text=True,
-                         timeout=timeout, cwd=ROOT)
+                         timeout=timeout, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
