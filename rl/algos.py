@@ -101,23 +101,45 @@ class ActorLoss:
 
 
 def rollout_correction(cfg: RLConfig, batch: RolloutBatch) -> dict:
-    """IS / IcePop weights (into ``batch.rollout_is_weights``) and the mismatch metrics."""
+    """IS / IcePop weights (into ``batch.rollout_is_weights``) and the mismatch metrics.
+
+    A batch with no token left to train on, every token outside IcePop's band (verl's effective-sample-size
+    metric divides by zero there) or every token rejected by ``rollout_rs``, gets all-zero weights and
+    ``rollout_corr/no_signal`` = 1; the trainer then skips its optimizer steps and says why."""
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 
     rc = cfg.algorithm.rollout_correction
-    weights, mask, metrics = compute_rollout_correction_and_rejection_mask(
-        old_log_prob=batch.old_log_probs, rollout_log_prob=batch.rollout_log_probs,
-        response_mask=batch.response_mask, rollout_is=rc.rollout_is,
-        rollout_is_threshold=rc.rollout_is_threshold if rc.rollout_is else None,
-        rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=rc.rollout_rs,
-        rollout_rs_threshold=rc.rollout_rs_threshold)
-    batch.rollout_is_weights = weights.batch["rollout_is_weights"] if weights is not None else None
-    batch.response_mask = mask
+
+    def verl_call(rollout_is):
+        return compute_rollout_correction_and_rejection_mask(
+            old_log_prob=batch.old_log_probs, rollout_log_prob=batch.rollout_log_probs,
+            response_mask=batch.response_mask, rollout_is=rollout_is,
+            rollout_is_threshold=rc.rollout_is_threshold if rollout_is else None,
+            rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=rc.rollout_rs,
+            rollout_rs_threshold=rc.rollout_rs_threshold)
+
+    no_signal = False
+    try:
+        weights, mask, metrics = verl_call(rc.rollout_is)
+        weights = weights.batch["rollout_is_weights"] if weights is not None else None
+    except ZeroDivisionError:  # rollout_corr_helper.compute_is_metrics: every IS weight is 0
+        _, mask, metrics = verl_call(None)
+        weights, no_signal = torch.zeros_like(batch.response_mask), True
+        metrics.update({"rollout_corr/rollout_is_oob_ratio": 1.0, "rollout_corr/rollout_is_mean": 0.0,
+                        "rollout_corr/rollout_is_eff_sample_size": 0.0})
     diff = (batch.old_log_probs - batch.rollout_log_probs).abs()
-    m = batch.response_mask.bool()
-    metrics["rollout_corr/logprob_abs_diff_mean"] = float(diff[m].mean())
-    metrics["rollout_corr/logprob_abs_diff_max"] = float(diff[m].max())
+    live = batch.response_mask.bool()
+    metrics["rollout_corr/logprob_abs_diff_mean"] = _masked(diff, live, torch.mean)
+    metrics["rollout_corr/logprob_abs_diff_max"] = _masked(diff, live, torch.max)
+    batch.rollout_is_weights, batch.response_mask = weights, mask
+    no_signal = no_signal or not bool(mask.any())
+    metrics["rollout_corr/no_signal"] = float(no_signal)
     return metrics
+
+
+def _masked(t: torch.Tensor, m: torch.Tensor, fn) -> float:
+    """``fn`` over the tokens ``m`` selects; NaN (W&B's gap in a curve) when there are none."""
+    return float(fn(t[m])) if bool(m.any()) else float("nan")
 
 
 def compute_advantages(cfg: RLConfig, batch: RolloutBatch, kl_coef: float) -> dict:
@@ -169,22 +191,24 @@ def kl_controller(cfg: RLConfig):
 
 
 def data_metrics(batch: RolloutBatch) -> dict:
-    """verl's data metrics: score / advantage / return / response length statistics."""
+    """verl's data metrics: score / advantage / return / response length statistics (token statistics
+    are NaN when no response token is left in the loss)."""
     m = batch.response_mask.bool()
     lengths = batch.response_mask.sum(-1)
     out = {"critic/score/mean": float(batch.scores.mean()), "critic/score/std": float(batch.scores.std()),
            "critic/score/max": float(batch.scores.max()), "critic/score/min": float(batch.scores.min()),
-           "critic/advantages/mean": float(batch.advantages[m].mean()),
-           "critic/advantages/max": float(batch.advantages[m].max()),
-           "critic/advantages/min": float(batch.advantages[m].min()),
-           "critic/returns/mean": float(batch.returns[m].mean()),
+           "critic/advantages/mean": _masked(batch.advantages, m, torch.mean),
+           "critic/advantages/max": _masked(batch.advantages, m, torch.max),
+           "critic/advantages/min": _masked(batch.advantages, m, torch.min),
+           "critic/returns/mean": _masked(batch.returns, m, torch.mean),
            "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
            "response_length/min": float(lengths.min()),
            "prompt_length/mean": float(np.mean([len(p) for p in batch.prompts]))}
     if batch.values is not None:
-        out["critic/values/mean"] = float(batch.values[m].mean())
+        out["critic/values/mean"] = _masked(batch.values, m, torch.mean)
     if batch.ref_log_probs is not None:
         from verl.trainer.ppo.core_algos import kl_penalty
 
-        out["actor/ref_kl"] = float(kl_penalty(batch.old_log_probs, batch.ref_log_probs, "low_var_kl")[m].mean())
+        out["actor/ref_kl"] = _masked(kl_penalty(batch.old_log_probs, batch.ref_log_probs, "low_var_kl"), m,
+                                      torch.mean)
     return out

@@ -372,6 +372,14 @@ def validate(c: RLConfig) -> None:
             _parse_rollout_is_threshold(corr.rollout_is_threshold)
         except (TypeError, ValueError) as e:
             raise ValueError(f"algorithm.rollout_correction.rollout_is_threshold: {e}") from None
+    if corr.rollout_rs is not None:
+        from verl.trainer.ppo.rollout_corr_helper import _parse_rollout_rs_thresholds
+
+        try:
+            _parse_rollout_rs_thresholds([o.strip() for o in str(corr.rollout_rs).split(",") if o.strip()],
+                                         corr.rollout_rs_threshold)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"algorithm.rollout_correction.rollout_rs_threshold: {e}") from None
     if t.steps < 1:
         raise ValueError("trainer.steps must be >= 1")
     if t.off_policy_steps not in (0, 1):

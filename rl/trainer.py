@@ -311,6 +311,10 @@ class PolicyTrainer:
                 mask = batch.response_mask[mb_rows]
                 gbi = {"dp_size": dp, "batch_num_tokens": int(mask.sum()),
                        "global_batch_size": int((mask.sum(-1) > 0).sum())}
+                if not gbi["batch_num_tokens"]:  # every response masked or rejected: no loss to take a step on
+                    skipped += 1
+                    reasons.append("no response token left in the loss (masked or rejected)")
+                    continue
                 micro = self._micro_batches(batch, mb_rows[dp_rank::dp])
                 n_micro += len(micro)
                 self.ddp.zero_grad_buffer()

@@ -94,6 +94,29 @@ def test_mismatch_metrics_match_definitions():
     assert m["rollout_corr/logprob_abs_diff_mean"] == pytest.approx(float(log_k.abs().mean()), rel=1e-5)
 
 
+def test_batch_with_no_signal_is_reported_not_a_crash():
+    """Every token outside IcePop's band (verl's ESS metric divides by zero) or rejected by rollout_rs:
+    all-zero weights, ``rollout_corr/no_signal`` = 1, token statistics NaN, nothing raised."""
+    far = OLD - 4.0  # k = e^4 > 5 on every token
+    b = _batch(OLD, far, MASK)
+    m = algos.rollout_correction(_cfg(corr__rollout_is_threshold="0.5_5.0"), b)
+    assert m["rollout_corr/no_signal"] == 1.0 and m["rollout_corr/rollout_is_oob_ratio"] == 1.0
+    assert torch.equal(b.rollout_is_weights, torch.zeros_like(MASK)) and torch.equal(b.response_mask, MASK)
+    assert m["rollout_corr/logprob_abs_diff_mean"] == pytest.approx(4.0)
+
+    b = _batch(OLD, far, MASK)
+    m = algos.rollout_correction(_cfg(corr__rollout_is=None, corr__rollout_rs="token_k1",
+                                      corr__rollout_rs_threshold="0.001_0.01"), b)
+    assert m["rollout_corr/no_signal"] == 1.0 and not b.response_mask.any()
+    b.scores = torch.tensor([1.0, 0.0, 1.0])
+    algos.compute_advantages(_cfg(), b, 0.0)
+    d = algos.data_metrics(b)
+    assert math.isnan(d["critic/advantages/mean"]) and d["critic/score/mean"] == pytest.approx(2 / 3)
+
+    b = _batch(OLD, ROLLOUT, MASK)
+    assert algos.rollout_correction(_cfg(), b)["rollout_corr/no_signal"] == 0.0
+
+
 def test_ppo_clip_asymmetric_and_dual_clip():
     cfg = _cfg(actor__clip_ratio_low=0.2, actor__clip_ratio_high=0.28, actor__clip_ratio_c=3.0)
     old = torch.zeros(1, 4)
@@ -157,6 +180,8 @@ def test_rewards_builtin_and_bad_outputs():
     ({"actor": {"ppo_mini_batch_size": 5}}, "actor.ppo_mini_batch_size"),
     ({"algorithm": {"rollout_correction": {"rollout_is_threshold": "5_0.5"}}}, "rollout_is_threshold"),
     ({"actor": {"loss_agg_mode": "mean"}}, "actor.loss_agg_mode"),
+    ({"algorithm": {"rollout_correction": {"rollout_rs": "token_k1", "rollout_rs_threshold": 0.01}}},
+     "rollout_rs_threshold"),
     ({"trainer": {"stepz": 3}}, "trainer.stepz"),
     ({"actor": {"lr": "abc"}}, "actor.lr"),
     ({"trainer": {"steps": 2.5}}, "trainer.steps"),
