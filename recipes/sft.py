@@ -23,12 +23,13 @@ import torch
 import torch.distributed as dist
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.data_order import epoch_order, equal_micro_batch_sizes
 from glm5_mcore.device import training_device
 from glm5_mcore.lora import DEFAULT_TARGETS, LoRAConfig
 from glm5_mcore.plan.job import PlanCfg
 from glm5_mcore.training import MoELoad, OptimCfg, WandbCfg, build_trainer, init_wandb, rng_state, set_rng_state
 from rl.config import _typed  # the RL config's field typing, one definition for both recipes
-from recipes.data import DataStats, PackedBatch, epoch_order, pack, pad_to, read_jsonl, split_for_cp
+from recipes.data import DataStats, PackedBatch, pack, pad_to, read_jsonl, split_for_cp
 from recipes.indexed_data import is_jsonl
 
 
@@ -276,15 +277,10 @@ def _equalize(batches: list[PackedBatch], pad_id: int) -> list[PackedBatch]:
     """Pad micro-batch i of every rank to the largest micro-batch i over all ranks (and equal counts)."""
     from recipes.data import pad_to
 
-    dev = training_device()
-    sizes = torch.zeros(64, dtype=torch.long, device=dev)
-    sizes[: len(batches)] = torch.tensor([b.num_tokens for b in batches], device=dev)
-    count = torch.tensor([len(batches)], device=dev)
-    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    if int(count) != len(batches):
+    sizes = equal_micro_batch_sizes([b.num_tokens for b in batches])
+    if len(sizes) != len(batches):
         raise RuntimeError("ranks disagree on the number of micro-batches per step")
-    return [pad_to(b, int(n), pad_id) for b, n in zip(batches, sizes.tolist())]
+    return [pad_to(b, n, pad_id) for b, n in zip(batches, sizes)]
 
 
 # --------------------------------------------------------------------------------------------------
