@@ -81,9 +81,13 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 def render(runs: dict[str, list[dict]], out: str | Path, panels: tuple[Panel, ...] = PANELS) -> list[str]:
     """Draw ``panels`` that have data into the PNG ``out`` (written as is; see ``plot`` for the
     guarded, atomic write). Returns the titles of the panels drawn, in order."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+    except ImportError as e:
+        raise ValueError(f"glm5 plot draws with matplotlib, which is not installed ({e}): pip install matplotlib") \
+            from None
 
     present = [p for p in panels if any(_series(rows, k)[0] for rows in runs.values() for k in p.metrics)]
     if not present:
