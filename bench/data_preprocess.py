@@ -112,7 +112,8 @@ def _rss_anon_mb() -> float:
 
 def _loader(kind: str, data: str, tok_dir: str, steps: int, cache: str) -> dict:
     """One loader in this process: start-up, ``steps`` steps of batches, peak RSS."""
-    from recipes.data import epoch_order, pack, read_jsonl
+    from glm5_mcore.data_order import epoch_order
+    from recipes.data import pack, read_jsonl
     from recipes.sft import DataCfg
 
     import recipes.indexed_data  # noqa: F401  (imports before the RSS baseline)

@@ -1,5 +1,5 @@
 """The ``glm5`` console command: ``glm5 tiny``, ``glm5 parity``, ``glm5 convert``, ``glm5 lora``,
-``glm5 checkpoint verify``, ``glm5 data preprocess``."""
+``glm5 checkpoint verify``, ``glm5 data preprocess``, ``glm5 plot``."""
 
 from __future__ import annotations
 
@@ -81,6 +81,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="replace an existing output that is not a previous output of this command")
     for x in (h, m, ex, q):
         x.add_argument("--no-verify", action="store_true", help="skip checksum verification of the inputs")
+    pt = sub.add_parser("plot", help="PNG charts of runs' metrics.jsonl (SFT and RL panels, runs overlaid)")
+    pt.add_argument("runs", nargs="+", metavar="RUN_DIR", help="sft train.out / rl trainer.out folders")
+    pt.add_argument("--out", default="metrics.png", help="the PNG to write (default: ./metrics.png)")
+    pt.add_argument("--overwrite", action="store_true",
+                    help="replace an existing file that is not a previous output of glm5 plot")
     ck = sub.add_parser("checkpoint", help="checkpoint folders")
     cksub = ck.add_subparsers(dest="action", required=True)
     v = cksub.add_parser("verify", help="check every file of a folder against its checksum manifest(s)")
@@ -165,6 +170,12 @@ def main(argv: list[str] | None = None) -> int:
             out = preprocess(args.input, args.out, args.hf_dir, args.workers, args.max_tokens, args.skip_bad_rows,
                              args.chunk_mb, progress=not args.no_progress)
             print(json.dumps({k: v for k, v in out.items() if k != "errors"} | {"errors": out["errors"][:3]}))
+            return 0
+        if args.cmd == "plot":
+            from glm5_mcore.plot import plot
+
+            titles = plot(args.runs, args.out, args.overwrite)
+            print(f"wrote {args.out} (panels: {'; '.join(titles)})")
             return 0
         if args.cmd == "parity":
             from glm5_mcore.parity import main as parity_main

@@ -16,13 +16,15 @@ masked filler document.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 import numpy as np
 import torch
+
+from glm5_mcore.data_order import greedy_packs
+from glm5_mcore.jsonl import decode_json_line
 
 
 @dataclass
@@ -103,15 +105,7 @@ def parse_line(line: str | bytes, tokenizer, where: str, max_tokens: Optional[in
     """One jsonl line (bytes: decoded as UTF-8) as a trainable ``Document`` (at least 2 tokens, some
     loss, and with ``max_tokens`` some loss left once cut to it); ``DataError`` naming ``where``
     otherwise. Shared by ``read_jsonl`` and ``glm5 data preprocess``."""
-    if isinstance(line, bytes):
-        try:
-            line = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{where}: not valid UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})") from None
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    row = decode_json_line(line, where, DataError)
     doc = encode_row(row, tokenizer, where)
     if len(doc.tokens) < 2 or not any(doc.mask[1:]):
         raise DataError(f"{where}: fewer than 2 tokens or nothing to train on")
@@ -233,27 +227,6 @@ def pack(docs: list[Document], micro_batch_tokens: int, multiple_of: int = 1, pa
             raise DataError(f"{d.source}: {len(d)} tokens exceed micro_batch_tokens={micro_batch_tokens}")
     return [_batch([docs[i] for i in g], multiple_of, pad_id)
             for g in greedy_packs((len(d) for d in docs), micro_batch_tokens)]
-
-
-def greedy_packs(lengths: Iterable[int], budget: int) -> Iterator[list[int]]:
-    """The packing rule: consecutive documents (positions in ``lengths``) go into one micro-batch until
-    the next would exceed ``budget`` tokens. Lazy, so it also packs an unbounded stream."""
-    cur, size = [], 0
-    for i, n in enumerate(lengths):
-        if cur and size + n > budget:
-            yield cur
-            cur, size = [], 0
-        cur.append(i)
-        size += n
-    if cur:
-        yield cur
-
-
-def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
-    """The (reproducible) shuffled order of ``n`` documents in ``epoch``: int64 [n]. NumPy's
-    generator, so an epoch of 10^8 documents costs ~1 s and 8 bytes per document (indexed data
-    shuffles with it too)."""
-    return np.random.default_rng([seed, epoch]).permutation(n)
 
 
 def split_for_cp(batch: PackedBatch, cp: int, rank: int, pad_id: int = 0, tp: int = 1) -> PackedBatch:

@@ -12,9 +12,9 @@ token). Megatron-Core's machinery does the bookkeeping:
   prefix of the stream follows the weights to within one document), indices cached under
   ``train.out/data_cache`` and memory-mapped.
 - ``DocumentDataset`` (a ``MegatronDataset``) is one sample per document: training documents in
-  ``recipes.data.epoch_order`` (the jsonl path's shuffle), epoch after epoch; validation in order.
+  ``glm5_mcore.data_order.epoch_order`` (the jsonl path's shuffle), epoch after epoch; validation in order.
 
-The stream of samples 0, 1, 2, ... is packed with the recipe's rule (``recipes.data.greedy_packs``):
+The stream of samples 0, 1, 2, ... is packed with the recipe's rule (``glm5_mcore.data_order.greedy_packs``):
 a step takes the next accum × DP micro-batches; only document lengths (from the memory-mapped
 ``.idx``) are needed to plan them, so each DP rank reads the tokens of its own micro-batches only.
 The trainer state keeps ``sample``, the next sample index: a resumed run continues at exactly the
@@ -36,7 +36,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from recipes.data import Document, PackedBatch, epoch_order, greedy_packs, pack
+from glm5_mcore.data_order import epoch_order, greedy_packs
+from recipes.data import Document, PackedBatch, pack
 
 TOKENS, MASK = "tokens", "loss_mask"  # the names recipes.preprocess writes
 

@@ -23,12 +23,13 @@ import torch
 import torch.distributed as dist
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.data_order import epoch_order, equal_micro_batch_sizes
 from glm5_mcore.device import training_device
 from glm5_mcore.lora import DEFAULT_TARGETS, LoRAConfig
 from glm5_mcore.plan.job import PlanCfg
-from glm5_mcore.training import MoELoad, OptimCfg, WandbCfg, build_trainer, init_wandb, rng_state, set_rng_state
+from glm5_mcore.training import MoELoad, OptimCfg, WandbCfg, build_trainer, rng_state, set_rng_state
 from rl.config import _typed  # the RL config's field typing, one definition for both recipes
-from recipes.data import DataStats, PackedBatch, epoch_order, pack, pad_to, read_jsonl, split_for_cp
+from recipes.data import DataStats, PackedBatch, pack, pad_to, read_jsonl, split_for_cp
 from recipes.indexed_data import is_jsonl
 
 
@@ -276,15 +277,10 @@ def _equalize(batches: list[PackedBatch], pad_id: int) -> list[PackedBatch]:
     """Pad micro-batch i of every rank to the largest micro-batch i over all ranks (and equal counts)."""
     from recipes.data import pad_to
 
-    dev = training_device()
-    sizes = torch.zeros(64, dtype=torch.long, device=dev)
-    sizes[: len(batches)] = torch.tensor([b.num_tokens for b in batches], device=dev)
-    count = torch.tensor([len(batches)], device=dev)
-    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    if int(count) != len(batches):
+    sizes = equal_micro_batch_sizes([b.num_tokens for b in batches])
+    if len(sizes) != len(batches):
         raise RuntimeError("ranks disagree on the number of micro-batches per step")
-    return [pad_to(b, int(n), pad_id) for b, n in zip(batches, sizes.tolist())]
+    return [pad_to(b, n, pad_id) for b, n in zip(batches, sizes)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -399,25 +395,27 @@ def _restore(cfg: SFTConfig, model, opt, sched, settings: dict) -> Optional[dict
 # the run
 # --------------------------------------------------------------------------------------------------
 class _Logger:
-    """W&B (offline unless a project/mode is set) + a console progress bar, rank 0 only."""
+    """The run's metrics (W&B, offline unless a project/mode is set, and ``train.out/metrics.jsonl``:
+    ``glm5_mcore.run_log``) + a console progress bar, rank 0 only."""
 
-    def __init__(self, cfg: SFTConfig):
+    def __init__(self, cfg: SFTConfig, start_step: int = 0):
+        from glm5_mcore.run_log import RunLog
+
         self.rank0 = dist.get_rank() == 0
         self.run = None
         self.bar = None
         if not self.rank0:
             return
-        self.run = init_wandb(cfg.wandb, cfg.train.out, asdict(cfg))
+        self.run = RunLog(cfg.wandb, cfg.train.out, asdict(cfg), start_step)
         if cfg.train.progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=cfg.train.steps, desc="sft", dynamic_ncols=True)
+            self.bar = tqdm(total=cfg.train.steps, initial=start_step, desc="sft", dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.rank0:
             return
-        if self.run is not None:
-            self.run.log(metrics, step=step)
+        self.run.log(step, metrics)
         if self.bar is not None:
             self.bar.n = step
             keys = ("loss", "val_loss", "mtp_loss/depth_1", "indexer/loss", "indexer/recall", "moe/max_over_mean",
@@ -425,11 +423,16 @@ class _Logger:
             self.bar.set_postfix({k.split("/")[0] if k.endswith("depth_1") else k: f"{metrics[k]:.4g}"
                                   for k in keys if k in metrics}, refresh=True)
 
+    def log_eval(self, step: int, metrics: dict) -> None:
+        """An evaluation outside a training step (before the first one): the metrics sinks only."""
+        if self.rank0:
+            self.run.log(step, metrics)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
         if self.run is not None:
-            self.run.finish()
+            self.run.close()
 
 
 def run(cfg: SFTConfig) -> dict:
@@ -532,7 +535,7 @@ def run(cfg: SFTConfig) -> dict:
     # Pipeline stages exchange activations of one fixed shape [micro_batch_tokens, 1, H] (the
     # allgather dispatcher rules out Megatron's variable_seq_lengths): every pack is padded to it.
     fixed_tokens = (-(-cfg.data.micro_batch_tokens // multiple) * multiple) if parallel.pp > 1 else 0
-    log = _Logger(cfg)
+    log = _Logger(cfg, state["step"])
     history, vals = [], []
 
     def validate_now() -> float:
@@ -552,6 +555,7 @@ def run(cfg: SFTConfig) -> dict:
     try:
         if val_mine and cfg.train.eval_every and state["step"] == 0:
             vals.append((0, validate_now()))
+            log.log_eval(0, {"val_loss": vals[-1][1]})
         while state["step"] < cfg.train.steps:
             if indexed:
                 mine, tokens, next_sample = data.step(state["sample"])

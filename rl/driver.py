@@ -119,6 +119,7 @@ def run(cfg: RLConfig) -> dict:
         rollouts.sync(trainers.first("export_adapter", state["step"]))
         if val and cfg.trainer.eval_every and state["step"] == 0:
             vals.append((0, evaluate()))
+            log.log_eval(0, {"val/reward": vals[-1][1]})
             log.note(f"step 0: held-out reward {vals[-1][1]:.3f}")
         while state["step"] < cfg.trainer.steps:
             step, timing, t_step = state["step"], {}, time.perf_counter()

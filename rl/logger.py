@@ -1,10 +1,11 @@
-"""W&B (offline unless a project/mode is set) + a console progress bar for the RL driver."""
+"""The RL driver's metrics (W&B, offline unless a project/mode is set, and ``trainer.out/metrics.jsonl``:
+``glm5_mcore.run_log``) + a console progress bar."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 
-from glm5_mcore.training import init_wandb
+from glm5_mcore.run_log import RunLog
 
 CONSOLE_KEYS = (("reward", "critic/score/mean"), ("val", "val/reward"), ("len", "response_length/mean"),
                 ("pg", "actor/pg_loss"), ("clip", "actor/pg_clipfrac"), ("ent", "actor/entropy"),
@@ -17,7 +18,7 @@ class RLLogger:
         self.run = None
         self.bar = None
         self.history: list[dict] = []
-        self.run = init_wandb(cfg.wandb, cfg.trainer.out, asdict(cfg))
+        self.run = RunLog(cfg.wandb, cfg.trainer.out, asdict(cfg), start_step)
         if cfg.trainer.progress:
             from tqdm import tqdm
 
@@ -25,13 +26,15 @@ class RLLogger:
 
     def log(self, step: int, metrics: dict) -> None:
         self.history.append({"step": step, **metrics})
-        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-        if self.run is not None:
-            self.run.log(scalars, step=step)
+        scalars = self.run.log(step, metrics)
         if self.bar is not None:
             self.bar.n = step
             self.bar.set_postfix({short: f"{scalars[k]:.3g}" for short, k in CONSOLE_KEYS if k in scalars},
                                  refresh=True)
+
+    def log_eval(self, step: int, metrics: dict) -> None:
+        """An evaluation outside a training step (before the first one): the metrics sinks only."""
+        self.run.log(step, metrics)
 
     def note(self, text: str) -> None:
         if self.bar is not None:
@@ -42,5 +45,4 @@ class RLLogger:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        if self.run is not None:
-            self.run.finish()
+        self.run.close()

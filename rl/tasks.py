@@ -8,12 +8,14 @@ A constant policy — or one that ignores the prompt — scores 1/m; the default
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+
+from glm5_mcore.data_order import epoch_order
+from glm5_mcore.jsonl import decode_json_line
 
 TOY_SOURCE = "glm5_toy_residue"
 
@@ -62,14 +64,7 @@ def read_prompts(path: str | Path, tokenizer, chat_template: bool, max_tokens: i
             if not raw.strip():
                 continue
             where = f"{path}:{n}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise PromptDataError(f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptDataError(f"{where}: not valid JSON ({e.msg})") from None
+            row = decode_json_line(raw, where, PromptDataError)
             if not isinstance(row, dict):
                 raise PromptDataError(f"{where}: expected a JSON object")
             if "messages" in row:
@@ -110,11 +105,6 @@ def load_prompts(spec: Optional[str], tokenizer, *, chat_template: bool, max_tok
     return read_prompts(spec, tokenizer, chat_template, max_tokens)
 
 
-def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    return torch.randperm(n, generator=g).tolist()
-
-
 def next_prompts(prompts: list[Prompt], count: int, seed: int, pos: dict) -> list[Prompt]:
     """The next ``count`` prompts of the epoch stream; ``pos`` = {"epoch", "cursor"} is advanced
     (it goes into checkpoints, so a resumed run continues the same stream)."""
@@ -124,6 +114,6 @@ def next_prompts(prompts: list[Prompt], count: int, seed: int, pos: dict) -> lis
         pos["epoch"] += 1
         pos["cursor"] = 0
     order = epoch_order(len(prompts), seed, pos["epoch"])
-    out = [prompts[i] for i in order[pos["cursor"]: pos["cursor"] + count]]
+    out = [prompts[int(i)] for i in order[pos["cursor"]: pos["cursor"] + count]]
     pos["cursor"] += count
     return out

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from glm5_mcore.data_order import equal_micro_batch_sizes, greedy_packs
 from glm5_mcore.device import training_device
 from rl.algos import ActorLoss
 from rl.batch import RolloutBatch
@@ -183,28 +184,10 @@ class PolicyTrainer:
     def _micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[_Packed]:
         """Greedy THD packing of ``rows`` into micro-batches; with >1 rank every rank gets the same
         number of micro-batches of the same sizes (Megatron's allgather dispatcher needs equal EP shares)."""
-        budget = self.cfg.actor.micro_batch_tokens
-        groups, sizes, cur, size = [], [], [], 0
-        for i in rows:
-            n = len(batch.prompts[i]) + len(batch.responses[i])
-            if cur and size + n > budget:
-                groups.append(cur)
-                sizes.append(size)
-                cur, size = [], 0
-            cur.append(i)
-            size += n
-        if cur:
-            groups.append(cur)
-            sizes.append(size)
-        if dist.get_world_size() > 1:
-            dev = training_device()
-            cnt = torch.tensor([len(groups)], device=dev)
-            dist.all_reduce(cnt, op=dist.ReduceOp.MAX)
-            groups += [[] for _ in range(int(cnt) - len(groups))]
-            sizes += [1] * (int(cnt) - len(sizes))
-            s = torch.tensor(sizes, device=dev)
-            dist.all_reduce(s, op=dist.ReduceOp.MAX)
-            sizes = s.tolist()
+        lengths = [len(batch.prompts[i]) + len(batch.responses[i]) for i in rows]
+        packs = list(greedy_packs(lengths, self.cfg.actor.micro_batch_tokens))
+        sizes = equal_micro_batch_sizes([sum(lengths[j] for j in g) for g in packs])
+        groups = [[rows[j] for j in g] for g in packs] + [[] for _ in range(len(sizes) - len(packs))]
         mult = self.parallel.tp if self.model.config.sequence_parallel else 1
         shape = (len(self.routing.instances), self.routing.top_k)
         return [_Packed(batch, g, -(-n // mult) * mult, self.pad_id, shape) for g, n in zip(groups, sizes)]

@@ -34,6 +34,15 @@ def test_grpo_toy_reward_rises_from_chance(tiny_dir, tmp_path):
     assert val[0] <= 0.65, val                      # chance: a constant policy scores 0.5
     assert max(val.values()) >= 0.9, val
     assert list((out / "wandb").glob("offline-run-*")), "W&B offline run missing"
+    from glm5_mcore.plot import RL_PANELS, plot
+    from glm5_mcore.run_log import read_metrics
+
+    rows = read_metrics(out / "metrics.jsonl")  # every step once, the W&B names, the held-out curve
+    assert [r["step"] for r in rows] == list(range(len(rows))) and rows[-1]["step"] == res["steps"]
+    assert [(r["step"], r["val/reward"]) for r in rows if "val/reward" in r] == [tuple(v) for v in res["val_reward"]]
+    png = tmp_path / "rl.png"
+    assert plot([out], png) == [x.title for x in RL_PANELS]
+    assert png.stat().st_size > 20_000
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +102,11 @@ def test_resume_gives_identical_next_step(tiny_dir, tmp_path, ray_local):
               "rollout_corr/k3_kl", "response_length/mean"):
         assert x[k] == y[k], (k, x[k], y[k])
     assert resumed["state"] == {**full["state"]}
+    from glm5_mcore.run_log import read_metrics
+
+    rows = read_metrics(b / "metrics.jsonl")  # step 3 of the copied run dropped, then logged again: once
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["actor/pg_loss"] for r in rows] == [h["actor/pg_loss"] for h in full["history"]]
 
 
 @pytest.mark.slow

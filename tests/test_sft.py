@@ -121,6 +121,16 @@ def test_tiny_sft_lowers_train_and_validation_loss(tiny_mtp_dir, tmp_path):
     assert s0 == 0 and s1 == 24 and v1 < v0 - 0.1, out["val"]
     assert "mtp_loss/depth_1" in h[-1] and h[-1]["mtp_loss/depth_1"] > 0
     assert "moe/max_over_mean" in h[-1]
+    # the run's metrics.jsonl: the W&B names, one row per step (+ the step-0 evaluation); its plot
+    from glm5_mcore.plot import SFT_PANELS, plot
+    from glm5_mcore.run_log import read_metrics
+
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(25)) and rows[0] == {"step": 0, "val_loss": out["val"][0][1]}
+    assert [r["loss"] for r in rows[1:]] == [x["loss"] for x in h] and rows[24]["val_loss"] == v1
+    png = tmp_path / "sft.png"
+    assert plot([tmp_path / "run"], png) == [p.title for p in SFT_PANELS]
+    assert png.stat().st_size > 10_000
 
 
 def test_resume_continues_with_identical_losses(tiny_dir, tmp_path):
@@ -132,10 +142,17 @@ def test_resume_continues_with_identical_losses(tiny_dir, tmp_path):
                                                          "out": str(tmp_path / "b" / "run")})
     run(_cfg(tiny_dir, tmp_path / "b", **cfg))  # "killed" after step 3's checkpoint
     assert (tmp_path / "b" / "run" / "iter_0000003" / "adapters" / "default").is_dir()
+    with open(tmp_path / "b" / "run" / "metrics.jsonl", "a") as f:  # step 4 logged, then killed before a save
+        f.write(json.dumps({"step": 4, "loss": 99.0}) + "\n")
     cfg["train"]["steps"] = 6
     resumed = run(_cfg(tiny_dir, tmp_path / "b", **cfg))
     assert resumed["state"]["step"] == 6 and len(resumed["history"]) == 3
     assert [x["loss"] for x in resumed["history"]] == [x["loss"] for x in full[3:]]
+    from glm5_mcore.run_log import read_metrics
+
+    rows = read_metrics(tmp_path / "b" / "run" / "metrics.jsonl")  # continued, each step once
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in rows] == [x["loss"] for x in full]
 
 
 def test_config_that_cannot_work_fails_before_work_naming_the_field(tiny_dir, tmp_path):
