@@ -140,7 +140,8 @@ def test_adapter_with_mtp_targets_loads_in_peft(mtp_setup, tiny_mtp_dir, tmp_pat
         (d / name).write_bytes(data)
     keys = list(load_file(str(d / "adapter_model.safetensors")))
     assert any(f"model.layers.{L}." in k for k in keys)
-    assert not any(f"model.layers.{L}." in k for k in load_file_bytes(trainer.export_adapter(3)))
+    assert not any(f"model.layers.{L}." in k for k in load_file_bytes(trainer.export_adapter(3, include_mtp=False)))
+    assert any(f"model.layers.{L}." in k for k in load_file_bytes(trainer.export_adapter(4)))  # trained: pushed
     c = AutoConfig.from_pretrained(tiny_mtp_dir)
     c.num_hidden_layers = L + 1
     c.mlp_layer_types = list(c.mlp_layer_types) + ["sparse"]
