@@ -190,3 +190,77 @@ def test_glm5_rl_mtp_loss_without_mtp_tensors_is_a_one_line_error(tiny_dir, tmp_
     lines = err.getvalue().strip().splitlines()
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("glm5 rl: error: actor.mtp_loss_scale=0.1: "), lines
     assert tiny_dir in lines[0] and not out.exists()
+
+
+def _drafted_case(trainer, seed: int = 0, hit: float = 0.7) -> dict:
+    """A policy adapter (every adapted module, full tensors, MTP layer's included) and a batch of 4
+    prompts × 2 responses in which each response token after the first is, with probability ``hit``,
+    the MTP head's draft for it under that adapter (else random): so ``rollout/mtp_accept`` is far
+    from 0 (random tokens would give ~1/vocab). Built position by position: the draft of token t
+    (from position t-2 and token t-1) does not depend on tokens t and later."""
+    from glm5_mcore.lora import lora_layers
+    from rl_mtp_check import load_case
+
+    g = torch.Generator().manual_seed(seed)
+    adapter = {}
+    for _, _, lora in lora_layers(trainer.model):
+        a, b = lora.full("default")
+        adapter[lora.module_name] = (torch.randn(a.shape, generator=g) / a.shape[1] ** 0.5,
+                                     torch.randn(b.shape, generator=g) * 0.1)
+    V = trainer.glm5.vocab_size
+    prompts = [torch.randint(3, V, (5 + p,), generator=g).tolist() for p in range(4)]
+    case = {"adapter": adapter, "prompts": [prompts[i // 2] for i in range(8)],
+            "responses": [torch.randint(3, V, (6 + i % 4,), generator=g).tolist() for i in range(8)],
+            "scores": torch.tensor([1.0, 0.0] * 4)}
+    batch = load_case(trainer, case)
+    budget, trainer.cfg.actor.micro_batch_tokens = trainer.cfg.actor.micro_batch_tokens, 4096  # one forward per k
+    for k in range(1, max(len(r) for r in case["responses"])):
+        for mb in trainer._micro_batches(batch, list(range(batch.size))):
+            with torch.no_grad():
+                draft = _mtp_logits(trainer, mb, train=False)[0].argmax(-1)
+            for j, i in enumerate(mb.rows):
+                if k < len(case["responses"][i]) and float(torch.rand((), generator=g)) < hit:
+                    case["responses"][i][k] = int(draft[int(mb.pos[j, k]) + 1 - 2])
+        batch = load_case(trainer, case)
+    trainer.cfg.actor.micro_batch_tokens = budget
+    return case
+
+
+@pytest.mark.slow
+def test_mtp_loss_and_accept_at_tp2_and_dp2ep2_equal_one_rank(tiny_mtp_dir, tmp_path):
+    """``mtp/loss`` and ``rollout/mtp_accept`` of one RL step (and the old log-probs) at TP 2 (vocab-parallel
+    MTP logits, sequence parallel) and at DP 2 × EP 2 (rows split, acceptance counts summed over DP)
+    equal one rank's (fp32, ≤ 1e-5); one torchrun launch, gloo."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from rl.trainer import PolicyTrainer
+    from rl_mtp_check import load_case, measure, mtp_cfg
+
+    here = Path(__file__).parent
+    cfg = mtp_cfg(tiny_mtp_dir)
+    ref_trainer = PolicyTrainer(cfg)
+    t0 = time.perf_counter()
+    case = _drafted_case(ref_trainer)
+    ref = measure(ref_trainer, cfg, load_case(ref_trainer, case))
+    t1 = time.perf_counter()
+    torch.save(case, tmp_path / "case.pt")
+    env = {k: v for k, v in os.environ.items()  # the pytest process holds its own process group
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(here.parent))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                        str(here / "rl_mtp_check.py"), tiny_mtp_dir, str(tmp_path / "case.pt"), str(tmp_path / "out.pt")],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    res = torch.load(tmp_path / "out.pt")
+    print(f"\none rank {t1 - t0:.1f}s, torchrun {time.perf_counter() - t1:.1f}s")
+    print("mtp multi-rank:", {"one": {k: float(ref[k]) for k in ("mtp_loss", "mtp_accept")},
+                                **{n: {k: float(v[k]) for k in ("mtp_loss", "mtp_accept")} for n, v in res.items()}})
+    assert 0.3 < float(ref["mtp_accept"]) < 0.95 and float(ref["mtp_loss"]) > 0, ref
+    assert set(res) == {"tp2", "dp2ep2"}
+    for name, got in res.items():
+        for k in ("mtp_loss", "mtp_accept"):
+            assert abs(float(got[k]) - float(ref[k])) <= 1e-5, (name, k, float(got[k]), float(ref[k]))
+        assert float((got["old_log_probs"] - ref["old_log_probs"]).abs().max()) <= 1e-5, name
