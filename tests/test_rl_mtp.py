@@ -1,7 +1,8 @@
 """MTP in RL (``actor.mtp_loss_scale > 0``) on a tiny GLM-5 with its MTP layer, in-process: PPO's
 log-probs unchanged by it, the MTP loss against a hand-written reference and where its gradient goes,
-``rollout/mtp_accept`` against a hand count, the adapter with MTP targets in peft, and the refusal of
-a folder without MTP tensors."""
+``rollout/mtp_accept`` against a hand count, the adapter with MTP targets in peft, the refusal of
+a folder without MTP tensors, what the vLLM engine pushes to its MTP draft model (no vLLM needed; the
+real draft model: ``test_vllm_cpu.py``), and both figures at TP 2 and DP 2 × EP 2 against one rank."""
 
 
 import json
@@ -264,3 +265,97 @@ def test_mtp_loss_and_accept_at_tp2_and_dp2ep2_equal_one_rank(tiny_mtp_dir, tmp_
         for k in ("mtp_loss", "mtp_accept"):
             assert abs(float(got[k]) - float(ref[k])) <= 1e-5, (name, k, float(got[k]), float(ref[k]))
         assert float((got["old_log_probs"] - ref["old_log_probs"]).abs().max()) <= 1e-5, name
+
+
+def trainer_merged_mtp(trainer) -> dict:
+    """HF name → W + scale·B·A of every adapted MTP-layer linear, from the trainer's own modules (one
+    rank: full tensors), independent of the engines' push path (base shards + the exported PEFT payload)."""
+    from glm5_mcore.hf_names import hf_source
+    from glm5_mcore.lora import lora_layers
+
+    out = {}
+    with torch.no_grad():
+        for _, mod, lora in lora_layers(trainer.model):
+            if lora.module_name.startswith("mtp."):
+                w = mod.weight.float() + lora.local_delta_weight("default").float()
+                src = hf_source(lora.module_name + ".weight", trainer.glm5.num_hidden_layers)
+                out.update(zip(src.names, w.chunk(2, 0) if src.is_glu else (w,)))
+    return out
+
+
+class _RecordingServer:
+    """Stands in for ``vllm_server.Server`` behind the engine: records each reload's tensors."""
+
+    def __init__(self):
+        self.calls = []
+
+    def call(self, method, *args):
+        from safetensors.torch import load_file
+
+        self.calls.append((method, load_file(args[0])))
+        return len(self.calls[-1][1])
+
+
+def _engine(hf_dir, tmp_path, merge: bool, drafts: bool):
+    """A ``VLLMRolloutEngine`` whose vLLM is a ``_RecordingServer`` (the push logic without vLLM)."""
+    from rl.rollout.vllm_engine import VLLMRolloutEngine
+
+    e = VLLMRolloutEngine.__new__(VLLMRolloutEngine)
+    e.hf_dir, e.merge, e.drafts, e.push_bytes, e.lora, e._pushed = hf_dir, merge, drafts, 2 << 30, None, set()
+    e.num_hidden_layers = json.loads((Path(hf_dir) / "config.json").read_text())["num_hidden_layers"]
+    e._dir, e.server, e.device = str(tmp_path), _RecordingServer(), None
+    return e
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_vllm_push_sends_the_mtp_layer_to_the_draft_model(mtp_setup, tiny_mtp_dir, tmp_path, merge):
+    """Drafting (``mtp_draft_tokens``): a push merges the MTP layer's adapter into vLLM's draft model
+    (``reload_draft``, HF names ``model.layers.{L}.*``, whole vLLM modules) — the trainer's merged MTP
+    weights (≤ 1e-6) — in LoRA mode too, where the LoRARequest's adapter carries no MTP tensor (vLLM's
+    LoRA never reaches the draft); the decoder's tensors go to ``reload`` only (merged mode); the base
+    model again restores the draft. Not drafting: nothing of the MTP layer is sent."""
+    from safetensors.torch import load_file
+
+    from glm5_mcore.hf_io import HFCheckpoint
+
+    cfg, trainer, batch = mtp_setup
+    L = trainer.glm5.num_hidden_layers
+    payload = trainer.export_adapter(7)  # the MTP loss is on: the MTP layer's adapter travels with it
+    want = trainer_merged_mtp(trainer)
+    e = _engine(tiny_mtp_dir, tmp_path / "e", merge, drafts=True)
+    (tmp_path / "e").mkdir()
+    e.load_adapter(payload)
+    draft = {h: t for m, ts in e.server.calls if m == "reload_draft" for h, t in ts.items()}
+    decoder = {h: t for m, ts in e.server.calls if m == "reload" for h, t in ts.items()}
+    assert draft and all(h.startswith(f"model.layers.{L}.") for h in draft)
+    assert not any(h.startswith(f"model.layers.{L}.") for h in decoder)
+    assert bool(decoder) == merge  # LoRA mode: the decoder's adapter is the LoRARequest, not a reload
+    assert set(want) <= set(draft) and max(float((draft[h] - w).abs().max()) for h, w in want.items()) <= 1e-6
+    # whole vLLM modules: fused q_a + kv_a, gate + up come as pairs
+    for a, b in (("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
+                 ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj")):
+        assert {f"model.layers.{L}.{x}.weight" for x in (a, b)} <= set(draft)
+    if not merge:
+        keys = load_file(str(Path(e.lora[2]) / "adapter_model.safetensors"))
+        assert keys and not any(f"model.layers.{L}." in k for k in keys)
+    e.server.calls.clear()
+    e.load_adapter(None)  # base model again: the draft model's pushed tensors back to base
+    base = HFCheckpoint(tiny_mtp_dir)
+    back = {h: t for m, ts in e.server.calls if m == "reload_draft" for h, t in ts.items()}
+    assert set(back) == set(draft) and all(torch.equal(t, base.get(h)) for h, t in back.items())
+    off = _engine(tiny_mtp_dir, tmp_path / "e", merge, drafts=False)
+    off.load_adapter(payload)
+    assert not any(m == "reload_draft" or any(h.startswith(f"model.layers.{L}.") for h in ts)
+                   for m, ts in off.server.calls)
+
+
+def test_vllm_cpu_drafting_refuses_sampling_at_temperature(tiny_mtp_dir, tmp_path):
+    """vLLM-CPU's speculative sampling at T > 0 returns wrong log-probs (measured: uniform / NaN after the
+    first token), which IcePop would take for the policy's: refused, naming why, before vLLM is asked."""
+    from rl.rollout.base import Request, SamplingParams
+
+    e = _engine(tiny_mtp_dir, tmp_path, merge=True, drafts=True)
+    e.device = "cpu"
+    with pytest.raises(ValueError, match="speculative sampling returns wrong processed log-probs at temperature"):
+        e.generate([Request((0, 0), [3, 4], 1)], SamplingParams(0.8, 1.0, 4, ()))
+    assert e.server.calls == []

@@ -187,22 +187,6 @@ def tiny576_mtp(tmp_path_factory):
     return str(write_tiny(tmp_path_factory.mktemp("vllm") / "tiny576_mtp", mtp=True, seed=7, mla_576=True))
 
 
-def _trainer_merged_mtp(trainer) -> dict:
-    """HF name → W + scale·B·A of every adapted MTP-layer linear, from the trainer's own modules (one
-    rank: full tensors), independent of the push path (base shards + the exported PEFT payload)."""
-    from glm5_mcore.hf_names import hf_source
-    from glm5_mcore.lora import lora_layers
-
-    out = {}
-    with torch.no_grad():
-        for _, mod, lora in lora_layers(trainer.model):
-            if lora.module_name.startswith("mtp."):
-                w = mod.weight.float() + lora.local_delta_weight("default").float()
-                src = hf_source(lora.module_name + ".weight", trainer.glm5.num_hidden_layers)
-                out.update(zip(src.names, w.chunk(2, 0) if src.is_glu else (w,)))
-    return out
-
-
 def _vllm_draft_view(hf: str, draft: dict, q_lora_rank: int):
     """The part of vLLM's draft-model parameters that holds HF tensor ``hf`` (``DeepSeekMTP.load_weights``:
     the layer's decoder block under ``mtp_block.``, q_a + kv_a fused, gate + up fused, routed experts in
@@ -245,6 +229,7 @@ def test_mtp_draft_head_follows_the_pushed_adapter(tiny576_mtp):
     from rl.rollout.base import SamplingParams
     from rl.rollout.vllm_engine import VLLMRolloutEngine
     from rl.trainer import PolicyTrainer
+    from test_rl_mtp import trainer_merged_mtp
 
     cfg = RLConfig.from_dict({"model": {"hf_dir": tiny576_mtp}, "wandb": {"mode": "disabled"},
                               "rollout": {"temperature": T, "n": 2},
@@ -285,7 +270,7 @@ def test_mtp_draft_head_follows_the_pushed_adapter(tiny576_mtp):
             m = trainer.update(batch, step)
             figs.setdefault("trainer_mtp_accept", []).append(round(m["rollout/mtp_accept"], 4))
             figs.setdefault("mtp_loss", []).append(round(m["mtp/loss"], 4))
-        want, q = _trainer_merged_mtp(trainer), trainer.glm5.q_lora_rank
+        want, q = trainer_merged_mtp(trainer), trainer.glm5.q_lora_rank
 
         def draft_diffs():
             draft = {k: torch.from_numpy(v) for k, v in engine.draft_weights().items()}

