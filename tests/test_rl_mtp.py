@@ -252,7 +252,8 @@ def test_mtp_loss_and_accept_at_tp2_and_dp2ep2_equal_one_rank(tiny_mtp_dir, tmp_
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(here.parent))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                        str(here / "rl_mtp_check.py"), tiny_mtp_dir, str(tmp_path / "case.pt"), str(tmp_path / "out.pt")],
+                        str(here / "rl_mtp_check.py"), tiny_mtp_dir, str(tmp_path / "case.pt"),
+                        str(tmp_path / "out.pt")],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     res = torch.load(tmp_path / "out.pt")

@@ -106,7 +106,8 @@ class HFRolloutEngine(RolloutEngine):
                 self.peft.base_model.disable_adapter_layers()
             self.adapter_version = None
             return
-        payload = AdapterPayload(payload.version, adapter_without_mtp(payload.files, self.model.config.num_hidden_layers))
+        files = adapter_without_mtp(payload.files, self.model.config.num_hidden_layers)
+        payload = AdapterPayload(payload.version, files)
         if self.peft is None:
             with tempfile.TemporaryDirectory() as d:
                 for name, data in payload.files.items():

@@ -38,7 +38,8 @@ def dense_mla_config(cfg):
     With MTP speculative decoding vLLM builds the draft model's config with its own override first
     (``SpeculativeConfig.hf_config_override``: ``model_type`` "deepseek_mtp", the sparse
     ``DeepseekV32MTPModel``), then this one (``compose_draft_hf_overrides``): the draft stays an MTP
-    model, DeepSeek-V3's dense one (``DeepSeekMTPModel``)."""
+    model, DeepSeek-V3's dense one, loaded by ``GLM5DenseMLAMTPModel`` (registered by ``Server`` in its own
+    process: the engine core must run there, as ``cpu_compat.vllm_cpu_env`` has it)."""
     from transformers import DeepseekV3Config
 
     drop = ("mlp_layer_types", "model_type", "transformers_version", "indexer_types")
