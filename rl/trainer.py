@@ -372,9 +372,12 @@ class PolicyTrainer:
         return True, ""
 
     # ------------------------------------------------------------------ weights, checkpoints
-    def export_adapter(self, version: int, include_mtp: bool = False):
+    def export_adapter(self, version: int, include_mtp: Optional[bool] = None):
         """The policy adapter as an HF PEFT payload (rank 0; None elsewhere); ``include_mtp``: with the
-        MTP layer's adapter under ``model.layers.{num_hidden_layers}.*`` (for a draft-model engine)."""
+        MTP layer's adapter under ``model.layers.{num_hidden_layers}.*`` (for a draft-model engine);
+        None: when it is trained (``actor.mtp_loss_scale > 0``), so the engines' draft head follows it."""
+        if include_mtp is None:
+            include_mtp = self.mtp is not None and self.cfg.actor.mtp_loss_scale > 0
         from glm5_mcore.adapters import gather_adapter
         from glm5_mcore.peft_io import export_peft
         from rl.rollout.base import AdapterPayload

@@ -101,9 +101,15 @@ def test_vllm_returns_routes_and_trainer_replays_them(mla576_dir):
     assert float(diff.mean()) < BF16_MEAN_ABS, float(diff.mean())
 
 
-def test_vllm_engine_drafts_with_the_mtp_layer(tmp_path):
+@pytest.mark.parametrize("merge", [True, False])
+def test_vllm_engine_drafts_with_the_mtp_layer(tmp_path, merge):
     """``engine_kwargs.mtp_draft_tokens``: vLLM serves the checkpoint's MTP layer as the speculative
-    draft (``speculative_config`` method "mtp") and still samples with log-probs, the policy adapter merged."""
+    draft (``speculative_config`` method "mtp") and still samples with log-probs; each push merges the
+    trained MTP layer's adapter into the draft model — merged and LoRA mode alike (vLLM's LoRA does
+    not reach the draft) — so the draft model holds the trainer's merged MTP weights (bf16 rounding)."""
+    import sys
+    from pathlib import Path
+
     from transformers import AutoTokenizer
 
     from glm5_mcore.config import glm5_744b, glm5_tiny
@@ -113,6 +119,11 @@ def test_vllm_engine_drafts_with_the_mtp_layer(tmp_path):
     from rl.rollout.vllm_engine import VLLMRolloutEngine
     from rl.tasks import toy_prompts
     from rl.trainer import PolicyTrainer
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_rl import _perturb
+    from test_rl_mtp import trainer_merged_mtp
+    from test_vllm_cpu import _vllm_draft_view
 
     real = glm5_744b()
     cfg = dataclasses.replace(glm5_tiny(mtp=True), kv_lora_rank=real.kv_lora_rank,
@@ -124,11 +135,20 @@ def test_vllm_engine_drafts_with_the_mtp_layer(tmp_path):
     rl = RLConfig.from_dict({"model": {"hf_dir": d}, "wandb": {"mode": "disabled"}, "trainer": {"bf16": True},
                              "actor": {"mtp_loss_scale": 0.3}})
     trainer = PolicyTrainer(rl)
-    engine = VLLMRolloutEngine(d, merge=True, dtype="bfloat16", gpu_memory_utilization=0.3, mtp_draft_tokens=1)
-    engine.load_adapter(trainer.export_adapter(1))
-    tok = AutoTokenizer.from_pretrained(d)
-    prompts = toy_prompts(tok, 4, 0)
-    reqs = [Request((p.index, k), p.ids, sample_seed(0, 0, p.index, k)) for p in prompts for k in range(2)]
-    res = engine.generate(reqs, SamplingParams(1.0, 1.0, 8, ()))
-    assert all(len(r.response_ids) == 8 == len(r.logprobs) for r in res)
-    engine.close()
+    _perturb(trainer, scale=0.2)  # the MTP layer's adapter included
+    engine = VLLMRolloutEngine(d, merge=merge, dtype="bfloat16", gpu_memory_utilization=0.3, mtp_draft_tokens=1)
+    try:
+        engine.load_adapter(trainer.export_adapter(1))
+        want = trainer_merged_mtp(trainer)
+        draft = {k: torch.from_numpy(v) for k, v in engine.draft_weights().items()}
+        for h, w in want.items():
+            got = _vllm_draft_view(h, draft, trainer.glm5.q_lora_rank)
+            assert float((got - w.to(torch.bfloat16).float()).abs().max()) <= 1e-2 * float(w.abs().max()), h
+        tok = AutoTokenizer.from_pretrained(d)
+        prompts = toy_prompts(tok, 4, 0)
+        reqs = [Request((p.index, k), p.ids, sample_seed(0, 0, p.index, k)) for p in prompts for k in range(2)]
+        res = engine.generate(reqs, SamplingParams(1.0, 1.0, 8, ()))
+        assert all(len(r.response_ids) == 8 == len(r.logprobs) for r in res)
+        assert engine.spec_decode_counts()["draft_tokens"] > 0
+    finally:
+        engine.close()

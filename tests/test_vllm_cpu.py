@@ -10,6 +10,8 @@ selects every key. That is the only form vLLM-CPU can serve GLM-5 in (it has no 
 the engine's ``dense_mla`` serves it as dense MLA and refuses when DSA would select). What only a GPU
 can show — sparse attention, LoRA on the MoE model (vLLM's LoRA forces its Triton fused-MoE
 backend), throughput — stays in ``test_gpu_vllm.py``. Figures are printed (``-s``) as one JSON line.
+With ``mtp_draft_tokens`` vLLM-CPU drafts with the MTP layer (DeepSeek-V3's MTP draft model): the
+draft head follows the pushed adapter (``test_mtp_draft_head_follows_the_pushed_adapter``).
 """
 
 import json
@@ -178,3 +180,116 @@ def test_rl_loop_runs_two_steps_with_the_vllm_engine(tiny576, tmp_path):
         assert all(v == v for v in m.values() if isinstance(v, float)), m
     print("\nvllm-cpu rl:", json.dumps({"rl_two_steps_s": round(FIGURES["rl_two_steps_s"], 1),
                                         "logprob_abs_diff_max": [m["rollout_corr/logprob_abs_diff_max"] for m in h]}))
+
+
+@pytest.fixture(scope="module")
+def tiny576_mtp(tmp_path_factory):
+    from glm5_mcore.tiny import write_tiny
+
+    return str(write_tiny(tmp_path_factory.mktemp("vllm") / "tiny576_mtp", mtp=True, seed=7, mla_576=True))
+
+
+def _vllm_draft_view(hf: str, draft: dict, q_lora_rank: int):
+    """The part of vLLM's draft-model parameters that holds HF tensor ``hf`` (``DeepSeekMTP.load_weights``:
+    the layer's decoder block under ``mtp_block.``, q_a + kv_a fused, gate + up fused, routed experts in
+    ``w13_weight`` [E, 2I, H] (gate rows, then up) and ``w2_weight`` [E, H, I])."""
+    import re
+
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)\.weight$", hf)
+    pre, rest = f"model.layers.{m.group(1)}.", m.group(2)
+    if rest.split(".")[0] in ("enorm", "hnorm", "eh_proj", "shared_head"):
+        return draft[pre + rest + ".weight"]
+    blk = pre + "mtp_block."
+    if rest == "self_attn.q_a_proj":
+        return draft[blk + "self_attn.fused_qkv_a_proj.weight"][:q_lora_rank]
+    if rest == "self_attn.kv_a_proj_with_mqa":
+        return draft[blk + "self_attn.fused_qkv_a_proj.weight"][q_lora_rank:]
+    e = re.match(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)$", rest)
+    if e:
+        i, kind = int(e.group(1)), e.group(2)
+        if kind == "down_proj":
+            return draft[blk + "mlp.experts.routed_experts.w2_weight"][i]
+        w13 = draft[blk + "mlp.experts.routed_experts.w13_weight"][i]
+        return w13.chunk(2, 0)[0 if kind == "gate_proj" else 1]
+    g = re.match(r"^(mlp(?:\.shared_experts)?)\.(gate_proj|up_proj)$", rest)
+    if g:
+        return draft[blk + g.group(1) + ".gate_up_proj.weight"].chunk(2, 0)[0 if g.group(2) == "gate_proj" else 1]
+    return draft[blk + rest + ".weight"]
+
+
+def test_mtp_draft_head_follows_the_pushed_adapter(tiny576_mtp):
+    """``mtp_draft_tokens=1``: vLLM-CPU drafts with the MTP layer (served as dense MLA). The policy moves
+    (decoder adapter) while the draft head is stale, then the trainer trains the MTP head (its adapter)
+    on the engine's own greedy samples with the MTP loss alone (equal scores: zero advantages); after the
+    push the draft model holds exactly the trainer's merged MTP weights and vLLM's acceptance rises.
+    Greedy (T=0) throughout: vLLM-CPU's speculative sampling at T>0 returns broken log-probs."""
+    from transformers import AutoTokenizer
+
+    from rl import algos
+    from rl.config import RLConfig
+    from rl.driver import fill_log_probs, make_batch
+    from rl.rollout.base import SamplingParams
+    from rl.rollout.vllm_engine import VLLMRolloutEngine
+    from rl.trainer import PolicyTrainer
+    from test_rl_mtp import trainer_merged_mtp
+
+    cfg = RLConfig.from_dict({"model": {"hf_dir": tiny576_mtp}, "wandb": {"mode": "disabled"},
+                              "rollout": {"temperature": T, "n": 2},
+                              "actor": {"mtp_loss_scale": 1.0, "lr": 3e-2, "ppo_mini_batch_size": 4}})
+    trainer = PolicyTrainer(cfg)
+    _perturb(trainer, 11)
+    with torch.no_grad():  # the policy moved; the MTP head's adapter stays at its no-op init (stale head)
+        from glm5_mcore.lora import lora_layers
+
+        for _, _, lora in lora_layers(trainer.model):
+            if lora.module_name.startswith("mtp."):
+                lora.B["default"].zero_()
+    for name, p in trainer.model.named_parameters():  # the policy stays where it is: the MTP loss, which also
+        if ".lora." in name and not name.startswith("mtp."):  # reaches the decoder's adapter, trains the head only
+            p.requires_grad_(False)
+    tok = AutoTokenizer.from_pretrained(tiny576_mtp)
+    greedy = SamplingParams(0.0, 1.0, MAX_NEW, ())
+    engine = VLLMRolloutEngine(tiny576_mtp, **engine_kwargs(), mtp_draft_tokens=1)
+    figs = {}
+
+    def accept(reqs):
+        c0 = engine.spec_decode_counts()
+        res = engine.generate(reqs, greedy)
+        c1 = engine.spec_decode_counts()
+        return res, (c1["accepted_tokens"] - c0["accepted_tokens"]) / max(1, c1["draft_tokens"] - c0["draft_tokens"])
+
+    try:
+        engine.load_adapter(trainer.export_adapter(1))
+        prompts, reqs = _requests(tok, 0)
+        res, figs["vllm_accept_stale"] = accept(reqs)
+        batch = make_batch(prompts, res, 2)
+        for step in range(8):  # the MTP loss alone trains the MTP layer's adapter on these samples
+            batch.scores = torch.ones(batch.size)
+            fill_log_probs(batch, [trainer.compute_log_probs(batch, ref=False)])
+            batch.rollout_log_probs = batch.old_log_probs.clone()
+            algos.rollout_correction(cfg, batch)
+            algos.compute_advantages(cfg, batch, 0.0)
+            m = trainer.update(batch, step)
+            figs.setdefault("trainer_mtp_accept", []).append(round(m["rollout/mtp_accept"], 4))
+            figs.setdefault("mtp_loss", []).append(round(m["mtp/loss"], 4))
+        want, q = trainer_merged_mtp(trainer), trainer.glm5.q_lora_rank
+
+        def draft_diffs():
+            draft = {k: torch.from_numpy(v) for k, v in engine.draft_weights().items()}
+            return {h: float((_vllm_draft_view(h, draft, q) - w).abs().max()) for h, w in want.items()}
+
+        figs["stale_draft_vs_trainer_max_abs"] = max(draft_diffs().values())
+        t0 = time.perf_counter()
+        engine.load_adapter(trainer.export_adapter(2))
+        figs["push_s"] = time.perf_counter() - t0
+        diffs = draft_diffs()
+        figs["draft_vs_trainer_max_abs"] = max(diffs.values())
+        figs["mtp_tensors_checked"] = len(diffs)
+        res2, figs["vllm_accept_pushed"] = accept(reqs)
+    finally:
+        engine.close()
+    print("\nvllm-cpu mtp:", json.dumps(figs))
+    assert [r.response_ids for r in res2] == [r.response_ids for r in res]  # greedy: drafts never change output
+    assert figs["mtp_tensors_checked"] >= 8 and figs["stale_draft_vs_trainer_max_abs"] > 1e-3, figs
+    assert figs["draft_vs_trainer_max_abs"] <= 1e-6, (diffs, figs)
+    assert figs["vllm_accept_pushed"] > figs["vllm_accept_stale"] + 0.2, figs

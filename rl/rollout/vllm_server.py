@@ -8,6 +8,8 @@ crosses the socket is plain data (token ids, floats, file paths): weights travel
 
 - ``generate``: ``TokensPrompt`` in, token ids + ``processed_logprobs`` out (token-in/token-out, no
   detokenisation); an adapter as a ``LoRARequest``.
+- ``reload_draft``: the MTP layer's tensors into the speculative draft model (which ``reload`` never
+  reaches), ``draft_weights`` reads them back, ``spec_decode_counts`` gives the draft's acceptance.
 - ``reload``: vLLM 0.32's worker has no ``load_weights``, only ``reload_weights(weights_iterator=...,
   is_checkpoint_format=True)``, and tensors sent through ``collective_rpc`` arrive as nested lists;
   so the engine writes the merged tensors to a safetensors file and a function run on every worker
@@ -31,13 +33,42 @@ os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 
 def dense_mla_config(cfg):
-    """``hf_overrides``: a ``glm_moe_dsa`` config as a ``DeepseekV3Config`` without the DSA indexer."""
+    """``hf_overrides``: a ``glm_moe_dsa`` config as a ``DeepseekV3Config`` without the DSA indexer.
+
+    With MTP speculative decoding vLLM builds the draft model's config with its own override first
+    (``SpeculativeConfig.hf_config_override``: ``model_type`` "deepseek_mtp", the sparse
+    ``DeepseekV32MTPModel``), then this one (``compose_draft_hf_overrides``): the draft stays an MTP
+    model, DeepSeek-V3's dense one, loaded by ``GLM5DenseMLAMTPModel`` (registered by ``Server`` in its own
+    process: the engine core must run there, as ``cpu_compat.vllm_cpu_env`` has it)."""
     from transformers import DeepseekV3Config
 
     drop = ("mlp_layer_types", "model_type", "transformers_version", "indexer_types")
     d = {k: v for k, v in cfg.to_dict().items() if not k.startswith("index") and k not in drop}
-    d["architectures"] = ["DeepseekV3ForCausalLM"]
-    return DeepseekV3Config(**d)
+    draft = getattr(cfg, "model_type", None) == "deepseek_mtp"
+    # the draft: our loader first; "DeepSeekMTPModel" too, the name vLLM's proposer checks for the
+    # (logits hidden, recycled hidden) pair the MTP forward returns (llm_base_proposer.py:1002)
+    d["architectures"] = [DENSE_MLA_MTP, "DeepSeekMTPModel"] if draft else ["DeepseekV3ForCausalLM"]
+    out = DeepseekV3Config(**d)
+    if draft:
+        out.model_type = "deepseek_mtp"
+    return out
+
+
+DENSE_MLA_MTP = "GLM5DenseMLAMTPModel"
+
+
+def _dense_mla_mtp_class():
+    """vLLM's ``DeepSeekMTP`` loading the MTP layer of a ``glm_moe_dsa`` folder served as dense MLA: its
+    ``load_weights`` has no indexer skip (deepseek_mtp.py:507 raises KeyError on
+    ``mtp_block.self_attn.indexer.*``, where the decoder's loader, deepseek_v2.py:1657, drops the
+    indexer weights of a layer built without one), so the indexer tensors are dropped before it."""
+    from vllm.model_executor.models.deepseek_mtp import DeepSeekMTP
+
+    class GLM5DenseMLAMTPModel(DeepSeekMTP):
+        def load_weights(self, weights):
+            return super().load_weights((n, w) for n, w in weights if ".indexer." not in n)
+
+    return GLM5DenseMLAMTPModel
 
 
 def _reload_from_file(worker, path: str) -> int:
@@ -49,6 +80,57 @@ def _reload_from_file(worker, path: str) -> int:
     return len(tensors)
 
 
+def _draft_model(worker):
+    """The speculative-decoding draft model of a vLLM worker (``model_runner.drafter.model``)."""
+    model = getattr(getattr(worker.model_runner, "drafter", None), "model", None)
+    if model is None:
+        raise RuntimeError("this vLLM engine has no draft model (speculative_config method 'mtp' not set)")
+    return model
+
+
+def _reload_draft_from_file(worker, path: str) -> int:
+    """Run on every vLLM worker: reload the MTP layer's checkpoint-format tensors (HF names
+    ``model.layers.{num_hidden_layers}.*``) of one safetensors file into the draft model, with vLLM's
+    in-place reload (``model_loader/reload/inplace.py``: the draft's own ``load_weights`` name mapping —
+    ``mtp_block.``, fused q_a/kv_a, gate/up, FusedMoE experts — then ``process_weights_after_loading``
+    for the modules it touched, e.g. MLA's ``W_UK_T`` / ``W_UV`` from ``kv_b_proj``), under the draft's
+    model config."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    tensors = load_file(path)
+    runner = worker.model_runner
+    cfg = SimpleNamespace(model_config=runner.vllm_config.speculative_config.draft_model_config,
+                          load_config=runner.vllm_config.load_config, lora_config=None)
+    reload_weights(cfg, _draft_model(worker), weights_iterator=iter(tensors.items()), weights_path=None,
+                   is_checkpoint_format=True)
+    return len(tensors)
+
+
+def _draft_weights(worker, names=None) -> dict:
+    """Run on a vLLM worker: the draft model's parameters (vLLM names → numpy float32 arrays). vLLM's CPU
+    build prepacks linear weights for its GEMM kernels and leaves ``weight`` empty
+    (model_executor/layers/utils.py:470 ``dispatch_cpu_unquantized_gemm``); such a weight is read back
+    as the layer computes it: its ``cpu_linear`` applied to the identity, transposed."""
+    import torch
+
+    out = {}
+    with torch.no_grad():
+        for mod_name, mod in _draft_model(worker).named_modules():
+            for n, p in mod.named_parameters(recurse=False):
+                name = f"{mod_name}.{n}" if mod_name else n
+                if names is not None and name not in names:
+                    continue
+                k = next((getattr(mod, a) for a in ("input_size_per_partition", "input_size", "in_features")
+                          if hasattr(mod, a)), None)
+                if n == "weight" and p.numel() == 0 and hasattr(mod, "cpu_linear") and k:
+                    p = mod.cpu_linear(torch.eye(k, dtype=p.dtype), p, None).t()
+                out[name] = p.detach().float().cpu().numpy()
+    return out
+
+
 class Server:
     """One ``vllm.LLM`` and the three things the engine asks of it."""
 
@@ -58,6 +140,10 @@ class Server:
         kw = dict(llm_kwargs)
         if dense_mla:
             kw["hf_overrides"] = dense_mla_config
+            if kw.get("speculative_config"):
+                from vllm import ModelRegistry
+
+                ModelRegistry.register_model(DENSE_MLA_MTP, _dense_mla_mtp_class())
         self.llm = LLM(**kw)
 
     def generate(self, prompts: list[list[int]], params: list[dict], lora: Optional[tuple] = None) -> list:
@@ -85,6 +171,24 @@ class Server:
     def reload(self, path: str) -> int:
         """Reload the tensors of the safetensors file ``path`` (HF names) on every worker."""
         return sum(self.llm.collective_rpc(_reload_from_file, kwargs={"path": path}))
+
+    def reload_draft(self, path: str) -> int:
+        """Reload the MTP-layer tensors of the safetensors file ``path`` (HF names) into the draft model."""
+        return sum(self.llm.collective_rpc(_reload_draft_from_file, kwargs={"path": path}))
+
+    def draft_weights(self, names: Optional[list] = None) -> dict:
+        """The draft model's parameters on the first worker (vLLM names → numpy arrays)."""
+        return self.llm.collective_rpc(_draft_weights, kwargs={"names": names})[0]
+
+    def spec_decode_counts(self) -> dict:
+        """Cumulative speculative-decoding counters: draft tokens proposed and accepted."""
+        out = {"draft_tokens": 0, "accepted_tokens": 0}
+        for m in self.llm.get_metrics():
+            if m.name == "vllm:spec_decode_num_draft_tokens":
+                out["draft_tokens"] = int(m.value)
+            elif m.name == "vllm:spec_decode_num_accepted_tokens":
+                out["accepted_tokens"] = int(m.value)
+        return out
 
     def ping(self) -> str:
         import vllm
