@@ -49,9 +49,11 @@ class ValueHead(torch.nn.Module):
 
 class _Packed:
     """Micro-batch: samples ``rows`` packed THD; ``pos`` [n, R] logit positions of each response
-    token (its predecessor's position)."""
+    token (its predecessor's position) in the unsplit pack. With context parallelism (``cp``, an
+    ``rl.cp.RLContextParallel`` of size > 1) the tensors hold this CP rank's share (``rl.cp``) and
+    ``pad_to`` counts the padded documents' tokens."""
 
-    def __init__(self, batch: RolloutBatch, rows: list[int], pad_to: int, pad_id: int, route_shape=None):
+    def __init__(self, batch: RolloutBatch, rows: list[int], pad_to: int, pad_id: int, route_shape=None, cp=None):
         ids, targets, positions, lengths = [], [], [], []
         R = batch.response_mask.shape[1]
         self.rows = rows
@@ -67,13 +69,16 @@ class _Packed:
             self.pos[j, :n] = torch.arange(off + P - 1, off + P - 1 + n)
             off += len(seq)
         self.real_tokens = off
-        if pad_to > off:  # filler document (masked out) so EP ranks see equal token counts
-            extra = pad_to - off
+        self.pad_id = pad_id
+        used = cp.padded_len(lengths) if cp is not None else off
+        if pad_to > used:  # filler document (masked out) so EP ranks see equal token counts
+            extra = pad_to - used
             ids += [pad_id] * extra
             targets += [0] * extra
             positions += list(range(extra))
             lengths.append(extra)
         self.num_tokens = len(ids)
+        self.real_mask = torch.arange(self.num_tokens) < off  # the documents (not filler or CP padding)
         self.input_ids = torch.tensor([ids])
         self.targets = torch.tensor(targets)
         self.position_ids = torch.tensor([positions])
@@ -84,6 +89,9 @@ class _Packed:
 
             self.routes, self.routes_valid = pack_routes(batch.routes, batch.prompts, batch.responses, rows,
                                                          self.num_tokens, *route_shape)
+        self.unsplit = None  # CP: see rl.cp
+        if cp is not None:
+            cp.split(self)
 
     def packed_seq_params(self, device=None):
         from glm5_mcore.model import packed_seq_params_from_lengths
@@ -106,7 +114,7 @@ class PolicyTrainer:
                               WORLD_SIZE=str(world), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
         self.cfg = cfg
         t = cfg.trainer
-        self.parallel = ParallelConfig(tp=t.tp, ep=t.ep)
+        self.parallel = ParallelConfig(tp=t.tp, ep=t.ep, cp=t.cp)
         from glm5_mcore import foreign_ckpt
         from glm5_mcore.stored import checkpoint_config, hf_dir_config
 
@@ -153,6 +161,9 @@ class PolicyTrainer:
 
         fp32_output_layer(model)  # log-probs from fp32 logits under bf16 (old, ref, new: IcePop's ratios)
         self.model = model
+        from rl.cp import RLContextParallel
+
+        self.cp = RLContextParallel(self.parallel.tp if model.config.sequence_parallel else 1)
         from rl.routing import TrainerRouting
 
         self.routing = TrainerRouting(model, replay=cfg.algorithm.router_replay)
@@ -170,10 +181,10 @@ class PolicyTrainer:
 
     @property
     def reports(self) -> bool:
-        """Whether this rank's results are the ones the driver reads (TP rank 0)."""
+        """Whether this rank's results are the ones the driver reads (TP and CP rank 0)."""
         from megatron.core import parallel_state as ps
 
-        return ps.get_tensor_model_parallel_rank() == 0
+        return ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
 
     def _dp(self) -> tuple[int, int]:
         from megatron.core import parallel_state as ps
@@ -184,6 +195,7 @@ class PolicyTrainer:
         """Greedy THD packing of ``rows`` into micro-batches; with >1 rank every rank gets the same
         number of micro-batches of the same sizes (Megatron's allgather dispatcher needs equal EP shares)."""
         budget = self.cfg.actor.micro_batch_tokens
+        cp = self.cp if self.cp.size > 1 else None
         groups, sizes, cur, size = [], [], [], 0
         for i in rows:
             n = len(batch.prompts[i]) + len(batch.responses[i])
@@ -196,18 +208,20 @@ class PolicyTrainer:
         if cur:
             groups.append(cur)
             sizes.append(size)
+        if cp is not None:  # documents padded for the CP split
+            sizes = [cp.padded_len([len(batch.prompts[i]) + len(batch.responses[i]) for i in g]) for g in groups]
         if dist.get_world_size() > 1:
             dev = training_device()
             cnt = torch.tensor([len(groups)], device=dev)
             dist.all_reduce(cnt, op=dist.ReduceOp.MAX)
             groups += [[] for _ in range(int(cnt) - len(groups))]
-            sizes += [1] * (int(cnt) - len(sizes))
+            sizes += [cp.unit if cp is not None else 1] * (int(cnt) - len(sizes))
             s = torch.tensor(sizes, device=dev)
             dist.all_reduce(s, op=dist.ReduceOp.MAX)
             sizes = s.tolist()
         mult = self.parallel.tp if self.model.config.sequence_parallel else 1
         shape = (len(self.routing.instances), self.routing.top_k)
-        return [_Packed(batch, g, -(-n // mult) * mult, self.pad_id, shape) for g, n in zip(groups, sizes)]
+        return [_Packed(batch, g, -(-n // mult) * mult, self.pad_id, shape, cp) for g, n in zip(groups, sizes)]
 
     def _logprobs(self, model, mb: _Packed, temperature: float):
         """(log p [n, R], entropy [n, R]) of each response token under ``model``'s active adapter."""
@@ -218,11 +232,14 @@ class PolicyTrainer:
 
         dev = training_device()
         self.routing.prepare(mb.routes, dev)
+        self.moe_load.token_mask = self.routing._slice(mb.real_mask) if self.routing.routers else None
         kw = {"loss_mask": real_token_mask(mb.num_tokens, mb.real_tokens, dev)} if self.mtp is not None else {}
         logits = model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), attention_mask=None,
                        packed_seq_params=mb.packed_seq_params(dev), **kw)[0]  # [T, V/TP]
         group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
         logp, ent = token_logprobs(logits, mb.targets.to(dev), group, temperature)
+        if mb.unsplit is not None:  # CP: every rank's tokens, in the unsplit order
+            logp, ent = self.cp.gather(torch.stack([logp, ent], -1), mb).unbind(-1)
         pos = mb.pos.to(dev)
         return logp[pos], ent[pos]
 
@@ -234,6 +251,7 @@ class PolicyTrainer:
         set_adapter(self.model, "critic")
         dev = training_device()
         self.routing.prepare(mb.routes, dev)
+        self.moe_load.token_mask = self.routing._slice(mb.real_mask) if self.routing.routers else None
         try:
             with mtp_loss_off(self.model) if self.mtp is not None else contextlib.nullcontext():
                 model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), attention_mask=None,
@@ -245,7 +263,10 @@ class PolicyTrainer:
             from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
             h = gather_from_sequence_parallel_region(h)
-        return self.value_head(h)[:, 0][mb.pos.to(dev)]
+        v = self.value_head(h)[:, 0]
+        if mb.unsplit is not None:
+            v = self.cp.gather(v, mb)
+        return v[mb.pos.to(dev)]
 
     # ------------------------------------------------------------------ forward only
     @torch.no_grad()
@@ -272,7 +293,7 @@ class PolicyTrainer:
             if mb.routes is not None:
                 agree += self.routing.agreement(mb.routes, mb.routes_valid).cpu()
             if batch.index_topk is not None:
-                index_agree += index_topk_counts(self.model, batch, mb.rows)
+                index_agree += index_topk_counts(self.model, batch, mb.rows, mb if mb.unsplit is not None else None)
             if ref:
                 with disable_adapters(self.model):
                     out["ref_log_probs"].append(self._logprobs(self.ddp, mb, T)[0])
@@ -281,6 +302,9 @@ class PolicyTrainer:
             out["rows"] += mb.rows
         self.ddp.train()
         self.routing.clear()
+        if self.cp.size > 1:  # each CP rank counted the tokens it holds
+            both = self.cp.sum(torch.cat([agree, index_agree]).to(training_device())).cpu()
+            agree, index_agree = both[:2], both[2:]
         if not self.reports:
             return None
         res = {k: (torch.cat(v).float().cpu() if v and k != "rows" else v) for k, v in out.items()}
@@ -343,6 +367,8 @@ class PolicyTrainer:
         metrics.update({"actor/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
                         "actor/lr": self.opt.param_groups[0]["lr"], "actor/updates_skipped": float(skipped),
                         "timing_s/update_inner": time.perf_counter() - t0})
+        if self.cp.size > 1:  # tokens per expert over the whole sequence (CP padding included)
+            self.moe_load.counts = {k: self.cp.sum(c) for k, c in sorted(self.moe_load.counts.items())}
         metrics.update(self.moe_load.metrics())
         if self.mtp is not None:
             from glm5_mcore.mtp_loss import mtp_depth_losses
