@@ -116,6 +116,7 @@ def test_cp2_equals_cp1_with_router_replay(tiny_dir, tmp_path):
                  for n, p in one["params"].items()))
     moved = max(float((p - init[n]).abs().max()) for n, p in one["params"].items())
     print(f"CP2 vs CP1: {figures}; params worst rel {worst[0]:.2e} (max abs {worst[1]:.2e}, {worst[2]}); "
+          f"longest response {resp} tokens vs {local} local tokens of its pack; "
           f"replay checked {two['replay']}; moe load CP1 {one['metrics'][0].get('moe/max_over_mean')} "
           f"CP2 {two['metrics'][0].get('moe/max_over_mean')}; CP1 run {t_one:.1f}s, CP2 torchrun {t_two:.1f}s")
     assert worst[0] <= 1e-5, worst
