@@ -262,7 +262,8 @@ class PolicyTrainer:
         if self.model.config.sequence_parallel:
             from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-            h = gather_from_sequence_parallel_region(h)
+            # every TP rank computes the same value loss: a split backward, not a reduce-scatter (2x grads)
+            h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=False)
         v = self.value_head(h)[:, 0]
         if mb.unsplit is not None:
             v = self.cp.gather(v, mb)
@@ -367,8 +368,11 @@ class PolicyTrainer:
         metrics.update({"actor/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
                         "actor/lr": self.opt.param_groups[0]["lr"], "actor/updates_skipped": float(skipped),
                         "timing_s/update_inner": time.perf_counter() - t0})
-        if self.cp.size > 1:  # tokens per expert over the whole sequence (CP padding included)
-            self.moe_load.counts = {k: self.cp.sum(c) for k, c in sorted(self.moe_load.counts.items())}
+        sp = self.model.config.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
+        for _, c in sorted(self.moe_load.counts.items()):  # tokens per expert of the whole sequence
+            if sp:  # each TP rank routed its sequence-parallel slice
+                dist.all_reduce(c, group=ps.get_tensor_model_parallel_group())
+            self.cp.sum(c)
         metrics.update(self.moe_load.metrics())
         if self.mtp is not None:
             from glm5_mcore.mtp_loss import mtp_depth_losses
