@@ -40,10 +40,11 @@ def greedy_packs(lengths: Iterable[int], budget: int) -> Iterator[list[int]]:
         yield cur
 
 
-def equal_micro_batch_sizes(sizes: list[int], group=None) -> list[int]:
+def equal_micro_batch_sizes(sizes: list[int], group=None, fill: int = 1) -> list[int]:
     """This rank's micro-batch token counts ``sizes`` made equal over ``group`` (default: all ranks):
     the result has the largest count of any rank, entry i the largest i-th size (a rank with fewer
-    micro-batches gets empty ones, at least 1 token). One rank: ``sizes`` unchanged."""
+    micro-batches gets empty ones of ``fill`` tokens: 1, or a context-parallel split's unit). One rank:
+    ``sizes`` unchanged."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return list(sizes)
     from glm5_mcore.device import training_device
@@ -51,6 +52,6 @@ def equal_micro_batch_sizes(sizes: list[int], group=None) -> list[int]:
     dev = training_device()
     count = torch.tensor([len(sizes)], device=dev)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    padded = torch.tensor(list(sizes) + [1] * (int(count) - len(sizes)), dtype=torch.long, device=dev)
+    padded = torch.tensor(list(sizes) + [fill] * (int(count) - len(sizes)), dtype=torch.long, device=dev)
     dist.all_reduce(padded, op=dist.ReduceOp.MAX, group=group)
     return padded.tolist()

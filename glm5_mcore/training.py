@@ -113,17 +113,23 @@ def set_rng_state(s: dict) -> None:
 
 
 class MoELoad:
-    """Tokens routed to each expert per MoE layer (router forward hooks), for the load metrics."""
+    """Tokens routed to each expert per MoE layer (router forward hooks), for the load metrics.
+    ``token_mask`` (bool [tokens the router sees], optional): count only those tokens (the RL trainer
+    leaves out filler documents and context-parallel padding)."""
 
     def __init__(self, model):
         self.counts: dict[str, torch.Tensor] = {}
+        self.token_mask: torch.Tensor | None = None
         for name, mod in model.named_modules():
             if name.endswith("mlp.router"):
                 mod.register_forward_hook(self._hook(name))
 
     def _hook(self, name):
         def h(_mod, _inp, out):
-            c = out[1].detach().sum(0).float()
+            m = out[1].detach()
+            if self.token_mask is not None:
+                m = m[self.token_mask.to(m.device)]
+            c = m.sum(0).float()
             self.counts[name] = self.counts.get(name, 0) + c
         return h
 

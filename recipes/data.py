@@ -23,6 +23,7 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 import torch
 
+from glm5_mcore.cp_split import split_for_cp  # noqa: F401  (re-exported: the SFT recipe's CP split)
 from glm5_mcore.data_order import greedy_packs
 from glm5_mcore.jsonl import decode_json_line
 
@@ -229,26 +230,3 @@ def pack(docs: list[Document], micro_batch_tokens: int, multiple_of: int = 1, pa
             for g in greedy_packs((len(d) for d in docs), micro_batch_tokens)]
 
 
-def split_for_cp(batch: PackedBatch, cp: int, rank: int, pad_id: int = 0, tp: int = 1) -> PackedBatch:
-    """This context-parallel rank's share of a THD pack (Megatron's load-balanced layout): every
-    document is padded to a multiple of 2·cp·tp (masked; tp keeps the local length divisible for
-    sequence parallelism) and cut into 2·cp chunks; rank r keeps chunks r and 2·cp-1-r.
-    ``cu_seqlens`` stay global (padded), as Megatron's THD + CP code expects."""
-    if cp == 1:
-        return batch
-    ids, labels, mask, pos, cu = [], [], [], [], [0]
-    for a, e in zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist()):
-        n = e - a
-        pad = -n % (2 * cp * tp)
-        seg = [batch.input_ids[0, a:e], batch.labels[0, a:e], batch.loss_mask[0, a:e], batch.position_ids[0, a:e]]
-        if pad:
-            seg = [torch.cat([seg[0], torch.full((pad,), pad_id)]), torch.cat([seg[1], torch.full((pad,), pad_id)]),
-                   torch.cat([seg[2], torch.zeros(pad)]), torch.arange(n + pad)]
-        c = (n + pad) // (2 * cp)
-        keep = torch.cat([torch.arange(rank * c, (rank + 1) * c),
-                          torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
-        ids.append(seg[0][keep]), labels.append(seg[1][keep]), mask.append(seg[2][keep]), pos.append(seg[3][keep])
-        cu.append(cu[-1] + n + pad)
-    cat = lambda xs: torch.cat(xs)[None]  # noqa: E731
-    return PackedBatch(cat(ids), cat(labels), cat(mask), cat(pos), torch.tensor(cu, dtype=torch.int32),
-                       batch.sources)

@@ -205,6 +205,9 @@ class TrainerCfg:
     """Trainer ranks (Ray actors forming one torch.distributed group)."""
     tp: int = 1
     ep: int = 1
+    cp: int = 1
+    """Context parallelism: each packed micro-batch split over ``cp`` ranks (per-document load-balanced
+    chunks, as ``glm5 sft parallel.cp``); tp × cp must divide ``world_size``."""
     gpus_per_rank: float = 0.0
     backend: str = "local"
     """Megatron-Core modules: ``local`` (CPU and GPU) or ``te`` (Transformer Engine, GPU)."""
@@ -361,6 +364,12 @@ def validate(c: RLConfig) -> None:
         raise ValueError(f"trainer.tp={t.tp} must divide trainer.world_size={t.world_size}")
     if t.world_size % t.ep:
         raise ValueError(f"trainer.ep={t.ep} must divide trainer.world_size={t.world_size}")
+    if t.cp < 1 or t.world_size % (t.tp * t.cp):
+        raise ValueError(f"trainer.cp={t.cp} must be >= 1 with trainer.tp × trainer.cp = {t.tp * max(t.cp, 1)} "
+                         f"dividing trainer.world_size={t.world_size}")
+    if t.cp > 1 and (act.mtp_loss_scale > 0 or act.mtp_accept):
+        raise ValueError(f"trainer.cp={t.cp}: the MTP loss and rollout/mtp_accept are not context-parallel yet "
+                         "(set actor.mtp_loss_scale=0 and actor.mtp_accept=false)")
     corr = a.rollout_correction
     level = corr.rollout_is
     if level not in (None, "token", "sequence"):

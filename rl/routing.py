@@ -228,10 +228,12 @@ class HFIndexRecorder:
         return np.asarray([p for p, _ in rows], dtype=np.int32), np.stack([k for _, k in rows])
 
 
-def index_topk_counts(model, batch, rows: list[int]) -> torch.Tensor:
+def index_topk_counts(model, batch, rows: list[int], cp_split=None) -> torch.Tensor:
     """[agreeing, total] sampled query rows (× indexer layers) whose top-k key set the trainer's last
     forward (``GLM5SparseAttention.last_topk``, packed THD keys) shares with the engine's
-    (``batch.index_topk``); float64 [2]."""
+    (``batch.index_topk``); float64 [2]. ``cp_split``: the micro-batch split over CP ranks (``rl.cp``):
+    only the query rows this rank holds count, their keys mapped from the padded gathered order back
+    to the unsplit pack (the caller sums the CP ranks' counts)."""
     from glm5_mcore.dsa import GLM5SparseAttention
 
     layers = [m for m in model.modules() if isinstance(m, GLM5SparseAttention) and m.computes_topk]
@@ -243,11 +245,18 @@ def index_topk_counts(model, batch, rows: list[int]) -> torch.Tensor:
         if rec is not None and layers:
             pos, keys = rec  # rows p >= index_topk: both sides pick exactly K distinct keys
             p = torch.from_numpy(pos.astype(np.int64))
+            here = torch.ones(p.numel(), dtype=torch.bool)
+            if cp_split is not None:  # the rows this CP rank holds, their local index
+                loc = cp_split.local_of[off + p]
+                here = loc >= 0
             for li, layer in enumerate(layers[: keys.shape[1]]):
                 if layer.last_topk is None:  # dense: only possible when no row has more than K keys
                     continue
-                mine = layer.last_topk[0].cpu()[off + p] - off  # [m, K]
-                eng = torch.from_numpy(keys[:, li].astype(np.int64))
+                if cp_split is None:
+                    mine = layer.last_topk[0].cpu()[off + p] - off  # [m, K]
+                else:
+                    mine = cp_split.unsplit_of_padded[layer.last_topk[0].cpu()[loc[here]]] - off
+                eng = torch.from_numpy(keys[here.numpy(), li].astype(np.int64))
                 same = (mine.sort(-1).values == eng.sort(-1).values).all(-1)
                 out += torch.tensor([float(same.sum()), float(same.numel())], dtype=torch.float64)
         off += n_seq

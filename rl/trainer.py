@@ -50,9 +50,11 @@ class ValueHead(torch.nn.Module):
 
 class _Packed:
     """Micro-batch: samples ``rows`` packed THD; ``pos`` [n, R] logit positions of each response
-    token (its predecessor's position)."""
+    token (its predecessor's position) in the unsplit pack. With context parallelism (``cp``, an
+    ``rl.cp.RLContextParallel`` of size > 1) the tensors hold this CP rank's share (``rl.cp``) and
+    ``pad_to`` counts the padded documents' tokens."""
 
-    def __init__(self, batch: RolloutBatch, rows: list[int], pad_to: int, pad_id: int, route_shape=None):
+    def __init__(self, batch: RolloutBatch, rows: list[int], pad_to: int, pad_id: int, route_shape=None, cp=None):
         ids, targets, positions, lengths = [], [], [], []
         R = batch.response_mask.shape[1]
         self.rows = rows
@@ -68,13 +70,16 @@ class _Packed:
             self.pos[j, :n] = torch.arange(off + P - 1, off + P - 1 + n)
             off += len(seq)
         self.real_tokens = off
-        if pad_to > off:  # filler document (masked out) so EP ranks see equal token counts
-            extra = pad_to - off
+        self.pad_id = pad_id
+        used = cp.padded_len(lengths) if cp is not None else off
+        if pad_to > used:  # filler document (masked out) so EP ranks see equal token counts
+            extra = pad_to - used
             ids += [pad_id] * extra
             targets += [0] * extra
             positions += list(range(extra))
             lengths.append(extra)
         self.num_tokens = len(ids)
+        self.real_mask = torch.arange(self.num_tokens) < off  # the documents (not filler or CP padding)
         self.input_ids = torch.tensor([ids])
         self.targets = torch.tensor(targets)
         self.position_ids = torch.tensor([positions])
@@ -85,6 +90,9 @@ class _Packed:
 
             self.routes, self.routes_valid = pack_routes(batch.routes, batch.prompts, batch.responses, rows,
                                                          self.num_tokens, *route_shape)
+        self.unsplit = None  # CP: see rl.cp
+        if cp is not None:
+            cp.split(self)
 
     def packed_seq_params(self, device=None):
         from glm5_mcore.model import packed_seq_params_from_lengths
@@ -107,7 +115,7 @@ class PolicyTrainer:
                               WORLD_SIZE=str(world), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
         self.cfg = cfg
         t = cfg.trainer
-        self.parallel = ParallelConfig(tp=t.tp, ep=t.ep)
+        self.parallel = ParallelConfig(tp=t.tp, ep=t.ep, cp=t.cp)
         from glm5_mcore import foreign_ckpt
         from glm5_mcore.stored import checkpoint_config, hf_dir_config
 
@@ -154,6 +162,9 @@ class PolicyTrainer:
 
         fp32_output_layer(model)  # log-probs from fp32 logits under bf16 (old, ref, new: IcePop's ratios)
         self.model = model
+        from rl.cp import RLContextParallel
+
+        self.cp = RLContextParallel(self.parallel.tp if model.config.sequence_parallel else 1)
         from rl.routing import TrainerRouting
 
         self.routing = TrainerRouting(model, replay=cfg.algorithm.router_replay)
@@ -171,10 +182,10 @@ class PolicyTrainer:
 
     @property
     def reports(self) -> bool:
-        """Whether this rank's results are the ones the driver reads (TP rank 0)."""
+        """Whether this rank's results are the ones the driver reads (TP and CP rank 0)."""
         from megatron.core import parallel_state as ps
 
-        return ps.get_tensor_model_parallel_rank() == 0
+        return ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
 
     def _dp(self) -> tuple[int, int]:
         from megatron.core import parallel_state as ps
@@ -186,11 +197,14 @@ class PolicyTrainer:
         number of micro-batches of the same sizes (Megatron's allgather dispatcher needs equal EP shares)."""
         lengths = [len(batch.prompts[i]) + len(batch.responses[i]) for i in rows]
         packs = list(greedy_packs(lengths, self.cfg.actor.micro_batch_tokens))
-        sizes = equal_micro_batch_sizes([sum(lengths[j] for j in g) for g in packs])
+        cp = self.cp if self.cp.size > 1 else None
+        own = [cp.padded_len([lengths[j] for j in g]) if cp is not None else sum(lengths[j] for j in g)
+               for g in packs]  # CP: documents padded for the split
+        sizes = equal_micro_batch_sizes(own, fill=cp.unit if cp is not None else 1)
         groups = [[rows[j] for j in g] for g in packs] + [[] for _ in range(len(sizes) - len(packs))]
         mult = self.parallel.tp if self.model.config.sequence_parallel else 1
         shape = (len(self.routing.instances), self.routing.top_k)
-        return [_Packed(batch, g, -(-n // mult) * mult, self.pad_id, shape) for g, n in zip(groups, sizes)]
+        return [_Packed(batch, g, -(-n // mult) * mult, self.pad_id, shape, cp) for g, n in zip(groups, sizes)]
 
     def _logprobs(self, model, mb: _Packed, temperature: float):
         """(log p [n, R], entropy [n, R]) of each response token under ``model``'s active adapter."""
@@ -201,11 +215,14 @@ class PolicyTrainer:
 
         dev = training_device()
         self.routing.prepare(mb.routes, dev)
+        self.moe_load.token_mask = self.routing._slice(mb.real_mask) if self.routing.routers else None
         kw = {"loss_mask": real_token_mask(mb.num_tokens, mb.real_tokens, dev)} if self.mtp is not None else {}
         logits = model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), attention_mask=None,
                        packed_seq_params=mb.packed_seq_params(dev), **kw)[0]  # [T, V/TP]
         group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
         logp, ent = token_logprobs(logits, mb.targets.to(dev), group, temperature)
+        if mb.unsplit is not None:  # CP: every rank's tokens, in the unsplit order
+            logp, ent = self.cp.gather(torch.stack([logp, ent], -1), mb).unbind(-1)
         pos = mb.pos.to(dev)
         return logp[pos], ent[pos]
 
@@ -217,6 +234,7 @@ class PolicyTrainer:
         set_adapter(self.model, "critic")
         dev = training_device()
         self.routing.prepare(mb.routes, dev)
+        self.moe_load.token_mask = self.routing._slice(mb.real_mask) if self.routing.routers else None
         try:
             with mtp_loss_off(self.model) if self.mtp is not None else contextlib.nullcontext():
                 model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), attention_mask=None,
@@ -227,8 +245,12 @@ class PolicyTrainer:
         if self.model.config.sequence_parallel:
             from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-            h = gather_from_sequence_parallel_region(h)
-        return self.value_head(h)[:, 0][mb.pos.to(dev)]
+            # every TP rank computes the same value loss: a split backward, not a reduce-scatter (2x grads)
+            h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=False)
+        v = self.value_head(h)[:, 0]
+        if mb.unsplit is not None:
+            v = self.cp.gather(v, mb)
+        return v[mb.pos.to(dev)]
 
     # ------------------------------------------------------------------ forward only
     @torch.no_grad()
@@ -255,7 +277,7 @@ class PolicyTrainer:
             if mb.routes is not None:
                 agree += self.routing.agreement(mb.routes, mb.routes_valid).cpu()
             if batch.index_topk is not None:
-                index_agree += index_topk_counts(self.model, batch, mb.rows)
+                index_agree += index_topk_counts(self.model, batch, mb.rows, mb if mb.unsplit is not None else None)
             if ref:
                 with disable_adapters(self.model):
                     out["ref_log_probs"].append(self._logprobs(self.ddp, mb, T)[0])
@@ -264,6 +286,9 @@ class PolicyTrainer:
             out["rows"] += mb.rows
         self.ddp.train()
         self.routing.clear()
+        if self.cp.size > 1:  # each CP rank counted the tokens it holds
+            both = self.cp.sum(torch.cat([agree, index_agree]).to(training_device())).cpu()
+            agree, index_agree = both[:2], both[2:]
         if not self.reports:
             return None
         res = {k: (torch.cat(v).float().cpu() if v and k != "rows" else v) for k, v in out.items()}
@@ -330,6 +355,11 @@ class PolicyTrainer:
         metrics.update({"actor/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
                         "actor/lr": self.opt.param_groups[0]["lr"], "actor/updates_skipped": float(skipped),
                         "timing_s/update_inner": time.perf_counter() - t0})
+        sp = self.model.config.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
+        for _, c in sorted(self.moe_load.counts.items()):  # tokens per expert of the whole sequence
+            if sp:  # each TP rank routed its sequence-parallel slice
+                dist.all_reduce(c, group=ps.get_tensor_model_parallel_group())
+            self.cp.sum(c)
         metrics.update(self.moe_load.metrics())
         if self.mtp is not None:
             from glm5_mcore.mtp_loss import mtp_depth_losses

@@ -88,10 +88,11 @@ def sft_job(d: dict, world: int) -> Job:
 
 
 def rl_job(d: dict) -> Job:
-    """From a resolved ``configs/rl/*.yaml`` dict: the trainer (TP × EP, LoRA, MTP only with
+    """From a resolved ``configs/rl/*.yaml`` dict: the trainer (TP × EP × CP, LoRA, MTP only with
     ``actor.mtp_loss_scale > 0`` or ``actor.mtp_accept``) and the engines."""
     t, a, r, data = d.get("trainer", {}), d.get("actor", {}), d.get("rollout", {}), d.get("data", {})
-    layout = Layout(world=int(t.get("world_size", 1)), tp=int(t.get("tp", 1)), ep=int(t.get("ep", 1)))
+    layout = Layout(world=int(t.get("world_size", 1)), tp=int(t.get("tp", 1)), ep=int(t.get("ep", 1)),
+                    cp=int(t.get("cp", 1)))
     lora = d.get("lora") or {}
     engine = EngineSpec.from_engine_kwargs(dict(r.get("engine_kwargs") or {}))
     ro = RolloutJob(engines=int(r.get("num_actors", 1)), engine=engine, n=int(r.get("n", 8)),
@@ -102,4 +103,4 @@ def rl_job(d: dict) -> Job:
                bf16=bool(t.get("bf16", False)), lora=(tuple(lora.get("targets", DEFAULT_TARGETS)), int(lora.get("rank", 16))),
                freeze_indexer=bool(t.get("freeze_indexer", True)),
                mtp=float(a.get("mtp_loss_scale", 0.0)) > 0 or bool(a.get("mtp_accept", False)), rollout=ro,
-               cluster=(d.get("plan") or {}).get("cluster"), fixed=("pp", "cp", "etp"))
+               cluster=(d.get("plan") or {}).get("cluster"), fixed=("pp", "etp"))
