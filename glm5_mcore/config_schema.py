@@ -191,21 +191,22 @@ def _type_name(t) -> str:
 
 
 def describe_fields(schema, prefix: str = "", width: int = 100) -> list[str]:
-    """``section.field: type = default`` lines, each with its doc indented below, for every field."""
+    """``section.field: type = default`` lines, each with its doc indented below, for every field of the
+    dataclass ``schema`` (a class: its defaults; an instance: its values)."""
+    obj = schema() if isinstance(schema, type) else schema
+    cls = type(obj)
     lines = []
-    if prefix and schema.__doc__ and not schema.__doc__.startswith(f"{schema.__name__}("):
-        lines += textwrap.wrap(f"[{prefix[:-1]}] " + " ".join(schema.__doc__.split()), width,
+    if prefix and cls.__doc__ and not cls.__doc__.startswith(f"{cls.__name__}("):
+        lines += textwrap.wrap(f"[{prefix[:-1]}] " + " ".join(cls.__doc__.split()), width,
                                initial_indent="  ", subsequent_indent="      ")
-    hints = typing.get_type_hints(schema)
-    docs = field_docs(schema)
-    for f in dataclasses.fields(schema):
-        t = _unoptional(hints[f.name])
-        if isinstance(t, type) and dataclasses.is_dataclass(t):
-            lines += describe_fields(t, f"{prefix}{f.name}.", width)
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            lines += describe_fields(value, f"{prefix}{f.name}.", width)
             continue
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else "???")
-        lines.append(f"  {prefix}{f.name}: {_type_name(hints[f.name])} = {default!r}")
+        lines.append(f"  {prefix}{f.name}: {_type_name(hints[f.name])} = {value!r}")
         if f.name in docs:
             lines += textwrap.wrap(" ".join(docs[f.name].split()), width, initial_indent="      ",
                                    subsequent_indent="      ")

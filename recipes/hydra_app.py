@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -172,12 +173,21 @@ def run_app(kind: str, argv: list[str], task: Callable) -> int:
 
     register(kind)
     flags, overrides = _argv(kind, argv)
+    failed: list[BaseException] = []
+
+    @functools.wraps(task)
+    def job(cfg) -> None:
+        try:
+            task(cfg)
+        except Exception as e:  # reported by us, once (not Hydra's "Error executing job" line + re-raise)
+            failed.append(e)
+
     config_dir, name = _source(kind)
     saved = sys.argv, os.environ.get("HYDRA_FULL_ERROR")
     sys.argv = [f"glm5 {kind}", *flags, *_settings(kind), *overrides]
     os.environ["HYDRA_FULL_ERROR"] = "1"  # errors reach us (one line, exit 2), not Hydra's report + exit 1
     try:
-        hydra.main(config_path=str(config_dir), config_name=name, version_base=None)(task)()
+        hydra.main(config_path=str(config_dir), config_name=name, version_base=None)(job)()
     except SystemExit as e:  # --help
         if e.code not in (0, None):
             raise
@@ -191,6 +201,8 @@ def run_app(kind: str, argv: list[str], task: Callable) -> int:
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
             os.environ["HYDRA_FULL_ERROR"] = saved[1]
+    if failed:  # under -m every job ran; the first failure is the command's error
+        raise failed[0]
     return 0
 
 
