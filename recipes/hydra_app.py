@@ -179,6 +179,8 @@ def run_app(kind: str, argv: list[str], task: Callable) -> int:
     def job(cfg) -> None:
         try:
             task(cfg)
+        except OmegaConfBaseException as e:  # e.g. a ``???`` left in the job's config
+            failed.append(ValueError(_one_line(kind, e)))
         except Exception as e:  # reported by us, once (not Hydra's "Error executing job" line + re-raise)
             failed.append(e)
 
