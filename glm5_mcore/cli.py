@@ -11,8 +11,8 @@ import sys
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="glm5", description="GLM-5 on Megatron-Core")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("sft", help="SFT / continued pretraining (Hydra overrides: glm5 sft key=value ...)")
-    sub.add_parser("rl", help="GRPO / PPO with Ray (glm5 rl [--config NAME] key=value ...)")
+    sub.add_parser("sft", help="SFT / continued pretraining (a Hydra app: glm5 sft --help | --cfg job | key=value ...)")
+    sub.add_parser("rl", help="GRPO / PPO with Ray (a Hydra app: glm5 rl [--config NAME] --help | key=value ...)")
 
     t = sub.add_parser("tiny", help="write a tiny random GLM-5 HF checkpoint")
     t.add_argument("--out", required=True)
@@ -104,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("sft", "rl"):  # Hydra-style overrides: glm5 sft|rl key=value ...
+    if argv and argv[0] in ("sft", "rl"):  # Hydra apps (recipes.hydra_app): glm5 sft|rl [flags] key=value ...
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         try:
             from recipes import cli as recipes_cli

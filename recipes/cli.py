@@ -1,44 +1,12 @@
-"""Hydra entry points of the recipes: ``glm5 sft [overrides...]`` and ``glm5 rl [--config NAME]
-[overrides...]``. Hydra stops here: the recipe gets a plain ``SFTConfig`` / ``RLConfig``."""
+"""Hydra entry points of the recipes: ``glm5 sft [--config NAME] [overrides...]`` and ``glm5 rl [--config NAME]
+[overrides...]`` (Hydra's command line: ``--help``, ``--cfg job``, ``-m``; ``recipes.hydra_app``). Hydra stops
+here: the recipe gets a plain ``SFTConfig`` / ``RLConfig``."""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-CONFIG_DIR = Path(os.environ.get("GLM5_CONFIG_DIR", Path(__file__).resolve().parent.parent / "configs"))
-
-
-def compose(name: str, overrides: list[str], require_all: bool = True) -> dict:
-    """The resolved config ``configs/{name}.yaml`` with command-line ``overrides`` as a plain dict
-    (``require_all=False``: ``???`` values are left as they are, for ``glm5 plan``)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
-
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    if not (CONFIG_DIR / f"{name}.yaml").is_file():
-        raise FileNotFoundError(f"{CONFIG_DIR / (name + '.yaml')}: missing; run from a source checkout "
-                                "(pip install -e .) or set GLM5_CONFIG_DIR")
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-            cfg = hydra_compose(config_name=name, overrides=overrides)
-        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=require_all)
-    except (HydraException, OmegaConfBaseException) as e:
-        raise ValueError(f"configs/{name}.yaml + overrides: {e}") from None
-
-
-def _config_name(argv: list[str], default: str) -> tuple[str, list[str]]:
-    """``--config NAME`` (or ``--config=NAME``) at the front of ``argv``, and the overrides after it."""
-    if argv[:1] == ["--config"] and len(argv) > 1:
-        return argv[1], argv[2:]
-    if argv and argv[0].startswith("--config="):
-        return argv[0].split("=", 1)[1], argv[1:]
-    return default, argv
+from recipes.hydra_app import CONFIG_DIR, compose, job_dict, run_app, save_job_config  # noqa: F401
 
 
 def plan_gate(kind: str, d: dict, hf_dir: str, check: bool) -> None:
@@ -58,54 +26,58 @@ def plan_gate(kind: str, d: dict, hf_dir: str, check: bool) -> None:
 
 def sft_main(argv: list[str]) -> int:
     """``glm5 sft [--config NAME] key=value ...`` with ``configs/NAME.yaml`` (default sft)."""
+    return run_app("sft", argv, _sft_job)
+
+
+def _sft_job(cfg) -> None:
     import json
 
     import torch.distributed as dist
 
     from recipes.sft import SFTConfig, _hf_dir, run
 
-    name, overrides = _config_name(argv, "sft")
-    d = compose(name, overrides)
-    cfg = SFTConfig.from_dict(d)
-    plan_gate("sft", d, _hf_dir(cfg), cfg.plan.check)
-    out = run(cfg)
+    d = job_dict("sft", cfg)
+    c = SFTConfig.from_dict(d)
+    plan_gate("sft", d, _hf_dir(c), c.plan.check)
+    out = run(c, record=lambda: save_job_config(c.train.out, d))
     if not dist.is_initialized() or dist.get_rank() == 0:
         hist = out["history"]
         summary = {"steps": out["state"]["step"], "first_loss": hist[0]["loss"] if hist else None,
                    "last_loss": hist[-1]["loss"] if hist else None, "val": out["val"],
                    "losses": [h["loss"] for h in hist], "skipped_rows": out["data"]["skipped"],
                    "truncated_rows": out["data"]["truncated"],
-                   "valid_truncated_rows": out["valid_data"]["truncated"]}
+                   "valid_truncated_rows": out["valid_data"]["truncated"], "out": c.train.out}
         for key in ("indexer/loss", "indexer/recall"):  # DSA warm-up / sparse stage, frozen-indexer recall
             if any(key in h for h in hist):
                 summary[key] = [round(h[key], 5) if key in h else None for h in hist]
         print(json.dumps(summary))
-    return 0
 
 
 def rl_main(argv: list[str]) -> int:
     """``glm5 rl [--config NAME] key=value ...`` with ``configs/rl/NAME.yaml`` (default grpo_tiny)."""
-    import json
     import warnings
 
     for module in (r"megatron\.", r"transformers\."):  # library deprecation chatter, not ours
         warnings.filterwarnings("ignore", module=module)
+    return run_app("rl", argv, _rl_job)
+
+
+def _rl_job(cfg) -> None:
+    import json
+
     from rl.config import RLConfig
     from rl.driver import run
-
-    name, argv = _config_name(argv, "grpo_tiny")
-    d = compose(f"rl/{name}", argv)
-    cfg = RLConfig.from_dict(d)
     from rl.mtp import check_mtp_loss
 
-    check_mtp_loss(cfg)
-    plan_gate("rl", d, cfg.model.hf_dir, cfg.plan.check)
-    out = run(cfg)
+    d = job_dict("rl", cfg)
+    c = RLConfig.from_dict(d)
+    check_mtp_loss(c)
+    plan_gate("rl", d, c.model.hf_dir, c.plan.check)
+    out = run(c, record=lambda: save_job_config(c.trainer.out, d))
     hist = out["history"]
     rewards = [h["critic/score/mean"] for h in hist]
     print(json.dumps({"steps": out["state"]["step"], "val_reward": out["val"],
                       "first_reward": rewards[0] if rewards else None,
                       "last_reward": rewards[-1] if rewards else None,
                       "rewards": [round(x, 4) for x in rewards],
-                      "out": cfg.trainer.out}))
-    return 0
+                      "out": c.trainer.out}))

@@ -15,9 +15,9 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,113 +25,11 @@ import torch.distributed as dist
 from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.data_order import epoch_order, equal_micro_batch_sizes
 from glm5_mcore.device import training_device
-from glm5_mcore.lora import DEFAULT_TARGETS, LoRAConfig
-from glm5_mcore.plan.job import PlanCfg
-from glm5_mcore.training import MoELoad, OptimCfg, WandbCfg, build_trainer, rng_state, set_rng_state
-from rl.config import _typed  # the RL config's field typing, one definition for both recipes
+from glm5_mcore.lora import LoRAConfig
+from glm5_mcore.training import MoELoad, build_trainer, rng_state, set_rng_state
 from recipes.data import DataStats, PackedBatch, pack, pad_to, read_jsonl, split_for_cp
 from recipes.indexed_data import is_jsonl
-
-
-@dataclass
-class ModelCfg:
-    hf_dir: Optional[str] = None
-    """HF folder: tokenizer, config, and the weights unless ``ckpt`` is given."""
-    ckpt: Optional[str] = None
-    """glm5-mcore checkpoint folder with the base weights (latest iteration)."""
-    mtp: str = "auto"
-    """"auto": the MTP layers the weights store (a transformers-saved folder has none: no MTP block,
-    no MTP loss); "init": the ``num_nextn_predict_layers`` config.json declares, those the weights
-    lack initialised as Megatron-Core initialises them, and trained; "off": no MTP block."""
-
-
-@dataclass
-class LoRACfg:
-    enabled: bool = True
-    name: str = "default"
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    targets: list = field(default_factory=lambda: list(DEFAULT_TARGETS))
-
-
-@dataclass
-class DataCfg:
-    train: str = ""
-    valid: Optional[str] = None
-    micro_batch_tokens: int = 1024
-    global_batch_tokens: int = 4096
-    max_tokens: int = 1024
-    skip_bad_rows: bool = False
-    seed: int = 1234
-    blend: Optional[Any] = None
-    """Weighted indexed datasets instead of ``train``: ``[0.7, web, 0.3, code]`` or ``"0.7 web 0.3 code"``."""
-    split: Optional[str] = None
-    """Megatron's train/valid/test split of indexed ``train``/``blend`` by documents, e.g. ``"969,30,1"``."""
-
-
-@dataclass
-class TrainCfg:
-    steps: int = 100
-    out: str = "runs/sft"
-    eval_every: int = 0
-    save_every: int = 0
-    keep_last: int = 2
-    log_every: int = 1
-    seed: int = 1234
-    bf16: bool = False
-    recompute: bool = False
-    cpu_offload: bool = False
-    mtp_loss_scale: float = 0.1
-    moe_aux_loss_coeff: float = 0.0
-    """> 0 adds Megatron's sequence-level auxiliary load-balancing loss (GLM-5 trains without)."""
-    moe_bias_update_rate: float = 0.0
-    """> 0 lets the expert bias (e_score_correction_bias) drift; the release keeps it fixed."""
-    freeze_indexer: bool = True
-    """False: the sparse stage — the model attends to the top-k keys and the indexer keeps learning with
-    Megatron-Core's sparse KL loss (full fine-tuning: its weights; LoRA: adapters on its linears)."""
-    indexer_warmup: bool = False
-    """Warm-up stage: everything frozen but the indexer, trained with the KL indexer loss against
-    dense attention (which the model uses meanwhile); logs the top-k recall of dense attention mass."""
-    indexer_loss_coeff: float = 0.001
-    """Weight of the indexer's KL loss (warm-up and sparse stage; Megatron-Bridge's GLM-5 default).
-    Logged as ``indexer/loss`` (mean KL per query row) and ``indexer/recall``."""
-    resume: bool = True
-    allow_resume_mismatch: bool = False
-    """Resume even if data files, batch sizes, LoRA or model settings differ from the run's."""
-    progress: bool = True
-
-
-@dataclass
-class SFTConfig:
-    model: ModelCfg = field(default_factory=ModelCfg)
-    parallel: dict = field(default_factory=lambda: {"tp": 1, "ep": 1, "cp": 1, "pp": 1})
-    lora: LoRACfg = field(default_factory=LoRACfg)
-    data: DataCfg = field(default_factory=DataCfg)
-    optim: OptimCfg = field(default_factory=OptimCfg)
-    train: TrainCfg = field(default_factory=TrainCfg)
-    wandb: WandbCfg = field(default_factory=WandbCfg)
-    plan: PlanCfg = field(default_factory=PlanCfg)
-
-    @staticmethod
-    def from_dict(d: dict) -> "SFTConfig":
-        """From a plain dict (a resolved Hydra config); unknown keys are errors naming the field."""
-        out = SFTConfig()
-        for section, value in (d or {}).items():
-            if not hasattr(out, section):
-                raise ValueError(f"config: unknown section {section!r}")
-            current = getattr(out, section)
-            if isinstance(current, dict):
-                unknown = set(value) - set(current)
-                if unknown:
-                    raise ValueError(f"config: unknown field(s) {sorted(unknown)} in {section}")
-                current.update(value)
-                continue
-            for k, v in (value or {}).items():
-                if not hasattr(current, k):
-                    raise ValueError(f"config: unknown field {section}.{k}")
-                setattr(current, k, _typed(getattr(current, k), v, f"{section}.{k}"))
-        return out
+from recipes.sft_config import DataCfg, LoRACfg, ModelCfg, SFTConfig, TrainCfg  # noqa: F401  (the schema)
 
 
 def data_inputs(d: "DataCfg") -> list[str]:
@@ -172,7 +70,7 @@ def run_settings(cfg: SFTConfig, world: int) -> dict:
         "lora": {"enabled": lo.enabled, "name": lo.name, "rank": lo.rank, "alpha": lo.alpha,
                  "targets": sorted(lo.targets)} if lo.enabled else {"enabled": False},
         "model": model_fingerprint(cfg.model.hf_dir, cfg.model.ckpt),
-        "layout": {"world_size": world, **{k: int(v) for k, v in cfg.parallel.items()}},
+        "layout": {"world_size": world, **{k: getattr(cfg.parallel, k) for k in ("tp", "ep", "cp", "pp")}},
     }
 
 
@@ -181,9 +79,7 @@ def run_settings(cfg: SFTConfig, world: int) -> dict:
 # --------------------------------------------------------------------------------------------------
 def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConfig, int]:
     """The parallel layout and gradient-accumulation count; ValueErrors name the field."""
-    p = cfg.parallel
-    parallel = ParallelConfig(tp=int(p.get("tp", 1)), ep=int(p.get("ep", 1)), cp=int(p.get("cp", 1)),
-                              pp=int(p.get("pp", 1)))
+    parallel = cfg.parallel
     glm5.to_mcore_config(parallel)  # heads % tp, experts % ep, ...: ValueError naming the field
     if parallel.pp > 1 and glm5.num_hidden_layers % parallel.pp:
         raise ValueError(f"parallel.pp={parallel.pp} does not divide num_hidden_layers={glm5.num_hidden_layers}")
@@ -435,8 +331,10 @@ class _Logger:
             self.run.close()
 
 
-def run(cfg: SFTConfig) -> dict:
-    """Train; returns {"history": [per-step metrics], "val": [(step, val_loss)], "data": stats}."""
+def run(cfg: SFTConfig, record: Optional[Callable[[], None]] = None) -> dict:
+    """Train; returns {"history": [per-step metrics], "val": [(step, val_loss)], "data": stats}.
+    ``record`` (rank 0) runs once every check passed and ``train.out`` is claimed, before any work: the entry
+    point saves the job's config there."""
     from megatron.core import parallel_state as ps
     from transformers import AutoTokenizer
 
@@ -470,6 +368,8 @@ def run(cfg: SFTConfig) -> dict:
                                              *data_inputs(cfg.data)])
     if cfg.train.resume:  # refuse changed settings before any work
         guard_resume(cfg.train.out, settings, cfg.train.allow_resume_mismatch, "train")
+    if record is not None and rank0:
+        record()
 
     init_parallel(parallel, seed=cfg.train.seed)
     random.seed(cfg.train.seed)

@@ -7,31 +7,14 @@ Key names follow verl where verl has the concept (``algorithm.adv_estimator``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from glm5_mcore.lora import DEFAULT_TARGETS
-from glm5_mcore.plan.job import PlanCfg
-from glm5_mcore.training import WandbCfg
+from glm5_mcore.config_schema import LoRACfg, ModelCfg, PlanCfg, WandbCfg, build
 
 ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "gae")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
-
-@dataclass
-class ModelCfg:
-    hf_dir: str = "runs/tiny"
-    """HF folder: config, tokenizer, and the base weights unless ``ckpt`` is given."""
-    ckpt: Optional[str] = None
-    """glm5-mcore checkpoint with the base weights (e.g. from ``glm5 convert`` or SFT)."""
-
-
-@dataclass
-class LoRACfg:
-    rank: int = 16
-    alpha: float = 32.0
-    targets: list = field(default_factory=lambda: list(DEFAULT_TARGETS))
 
 
 @dataclass
@@ -240,7 +223,7 @@ class RayCfg:
 
 @dataclass
 class RLConfig:
-    model: ModelCfg = field(default_factory=ModelCfg)
+    model: ModelCfg = field(default_factory=lambda: ModelCfg(hf_dir="runs/tiny"))
     lora: LoRACfg = field(default_factory=LoRACfg)
     data: DataCfg = field(default_factory=DataCfg)
     rollout: RolloutCfg = field(default_factory=RolloutCfg)
@@ -259,39 +242,11 @@ class RLConfig:
 
     @staticmethod
     def from_dict(d: Optional[dict]) -> "RLConfig":
-        """From a plain dict (a resolved Hydra config); unknown keys are errors naming the field."""
-        out = RLConfig()
-        _fill(out, d or {}, "")
+        """From a plain dict (a resolved Hydra config); unknown keys, wrong types and ``???`` values are
+        errors naming the field, then impossible settings (``validate``)."""
+        out = build(RLConfig, d)
         validate(out)
         return out
-
-
-def _fill(obj, d: dict, path: str) -> None:
-    names = {f.name for f in fields(obj)}
-    for k, v in d.items():
-        if k not in names:
-            raise ValueError(f"config: unknown field {path}{k}")
-        cur = getattr(obj, k)
-        if is_dataclass(cur):
-            if not isinstance(v, dict):
-                raise ValueError(f"config: {path}{k} must be a mapping, got {v!r}")
-            _fill(cur, v, f"{path}{k}.")
-        else:
-            setattr(obj, k, _typed(cur, v, f"{path}{k}"))
-
-
-def _typed(default, v, name: str):
-    """``v`` checked against the type of the field's default (numbers and switches)."""
-    if isinstance(default, bool):
-        if not isinstance(v, bool):
-            raise ValueError(f"config: {name} must be true or false, got {v!r}")
-    elif isinstance(default, (int, float)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"config: {name} must be a number, got {v!r}")
-        if isinstance(default, int) and not float(v).is_integer():
-            raise ValueError(f"config: {name} must be an integer, got {v!r}")
-        return float(v) if isinstance(default, float) else int(v)
-    return v
 
 
 def _check_importable(path: str, field_name: str) -> None:
@@ -336,6 +291,18 @@ def run_settings(c: RLConfig) -> dict:
 
 def validate(c: RLConfig) -> None:
     """Impossible settings raise a ValueError naming the field."""
+    if not c.model.hf_dir:
+        raise ValueError("model.hf_dir: the HF folder (config + tokenizer) must be given")
+    if c.model.mtp != "auto":
+        raise ValueError(f"model.mtp={c.model.mtp!r}: RL builds the MTP block for actor.mtp_loss_scale > 0 or "
+                         "actor.mtp_accept (model.mtp is the SFT recipe's)")
+    for key, lo in (("lora", c.lora), ("critic.lora", c.critic.lora)):
+        if not lo.enabled:
+            raise ValueError(f"{key}.enabled=false: the RL trainer trains LoRA adapters on a frozen base")
+        if lo.dropout:
+            raise ValueError(f"{key}.dropout={lo.dropout}: RL needs deterministic log-probs (0)")
+    if c.lora.name != "default":
+        raise ValueError(f"lora.name={c.lora.name!r}: the RL policy adapter is 'default' (critic: 'critic')")
     a, r, act = c.algorithm, c.rollout, c.actor
     if a.adv_estimator not in ADV_ESTIMATORS:
         raise ValueError(f"algorithm.adv_estimator={a.adv_estimator!r}: one of {ADV_ESTIMATORS}")

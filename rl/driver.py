@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from typing import Callable, Optional
 
 import torch
 
@@ -68,8 +69,10 @@ class Rewards:
                                         [p.ground_truth for p in rows], [p.extra for p in rows], self.cfg.kwargs))
 
 
-def run(cfg: RLConfig) -> dict:
-    """Train; returns {"history": per-step metrics, "val": [(step, reward)], "state": ...}."""
+def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
+    """Train; returns {"history": per-step metrics, "val": [(step, reward)], "state": ...}. ``record`` runs
+    once every check passed and ``trainer.out`` is claimed, before Ray starts (the entry point saves the
+    job's config there)."""
     from transformers import AutoTokenizer
 
     from glm5_mcore.resume import claim_run_dir, guard_resume
@@ -93,6 +96,8 @@ def run(cfg: RLConfig) -> dict:
     claim_run_dir(cfg.trainer.out, "rl", [cfg.model.hf_dir, cfg.model.ckpt, d.train, d.val])
     if cfg.trainer.resume:  # refuse changed settings before Ray starts
         guard_resume(cfg.trainer.out, settings, cfg.trainer.allow_resume_mismatch, "trainer")
+    if record is not None:
+        record()
     r = cfg.rollout
     sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens,
                               tuple(r.stop_token_ids if r.stop_token_ids is not None else [tok.eos_token_id]))
