@@ -12,12 +12,13 @@ and ``run_config.yaml`` with the ``peft`` section (``_target_`` LoRA / Canonical
 ``alpha``, ``target_modules``) beside ``model``, and ``checkpoint.pretrained_checkpoint``: the base
 weights the adapters were trained on (Bridge's ``examples/peft/merge_lora.py`` reads it there too).
 
-Routed experts (``mlp.experts.linear_fc{1,2}``, TEGroupedMLP or SequentialMLP: the same keys) carry
-the global expert axis first: ``A [E, r, in]``, ``B [E, out, r]`` — one adapter per expert
+Routed experts (``mlp.experts.experts.linear_fc{1,2}``: Megatron-Core's TEGroupedMLP and
+SequentialMLP give the same keys, ``experts/moe/experts.py`` ``sharded_state_dict``) carry the global
+expert axis first: ``A [E, r, in]``, ``B [E, out, r]`` — one adapter per expert
 (``share_expert_adapters=False``) or Bridge's default shared adapter stored once per expert; 2-D in
 its legacy shared layout and ``[1, ...]`` for a side shared across experts
 (``experts_shared_outer_loras``): those are used by every expert. With ``singleton_local_shards`` the
-expert index is in the key (``mlp.experts.{e}.linear_fc1``) and the SwiGLU halves of B are stored as
+expert index is in the key (``mlp.experts.experts.{e}.linear_fc1``) and the SwiGLU halves of B are stored as
 ``linear_out.weight_w`` / ``_v``. CanonicalLoRA's ``linear_fc1.adapter.adapter_gate`` /
 ``adapter_up`` (gate and up with their own A) become one fc1 adapter of rank r_gate + r_up.
 Everything else (DoRA, LoRA on the router, embeddings or output layer) is refused naming it.
@@ -37,7 +38,7 @@ from glm5_mcore.config import GLM5Config
 
 _KEY = re.compile(r"^(?P<mod>.+?)\.adapter\.(?:(?P<half>adapter_gate|adapter_up)\.)?"
                   r"linear_(?P<side>in|out)\.weight(?P<sw>_w|_v)?$")
-_GROUPED = re.compile(r"^(?P<pre>.+\.mlp\.experts)\.(?:(?P<e>\d+)\.)?(?P<fc>linear_fc[12])$")
+_GROUPED = re.compile(r"^(?P<pre>.+\.mlp\.experts)(?:\.experts)?\.(?:(?P<e>\d+)\.)?(?P<fc>linear_fc[12])$")
 _LORA_TARGETS = ("megatron.bridge.peft.lora.LoRA", "megatron.bridge.peft.canonical_lora.CanonicalLoRA")
 
 

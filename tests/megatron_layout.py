@@ -101,7 +101,8 @@ def write_bridge_peft(root, state, model, iteration: int, *, alpha: float, pretr
     (one rank): the adapters only (``apply_peft_adapter_filter_to_state_dict``), bf16 as its
     ``ParallelLinearAdapter`` keeps them, ``{module}.adapter.linear_in/linear_out.weight``; fc1's B
     through Megatron-Core's ``apply_swiglu_sharded_factory`` as the adapter's ``sharded_state_dict``
-    does; routed experts under ``mlp.experts.linear_fc{1,2}`` with the global expert axis:
+    does; routed experts under ``mlp.experts.experts.linear_fc{1,2}`` (Megatron-Core's sharded key for
+    TEGroupedMLP and SequentialMLP alike) with the global expert axis:
     ``experts="per_expert"`` (``GroupedExpertLinearAdapter``: one [E, r, in] tensor, SwiGLU halves
     split on axis 1), ``"shared"`` (the default shared adapter: expert 0's, one shard per expert slot
     via the expert-axis factory), ``"legacy"`` (shared, 2-D); ``canonical_fc1``: CanonicalLoRA's
@@ -140,7 +141,7 @@ def write_bridge_peft(root, state, model, iteration: int, *, alpha: float, pretr
             st(k + "out.weight", b)
     for (prefix, fc), mods in grouped.items():
         n = len(mods)
-        ka, kb = f"{prefix}.{fc}.adapter.linear_in.weight", f"{prefix}.{fc}.adapter.linear_out.weight"
+        ka, kb = (f"{prefix}.experts.{fc}.adapter.linear_{x}.weight" for x in ("in", "out"))  # MCore's expert keys
         if experts == "per_expert":
             a = torch.stack([state.A[mods[e]] for e in range(n)])
             b = torch.stack([state.B[mods[e]] for e in range(n)])
