@@ -89,10 +89,19 @@ def _peft(bridge, hf: str, base: str, out: str) -> None:
                                                         apply_peft_adapter_filter_to_state_dict)
 
     peft_utils.HAVE_TE = False  # its TE class checks see the stubs otherwise
-    targets = ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj",
-               "linear_fc1", "linear_fc2"]
+    canonical = os.environ.get("BRIDGE_PEFT") == "canonical"
     model = bridge.to_megatron_model(wrap_with_ddp=False, use_cpu_initialization=True)
-    lora = LoRA(target_modules=targets, dim=4, alpha=8, share_expert_adapters=False)
+    if canonical:  # CanonicalLoRA: gate and up of fc1 with their own adapters
+        from megatron.bridge.peft.canonical_lora import CanonicalLoRA
+
+        targets = ["linear_proj", "linear_fc1_gate", "linear_fc1_up", "linear_fc2"]
+        lora = CanonicalLoRA(target_modules=targets, dim=4, alpha=8)
+        target = "megatron.bridge.peft.canonical_lora.CanonicalLoRA"
+    else:
+        targets = ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
+                   "linear_proj", "linear_fc1", "linear_fc2"]
+        lora = LoRA(target_modules=targets, dim=4, alpha=8, share_expert_adapters=False)
+        target = "megatron.bridge.peft.lora.LoRA"
     model = lora(model, training=False)
     g, adapters = torch.Generator().manual_seed(0), {}
     with torch.no_grad():
@@ -109,13 +118,14 @@ def _peft(bridge, hf: str, base: str, out: str) -> None:
         f.write("10")
     with open(os.path.join(base, "iter_0000000", "run_config.yaml")) as f:
         rc = yaml.safe_load(f)
-    rc["peft"] = {"_target_": "megatron.bridge.peft.lora.LoRA", "dim": 4, "alpha": 8, "target_modules": targets,
-                  "share_expert_adapters": False}
+    rc["peft"] = {"_target_": target, "dim": 4, "alpha": 8, "target_modules": targets}
     rc.setdefault("checkpoint", {})["pretrained_checkpoint"] = os.path.abspath(base)
     with open(os.path.join(it, "run_config.yaml"), "w") as f:
         yaml.safe_dump(rc, f)
     torch.save(adapters, os.path.join(out, "adapters.pt"))
-    bridge.save_hf_adapter(model, out + "_hfpeft", peft_config=lora, base_model_name_or_path=hf, show_progress=False)
+    if not canonical:
+        bridge.save_hf_adapter(model, out + "_hfpeft", peft_config=lora, base_model_name_or_path=hf,
+                               show_progress=False)
 
 
 if __name__ == "__main__":  # dist_checkpointing's async writer spawns processes that re-import this file

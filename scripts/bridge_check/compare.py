@@ -44,7 +44,28 @@ def main(w: str) -> None:
                    "bridge_hf_export_unexpected": len(t_unexpected), "bridge_hf_export_missing": len(t_missing),
                    "merged_vs_ours_peft_max_abs": (lm - lo).abs().max().item(),
                    "bridge_hf_export_vs_ours_peft_max_abs": (lt - lo).abs().max().item()}
+    out["canonical"] = canonical(w, ids, _peft_model, AutoModelForCausalLM)
     print(json.dumps(out))
+
+
+def canonical(w: str, ids, peft_model, auto) -> dict:
+    """CanonicalLoRA: each module's ``scale·B·A`` we read vs Bridge's (gate rows, then up rows)."""
+    from glm5_mcore.foreign_lora import read_bridge_adapter
+
+    src = torch.load(f"{w}/bridge_clora/adapters.pt")
+    fa = read_bridge_adapter(f"{w}/bridge_clora")
+    worst, mods = 0.0, sorted({k.split(".adapter.")[0] for k in src})
+    for m in mods:
+        halves = [h for h in ("adapter_gate", "adapter_up") if f"{m}.adapter.{h}.linear_in.weight" in src] or [None]
+        want = torch.cat([2.0 * src[f"{m}.adapter.{h + '.' if h else ''}linear_out.weight"]
+                          @ src[f"{m}.adapter.{h + '.' if h else ''}linear_in.weight"] for h in halves])
+        worst = max(worst, (fa.state.delta(m) - want).abs().max().item())
+    pm, unexpected, missing = peft_model(f"{w}/tiny", f"{w}/ours_cpeft")
+    merged = auto.from_pretrained(f"{w}/ours_cmerged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        d = (merged(ids).logits - pm(ids).logits).abs().max().item()
+    return {"bridge_modules": len(mods), "read": len(fa.state.modules()), "delta_max_abs": worst,
+            "peft_unexpected": len(unexpected), "peft_missing": len(missing), "merged_vs_peft_max_abs": d}
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 #   1. ours -> `glm5 checkpoint export --format megatron` -> Bridge export_ckpt -> HF, vs the source
 #   2. Bridge import_ckpt -> its Megatron folder -> our `glm5 convert mcore-to-hf` + `glm5 parity --ckpt`
 #   3. Bridge's LoRA + its PEFT save -> our `glm5 lora export` (+ --merged), vs its adapter params and its HF export
+#   4. the same with Bridge's CanonicalLoRA (fc1 gate / up with their own adapters): weight deltas vs its params
 # Ends with one JSON line of figures.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -11,7 +12,7 @@ S=${BRIDGE_SIDE:-/tmp/glm5-bridge-side}
 W=${1:-$(mktemp -d /tmp/glm5-bridge-check.XXXX)}
 export PYTHONPATH=$PWD OMP_NUM_THREADS=1
 G=".venv/bin/glm5"
-side() { PYTHONPATH="$PWD/scripts/bridge_check:$PWD:$S/site:$S/pkgs" timeout 900 .venv/bin/python -W ignore \
+side() { env PYTHONPATH="$PWD/scripts/bridge_check:$PWD:$S/site:$S/pkgs" timeout 900 .venv/bin/python -W ignore \
          scripts/bridge_check/bridge_side.py "$@" 2>"$W/bridge_$1.log" | tail -1; }
 $G tiny --out "$W/tiny" --mtp >/dev/null
 $G convert hf-to-mcore --hf-dir "$W/tiny" --out "$W/ours" --no-progress 2>/dev/null
@@ -23,4 +24,7 @@ $G parity --ckpt "$W/bridge_meg" --hf-dir "$W/tiny" 2>/dev/null | tail -1
 side peft "$W/tiny" "$W/bridge_meg" "$W/bridge_lora"
 $G lora export --ckpt "$W/bridge_lora" --out "$W/ours_peft" 2>/dev/null
 $G lora export --ckpt "$W/bridge_lora" --merged --out "$W/ours_merged" --no-progress 2>/dev/null
+BRIDGE_PEFT=canonical side peft "$W/tiny" "$W/bridge_meg" "$W/bridge_clora"
+$G lora export --ckpt "$W/bridge_clora" --out "$W/ours_cpeft" 2>/dev/null
+$G lora export --ckpt "$W/bridge_clora" --merged --out "$W/ours_cmerged" --no-progress 2>/dev/null
 .venv/bin/python -W ignore scripts/bridge_check/compare.py "$W" 2>/dev/null | tail -1
