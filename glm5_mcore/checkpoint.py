@@ -292,9 +292,8 @@ def adapter_dir(root: str | Path, name: str, iteration: Optional[int] = None) ->
     from glm5_mcore import foreign_ckpt
 
     if foreign_ckpt.is_foreign(root):
-        raise ValueError(f"{root}: a Megatron-LM / Megatron-Bridge checkpoint: its LoRA adapters (Bridge's "
-                         "adapter.linear_in/linear_out) are not read; `glm5 convert mcore-to-hf` writes its "
-                         "(merged) weights as an HF folder")
+        raise ValueError(f"{root}: a Megatron-LM / Megatron-Bridge checkpoint has no adapters/{name} folder; "
+                         "`glm5 lora export --ckpt` turns a Bridge LoRA checkpoint's adapter into an HF PEFT folder")
     it = latest_iteration(root) if iteration is None else iteration
     path = require_iteration(root, it) / "adapters" / name
     if not path.is_dir():

@@ -63,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True)
     ex.add_argument("--merged", action="store_true", help="full HF checkpoint with the adapter merged")
     ex.add_argument("--max-shard-size", default="5GB")
+    ex.add_argument("--base", help="Megatron-Bridge PEFT checkpoint with --merged: the base weights "
+                                   "(default: its run_config.yaml checkpoint.pretrained_checkpoint)")
     da = sub.add_parser("data", help="datasets")
     dasub = da.add_subparsers(dest="action", required=True)
     pre = dasub.add_parser("preprocess", help="jsonl -> Megatron-Core indexed dataset folder (tokens + loss mask)")
@@ -143,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
 
             out = export_checkpoint_adapter(args.ckpt, args.out, args.adapter, args.iteration, args.merged,
                                             args.max_shard_size, progress=not args.no_progress,
-                                            overwrite=args.overwrite, allow_nonfinite=args.allow_nonfinite)
+                                            overwrite=args.overwrite, allow_nonfinite=args.allow_nonfinite,
+                                            base=args.base)
             print(f"wrote {out}")
             return 0
         if args.cmd == "checkpoint" and args.action == "export":

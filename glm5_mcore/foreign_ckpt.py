@@ -198,6 +198,14 @@ def stored_keys(path: Path) -> set[str]:
         raise ValueError(f"{path}: unreadable distributed-checkpoint metadata ({type(e).__name__}: {e})") from None
 
 
+def check_same_arch(cfg, other, where: str, other_name: str = "the HF config") -> None:
+    """Every ``ARCH_FIELDS`` field of two GLM5Configs agrees; else an error naming ``where`` and the field."""
+    for f in ARCH_FIELDS:
+        a, b = getattr(cfg, f), getattr(other, f)
+        if a != b and not (isinstance(a, float) and isinstance(b, (int, float)) and abs(a - b) <= 1e-9 * abs(b)):
+            raise ValueError(f"{where}: {f} = {a!r} but {other_name} says {b!r}")
+
+
 def glm5_config(root: str | Path, hf=None, iteration: Optional[int] = None):
     """The GLM5Config to build for a Megatron-LM / Bridge checkpoint: its own config (``run_config.yaml`` /
     ``common.pt`` args) checked field by field against ``hf`` (a GLM5Config from an HF config.json)
@@ -218,10 +226,7 @@ def glm5_config(root: str | Path, hf=None, iteration: Optional[int] = None):
                 raise
             say_once(f"{where}: not read as a GLM-5 config ({e}); the HF config alone is used")
     if cfg is not None and hf is not None:
-        for f in ARCH_FIELDS:
-            a, b = getattr(cfg, f), getattr(hf, f)
-            if a != b and not (isinstance(a, float) and isinstance(b, (int, float)) and abs(a - b) <= 1e-9 * abs(b)):
-                raise ValueError(f"{where}: {f} = {a!r} but the HF config says {b!r}")
+        check_same_arch(cfg, hf, where)
         cfg = hf
     elif cfg is None:
         if hf is not None and own is None:
@@ -229,7 +234,13 @@ def glm5_config(root: str | Path, hf=None, iteration: Optional[int] = None):
         if hf is None:
             raise ValueError(f"{where}; give the HF config (--hf-dir / model.hf_dir) of this model")
         cfg = hf
-    has_mtp = any(k.startswith("mtp.") for k in stored_keys(path))
+    keys = stored_keys(path)
+    if any(".adapter." in k for k in keys) and not any(
+            k.startswith(("embedding.", "decoder.", "output_layer.", "mtp.")) and ".adapter." not in k for k in keys):
+        raise ValueError(f"{path}: holds LoRA adapter tensors only (a Megatron-Bridge PEFT checkpoint), no base "
+                         "weights: `glm5 lora export` reads it (with --merged, onto its base: run_config.yaml "
+                         "checkpoint.pretrained_checkpoint)")
+    has_mtp = any(k.startswith("mtp.") for k in keys)
     if cfg.num_nextn_predict_layers and not has_mtp:
         say_once(f"{path}: no MTP tensors in this checkpoint; the model is built without the MTP layer")
         cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)

@@ -229,9 +229,147 @@ def test_bad_foreign_inputs_are_one_line_errors_and_write_nothing(foreign, tmp_p
     assert not (tmp_path / "r").exists()
 
 
-def test_lora_export_names_what_it_cannot_read(foreign, tmp_path, capsys):
-    assert cli(["lora", "export", "--ckpt", str(foreign["bridge"]), "--out", str(tmp_path / "o")]) == 2
-    assert "Megatron-Bridge checkpoint: its LoRA adapters" in capsys.readouterr().err
+def test_lora_export_on_a_full_megatron_checkpoint_says_there_is_no_adapter(foreign, tmp_path, capsys):
+    for flavour, kind in (("bridge", "Megatron-Bridge"), ("mlm", "Megatron-LM")):
+        assert cli(["lora", "export", "--ckpt", str(foreign[flavour]), "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("glm5 lora: error: ")
+        assert f"a {kind} checkpoint with no LoRA adapter in it" in err
+        assert not (tmp_path / "o").exists()
+
+
+@pytest.fixture(scope="module")
+def bridge_lora(foreign, tiny_mtp_dir):
+    """A known adapter on every GLM-5 LoRA family (distinct per expert, MTP layer included), its values
+    bf16 (Bridge keeps adapters in the params dtype), saved as a Megatron-Bridge PEFT checkpoint whose
+    base (run_config.yaml checkpoint.pretrained_checkpoint) is the Megatron-LM folder of the same model;
+    dense / shared-expert fc1 as CanonicalLoRA gate/up halves."""
+    from glm5_mcore.adapters import gather_adapter
+    from glm5_mcore.config import ParallelConfig
+    from glm5_mcore.lora import FAMILIES, LoRAConfig, apply_lora
+    from glm5_mcore.model import init_parallel
+    from helpers import hf_model
+    from megatron_layout import write_bridge_peft
+
+    init_parallel(ParallelConfig())
+    model, _ = hf_model(tiny_mtp_dir)
+    apply_lora(model, LoRAConfig(rank=4, alpha=8, targets=FAMILIES, init="random"), "default", freeze_indexer=False)
+    state = gather_adapter(model, "default")
+    for k in state.modules():
+        state.A[k], state.B[k] = state.A[k].bfloat16().float(), state.B[k].bfloat16().float()
+    root = foreign["root"] / "bridge_lora"
+    write_bridge_peft(root, state, model, 40, alpha=8, pretrained=foreign["mlm"], hf_dir=tiny_mtp_dir,
+                      canonical_fc1=True)
+    return root, state
+
+
+def test_lora_export_reads_a_bridge_peft_checkpoint(bridge_lora, tiny_mtp_dir, tmp_path, single_rank):
+    """Their adapter tensors (names, expert axis, SwiGLU halves, CanonicalLoRA halves, alpha / dim from
+    run_config.yaml) become the HF PEFT folder our own export of the source adapter gives, bit for bit;
+    peft loads it with no missing or unexpected keys and computes what our model with the adapter does."""
+    from safetensors.torch import load_file
+
+    from glm5_mcore.config import GLM5Config
+    from glm5_mcore.foreign_lora import read_bridge_adapter
+    from glm5_mcore.peft_io import export_peft
+    from test_peft import _peft_model
+
+    root, src = bridge_lora
+    got = read_bridge_adapter(root)
+    assert sorted(got.state.modules()) == sorted(src.modules())
+    for k in src.modules():
+        assert torch.equal(got.state.A[k], src.A[k]) and torch.equal(got.state.B[k], src.B[k]), k
+        assert got.state.scale[k] == 2.0, k
+    assert cli(["lora", "export", "--ckpt", str(root), "--out", str(tmp_path / "peft")]) == 0
+    hf = GLM5Config.from_hf_dir(tiny_mtp_dir)
+    ref = export_peft(src, hf.num_hidden_layers, hf.n_routed_experts, tmp_path / "ref")
+    a = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    b = load_file(str(ref / "adapter_model.safetensors"))
+    assert sorted(a) == sorted(b) and len(a) > 50
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+    ca = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    cb = json.loads((ref / "adapter_config.json").read_text())
+    assert ca.pop("base_model_name_or_path") == str(tiny_mtp_dir)
+    cb.pop("base_model_name_or_path")
+    assert ca == cb
+    pm, unexpected, missing = _peft_model(tiny_mtp_dir, tmp_path / "peft")
+    assert unexpected == [] and missing == []
+    from glm5_mcore.adapters import load_adapter_state
+    from glm5_mcore.model import forward_logits
+    from glm5_mcore.parity import load_input_ids
+    from helpers import hf_model
+
+    ours, _ = hf_model(tiny_mtp_dir)
+    load_adapter_state(ours, src, "default", trainable=False)
+    ids = load_input_ids(None, 128, 2, 24, seed=6)
+    with torch.no_grad():
+        diff = (pm(ids).logits - forward_logits(ours.eval(), ids)).abs().max().item()
+    assert diff <= 1e-4, diff
+
+
+def test_lora_export_merged_from_a_bridge_peft_checkpoint_equals_peft_merge(bridge_lora, tiny_mtp_dir, tmp_path):
+    """``--merged`` onto the base its run_config.yaml names: every weight equals peft's
+    ``merge_and_unload`` of the exported adapter on the same base (the router as that base stores it, bf16)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    root, _ = bridge_lora
+    assert cli(["lora", "export", "--ckpt", str(root), "--out", str(tmp_path / "peft")]) == 0
+    assert cli(["lora", "export", "--ckpt", str(root), "--merged", "--out", str(tmp_path / "merged"),
+                "--no-progress"]) == 0
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(tiny_mtp_dir, dtype=torch.float32)
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    theirs = PeftModel.from_pretrained(base, str(tmp_path / "peft")).merge_and_unload().state_dict()
+    assert sorted(ours) == sorted(theirs)
+    worst, changed = 0.0, 0
+    for k, v in theirs.items():
+        want = v.bfloat16().float() if k.endswith(ROUTER) else v
+        worst = max(worst, (ours[k] - want).abs().max().item())
+        changed += int(not torch.equal(before[k], v))
+    assert worst <= 1e-5 and changed > 20, (worst, changed)
+
+
+def test_bridge_peft_variants_and_bad_adapters(bridge_lora, foreign, tiny_mtp_dir, tmp_path, capsys):
+    """Bridge's shared expert adapter (expert-axis and legacy 2-D layouts) reaches every expert; a LoRA
+    with no GLM-5 counterpart (the router), DoRA, and an adapter-only folder given as base weights are
+    one-line errors naming the tensor / field, with nothing written."""
+    from glm5_mcore.adapters import AdapterState
+    from glm5_mcore.foreign_lora import read_bridge_adapter
+    from megatron_layout import write_bridge_peft
+
+    _, src = bridge_lora
+    from helpers import hf_model
+
+    model, _ = hf_model(tiny_mtp_dir)
+    e0 = "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1"
+    for layout in ("shared", "legacy"):
+        root = write_bridge_peft(tmp_path / layout, src, model, 7, alpha=8, pretrained=None, hf_dir=tiny_mtp_dir,
+                                 experts=layout)
+        got = read_bridge_adapter(root).state
+        for e in range(8):
+            k = e0.replace("local_experts.0", f"local_experts.{e}")
+            assert torch.equal(got.A[k], src.A[e0]) and torch.equal(got.B[k], src.B[e0]), (layout, k)
+        assert torch.equal(got.B["decoder.layers.0.mlp.linear_fc1"], src.B["decoder.layers.0.mlp.linear_fc1"])
+    capsys.readouterr()
+    assert cli(["lora", "export", "--ckpt", str(tmp_path / "legacy"), "--merged", "--out", str(tmp_path / "o")]) == 2
+    assert "names no checkpoint.pretrained_checkpoint; pass --base DIR" in capsys.readouterr().err
+    one = AdapterState({"decoder.layers.0.mlp.linear_fc2": src.A["decoder.layers.0.mlp.linear_fc2"]},
+                       {"decoder.layers.0.mlp.linear_fc2": src.B["decoder.layers.0.mlp.linear_fc2"]}, {})
+    router = write_bridge_peft(tmp_path / "router", one, model, 3, alpha=8, pretrained=None, hf_dir=tiny_mtp_dir,
+                               extra={"decoder.layers.1.mlp.router.adapter.linear_in.weight": torch.ones(4, 64),
+                                      "decoder.layers.1.mlp.router.adapter.linear_out.weight": torch.ones(8, 4)})
+    dora = write_bridge_peft(tmp_path / "dora", one, model, 3, alpha=8, pretrained=None, hf_dir=tiny_mtp_dir,
+                             peft_target="megatron.bridge.peft.dora.DoRA")
+    for ckpt, want in ((router, "tensor decoder.layers.1.mlp.router.adapter.linear_in.weight: LoRA on "
+                                "decoder.layers.1.mlp.router has no counterpart"),
+                       (dora, "run_config.yaml: peft._target_ 'megatron.bridge.peft.dora.DoRA' is not read")):
+        assert cli(["lora", "export", "--ckpt", str(ckpt), "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and want in err, err
+        assert not (tmp_path / "o").exists()
+    assert cli(["convert", "mcore-to-hf", "--ckpt", str(router), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    assert "holds LoRA adapter tensors only (a Megatron-Bridge PEFT checkpoint)" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 
