@@ -19,7 +19,7 @@ AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-me
 
 @dataclass
 class DataCfg:
-    train: str = "toy"
+    train: Optional[str] = "toy"
     """A JSONL file of rows {"prompt": str | "messages": [...], "ground_truth": ..., "data_source": ...},
     or ``toy`` (the built-in task a tiny random GLM-5 can learn, ``rl.tasks``)."""
     val: Optional[str] = "toy"
@@ -293,6 +293,8 @@ def validate(c: RLConfig) -> None:
     """Impossible settings raise a ValueError naming the field."""
     if not c.model.hf_dir:
         raise ValueError("model.hf_dir: the HF folder (config + tokenizer) must be given")
+    if not c.data.train:
+        raise ValueError("data.train: the prompt set must be given (a JSONL of prompts, or toy)")
     if c.model.mtp != "auto":
         raise ValueError(f"model.mtp={c.model.mtp!r}: RL builds the MTP block for actor.mtp_loss_scale > 0 or "
                          "actor.mtp_accept (model.mtp is the SFT recipe's)")

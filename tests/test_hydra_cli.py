@@ -88,6 +88,7 @@ def test_console_script_help_and_cfg(tmp_path):
     (["rl", "rollout.nn=4"], "config: unknown field rollout.nn"),
     (["rl", "model=nope"], "Could not find 'model/nope' Available options in 'model': glm5_744b tiny"),
     (["rl", "lora.enabled=false"], "lora.enabled=false: the RL trainer trains LoRA adapters"),
+    (["rl", "--config", "glm5_744b"], "data.train: the prompt set must be given"),  # no silent toy prompts
     (["sft", "data.train=???"], "config: data.train is missing (???): give it, e.g. data.train=..."),
 ])
 def test_bad_keys_and_values_are_one_line_errors_naming_the_key(capsys, tmp_path, argv, msg):
