@@ -106,7 +106,10 @@ class TrainerGroup:
 # --------------------------------------------------------------------------------------------------
 @ray.remote
 class RolloutActor:
-    def __init__(self, engine: str, hf_dir: str, deterministic_topk: bool, kwargs: dict, multi_turn=None):
+    def __init__(self, engine: str, hf_dir: str, deterministic_topk: bool, kwargs: dict, multi_turn=None,
+                 nice: int = 0):
+        if nice:
+            os.nice(nice)  # see RolloutPool.CPU_NICE
         self.engine = _load_class(engine)(hf_dir, deterministic_topk=deterministic_topk, **kwargs)
         self.multi_turn = multi_turn if multi_turn is not None and multi_turn.enable else None
         if self.multi_turn is not None:
@@ -133,6 +136,12 @@ class RolloutActor:
 
 
 class RolloutPool:
+    CPU_NICE = 5
+    """With one-step-off-policy overlap and no GPUs (engines and trainer ranks share the CPU cores), the
+    engine processes run this much lower in CPU priority: the trainer is the chain every step waits for,
+    and the scheduler stays work-conserving, so generation still takes every cycle the trainer leaves
+    (on 2 cores, quickstart shape: the trainer keeps its core, both engines share the other)."""
+
     def __init__(self, cfg):
         self.cfg = cfg
         self.payload: Optional[AdapterPayload] = None
@@ -142,9 +151,11 @@ class RolloutPool:
         self.actors = [self._new() for _ in range(cfg.rollout.num_actors)]
 
     def _new(self):
-        r = self.cfg.rollout
+        r, t = self.cfg.rollout, self.cfg.trainer
+        shared = t.off_policy_steps > 0 and not r.gpus_per_actor and not t.gpus_per_rank
         return RolloutActor.options(num_cpus=1, num_gpus=r.gpus_per_actor, max_concurrency=1).remote(
-            r.engine, self.cfg.model.hf_dir, r.deterministic_topk, dict(r.engine_kwargs), r.multi_turn)
+            r.engine, self.cfg.model.hf_dir, r.deterministic_topk, dict(r.engine_kwargs), r.multi_turn,
+            self.CPU_NICE if shared else 0)
 
     def sync(self, payload: Optional[AdapterPayload], wait: bool = True) -> None:
         """Push the adapter to every actor (kept for actors started later). ``wait=False`` queues the load
