@@ -214,6 +214,9 @@ def overlap_bench(steps: int, warmup: int, actors: int = 2, repeats: int = 1) ->
     speedup = sync_step / ov_step
     phases = {k: {m: round(med(m, f"timing_s/{k}"), 4) for m in (0, 1)}
               for k in ("gen", "gen_wait", "reward", "pack", "old_log_prob", "update_actor", "weight_sync", "step")}
+    calls = ("gen_wait", "old_log_prob", "update_actor", "weight_sync")
+    phases["driver_serial"] = {m: round(statistics.median(h["timing_s/step"] - sum(h[f"timing_s/{k}"] for k in calls)
+                                                          for h in steps_of[m]), 4) for m in (0, 1)}
     print(f"\noverlap (quickstart shape, {actors} rollout actor(s) + 1 trainer rank, {os.cpu_count()} cores, "
           f"{repeats} pair(s) of runs, median of {len(steps_of[0])} + {len(steps_of[1])} steps after {warmup} "
           f"warm-up each; load average {load0[0]:.2f} -> {load1[0]:.2f}):")

@@ -162,10 +162,11 @@ class RolloutPool:
         behind each actor's in-flight generation (actor calls run in order) and returns at once: the
         one-step-off-policy path, where the engines are still generating with the previous adapter."""
         self.payload = payload
+        data = ray.put(payload) if len(self.actors) > 1 else payload  # one copy in the object store
         if wait:
-            self._each(lambda a: a.load_adapter.remote(payload))
+            self._each(lambda a: a.load_adapter.remote(data))
         else:
-            self.loading = [a.load_adapter.remote(payload) for a in self.actors]
+            self.loading = [a.load_adapter.remote(data) for a in self.actors]
 
     def _each(self, fn):
         out = []
@@ -180,7 +181,7 @@ class RolloutPool:
                 raise RuntimeError(f"rollout actor {i} keeps dying ({self.cfg.rollout.max_restarts} restarts)")
         return out
 
-    def _replace(self, i: int, err, payload=False) -> None:
+    def _replace(self, i: int, err, payload=False, note: str = "") -> None:
         self.restarts += 1
         if self.restarts > self.cfg.rollout.max_restarts * len(self.actors) + 100:
             raise RuntimeError(f"rollout actors died {self.restarts} times; last: {err}")
@@ -190,7 +191,7 @@ class RolloutPool:
             pass
         self.actors[i] = self._new()
         ray.get(self.actors[i].load_adapter.remote(self.payload if payload is False else payload))
-        self.events.append(f"rollout actor {i} died ({type(err).__name__}); restarted")
+        self.events.append(f"rollout actor {i} died ({type(err).__name__}); restarted{note}")
 
     def generate(self, requests: list[Request], params: SamplingParams) -> list[Result]:
         """Every request exactly once, in order; shards by prompt over the actors, redoing the shard
@@ -237,8 +238,7 @@ class RolloutPool:
                 tries[i] += 1
                 if tries[i] > self.cfg.rollout.max_restarts:
                     raise RuntimeError(f"rollout actor {i} died {tries[i]} times in one step") from e
-                self._replace(i, e, job["payload"])
-                self.events[-1] += f"; redoing its {len({r.key[0] for r in shards[i]})} prompts"
+                self._replace(i, e, job["payload"], f"; redoing its {len({r.key[0] for r in shards[i]})} prompts")
                 pending[i] = self.actors[i].generate.remote(shards[i], params, self.cfg.rollout.batch_prompts)
                 if job["payload"] is not self.payload:
                     self.actors[i].load_adapter.remote(self.payload)  # queued after the redo
