@@ -136,11 +136,11 @@ class RolloutActor:
 
 
 class RolloutPool:
-    CPU_NICE = 5
+    CPU_NICE = 4
     """With one-step-off-policy overlap and no GPUs (engines and trainer ranks share the CPU cores), the
-    engine processes run this much lower in CPU priority: the trainer is the chain every step waits for,
-    and the scheduler stays work-conserving, so generation still takes every cycle the trainer leaves
-    (on 2 cores, quickstart shape: the trainer keeps its core, both engines share the other)."""
+    engine processes run this much lower in CPU priority (Ray starts workers at niceness 15: the engines
+    end at 19): the trainer is the chain every step waits for, and the scheduler stays work-conserving,
+    so generation still takes every cycle the trainer leaves."""
 
     def __init__(self, cfg):
         self.cfg = cfg
