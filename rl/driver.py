@@ -109,6 +109,7 @@ def run(cfg: RLConfig) -> dict:
     if state["step"]:
         log.note(f"resuming {cfg.trainer.out} at step {state['step']} (trainer.resume=false starts over)")
     vals: list[tuple[int, float]] = []
+
     def build(prompts, results):
         batch = make_batch(prompts, results, r.n)
         return batch, (shaping.mask_truncated(batch, results) if cfg.algorithm.mask_truncated_responses else {})
