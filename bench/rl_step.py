@@ -14,12 +14,14 @@ numbers are the work itself), on the tiny model:
 
 4. one-step-off-policy overlap (``trainer.off_policy_steps=1``) vs synchronous: the real Ray driver
    (``rl.driver.run``) on the quickstart shape (``configs/rl/grpo_tiny``: 16 prompts x 8 samples, 2
-   rollout actors, 1 trainer rank), both runs in this process one after the other, steps/s after
-   ``--overlap-warmup`` steps; the ideal is the synchronous run's sum of phases over their max (rollout
-   vs everything else), target >= 80% of it. Needs as many free cores as actors + trainer ranks.
+   rollout actors, 1 trainer rank), ``--overlap-repeats`` pairs of runs in this process (ABBA order),
+   medians over the steps after ``--overlap-warmup`` of each run; the ideal is the synchronous runs' sum
+   of phases over their max (rollout vs everything else), target >= 80% of it; phase medians of both modes
+   side by side and the load average before / after (on a shared machine other work skews both).
 
 Usage: .venv/bin/python bench/rl_step.py [--steps 3] [--prompts 16] [--n 8] [--max-new 16] [--no-744b]
-       [--overlap-steps 10] [--overlap-warmup 2] (--overlap-steps 0: skip part 4)
+       [--overlap-steps 10] [--overlap-warmup 2] [--overlap-repeats 1] [--overlap-only]
+       (--overlap-steps 0: skip part 4)
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ def main() -> None:
     p.add_argument("--overlap-steps", type=int, default=10)
     p.add_argument("--overlap-warmup", type=int, default=2)
     p.add_argument("--overlap-actors", type=int, default=2, help="rollout actors (quickstart: 2)")
+    p.add_argument("--overlap-repeats", type=int, default=1, help="pairs of sync / overlap runs (ABBA order)")
     p.add_argument("--overlap-only", action="store_true")
     a = p.parse_args()
     if a.overlap_only:
-        print(json.dumps(overlap_bench(a.overlap_steps, a.overlap_warmup, a.overlap_actors)))
+        print(json.dumps(overlap_bench(a.overlap_steps, a.overlap_warmup, a.overlap_actors, a.overlap_repeats)))
         return
     import torch
 
@@ -167,16 +170,20 @@ def main() -> None:
     out["targets"] = {"batching_speedup_gt": 1.0, "adapter_fewer_bytes": True}
     out["pass"] = out["batching_speedup"] > 1.0 and payload.nbytes < len(data) and same
     if a.overlap_steps:
-        ov = overlap_bench(a.overlap_steps, a.overlap_warmup, a.overlap_actors)
+        ov = overlap_bench(a.overlap_steps, a.overlap_warmup, a.overlap_actors, a.overlap_repeats)
         out.update({k: v for k, v in ov.items() if k not in ("targets", "pass")})
         out["targets"]["overlap_of_ideal_ge"] = ov["targets"]["overlap_of_ideal_ge"]
         out["pass"] = out["pass"] and ov["pass"]
     print(json.dumps(out))
 
 
-def overlap_bench(steps: int, warmup: int, actors: int = 2) -> dict:
-    """Synchronous vs one-step-off-policy ``rl.driver.run`` on the quickstart shape (same process, one run
-    after the other): steps/s, the ideal (sum / max of rollout and trainer phases) and the ratio."""
+def overlap_bench(steps: int, warmup: int, actors: int = 2, repeats: int = 1) -> dict:
+    """Synchronous vs one-step-off-policy ``rl.driver.run`` on the quickstart shape, ``repeats`` pairs of runs
+    in this process (ABBA order: sync, overlap, overlap, sync, ...: a drifting machine load falls on both
+    alike). Per mode the median over every step after ``warmup`` of each run: step time, and for the
+    synchronous runs the rollout phase (the wait for samples: generation, scoring, packing) and the rest
+    (trainer: log-probs, update, adapter export + load; driver). Ideal speedup = (rollout + rest) /
+    max(rollout, rest); achieved = synchronous step / overlapped step; target >= 80% of ideal."""
     import statistics
 
     from glm5_mcore.tiny import write_tiny
@@ -186,30 +193,45 @@ def overlap_bench(steps: int, warmup: int, actors: int = 2) -> dict:
 
     tmp = tempfile.mkdtemp()
     hf = str(write_tiny(f"{tmp}/tiny", seed=0))
-    res = {}
-    for off in (0, 1):
-        d = compose("rl/grpo_tiny", [f"model.hf_dir={hf}", f"trainer.out={tmp}/rl{off}", f"trainer.steps={steps}",
+    load0 = os.getloadavg()
+    steps_of: dict[int, list[dict]] = {0: [], 1: []}
+    order = [m for r in range(repeats) for m in ((0, 1) if r % 2 == 0 else (1, 0))]
+    for i, off in enumerate(order):
+        d = compose("rl/grpo_tiny", [f"model.hf_dir={hf}", f"trainer.out={tmp}/rl{i}", f"trainer.steps={steps}",
                                      "trainer.eval_every=0", "trainer.save_every=0", "trainer.progress=false",
                                      "wandb.mode=disabled", f"trainer.off_policy_steps={off}",
                                      f"rollout.num_actors={actors}"])
-        hist = run(RLConfig.from_dict(d))["history"][warmup:]
-        step_s = statistics.mean(h["timing_s/step"] for h in hist)
-        gen = statistics.mean(h["timing_s/gen"] + h["timing_s/reward"] for h in hist)
-        res[off] = {"step_s": step_s, "gen_s": gen, "rest_s": step_s - gen,
-                    "staleness": statistics.mean(h["rollout/staleness"] for h in hist)}
-    s0 = res[0]
-    ideal = (s0["gen_s"] + s0["rest_s"]) / max(s0["gen_s"], s0["rest_s"])
-    speedup = s0["step_s"] / res[1]["step_s"]
-    print(f"\noverlap (quickstart shape, {actors} rollout actor(s) + 1 trainer rank, {steps - warmup} steps after "
-          f"{warmup} warm-up, {os.cpu_count()} cores): synchronous "
-          f"{1 / s0['step_s']:.3f} steps/s (rollout {s0['gen_s']:.2f}s + trainer {s0['rest_s']:.2f}s), one-step-off-"
-          f"policy {1 / res[1]['step_s']:.3f} steps/s -> {speedup:.2f}x; ideal {ideal:.2f}x; "
-          f"{speedup / ideal:.0%} of ideal")
-    return {"overlap_sync_steps_per_s": 1 / s0["step_s"], "overlap_steps_per_s": 1 / res[1]["step_s"],
+        steps_of[off] += run(RLConfig.from_dict(d))["history"][warmup:]
+    load1 = os.getloadavg()
+
+    def med(off, key):
+        return statistics.median(h[key] for h in steps_of[off])
+
+    gen = statistics.median(h["timing_s/gen_wait"] for h in steps_of[0])
+    rest = statistics.median(h["timing_s/step"] - h["timing_s/gen_wait"] for h in steps_of[0])
+    sync_step, ov_step = med(0, "timing_s/step"), med(1, "timing_s/step")
+    ideal = (gen + rest) / max(gen, rest)
+    speedup = sync_step / ov_step
+    phases = {k: {m: round(med(m, f"timing_s/{k}"), 4) for m in (0, 1)}
+              for k in ("gen", "gen_wait", "reward", "pack", "old_log_prob", "update_actor", "weight_sync", "step")}
+    calls = ("gen_wait", "old_log_prob", "update_actor", "weight_sync")
+    phases["driver_serial"] = {m: round(statistics.median(h["timing_s/step"] - sum(h[f"timing_s/{k}"] for k in calls)
+                                                          for h in steps_of[m]), 4) for m in (0, 1)}
+    print(f"\noverlap (quickstart shape, {actors} rollout actor(s) + 1 trainer rank, {os.cpu_count()} cores, "
+          f"{repeats} pair(s) of runs, median of {len(steps_of[0])} + {len(steps_of[1])} steps after {warmup} "
+          f"warm-up each; load average {load0[0]:.2f} -> {load1[0]:.2f}):")
+    print(f"{'phase (median s)':<18} {'sync':>8} {'overlap':>8}")
+    for k, v in phases.items():
+        print(f"{k:<18} {v[0]:>8.3f} {v[1]:>8.3f}")
+    print(f"synchronous {1 / sync_step:.3f} steps/s (rollout {gen:.3f}s + rest {rest:.3f}s): ideal overlapped step "
+          f"{max(gen, rest):.3f}s, ideal speedup {ideal:.3f}x; one-step-off-policy {1 / ov_step:.3f} steps/s "
+          f"(step {ov_step:.3f}s) -> {speedup:.3f}x = {speedup / ideal:.0%} of ideal")
+    return {"overlap_sync_steps_per_s": 1 / sync_step, "overlap_steps_per_s": 1 / ov_step,
             "overlap_speedup": speedup, "overlap_ideal_speedup": ideal, "overlap_of_ideal": speedup / ideal,
-            "overlap_phase_s": {"rollout": s0["gen_s"], "trainer": s0["rest_s"]}, "overlap_actors": actors,
-            "overlap_staleness": res[1]["staleness"],
-            "targets": {"overlap_of_ideal_ge": 0.8}, "pass": speedup / ideal >= 0.8}
+            "overlap_phase_s": {"rollout": gen, "trainer": rest}, "overlap_phases_median_s": phases,
+            "overlap_actors": actors, "overlap_repeats": repeats, "overlap_steps_measured": len(steps_of[1]),
+            "overlap_staleness": med(1, "rollout/staleness"), "overlap_loadavg": [round(load0[0], 2), round(load1[0], 2)],
+            "cores": os.cpu_count(), "targets": {"overlap_of_ideal_ge": 0.8}, "pass": speedup / ideal >= 0.8}
 
 
 if __name__ == "__main__":

