@@ -258,7 +258,7 @@ def test_sparse_stage_keeps_recall_and_frozen_indexer_loses_it(tiny_dir, tmp_pat
         def finish(self):
             pass
 
-    monkeypatch.setattr(sft, "init_wandb", lambda *a, **k: _Run())
+    monkeypatch.setattr("glm5_mcore.training.init_wandb", lambda *a, **k: _Run())  # what RunLog calls
     train = _copy_task(tmp_path / "copy.jsonl", 256, 0)
 
     def recall(frozen, progress=False):
