@@ -3,7 +3,7 @@ data vs the jsonl path (throughput and peak RSS), side by side in one run.
 
 A synthetic corpus (≥ 100 MB of jsonl: 80 % ``{"text"}`` rows, 10 % prompt/response, 10 % chats;
 word-level tokenizer over a 50 000-word vocabulary, as ``glm5 tiny`` writes) is generated under a
-temporary folder (``--workdir``, removed at the end unless ``--keep``):
+temporary folder (made fresh inside ``--workdir`` if given, removed at the end unless ``--keep``):
 - tokens/s of a single-process tokenizer baseline (``recipes.data.parse_line`` over every row, the
   recipe's own tokenization, nothing written) vs ``preprocess`` with 1 and 2 worker processes
   (tokenize + write the indexed dataset + merge);
@@ -175,8 +175,9 @@ def main() -> None:
     from glm5_mcore.tiny import write_tokenizer
     from recipes.preprocess import preprocess
 
-    work = Path(a.workdir or tempfile.mkdtemp(prefix="glm5-bench-data-"))
-    work.mkdir(parents=True, exist_ok=True)
+    if a.workdir:
+        Path(a.workdir).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="glm5-bench-data-", dir=a.workdir))  # only this folder is removed
     try:
         tok_dir = work / "tokenizer"
         tok_dir.mkdir(exist_ok=True)
