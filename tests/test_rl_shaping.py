@@ -150,23 +150,32 @@ def test_one_step_off_policy_prefetch_keeps_prompts_seeds_and_versions():
         assert set(runs[1][s][1]) == {max(s - 1, 0)} and runs[1][s][2] == (1 if s else 0)
 
 
-def test_resumed_overlap_regenerates_inflight_batch_with_its_adapter():
-    cfg = _cfg(trainer={"off_policy_steps": 1})
+def _resume_inflight(cfg, step: int):
+    """Overlapped run to ``step`` (adapter s + 1 pushed after ``take(s)``), checkpointed while step ``step``'s
+    batch is in flight, then a new source resumed from that checkpoint. Returns (the uninterrupted
+    ``take(step)``, the resumed one, the in-flight payload, the resumed state, the uninterrupted state, the
+    resumed engines' pool)."""
     pool, state = FakePool(), {"epoch": 0, "cursor": 0}
     src = StepSource(cfg, _prompts(), pool, None, uniform_if_even, state)
-    src.take(0, state)
-    src.push(AdapterPayload(1))
+    for s in range(step):
+        src.take(s, state)
+        src.push(AdapterPayload(s + 1))
     inflight, saved = src.inflight_payload, dict(state)
-    want = src.take(1, state)
+    want = src.take(step, state)
     src.close()
-    # resume from the checkpoint of step 1: trainer at version 1, in-flight batch generated with version 0
     pool2 = FakePool()
-    pool2.sync(AdapterPayload(1))
+    pool2.sync(AdapterPayload(step))  # the trainer's version at the checkpoint
     src2 = StepSource(cfg, _prompts(), pool2, None, uniform_if_even, saved, resume_payload=inflight)
-    got = src2.take(1, saved)
+    got = src2.take(step, saved)
+    src2.close()
+    return want, got, inflight, saved, state, pool2
+
+
+def test_resumed_overlap_regenerates_inflight_batch_with_its_adapter():
+    # resume from the checkpoint of step 1: trainer at version 1, in-flight batch generated with version 0
+    want, got, _, _, _, pool2 = _resume_inflight(_cfg(trainer={"off_policy_steps": 1}), 1)
     assert [r.response_ids for r in got.results] == [r.response_ids for r in want.results]
     assert got.versions.tolist() == want.versions.tolist() == [0.0] * 12
-    src2.close()
     assert pool2.payload.version == 1  # the current adapter is back on the engines after the redo
 
 
@@ -210,21 +219,7 @@ def test_refill_rounds_of_the_next_step_overlap_the_update():
     assert runs[1][1] == ([("job", 0)] * (rounds[0] + rounds[1]) + [("sync", 1)] + [("job", 1)] * rounds[2]
                           + [("sync", 2), ("sync", 3)])
     # resume at step 2 from a checkpoint written while step 2 (multi-round) was in flight with adapter 1
-    cfg = _cfg(trainer={"off_policy_steps": 1}, algorithm=fg)
-    pool, state = FakePool(), {"epoch": 0, "cursor": 0}
-    src = StepSource(cfg, _prompts(), pool, None, uniform_if_even, state)
-    src.take(0, state)
-    src.push(AdapterPayload(1))
-    src.take(1, state)
-    src.push(AdapterPayload(2))
-    inflight, saved = src.inflight_payload, dict(state)
-    want = src.take(2, state)
-    src.close()
-    pool2 = FakePool()
-    pool2.sync(AdapterPayload(2))
-    src2 = StepSource(cfg, _prompts(), pool2, None, uniform_if_even, saved, resume_payload=inflight)
-    got = src2.take(2, saved)
-    src2.close()
+    want, got, inflight, saved, state, pool2 = _resume_inflight(_cfg(trainer={"off_policy_steps": 1}, algorithm=fg), 2)
     assert inflight.version == 1 and got.metrics["filter_groups/num_gen_batches"] >= 2
     assert [r.response_ids for r in got.results] == [r.response_ids for r in want.results]
     assert got.versions.tolist() == want.versions.tolist() == [1.0] * 12 and saved == state
