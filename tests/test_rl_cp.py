@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from test_rl import _cfg
+from test_rl_routing import perturbed_router_engine
 
 HERE = Path(__file__).resolve().parent
 
@@ -38,16 +39,10 @@ def _batch(cfg, trainer, tiny_dir):
 
     from rl.driver import make_batch
     from rl.rollout.base import Request, SamplingParams, sample_seed
-    from rl.rollout.hf_engine import HFRolloutEngine
     from rl.tasks import toy_prompts
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
-    engine = HFRolloutEngine(tiny_dir, index_row_stride=3)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for m in engine.model.modules():
-            if type(m).__name__ == "GlmMoeDsaTopkRouter":
-                m.weight.add_(torch.randn(m.weight.shape, generator=g) * 0.3 * m.weight.std())
+    engine = perturbed_router_engine(tiny_dir)
     engine.load_adapter(trainer.export_adapter(1))
     prompts = toy_prompts(tok, 4, seed=3)
     for p in prompts:

@@ -65,20 +65,27 @@ def test_routes_travel_with_samples_and_replay_is_exact_on_same_weights(setup):
     assert float((on["old_log_probs"][m] - batch.rollout_log_probs[m]).abs().max()) <= 1e-5
 
 
-def test_replay_follows_a_mismatched_engine(setup, tiny_dir):
-    """An engine whose routers are perturbed: agreement < 1 without replay; with replay the trainer's
-    routing map is exactly the engine's experts, and rollout_corr/kl and mean |Δ log p| drop."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
+def perturbed_router_engine(tiny_dir):
+    """The embedded engine (DSA top-k of every 3rd query row recorded) with each MoE router's weight
+    moved by 0.3 of its std (seeded), so a measurable fraction of expert choices differ from the trainer's."""
     from rl.rollout.hf_engine import HFRolloutEngine
 
-    cfg, trainer, _, payload, tok = setup
     engine = HFRolloutEngine(tiny_dir, index_row_stride=3)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for m in engine.model.modules():
             if type(m).__name__ == "GlmMoeDsaTopkRouter":
                 m.weight.add_(torch.randn(m.weight.shape, generator=g) * 0.3 * m.weight.std())
+    return engine
+
+
+def test_replay_follows_a_mismatched_engine(setup, tiny_dir):
+    """An engine whose routers are perturbed: agreement < 1 without replay; with replay the trainer's
+    routing map is exactly the engine's experts, and rollout_corr/kl and mean |Δ log p| drop."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    cfg, trainer, _, payload, tok = setup
+    engine = perturbed_router_engine(tiny_dir)
     engine.load_adapter(payload)
     prompts, results = _rollout(cfg, engine, tok, step=1, n=2, count=4)
     batch = make_batch(prompts, results, 2)
