@@ -157,7 +157,7 @@ def _read_all(hf_dir: str) -> None:
 def run_step(step: str, a: argparse.Namespace) -> dict:
     work = Path(a.workdir)
     if step != "read":  # library import time (torch, megatron-core: a few s) is not conversion time
-        from glm5_mcore.convert import hf_to_mcore, mcore_to_hf
+        from glm5_mcore.convert.common import hf_to_mcore, mcore_to_hf
     t0 = time.perf_counter()
     if step == "read":
         _read_all(str(work / "hf"))
@@ -165,7 +165,7 @@ def run_step(step: str, a: argparse.Namespace) -> dict:
         shutil.copytree(work / "hf", work / "hf_copy")
         os.sync()
     elif step == "hf-to-mcore":
-        import glm5_mcore.manifest as manifest
+        import glm5_mcore.checkpoint.manifest as manifest
 
         write, spent = manifest.write_manifest, []
 
@@ -184,11 +184,11 @@ def run_step(step: str, a: argparse.Namespace) -> dict:
         os.environ["GLM5_VERIFY_CHECKSUMS"] = "0"
         mcore_to_hf(work / "mc", work / "hf_back2", max_shard_size=a.shard_mb << 20, progress=False)
     elif step == "checksum-verify":
-        from glm5_mcore.manifest import verify_tree
+        from glm5_mcore.checkpoint.manifest import verify_tree
 
         verify_tree(work / "mc")
     elif step == "manifest":
-        from glm5_mcore.manifest import write_manifest
+        from glm5_mcore.checkpoint.manifest import write_manifest
 
         write_manifest(work / "mc" / "iter_0000000")
     elif step == "verify":

@@ -4,11 +4,11 @@ data vs the jsonl path (throughput and peak RSS), side by side in one run.
 A synthetic corpus (≥ 100 MB of jsonl: 80 % ``{"text"}`` rows, 10 % prompt/response, 10 % chats;
 word-level tokenizer over a 50 000-word vocabulary, as ``glm5 tiny`` writes) is generated under a
 temporary folder (made fresh inside ``--workdir`` if given, removed at the end unless ``--keep``):
-- tokens/s of a single-process tokenizer baseline (``recipes.data.parse_line`` over every row, the
+- tokens/s of a single-process tokenizer baseline (``glm5_mcore.data.sft.parse_line`` over every row, the
   recipe's own tokenization, nothing written) vs ``preprocess`` with 1 and 2 worker processes
   (tokenize + write the indexed dataset + merge);
 - the training loader (a fresh process each, ``data.micro_batch_tokens=8192``, 8 micro-batches a
-  step): from indexed data (``recipes.indexed_data.IndexedData``: build the blend, plan, read the
+  step): from indexed data (``glm5_mcore.data.indexed.IndexedData``: build the blend, plan, read the
   step's documents, pack) vs the jsonl path (``read_jsonl`` + ``pack`` of an epoch, as ``glm5 sft``
   does at start): start-up seconds and tokens/s over the same number of steps;
 - peak RSS of each loader at two corpus sizes: indexed at 1x and 4x the corpus (the 4x dataset is
@@ -71,7 +71,7 @@ def _cpu() -> tuple[float, float]:
 def _baseline(path: Path, tok_dir: Path) -> dict:
     from transformers import AutoTokenizer
 
-    from recipes.data import parse_line
+    from glm5_mcore.data.sft import parse_line
 
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     t0, tokens = time.perf_counter(), 0
@@ -112,11 +112,11 @@ def _rss_anon_mb() -> float:
 
 def _loader(kind: str, data: str, tok_dir: str, steps: int, cache: str) -> dict:
     """One loader in this process: start-up, ``steps`` steps of batches, peak RSS."""
-    from glm5_mcore.data_order import epoch_order
-    from recipes.data import pack, read_jsonl
+    from glm5_mcore.data.order import epoch_order
+    from glm5_mcore.data.sft import pack, read_jsonl
     from recipes.sft import DataCfg
 
-    import recipes.indexed_data  # noqa: F401  (imports before the RSS baseline)
+    import glm5_mcore.data.indexed  # noqa: F401  (imports before the RSS baseline)
     import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401
     from transformers import AutoTokenizer
 
@@ -126,7 +126,7 @@ def _loader(kind: str, data: str, tok_dir: str, steps: int, cache: str) -> dict:
     t0 = time.perf_counter()
     tokens = 0
     if kind == "indexed":
-        from recipes.indexed_data import IndexedData
+        from glm5_mcore.data.indexed import IndexedData
 
         d = IndexedData(cfg, steps, ACCUM, 1, 0, 1, 0, cache)
         t_start = time.perf_counter() - t0
@@ -173,7 +173,7 @@ def main() -> None:
         return
 
     from glm5_mcore.tiny import write_tokenizer
-    from recipes.preprocess import preprocess
+    from glm5_mcore.data.preprocess import preprocess
 
     if a.workdir:
         Path(a.workdir).mkdir(parents=True, exist_ok=True)

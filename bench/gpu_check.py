@@ -80,7 +80,7 @@ def main() -> None:
     from fake_device import assert_collectives_on, fake_device
     from glm5_mcore.config import GLM5Config, ParallelConfig
     from glm5_mcore.device import training_device
-    from glm5_mcore.model import init_parallel
+    from glm5_mcore.model.build import init_parallel
 
     cuda = torch.cuda.is_available()
     if a.stand_in and cuda:
@@ -103,9 +103,9 @@ def main() -> None:
         with assert_collectives_on(dev, seen, bad):
             # 1. the model on the device, and the optimizer over it
             with _check(checks, "1_model_on_device") as c:
-                from glm5_mcore.lora import LoRAConfig, apply_lora
-                from glm5_mcore.model import build_model, load_hf_weights
-                from glm5_mcore.training import OptimCfg, build_trainer
+                from glm5_mcore.lora.apply import LoRAConfig, apply_lora
+                from glm5_mcore.model.build import build_model, load_hf_weights
+                from glm5_mcore.training.loop import OptimCfg, build_trainer
 
                 over = {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
                 model = build_model(glm5, ParallelConfig(), calculate_per_token_loss=True, **over)
@@ -121,7 +121,7 @@ def main() -> None:
             with _check(checks, "2_sft_batch_on_device") as c:
                 from transformers import AutoTokenizer
 
-                from recipes.data import pack, read_jsonl
+                from glm5_mcore.data.sft import pack, read_jsonl
                 from recipes.sft import step_losses
 
                 docs = read_jsonl(_data(tmp / "d.jsonl"), AutoTokenizer.from_pretrained(hf_dir), 64)
@@ -167,7 +167,7 @@ def main() -> None:
             if not bf16:
                 c.update(ok=True, skipped="bf16 needs CUDA here (tests/test_bf16_logprobs.py covers it on CPU)")
             else:
-                from glm5_mcore.mtp_loss import fp32_output_layer, token_logprobs
+                from glm5_mcore.model.mtp_loss import fp32_output_layer, token_logprobs
 
                 m = trainer.model
                 ids = torch.randint(3, glm5.vocab_size, (1, 48), generator=g).to(dev)
@@ -215,7 +215,7 @@ def _dist_opt_resume(hf_dir: str, tmp: Path) -> dict:
     import torch
     import torch.distributed as dist
 
-    from glm5_mcore.checkpoint import iter_dir
+    from glm5_mcore.checkpoint.layout import iter_dir
     from recipes.sft import SFTConfig, run
 
     out = tmp / "dist_opt"

@@ -23,7 +23,7 @@ def count(model, targets: tuple[str, ...], rank: int) -> tuple[int, int]:
     """(#adapter params, #adapted modules) if ``targets`` got rank-``rank`` LoRA."""
     import torch
 
-    from glm5_mcore.lora import _full_features, _parallel_of, family_of
+    from glm5_mcore.lora.apply import _full_features, _parallel_of, family_of
 
     n = mods = 0
     for name, mod in model.named_modules():
@@ -43,8 +43,8 @@ def main() -> None:
     import torch
 
     from glm5_mcore.config import glm5_744b
-    from glm5_mcore.convert import meta_model
-    from glm5_mcore.lora import DEFAULT_TARGETS, EXPERTS
+    from glm5_mcore.convert.common import meta_model
+    from glm5_mcore.lora.apply import DEFAULT_TARGETS, EXPERTS
 
     t0 = time.perf_counter()
     model = meta_model(glm5_744b(), torch.bfloat16)

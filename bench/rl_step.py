@@ -157,8 +157,8 @@ def main() -> None:
         from lora_memory import count
 
         from glm5_mcore.config import glm5_744b
-        from glm5_mcore.convert import meta_model
-        from glm5_mcore.lora import DEFAULT_TARGETS
+        from glm5_mcore.convert.common import meta_model
+        from glm5_mcore.lora.apply import DEFAULT_TARGETS
 
         model = meta_model(glm5_744b(), torch.bfloat16)
         full = sum(x.numel() for x in model.parameters())

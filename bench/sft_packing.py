@@ -3,7 +3,7 @@
 A GLM-5 at tiny depth but wider (hidden 256, 4 layers, 8 experts), random init, fp32, 1 thread.
 Documents: lengths drawn from a heavy-tailed distribution (most short, a few up to 512), in random
 order. Each step processes a token budget of 2048:
-- packed: whole documents back to back (THD, ``recipes.data.pack``), no padding;
+- packed: whole documents back to back (THD, ``glm5_mcore.data.sft.pack``), no padding;
 - padded: as many documents as fit when each is padded to the longest in its batch ([B, L], the
   usual ``DataCollatorWithPadding`` layout).
 Both run forward + backward over the same documents. Throughput counts real (non-pad) tokens.
@@ -23,7 +23,7 @@ BUDGET = 2048
 
 
 def _docs(n: int, seed: int):
-    from recipes.data import Document
+    from glm5_mcore.data.sft import Document
 
     r = random.Random(seed)
     docs = []
@@ -70,8 +70,8 @@ def main() -> None:
 
     torch.set_num_threads(1)
     from glm5_mcore.config import ParallelConfig, glm5_tiny
-    from glm5_mcore.model import build_model, init_parallel
-    from recipes.data import pack
+    from glm5_mcore.model.build import build_model, init_parallel
+    from glm5_mcore.data.sft import pack
 
     cfg = glm5_tiny()
     cfg.hidden_size, cfg.vocab_size, cfg.index_topk, cfg.max_position_embeddings = 256, 512, 4096, 4096

@@ -269,7 +269,7 @@ class GLM5Config:
             rotary_scaling_factor=1.0,
             mscale=1.0,
             mscale_all_dim=1.0,
-            # DSA indexer (field names are Megatron-Core's; the core is glm5_mcore.dsa)
+            # DSA indexer (field names are Megatron-Core's; the core is glm5_mcore.model.dsa)
             dsa_indexer_n_heads=self.index_n_heads,
             dsa_indexer_head_dim=self.index_head_dim,
             dsa_indexer_topk=self.index_topk,
@@ -277,7 +277,7 @@ class GLM5Config:
             dsa_indexer_rotate_activation=False,
             dsa_indexer_scoring_relu=True,
             dsa_indexer_k_norm_epsilon=self.indexer_k_norm_eps,
-            dsa_indexer_loss_coeff=0.0,  # > 0: the sparse-stage indexer loss (glm5_mcore.dsa)
+            dsa_indexer_loss_coeff=0.0,  # > 0: the sparse-stage indexer loss (glm5_mcore.model.dsa)
             dsa_indexer_use_sparse_loss=True,
             # Megatron's schedule scales the indexer loss's backward like the main loss (grad scaler, CP)
             experimental_attention_variant_loss_scale_func=_dsa_loss_scale,

@@ -1,5 +1,5 @@
 """``glm5 plot RUN_DIR [RUN_DIR ...] [--out FILE.png]``: a run's curves from its ``metrics.jsonl``
-(``glm5_mcore.run_log``), no W&B account needed.
+(``glm5_mcore.training.run_log``), no W&B account needed.
 
 The panels are data (``PANELS``): a title and the metric names it draws (the names W&B gets). A
 panel is drawn when at least one run has one of its metrics, so an SFT run gets the SFT panels, an RL
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from glm5_mcore.run_log import METRICS_FILE, read_metrics
+from glm5_mcore.training.run_log import METRICS_FILE, read_metrics
 
 KIND = "plot"
 _MARK_KEY = "glm5-output"
@@ -147,7 +147,7 @@ def plot(run_dirs: list[str | Path], out: str | Path, overwrite: bool = False) -
     """Render ``run_dirs`` into ``out`` (a ``.png`` path); never replaces a file this command did not
     write (unless ``overwrite``) nor an input; a failure leaves a previous ``out`` as it was.
     Returns the panel titles drawn."""
-    from glm5_mcore.atomic import check_output_file, publish_file
+    from glm5_mcore.checkpoint.atomic import check_output_file, publish_file
 
     out = Path(out)
     if out.suffix.lower() != ".png":

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from glm5_mcore.atomic import output_dir
+from glm5_mcore.checkpoint.atomic import output_dir
 from glm5_mcore.config import GLM5Config, glm5_tiny
 
 CHAT_TEMPLATE = (

@@ -9,4 +9,4 @@ cd "$(dirname "$0")/.."
 : "${RAY_ADDRESS:?set RAY_ADDRESS=http://<head>:8265}"
 exec ray job submit --address "$RAY_ADDRESS" --working-dir . \
   --runtime-env-json '{"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}, "excludes": ["runs/", ".venv/", ".git/"]}' \
-  -- python -m glm5_mcore.cli rl ray.address=auto "$@"
+  -- python -m recipes.main rl ray.address=auto "$@"

@@ -13,4 +13,4 @@ else
   RDZV=(--standalone)
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec .venv/bin/torchrun "${RDZV[@]}" --nproc_per_node "$NPROC" -m glm5_mcore.cli sft "$@"
+exec .venv/bin/torchrun "${RDZV[@]}" --nproc_per_node "$NPROC" -m recipes.main sft "$@"

@@ -10,7 +10,7 @@
   bad config raises a one-line ValueError naming the key (``glm5 sft: error: config: ...``, exit 2).
 - Run folders. Hydra itself writes nothing (``hydra.run.dir`` is ``.``, ``output_subdir`` null, no log
   files): the run folder is the recipe's ``train.out`` / ``trainer.out``, which the recipe checks with the
-  output guard (``glm5_mcore.resume.claim_run_dir``) and its resume guard before the entry point saves the
+  output guard (``glm5_mcore.training.resume.claim_run_dir``) and its resume guard before the entry point saves the
   job's resolved config in ``OUT/.hydra/config.yaml`` (+ ``overrides.yaml``, ``save_job_config``);
   ``glm5 sft --config-path OUT/.hydra --config-name config [train.out=NEW]`` repeats the job. Under ``-m``
   the out folder is the sweep's root — claimed as ``<kind> multirun`` by ``SweepRootGuard`` before Hydra's
@@ -65,7 +65,7 @@ def _groups_text(kind: str) -> list[str]:
 
 
 def _help_template(kind: str) -> str:
-    from glm5_mcore.config_schema import describe_fields
+    from glm5_mcore.training.schema import describe_fields
 
     out = OUT_SECTION[kind]
     fields = "\n".join(describe_fields(_schema(kind))).replace("$", "$$")
@@ -154,7 +154,7 @@ def _one_line(kind: str, e: BaseException) -> str:
     """A Hydra / OmegaConf error as one line naming the key (the OmegaConf cause when there is one)."""
     from omegaconf.errors import OmegaConfBaseException
 
-    from glm5_mcore.config_schema import error_message
+    from glm5_mcore.training.schema import error_message
 
     cause = e
     while cause is not None and not isinstance(cause, OmegaConfBaseException):
@@ -253,7 +253,7 @@ class SweepRootGuard(Callback):
         from hydra.core.override_parser.overrides_parser import OverridesParser
         from omegaconf import OmegaConf
 
-        from glm5_mcore.resume import claim_run_dir
+        from glm5_mcore.training.resume import claim_run_dir
 
         key = f"{OUT_SECTION[self.kind]}.out"
         for o in OverridesParser.create().parse_overrides(list(config.hydra.overrides.task)):

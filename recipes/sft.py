@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
-from glm5_mcore.data_order import epoch_order, equal_micro_batch_sizes
+from glm5_mcore.data.order import epoch_order, equal_micro_batch_sizes
 from glm5_mcore.device import training_device
-from glm5_mcore.lora import LoRAConfig
-from glm5_mcore.training import MoELoad, build_trainer, rng_state, set_rng_state
-from recipes.data import DataStats, PackedBatch, pack, pad_to, read_jsonl, split_for_cp
-from recipes.indexed_data import is_jsonl
+from glm5_mcore.lora.apply import LoRAConfig
+from glm5_mcore.training.loop import MoELoad, build_trainer, rng_state, set_rng_state
+from glm5_mcore.data.sft import DataStats, PackedBatch, pack, pad_to, read_jsonl, split_for_cp
+from glm5_mcore.data.indexed import is_jsonl
 from recipes.sft_config import DataCfg, LoRACfg, ModelCfg, SFTConfig, TrainCfg  # noqa: F401  (the schema)
 
 
@@ -36,7 +36,7 @@ def data_inputs(d: "DataCfg") -> list[str]:
     """The indexed-dataset prefixes named by ``data.blend`` (none for jsonl runs)."""
     if not d.blend:
         return []
-    from recipes.indexed_data import parse_blend
+    from glm5_mcore.data.indexed import parse_blend
 
     return parse_blend(d.blend)[0]
 
@@ -44,11 +44,11 @@ def data_inputs(d: "DataCfg") -> list[str]:
 def data_fingerprint(path: Optional[str]):
     """A jsonl file's size + digest; an indexed dataset's ``.idx`` digest (every document's length)
     and ``.bin`` size, without reading the corpus."""
-    from glm5_mcore.resume import file_fingerprint
+    from glm5_mcore.training.resume import file_fingerprint
 
     if not path or is_jsonl(path):
         return file_fingerprint(path)
-    from recipes.indexed_data import resolve_prefix
+    from glm5_mcore.data.indexed import resolve_prefix
 
     try:
         prefix = resolve_prefix(path)
@@ -58,8 +58,8 @@ def data_fingerprint(path: Optional[str]):
 
 
 def run_settings(cfg: SFTConfig, world: int) -> dict:
-    """What a resume must keep (``glm5_mcore.resume``): data, batch sizes, LoRA, model, layout."""
-    from glm5_mcore.resume import model_fingerprint
+    """What a resume must keep (``glm5_mcore.training.resume``): data, batch sizes, LoRA, model, layout."""
+    from glm5_mcore.training.resume import model_fingerprint
 
     d, lo = cfg.data, cfg.lora
     return {
@@ -98,7 +98,7 @@ def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConf
     if d.train and d.blend:
         raise ValueError("data.train and data.blend: give one")
     if d.blend or not is_jsonl(d.train):  # indexed: every prefix exists, the blend parses
-        from recipes.indexed_data import check_data
+        from glm5_mcore.data.indexed import check_data
 
         check_data(d)
     elif d.split:
@@ -122,7 +122,7 @@ def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConf
 
 def _check_indexer_settings(cfg: SFTConfig) -> None:
     """A trainable indexer needs a loss: the LM loss never reaches it (its top-k is not differentiable)."""
-    from glm5_mcore.lora import INDEXER
+    from glm5_mcore.lora.apply import INDEXER
 
     t = cfg.train
     if (t.indexer_warmup or not t.freeze_indexer) and t.indexer_loss_coeff <= 0:
@@ -155,7 +155,7 @@ def step_losses(ddp, batches: list[PackedBatch], forward_only: bool) -> tuple[fl
     """Run (forward+backward or forward) over this rank's micro-batches: (Σ CE, #loss tokens) over DP."""
     from megatron.core import parallel_state as ps
 
-    from glm5_mcore.training import forward_backward
+    from glm5_mcore.training.loop import forward_backward
 
     res = forward_backward(ddp, _forward_step, batches, forward_only, max(b.num_tokens for b in batches))
     tot = torch.zeros(2, device=training_device())
@@ -171,7 +171,7 @@ def step_losses(ddp, batches: list[PackedBatch], forward_only: bool) -> tuple[fl
 
 def _equalize(batches: list[PackedBatch], pad_id: int) -> list[PackedBatch]:
     """Pad micro-batch i of every rank to the largest micro-batch i over all ranks (and equal counts)."""
-    from recipes.data import pad_to
+    from glm5_mcore.data.sft import pad_to
 
     sizes = equal_micro_batch_sizes([b.num_tokens for b in batches])
     if len(sizes) != len(batches):
@@ -183,7 +183,7 @@ def _equalize(batches: list[PackedBatch], pad_id: int) -> list[PackedBatch]:
 # checkpoints
 # --------------------------------------------------------------------------------------------------
 def save(cfg: SFTConfig, model, opt, sched, state: dict) -> None:
-    from glm5_mcore.checkpoint import prune_iterations, save_checkpoint, write_hf_meta
+    from glm5_mcore.checkpoint.layout import prune_iterations, save_checkpoint, write_hf_meta
 
     out = Path(cfg.train.out)
     adapters = None
@@ -204,7 +204,7 @@ def _model_config(cfg: SFTConfig, hf_dir: str) -> tuple[GLM5Config, bool]:
     """The model to build for ``model.mtp`` and whether its MTP layers start fresh (not loaded)."""
     import dataclasses
 
-    from glm5_mcore.stored import checkpoint_config, hf_dir_config
+    from glm5_mcore.checkpoint.folder_config import checkpoint_config, hf_dir_config
 
     mode = cfg.model.mtp
     if mode not in ("auto", "init", "off"):
@@ -225,7 +225,7 @@ def _model_config(cfg: SFTConfig, hf_dir: str) -> tuple[GLM5Config, bool]:
         raise ValueError(f"model.mtp=init: {cfg.model.ckpt or hf_dir} stores {stored.num_nextn_predict_layers} of "
                          f"{declared.num_nextn_predict_layers} MTP layers; init starts all of them fresh from an "
                          "HF folder (model.hf_dir) that stores none")
-    from glm5_mcore.stored import notice
+    from glm5_mcore.checkpoint.folder_config import notice
 
     notice(f"{hf_dir}: model.mtp=init: {declared.num_nextn_predict_layers} MTP layer(s) initialised fresh and trained")
     return declared, True
@@ -235,7 +235,7 @@ def _hf_dir(cfg: SFTConfig) -> str:
     if cfg.model.hf_dir:
         return cfg.model.hf_dir
     if cfg.model.ckpt:
-        from glm5_mcore.foreign_ckpt import is_foreign
+        from glm5_mcore.checkpoint.megatron_lm import is_foreign
 
         if is_foreign(cfg.model.ckpt):
             raise ValueError(f"model.ckpt={cfg.model.ckpt}: a Megatron-LM / Megatron-Bridge checkpoint; give "
@@ -249,11 +249,11 @@ def _restore(cfg: SFTConfig, model, opt, sched, settings: dict) -> Optional[dict
     """Resume from ``train.out`` if it has a checkpoint saved with the same ``settings`` (or
     ``train.allow_resume_mismatch``): weights/adapters in place, optimizer, scheduler, RNG and data
     position. Returns the trainer state or None."""
-    from glm5_mcore.adapters import read_adapter_state
-    from glm5_mcore.checkpoint import (adapter_dir, iter_dir, latest_iteration, load_model, load_optimizer,
+    from glm5_mcore.lora.state import read_adapter_state
+    from glm5_mcore.checkpoint.layout import (adapter_dir, iter_dir, latest_iteration, load_model, load_optimizer,
                                        load_rank_state, read_trainer_state)
-    from glm5_mcore.lora import lora_layers
-    from glm5_mcore.resume import guard_resume
+    from glm5_mcore.lora.apply import lora_layers
+    from glm5_mcore.training.resume import guard_resume
 
     out = Path(cfg.train.out)
     if not cfg.train.resume:
@@ -292,10 +292,10 @@ def _restore(cfg: SFTConfig, model, opt, sched, settings: dict) -> Optional[dict
 # --------------------------------------------------------------------------------------------------
 class _Logger:
     """The run's metrics (W&B, offline unless a project/mode is set, and ``train.out/metrics.jsonl``:
-    ``glm5_mcore.run_log``) + a console progress bar, rank 0 only."""
+    ``glm5_mcore.training.run_log``) + a console progress bar, rank 0 only."""
 
     def __init__(self, cfg: SFTConfig, start_step: int = 0):
-        from glm5_mcore.run_log import RunLog
+        from glm5_mcore.training.run_log import RunLog
 
         self.rank0 = dist.get_rank() == 0
         self.run = None
@@ -338,13 +338,13 @@ def run(cfg: SFTConfig, record: Optional[Callable[[], None]] = None) -> dict:
     from megatron.core import parallel_state as ps
     from transformers import AutoTokenizer
 
-    from glm5_mcore.checkpoint import load_model, model_dir
-    from glm5_mcore.dsa import (check_indexer_learns, indexer_metrics, set_indexer_frozen, set_indexer_warmup,
+    from glm5_mcore.checkpoint.layout import load_model, model_dir
+    from glm5_mcore.model.dsa import (check_indexer_learns, indexer_metrics, set_indexer_frozen, set_indexer_warmup,
                                 set_recall_probe)
-    from glm5_mcore.lora import apply_lora
-    from glm5_mcore.model import build_model, init_parallel, load_hf_weights
-    from glm5_mcore.mtp_loss import mtp_depth_losses
-    from glm5_mcore.resume import claim_run_dir, guard_resume
+    from glm5_mcore.lora.apply import apply_lora
+    from glm5_mcore.model.build import build_model, init_parallel, load_hf_weights
+    from glm5_mcore.model.mtp_loss import mtp_depth_losses
+    from glm5_mcore.training.resume import claim_run_dir, guard_resume
 
     hf_dir = _hf_dir(cfg)
     glm5, fresh_mtp = _model_config(cfg, hf_dir)
@@ -383,7 +383,7 @@ def run(cfg: SFTConfig, record: Optional[Callable[[], None]] = None) -> dict:
     if cfg.train.recompute:
         overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if cfg.model.ckpt:
-        from glm5_mcore import foreign_ckpt
+        from glm5_mcore.checkpoint import megatron_lm as foreign_ckpt
 
         if foreign_ckpt.is_foreign(cfg.model.ckpt):  # Megatron-LM / Bridge: config checked, MTP as stored
             glm5 = foreign_ckpt.glm5_config(cfg.model.ckpt, glm5)
@@ -416,7 +416,7 @@ def run(cfg: SFTConfig, record: Optional[Callable[[], None]] = None) -> dict:
     multiple = parallel.tp if model.config.sequence_parallel else 1
     pad_id = tokenizer.pad_token_id or 0
     if indexed:  # samples read lazily by index; state["sample"] is the next one
-        from recipes.indexed_data import IndexedData
+        from glm5_mcore.data.indexed import IndexedData
 
         data = IndexedData(cfg.data, cfg.train.steps, accum, dp, dp_rank, multiple, pad_id,
                            str(Path(cfg.train.out) / "data_cache"), state.setdefault("sample", 0))

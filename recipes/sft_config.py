@@ -1,7 +1,7 @@
 """``SFTConfig``: the SFT / continued-pretraining run as typed dataclasses (the schema of ``configs/sft.yaml``).
 
 The sections both recipes share (``model``, ``lora``, ``parallel``, ``optim``, ``wandb``, ``plan``) come from
-``glm5_mcore.config_schema``; ``data`` and ``train`` are the recipe's own. ``SFTConfig.from_dict`` builds it
+``glm5_mcore.training.schema``; ``data`` and ``train`` are the recipe's own. ``SFTConfig.from_dict`` builds it
 from a plain dict with OmegaConf (unknown keys, wrong types and ``???`` values name the key); Hydra registers
 the same class as the schema ``configs/sft.yaml`` composes onto (``recipes.hydra_app``).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from glm5_mcore.config_schema import (LoRACfg, ModelCfg, OptimCfg, ParallelConfig, PlanCfg, WandbCfg,  # noqa: F401
+from glm5_mcore.training.schema import (LoRACfg, ModelCfg, OptimCfg, ParallelConfig, PlanCfg, WandbCfg,  # noqa: F401
                                       build)
 
 

@@ -1,5 +1,5 @@
 """Context parallelism in the RL trainer (``trainer.cp``): each packed micro-batch is split over the CP
-ranks as the SFT recipe splits it (``glm5_mcore.cp_split``: per-document load-balanced chunks, every
+ranks as the SFT recipe splits it (``glm5_mcore.data.cp_split``: per-document load-balanced chunks, every
 document padded to a multiple of 2·cp·m), and per-token results come back in the unsplit THD order, so
 old / reference log-probs, values, losses and metrics are those of CP 1.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from glm5_mcore.cp_split import cp_shard, cp_unsplit_index, gather_from_cp
+from glm5_mcore.data.cp_split import cp_shard, cp_unsplit_index, gather_from_cp
 
 
 class RLContextParallel:

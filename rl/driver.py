@@ -76,7 +76,7 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
     job's config there)."""
     from transformers import AutoTokenizer
 
-    from glm5_mcore.resume import claim_run_dir, guard_resume
+    from glm5_mcore.training.resume import claim_run_dir, guard_resume
     from rl.config import run_settings
     from rl.logger import RLLogger
     from rl.workers import RolloutPool, TrainerGroup, start_ray

@@ -1,11 +1,11 @@
 """The RL driver's metrics (W&B, offline unless a project/mode is set, and ``trainer.out/metrics.jsonl``:
-``glm5_mcore.run_log``) + a console progress bar."""
+``glm5_mcore.training.run_log``) + a console progress bar."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 
-from glm5_mcore.run_log import RunLog
+from glm5_mcore.training.run_log import RunLog
 
 CONSOLE_KEYS = (("reward", "critic/score/mean"), ("val", "val/reward"), ("len", "response_length/mean"),
                 ("pg", "actor/pg_loss"), ("clip", "actor/pg_clipfrac"), ("ent", "actor/entropy"),

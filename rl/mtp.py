@@ -171,7 +171,7 @@ def check_mtp_loss(cfg) -> None:
     ValueError naming the folder (what the trainer would refuse later, inside its actor)."""
     if cfg.actor.mtp_loss_scale == 0:
         return
-    from glm5_mcore.stored import checkpoint_config, hf_dir_config
+    from glm5_mcore.checkpoint.folder_config import checkpoint_config, hf_dir_config
 
     m = cfg.model
     glm5 = checkpoint_config(m.ckpt, quiet=True) if m.ckpt else hf_dir_config(m.hf_dir, quiet=True)

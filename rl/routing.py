@@ -234,7 +234,7 @@ def index_topk_counts(model, batch, rows: list[int], cp_split=None) -> torch.Ten
     (``batch.index_topk``); float64 [2]. ``cp_split``: the micro-batch split over CP ranks (``rl.cp``):
     only the query rows this rank holds count, their keys mapped from the padded gathered order back
     to the unsplit pack (the caller sums the CP ranks' counts)."""
-    from glm5_mcore.dsa import GLM5SparseAttention
+    from glm5_mcore.model.dsa import GLM5SparseAttention
 
     layers = [m for m in model.modules() if isinstance(m, GLM5SparseAttention) and m.computes_topk]
     out = torch.zeros(2, dtype=torch.float64)

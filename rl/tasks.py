@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 import torch
 
-from glm5_mcore.data_order import epoch_order
-from glm5_mcore.jsonl import decode_json_line
+from glm5_mcore.data.order import epoch_order
+from glm5_mcore.data.jsonl import decode_json_line
 
 TOY_SOURCE = "glm5_toy_residue"
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from glm5_mcore.data_order import equal_micro_batch_sizes, greedy_packs
+from glm5_mcore.data.order import equal_micro_batch_sizes, greedy_packs
 from glm5_mcore.device import training_device
 from rl.algos import ActorLoss
 from rl.batch import RolloutBatch
@@ -95,7 +95,7 @@ class _Packed:
             cp.split(self)
 
     def packed_seq_params(self, device=None):
-        from glm5_mcore.model import packed_seq_params_from_lengths
+        from glm5_mcore.model.build import packed_seq_params_from_lengths
 
         return packed_seq_params_from_lengths(self.lengths, device)
 
@@ -104,10 +104,10 @@ class PolicyTrainer:
     def __init__(self, cfg: RLConfig, rank: int = 0, world: int = 1, master_addr: Optional[str] = None,
                  master_port: Optional[int] = None):
         from glm5_mcore.config import GLM5Config, ParallelConfig
-        from glm5_mcore.dsa import check_indexer_learns
-        from glm5_mcore.lora import LoRAConfig, apply_lora, set_adapter
-        from glm5_mcore.model import build_model, init_parallel, load_hf_weights
-        from glm5_mcore.training import MoELoad, OptimCfg, build_trainer
+        from glm5_mcore.model.dsa import check_indexer_learns
+        from glm5_mcore.lora.apply import LoRAConfig, apply_lora, set_adapter
+        from glm5_mcore.model.build import build_model, init_parallel, load_hf_weights
+        from glm5_mcore.training.loop import MoELoad, OptimCfg, build_trainer
         from transformers import AutoTokenizer
 
         if master_addr is not None:
@@ -116,8 +116,8 @@ class PolicyTrainer:
         self.cfg = cfg
         t = cfg.trainer
         self.parallel = ParallelConfig(tp=t.tp, ep=t.ep, cp=t.cp)
-        from glm5_mcore import foreign_ckpt
-        from glm5_mcore.stored import checkpoint_config, hf_dir_config
+        from glm5_mcore.checkpoint import megatron_lm as foreign_ckpt
+        from glm5_mcore.checkpoint.folder_config import checkpoint_config, hf_dir_config
 
         from rl.mtp import DraftAcceptance, mtp_layers
 
@@ -135,7 +135,7 @@ class PolicyTrainer:
         model = build_model(self.glm5, self.parallel, backend=t.backend, mtp_num_layers=mtp,
                             moe_enable_routing_replay=True, **overrides, **overrides_mtp)
         if cfg.model.ckpt:
-            from glm5_mcore.checkpoint import load_model, model_dir
+            from glm5_mcore.checkpoint.layout import load_model, model_dir
 
             load_model(model, model_dir(cfg.model.ckpt))
         else:
@@ -158,7 +158,7 @@ class PolicyTrainer:
 
             freeze_mtp_adapters(model)  # MTP block built to measure rollout/mtp_accept only
         check_indexer_learns(model, "trainer.freeze_indexer")
-        from glm5_mcore.mtp_loss import fp32_output_layer
+        from glm5_mcore.model.mtp_loss import fp32_output_layer
 
         fp32_output_layer(model)  # log-probs from fp32 logits under bf16 (old, ref, new: IcePop's ratios)
         self.model = model
@@ -210,7 +210,7 @@ class PolicyTrainer:
         """(log p [n, R], entropy [n, R]) of each response token under ``model``'s active adapter."""
         from megatron.core import parallel_state as ps
 
-        from glm5_mcore.mtp_loss import token_logprobs
+        from glm5_mcore.model.mtp_loss import token_logprobs
         from rl.mtp import real_token_mask
 
         dev = training_device()
@@ -227,7 +227,7 @@ class PolicyTrainer:
         return logp[pos], ent[pos]
 
     def _values(self, model, mb: _Packed) -> torch.Tensor:
-        from glm5_mcore.lora import set_adapter
+        from glm5_mcore.lora.apply import set_adapter
 
         from rl.mtp import mtp_loss_off
 
@@ -257,7 +257,7 @@ class PolicyTrainer:
     def compute_log_probs(self, batch: RolloutBatch, ref: bool = True) -> Optional[dict]:
         """{"rows": sample indices, "old_log_probs", "ref_log_probs", "values": [n, R]} for this
         rank's DP share (None on non-reporting ranks)."""
-        from glm5_mcore.lora import disable_adapters
+        from glm5_mcore.lora.apply import disable_adapters
         from rl.mtp import drafted_positions
 
         dp, dp_rank = self._dp()
@@ -299,7 +299,7 @@ class PolicyTrainer:
     # ------------------------------------------------------------------ update
     def update(self, batch: RolloutBatch, step: int) -> Optional[dict]:
         """PPO epochs × mini-batches of ``actor.ppo_mini_batch_size`` prompts; returns averaged metrics."""
-        from glm5_mcore.training import forward_backward
+        from glm5_mcore.training.loop import forward_backward
 
         a = self.cfg.actor
         dp, dp_rank = self._dp()
@@ -362,7 +362,7 @@ class PolicyTrainer:
             self.cp.sum(c)
         metrics.update(self.moe_load.metrics())
         if self.mtp is not None:
-            from glm5_mcore.mtp_loss import mtp_depth_losses
+            from glm5_mcore.model.mtp_loss import mtp_depth_losses
 
             depth = mtp_depth_losses(self.glm5.num_nextn_predict_layers, n_micro)
             metrics["mtp/loss"] = float(np.mean([v for k, v in depth.items() if k.startswith("mtp_loss/")]))
@@ -408,8 +408,8 @@ class PolicyTrainer:
         None: when it is trained (``actor.mtp_loss_scale > 0``), so the engines' draft head follows it."""
         if include_mtp is None:
             include_mtp = self.mtp is not None and self.cfg.actor.mtp_loss_scale > 0
-        from glm5_mcore.adapters import gather_adapter
-        from glm5_mcore.peft_io import export_peft
+        from glm5_mcore.lora.state import gather_adapter
+        from glm5_mcore.lora.peft import export_peft
         from rl.rollout.base import AdapterPayload
 
         state = gather_adapter(self.model, "default")
@@ -424,8 +424,8 @@ class PolicyTrainer:
     def save(self, root: str, step: int, trainer_state: dict, rollout_adapter=None) -> None:
         """``rollout_adapter``: the adapter payload an in-flight (one-step-off-policy) batch is being
         generated with, kept in rank 0's state so a resume regenerates that batch exactly."""
-        from glm5_mcore.checkpoint import prune_iterations, save_checkpoint, write_hf_meta
-        from glm5_mcore.training import rng_state
+        from glm5_mcore.checkpoint.layout import prune_iterations, save_checkpoint, write_hf_meta
+        from glm5_mcore.training.loop import rng_state
 
         rank_state = {"scheduler": self.sched.state_dict(), "rng": rng_state(),
                       "value_head": self.value_head.state_dict() if self.value_head is not None else None,
@@ -441,11 +441,11 @@ class PolicyTrainer:
     @torch.no_grad()
     def restore(self, root: str) -> Optional[dict]:
         """Adapters, optimizer, scheduler, RNG and value head from ``root``'s latest iteration."""
-        from glm5_mcore.adapters import read_adapter_state
-        from glm5_mcore.checkpoint import (adapter_dir, iter_dir, latest_iteration, load_optimizer, load_rank_state,
+        from glm5_mcore.lora.state import read_adapter_state
+        from glm5_mcore.checkpoint.layout import (adapter_dir, iter_dir, latest_iteration, load_optimizer, load_rank_state,
                                            read_trainer_state)
-        from glm5_mcore.lora import lora_layers
-        from glm5_mcore.training import set_rng_state
+        from glm5_mcore.lora.apply import lora_layers
+        from glm5_mcore.training.loop import set_rng_state
 
         if not (Path(root) / "latest").is_file():
             return None

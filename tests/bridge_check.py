@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from glm5_mcore.checkpoint import save_checkpoint, write_hf_meta
+from glm5_mcore.checkpoint.layout import save_checkpoint, write_hf_meta
 from glm5_mcore.config import ParallelConfig
 from helpers import hf_model
 

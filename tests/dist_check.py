@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
-from glm5_mcore.hf_io import HFCheckpoint
-from glm5_mcore.model import mcore_to_hf_sources
+from glm5_mcore.checkpoint.hf_io import HFCheckpoint
+from glm5_mcore.model.build import mcore_to_hf_sources
 from glm5_mcore.parity import load_input_ids, megatron_forward
 
 
@@ -17,7 +17,7 @@ def main(hf_dir: str, tp: int, ep: int, cp: int, out: str) -> None:
     glm5 = GLM5Config.from_hf_dir(hf_dir)
     ids = load_input_ids(None, glm5.vocab_size, 2, 32, seed=11)
     logits, _, _ = megatron_forward(hf_dir, glm5, ids, ParallelConfig(tp=tp, ep=ep, cp=cp), torch.float32)
-    from glm5_mcore.model import build_model
+    from glm5_mcore.model.build import build_model
 
     model = build_model(glm5, ParallelConfig(tp=tp, ep=ep, cp=cp))
     ckpt = HFCheckpoint(hf_dir)

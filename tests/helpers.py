@@ -3,7 +3,7 @@
 import torch
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
-from glm5_mcore.model import build_model, init_parallel, load_hf_weights
+from glm5_mcore.model.build import build_model, init_parallel, load_hf_weights
 
 
 def hf_model(hf_dir, parallel=None, **overrides):

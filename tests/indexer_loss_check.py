@@ -13,8 +13,8 @@ def one_layout(hf_dir: str, tp: int, cp: int) -> dict:
     from megatron.core import parallel_state as ps
 
     from glm5_mcore.config import ParallelConfig
-    from glm5_mcore.dsa import GLM5SparseAttention
-    from recipes.data import Document, _batch, split_for_cp
+    from glm5_mcore.model.dsa import GLM5SparseAttention
+    from glm5_mcore.data.sft import Document, _batch, split_for_cp
     from helpers import hf_model  # this script's folder is on sys.path
 
     torch.set_num_threads(1)

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
-from glm5_mcore.model import build_model, forward_logits, init_parallel, load_hf_weights
-from glm5_mcore.mtp_loss import model_token_logprobs
+from glm5_mcore.model.build import build_model, forward_logits, init_parallel, load_hf_weights
+from glm5_mcore.model.mtp_loss import model_token_logprobs
 
 
 def main(hf_dir: str, tp: int, out: str) -> None:

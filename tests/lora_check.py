@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from glm5_mcore.config import ParallelConfig
-from glm5_mcore.lora import EXPERTS, MLA, MLP, LoRAConfig, apply_lora
+from glm5_mcore.lora.apply import EXPERTS, MLA, MLP, LoRAConfig, apply_lora
 from glm5_mcore.parity import load_input_ids
 from helpers import hf_model, megatron_steps
 
@@ -36,7 +36,7 @@ def main(hf_dir: str, tp: int, ep: int, out: str) -> None:
     assert in_opt == adapters  # only adapters get optimizer state: no base weight, no (frozen) indexer
     ids = load_input_ids(None, glm5.vocab_size, 2, SEQ + 1, seed=7)
     losses = megatron_steps(m, opt, ids, 3, loss_after=True)
-    from glm5_mcore.adapters import save_adapter
+    from glm5_mcore.lora.state import save_adapter
 
     save_adapter(m.module, "default", out + ".adapter")  # gathered over TP / EP into full tensors
     if dist.get_rank() == 0:

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from glm5_mcore.checkpoint import HF_META_FILES, base_sharded_state_dict
-from glm5_mcore.foreign_ckpt import RUN_CONFIG, TRACKER
+from glm5_mcore.checkpoint.layout import HF_META_FILES, base_sharded_state_dict
+from glm5_mcore.checkpoint.megatron_lm import RUN_CONFIG, TRACKER
 
 
 def _plain(v):

@@ -25,7 +25,7 @@ def mtp_cfg(hf_dir: str, **trainer):
 
 def load_case(trainer, case: dict):
     """The case's adapter into ``trainer`` (each rank keeps its shard) and its batch."""
-    from glm5_mcore.lora import lora_layers
+    from glm5_mcore.lora.apply import lora_layers
     from rl.batch import RolloutBatch
 
     for _, _, lora in lora_layers(trainer.model):

@@ -10,9 +10,9 @@ def test_bf16_log_probs_are_within_fp32_rounding_of_an_fp32_projection(tiny_dir,
     """A bf16 model's log-probs against float64 log_softmax of the same final hidden state through the
     same output weight: within fp32 rounding with the fp32 output layer; off by the bf16 rounding of
     the logits without it (today's path)."""
-    from glm5_mcore.lora import LoRAConfig, apply_lora
-    from glm5_mcore.model import build_model, load_hf_weights, packed_seq_params_from_lengths
-    from glm5_mcore.mtp_loss import fp32_output_layer, token_logprobs
+    from glm5_mcore.lora.apply import LoRAConfig, apply_lora
+    from glm5_mcore.model.build import build_model, load_hf_weights, packed_seq_params_from_lengths
+    from glm5_mcore.model.mtp_loss import fp32_output_layer, token_logprobs
 
     glm5 = GLM5Config.from_hf_dir(tiny_dir)
     m = build_model(glm5, ParallelConfig(), bf16=True, params_dtype=torch.bfloat16, mtp_num_layers=None)
@@ -57,8 +57,8 @@ def test_grad_reduce_in_fp32_under_bf16(tiny_dir, single_rank, monkeypatch):
     import megatron.core.optimizer as mopt
     import pytest
 
-    from glm5_mcore.model import build_model
-    from glm5_mcore.training import OptimCfg, build_trainer
+    from glm5_mcore.model.build import build_model
+    from glm5_mcore.training.loop import OptimCfg, build_trainer
 
     class Handed(Exception):
         pass

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from glm5_mcore.config import GLM5Config
-from glm5_mcore.hf_io import HFCheckpoint, dequantize_fp8_blocks
+from glm5_mcore.checkpoint.hf_io import HFCheckpoint, dequantize_fp8_blocks
 
 HERE = Path(__file__).parent
 
@@ -65,7 +65,7 @@ def tiny_both_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def converted(tiny_both_dir, tmp_path_factory):
-    from glm5_mcore.convert import hf_to_mcore
+    from glm5_mcore.convert.common import hf_to_mcore
 
     return hf_to_mcore(tiny_both_dir, tmp_path_factory.mktemp("mc") / "ckpt", progress=False)
 
@@ -74,7 +74,7 @@ def converted(tiny_both_dir, tmp_path_factory):
 # lossless round trips
 # --------------------------------------------------------------------------------------------------
 def _round_trip_equal(src_dir, tmp_path, reference=None, **kw):
-    from glm5_mcore.convert import hf_to_mcore, mcore_to_hf
+    from glm5_mcore.convert.common import hf_to_mcore, mcore_to_hf
 
     ck = hf_to_mcore(src_dir, tmp_path / "mc", progress=False, **kw)
     back = mcore_to_hf(ck, tmp_path / "hf", max_shard_size="200KB", progress=False)
@@ -135,7 +135,7 @@ def test_converted_checkpoint_matches_transformers_tp1(converted, tiny_both_dir)
 @pytest.mark.slow
 def test_converted_checkpoint_matches_transformers_tp2_ep2(converted):
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                        "-m", "glm5_mcore.cli", "parity", "--ckpt", str(converted), "--tp", "2", "--ep", "2"],
+                        "-m", "recipes.main", "parity", "--ckpt", str(converted), "--tp", "2", "--ep", "2"],
                        env=_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     rep = json.loads([l for l in r.stdout.splitlines() if l.startswith("{")][-1])
@@ -144,8 +144,8 @@ def test_converted_checkpoint_matches_transformers_tp2_ep2(converted):
 
 @pytest.mark.slow
 def test_saved_at_tp2_ep2_loads_at_tp1(tiny_both_dir, tmp_path, single_rank):
-    from glm5_mcore.checkpoint import latest_iteration, load_model, model_dir
-    from glm5_mcore.model import build_model, forward_logits, load_hf_weights
+    from glm5_mcore.checkpoint.layout import latest_iteration, load_model, model_dir
+    from glm5_mcore.model.build import build_model, forward_logits, load_hf_weights
 
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
@@ -163,8 +163,8 @@ def test_saved_at_tp2_ep2_loads_at_tp1(tiny_both_dir, tmp_path, single_rank):
         a, b = forward_logits(ref.eval(), ids), forward_logits(got.eval(), ids)
     assert torch.equal(a, b), float((a - b).abs().max())
     # the same TP2/EP2-chunked checkpoint (Megatron's own save: largest items first) exported to HF
-    from glm5_mcore.convert import mcore_to_hf
-    from glm5_mcore.hf_io import HFCheckpoint
+    from glm5_mcore.convert.common import mcore_to_hf
+    from glm5_mcore.checkpoint.hf_io import HFCheckpoint
 
     src, back = HFCheckpoint(tiny_both_dir), HFCheckpoint(mcore_to_hf(out, tmp_path / "hf_back", progress=False))
     assert sorted(src.keys()) == sorted(back.keys())
@@ -206,9 +206,9 @@ def test_fp8_dequant_partial_blocks():
 
 
 def test_fp8_checkpoint_imports_dequantized(tiny_dir, tmp_path, single_rank):
-    from glm5_mcore.checkpoint import load_model, model_dir
-    from glm5_mcore.convert import hf_to_mcore
-    from glm5_mcore.model import build_model
+    from glm5_mcore.checkpoint.layout import load_model, model_dir
+    from glm5_mcore.convert.common import hf_to_mcore
+    from glm5_mcore.model.build import build_model
 
     src = _all_tensors(tiny_dir)
     fp8, expect = {}, {}
@@ -290,7 +290,7 @@ def _corrupt_cases(tiny_dir, tmp_path):
 
 
 def test_bad_hf_input_is_named_and_previous_output_survives(tiny_dir, tmp_path):
-    from glm5_mcore.convert import hf_to_mcore
+    from glm5_mcore.convert.common import hf_to_mcore
 
     out = tmp_path / "out"
     hf_to_mcore(tiny_dir, out, progress=False)
@@ -305,7 +305,7 @@ def test_bad_hf_input_is_named_and_previous_output_survives(tiny_dir, tmp_path):
 
 
 def test_bad_mcore_input_is_named_and_previous_output_survives(converted, tmp_path):
-    from glm5_mcore.convert import mcore_to_hf
+    from glm5_mcore.convert.common import mcore_to_hf
 
     out = mcore_to_hf(converted, tmp_path / "hf", progress=False)
     before = _tree_hash(out)
@@ -327,7 +327,7 @@ def test_bad_mcore_input_is_named_and_previous_output_survives(converted, tmp_pa
 
 def test_cli_convert_round_trip_and_errors(tiny_dir, tmp_path):
     env = _env()
-    glm5 = [sys.executable, "-m", "glm5_mcore.cli"]
+    glm5 = [sys.executable, "-m", "recipes.main"]
     r = subprocess.run(glm5 + ["convert", "hf-to-mcore", "--hf-dir", tiny_dir, "--out", str(tmp_path / "mc"),
                                "--workers", "2", "--no-progress"], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]

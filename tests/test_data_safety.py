@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from glm5_mcore.cli import main as glm5
+from recipes.main import main as glm5
 
 
 def _tree(path) -> dict:
@@ -55,7 +55,7 @@ def _flip(path: Path, offset: int = None) -> None:
 @pytest.fixture(scope="module")
 def mc(tmp_path_factory, tiny_dir):
     """hf-to-mcore of the tiny checkpoint (iter_0000000/model + manifest)."""
-    from glm5_mcore.convert import hf_to_mcore
+    from glm5_mcore.convert.common import hf_to_mcore
 
     return hf_to_mcore(tiny_dir, tmp_path_factory.mktemp("mc") / "ckpt", progress=False)
 
@@ -224,7 +224,7 @@ def test_a_flipped_byte_in_any_checkpoint_file_is_caught_and_named(mc, sft_run, 
 
 
 def test_loads_verify_what_they_read(mc, sft_run, tiny_dir, tmp_path, capsys, monkeypatch):
-    from glm5_mcore.checkpoint import load_rank_state
+    from glm5_mcore.checkpoint.layout import load_rank_state
     from recipes.sft import run as sft
 
     monkeypatch.setenv("GLM5_VERIFY_CHECKSUMS", "1")  # --no-verify below sets it to 0 in this process
@@ -264,7 +264,7 @@ def test_loads_verify_what_they_read(mc, sft_run, tiny_dir, tmp_path, capsys, mo
 
 
 def test_truncated_peft_adapter_is_named(sft_run, tmp_path, monkeypatch):
-    from glm5_mcore.peft_io import export_checkpoint_adapter, import_peft
+    from glm5_mcore.lora.peft import export_checkpoint_adapter, import_peft
 
     out = export_checkpoint_adapter(sft_run / "run", tmp_path / "peft", progress=False)
     f = out / "adapter_model.safetensors"
@@ -277,7 +277,7 @@ def test_truncated_peft_adapter_is_named(sft_run, tmp_path, monkeypatch):
 
 
 def glm5_read_adapter(path):
-    from glm5_mcore.adapters import read_adapter_state
+    from glm5_mcore.lora.state import read_adapter_state
 
     return read_adapter_state(path)
 
@@ -304,9 +304,9 @@ def test_nonfinite_weights_are_refused_naming_the_tensor(tiny_dir, tmp_path, cap
              untouched=[nan_ck])
     assert not (tmp_path / "back").exists()
     # loading refuses them too: the Megatron checkpoint and the HF folder
-    from glm5_mcore.checkpoint import load_model, model_dir
+    from glm5_mcore.checkpoint.layout import load_model, model_dir
     from glm5_mcore.config import GLM5Config
-    from glm5_mcore.model import build_model, load_hf_weights
+    from glm5_mcore.model.build import build_model, load_hf_weights
 
     glm5_cfg = GLM5Config.from_hf_dir(bad)
     m = build_model(glm5_cfg)
@@ -322,7 +322,7 @@ def test_nonfinite_weights_are_refused_naming_the_tensor(tiny_dir, tmp_path, cap
 def test_rows_cut_by_max_tokens_are_counted_or_bad_and_bad_utf8_is_named(tiny_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from recipes.data import DataError, DataStats, read_jsonl
+    from glm5_mcore.data.sft import DataError, DataStats, read_jsonl
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     long_prompt = json.dumps({"prompt": " ".join(["w1"] * 80), "response": "w2 w3"})
@@ -395,7 +395,7 @@ def test_sft_resume_with_changed_settings_is_refused_naming_each_field(sft_run, 
 
 
 def _mc_copy(tmp_path):
-    from glm5_mcore.atomic import write_marker
+    from glm5_mcore.checkpoint.atomic import write_marker
 
     d = tmp_path / "other"
     d.mkdir()
@@ -405,8 +405,8 @@ def _mc_copy(tmp_path):
 
 
 def test_rl_resume_with_changed_settings_is_refused_before_ray(tiny_dir, tmp_path):
-    from glm5_mcore.atomic import write_marker
-    from glm5_mcore.checkpoint import write_latest
+    from glm5_mcore.checkpoint.atomic import write_marker
+    from glm5_mcore.checkpoint.layout import write_latest
     from rl.config import RLConfig, run_settings
     from rl.driver import run
 

@@ -14,13 +14,13 @@ import torch
 from fake_device import fake_device, host
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
-from glm5_mcore.lora import FAMILIES, LoRAConfig
+from glm5_mcore.lora.apply import FAMILIES, LoRAConfig
 
 
 def _docs(hf_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from recipes.data import read_jsonl
+    from glm5_mcore.data.sft import read_jsonl
 
     with open(tmp_path / "d.jsonl", "w") as f:
         for i in range(3):
@@ -33,9 +33,9 @@ def _sft_loss_and_grads(hf_dir, batch):
     """One SFT micro-batch through ``recipes.sft._forward_step`` (the data path, the model with LoRA on
     every family, MTP, DSA, THD) and its loss function; (loss, n, {param: grad}) as CPU values."""
     from glm5_mcore.device import training_device
-    from glm5_mcore.lora import apply_lora
-    from glm5_mcore.model import build_model, load_hf_weights
-    from glm5_mcore.mtp_loss import mtp_depth_losses
+    from glm5_mcore.lora.apply import apply_lora
+    from glm5_mcore.model.build import build_model, load_hf_weights
+    from glm5_mcore.model.mtp_loss import mtp_depth_losses
     from recipes.sft import _forward_step
 
     glm5 = GLM5Config.from_hf_dir(hf_dir)
@@ -59,7 +59,7 @@ def _sft_loss_and_grads(hf_dir, batch):
 
 def test_sft_forward_backward_on_a_device_matches_cpu(tiny_mtp_dir, tmp_path, single_rank):
     from glm5_mcore import kernels
-    from recipes.data import pack
+    from glm5_mcore.data.sft import pack
 
     batch = pack(_docs(tiny_mtp_dir, tmp_path), 1000)[0]
     assert len(batch.cu_seqlens) == 4

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from glm5_mcore.direct_io import DirectWriter, bulk_io
+from glm5_mcore.checkpoint.direct_io import DirectWriter, bulk_io
 
 
 def _write_pieces(path: Path, pieces: list[bytes], buffer_bytes: int) -> int:

@@ -2,7 +2,7 @@
 
 import torch
 
-from glm5_mcore.dsa import compute_index_topk, deterministic_topk, sparse_attention
+from glm5_mcore.model.dsa import compute_index_topk, deterministic_topk, sparse_attention
 
 
 def test_deterministic_topk_breaks_ties_to_lower_index():
@@ -72,7 +72,7 @@ def test_topk_respects_causal_and_document_bounds():
 
 
 def test_absorbed_sparse_attention_equals_expanded_keys_values():
-    from glm5_mcore.dsa import absorbed_sparse_attention, sparse_attention
+    from glm5_mcore.model.dsa import absorbed_sparse_attention, sparse_attention
 
     g = torch.Generator().manual_seed(0)
     S, b, n, dn, dr, dv, dc, K = 24, 2, 3, 8, 4, 6, 10, 5
@@ -95,9 +95,9 @@ def test_absorbed_sparse_attention_equals_expanded_keys_values():
 
 def test_model_absorbed_path_matches_unabsorbed_and_takes_kv_up_lora(tiny_dir, single_rank):
     from glm5_mcore.config import GLM5Config, ParallelConfig
-    from glm5_mcore.dsa import GLM5SparseAttention
-    from glm5_mcore.lora import LoRAConfig, apply_lora
-    from glm5_mcore.model import build_model, forward_logits, load_hf_weights
+    from glm5_mcore.model.dsa import GLM5SparseAttention
+    from glm5_mcore.lora.apply import LoRAConfig, apply_lora
+    from glm5_mcore.model.build import build_model, forward_logits, load_hf_weights
 
     glm5 = GLM5Config.from_hf_dir(tiny_dir)
     m = build_model(glm5, ParallelConfig())
@@ -133,7 +133,7 @@ def test_model_absorbed_path_matches_unabsorbed_and_takes_kv_up_lora(tiny_dir, s
 
 
 def test_dense_attention_per_document_equals_masked():
-    from glm5_mcore.dsa import dense_attention
+    from glm5_mcore.model.dsa import dense_attention
 
     g = torch.Generator().manual_seed(1)
     S, b, n, h = 20, 1, 2, 8

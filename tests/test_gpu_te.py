@@ -25,7 +25,7 @@ TF32_RTOL = 4e-3
 
 def test_te_spec_matches_local_spec(tiny_dir, monkeypatch):
     from glm5_mcore.device import training_device
-    from glm5_mcore.model import build_model, forward_logits, init_parallel, load_hf_weights
+    from glm5_mcore.model.build import build_model, forward_logits, init_parallel, load_hf_weights
     from glm5_mcore.parity import load_input_ids
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from glm5_mcore.cli import main
+from recipes.main import main
 
 
 def _glm5(capsys, *argv):
@@ -74,7 +74,7 @@ def test_cfg_job_prints_the_resolved_config_and_writes_nothing(capsys, tmp_path,
 def test_console_script_help_and_cfg(tmp_path):
     """The installed ``glm5`` script (Hydra used to raise LexerNoViableAltException on these)."""
     for argv in (["sft", "--help"], ["rl", "--cfg", "job", "--config", "ppo_gae_tiny"]):
-        p = subprocess.run([sys.executable, "-m", "glm5_mcore.cli", *argv], capture_output=True, text=True,
+        p = subprocess.run([sys.executable, "-m", "recipes.main", *argv], capture_output=True, text=True,
                            cwd=tmp_path, timeout=120)
         assert p.returncode == 0 and "Exception" not in p.stderr, p.stderr
     assert yaml.safe_load(p.stdout)["algorithm"]["adv_estimator"] == "gae"

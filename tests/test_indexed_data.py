@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from recipes.data import DataStats, read_jsonl
-from recipes.preprocess import preprocess
+from glm5_mcore.data.sft import DataStats, read_jsonl
+from glm5_mcore.data.preprocess import preprocess
 
 from test_sft import _cfg, _reverse_task, _tok
 
@@ -43,7 +43,7 @@ def _mixed_rows(path, n, seed):
 
 
 def _read(prefix):
-    from recipes.indexed_data import Corpus
+    from glm5_mcore.data.indexed import Corpus
 
     c = Corpus(prefix)
     return [c.document(i, 10**9) for i in range(len(c))]
@@ -92,7 +92,7 @@ def _good_copy(src, tmp_path):
 
 
 def test_preprocess_bad_input_stops_with_file_line_and_harms_nothing(tiny_dir, tmp_path, capsys):
-    from glm5_mcore.cli import main
+    from recipes.main import main
 
     src = _mixed_rows(tmp_path / "rows.jsonl", 12, 1)
     out = tmp_path / "out"
@@ -132,7 +132,7 @@ def _data_cfg(**kw):
 
 
 def test_blend_draws_in_weight_proportions_dp_ranks_read_only_their_share(tiny_dir, tmp_path):
-    from recipes.indexed_data import Corpus, IndexedData
+    from glm5_mcore.data.indexed import Corpus, IndexedData
 
     for name, seed in (("web", 0), ("code", 1), ("math", 2)):
         preprocess([_mixed_rows(tmp_path / f"{name}.jsonl", 60 + 30 * seed, seed)], tmp_path / name, tiny_dir,
@@ -212,7 +212,7 @@ def test_indexed_sft_gives_jsonl_losses_and_resumes_after_a_kill_at_the_next_sam
     args = _sft_args(tiny_dir, tmp_path / "train_idx", tmp_path / "valid_idx", out, 200, **{"train.save_every": 2})
     log = tmp_path / "killed.log"
     with open(log, "w") as f:  # its own session: the kill takes any helper process with it
-        proc = subprocess.Popen([sys.executable, "-m", "glm5_mcore.cli", "sft", *args], env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "recipes.main", "sft", *args], env=env,
                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.time() + 240

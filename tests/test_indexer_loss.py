@@ -48,7 +48,7 @@ def _reference(c, topk, coeff, rows=None):
 
 
 def _topk(c):
-    from glm5_mcore.dsa import compute_index_topk
+    from glm5_mcore.model.dsa import compute_index_topk
 
     with torch.no_grad():
         return compute_index_topk(c["q_i"], c["k_i"], c["w_i"], c["K"], c["q_pos"], c["doc_start"])
@@ -57,7 +57,7 @@ def _topk(c):
 def test_sparse_loss_equals_hand_reference_and_megatron_core():
     from megatron.core.transformer.experimental_attention_variant.dsa import _compute_index_scores, compute_dsa_indexer_loss
 
-    from glm5_mcore.indexer_loss import compute_sparse_attention_target, compute_sparse_indexer_loss
+    from glm5_mcore.model.indexer_loss import compute_sparse_attention_target, compute_sparse_indexer_loss
 
     class _PG:  # TP size 1, as compute_dsa_indexer_loss asks
         class tp:
@@ -105,7 +105,7 @@ def test_sparse_loss_equals_hand_reference_and_megatron_core():
 
 
 def test_recall_counts_dense_mass_in_topk_on_eligible_rows():
-    from glm5_mcore.indexer_loss import compute_topk_recall
+    from glm5_mcore.model.indexer_loss import compute_topk_recall
 
     c = _case(seed=3, b=1)
     topk = _topk(c)
@@ -126,7 +126,7 @@ def test_recall_counts_dense_mass_in_topk_on_eligible_rows():
 
 
 def _thd_batch(vocab, lengths=(24, 20, 36), seed=5, tp=1):
-    from recipes.data import Document, _batch
+    from glm5_mcore.data.sft import Document, _batch
 
     g = torch.Generator().manual_seed(seed)
     return _batch([Document(torch.randint(3, vocab, (n + 1,), generator=g).tolist(), [1] * (n + 1)) for n in lengths],
@@ -134,7 +134,7 @@ def _thd_batch(vocab, lengths=(24, 20, 36), seed=5, tp=1):
 
 
 def test_loss_reaches_only_the_indexer_and_index_share_layers_add_nothing(tiny_share_dir, single_rank):
-    from glm5_mcore.dsa import GLM5SparseAttention, indexer_metrics
+    from glm5_mcore.model.dsa import GLM5SparseAttention, indexer_metrics
     from helpers import hf_model
 
     model, glm5 = hf_model(tiny_share_dir, calculate_per_token_loss=True, dsa_indexer_loss_coeff=0.01)
@@ -203,7 +203,7 @@ def test_tp2_and_cp2_equal_one_rank(tiny_share_dir, tmp_path):
 
 
 def test_trainable_indexer_without_loss_is_refused_before_any_work(tiny_dir, tmp_path, single_rank):
-    from glm5_mcore.dsa import check_indexer_learns, set_indexer_frozen
+    from glm5_mcore.model.dsa import check_indexer_learns, set_indexer_frozen
     from helpers import hf_model
     from recipes.sft import SFTConfig, run
 
@@ -258,7 +258,7 @@ def test_sparse_stage_keeps_recall_and_frozen_indexer_loses_it(tiny_dir, tmp_pat
         def finish(self):
             pass
 
-    monkeypatch.setattr("glm5_mcore.training.init_wandb", lambda *a, **k: _Run())  # what RunLog calls
+    monkeypatch.setattr("glm5_mcore.training.loop.init_wandb", lambda *a, **k: _Run())  # what RunLog calls
     train = _copy_task(tmp_path / "copy.jsonl", 256, 0)
 
     def recall(frozen, progress=False):

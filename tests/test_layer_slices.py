@@ -1,10 +1,10 @@
 """mcore-to-hf at full-size proportions: layers several times the output shard are loaded in slices
-of their experts (``glm5_mcore.layer_slices``, ``dcp_pieces``) and the round trip stays bit-exact."""
+of their experts (``glm5_mcore.convert.layer_slices``, ``dcp_pieces``) and the round trip stays bit-exact."""
 
 import pytest
 import torch
 
-from glm5_mcore.layer_slices import slice_units
+from glm5_mcore.convert.layer_slices import slice_units
 
 
 def test_slice_units_keep_order_and_budget():
@@ -19,8 +19,8 @@ def test_slice_units_keep_order_and_budget():
 
 
 def test_layers_3x_the_shard_round_trip_bit_exact_in_slices(tmp_path):
-    from glm5_mcore import convert
-    from glm5_mcore.hf_io import HFCheckpoint
+    from glm5_mcore.convert import common as convert
+    from glm5_mcore.checkpoint.hf_io import HFCheckpoint
     from glm5_mcore.tiny import write_tiny
 
     src = write_tiny(tmp_path / "hf", mtp=True)
@@ -54,7 +54,7 @@ def test_layers_3x_the_shard_round_trip_bit_exact_in_slices(tmp_path):
 
 
 def test_missing_piece_is_named(tmp_path):
-    from glm5_mcore.dcp_pieces import _PiecePlanner
+    from glm5_mcore.convert.dcp_pieces import _PiecePlanner
 
     class MD:
         state_dict_metadata = {}

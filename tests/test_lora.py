@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from glm5_mcore.lora import (FAMILIES, INDEXER, LoRAConfig, adapter_parameters, apply_lora, disable_adapters,
+from glm5_mcore.lora.apply import (FAMILIES, INDEXER, LoRAConfig, adapter_parameters, apply_lora, disable_adapters,
                              lora_layers, merge, set_adapter, unmerge)
-from glm5_mcore.model import forward_logits
+from glm5_mcore.model.build import forward_logits
 from glm5_mcore.parity import load_input_ids
 from helpers import hf_model
 
@@ -120,7 +120,7 @@ def _lora_steps(hf_dir, tp, ep, out):
 def test_lora_training_steps_match_one_rank_at_tp2_ep2(tiny_dir, tmp_path):
     ref = _lora_steps(tiny_dir, 1, 1, tmp_path / "one.json")
     assert ref[3] < ref[2] < ref[1] < ref[0], ref  # 3 updates, each lowers the loss
-    from glm5_mcore.adapters import read_adapter_state
+    from glm5_mcore.lora.state import read_adapter_state
 
     ref_adapter = read_adapter_state(f"{tmp_path / 'one.json'}.adapter")
     for tp, ep in ((2, 1), (1, 2), (2, 2)):

@@ -14,8 +14,8 @@ import pytest
 import torch
 import yaml
 
-from glm5_mcore.cli import main as cli
-from glm5_mcore.hf_io import HFCheckpoint
+from recipes.main import main as cli
+from glm5_mcore.checkpoint.hf_io import HFCheckpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 from megatron_layout import write_megatron  # noqa: E402
@@ -60,8 +60,8 @@ def _expected(src: dict, flavour: str, n_layers: int) -> dict:
 
 
 def test_layout_resolution_and_bad_tracker(foreign, tmp_path):
-    from glm5_mcore.checkpoint import model_dir
-    from glm5_mcore.foreign_ckpt import is_foreign
+    from glm5_mcore.checkpoint.layout import model_dir
+    from glm5_mcore.checkpoint.megatron_lm import is_foreign
 
     assert is_foreign(foreign["mlm"]) and is_foreign(foreign["bridge"] / "iter_0000030")
     assert model_dir(foreign["mlm"]) == foreign["mlm"] / "iter_0000020"  # via the tracker file
@@ -82,10 +82,10 @@ def test_layout_resolution_and_bad_tracker(foreign, tmp_path):
 def test_training_loader_gets_the_source_weights(foreign, tiny_mtp_dir, flavour, single_rank, capsys):
     """``load_model`` (SFT/RL ``model.ckpt``, parity ``--ckpt``): their non-tensor state is left out, the
     bf16 router upcast; every parameter equals the one saved."""
-    from glm5_mcore.checkpoint import load_model, model_dir
+    from glm5_mcore.checkpoint.layout import load_model, model_dir
     from glm5_mcore.config import GLM5Config
-    from glm5_mcore.foreign_ckpt import glm5_config
-    from glm5_mcore.model import build_model
+    from glm5_mcore.checkpoint.megatron_lm import glm5_config
+    from glm5_mcore.model.build import build_model
     from helpers import hf_model
 
     cfg = glm5_config(foreign[flavour], GLM5Config.from_hf_dir(tiny_mtp_dir))
@@ -108,7 +108,7 @@ def test_training_loader_gets_the_source_weights(foreign, tiny_mtp_dir, flavour,
 
 def test_architecture_is_checked_against_the_hf_config(foreign, tiny_mtp_dir, tmp_path):
     from glm5_mcore.config import GLM5Config
-    from glm5_mcore.foreign_ckpt import glm5_config
+    from glm5_mcore.checkpoint.megatron_lm import glm5_config
 
     hf = GLM5Config.from_hf_dir(tiny_mtp_dir)
     for flavour, edit in (("bridge", "run_config"), ("mlm", "hf")):
@@ -170,7 +170,7 @@ def test_parity_on_a_megatron_lm_folder_at_tp2_ep2(foreign, converted):
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                        "-m", "glm5_mcore.cli", "parity", "--ckpt", str(foreign["mlm"]), "--hf-dir",
+                        "-m", "recipes.main", "parity", "--ckpt", str(foreign["mlm"]), "--hf-dir",
                         str(converted["mlm"]), "--tp", "2", "--ep", "2"],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
@@ -244,10 +244,10 @@ def bridge_lora(foreign, tiny_mtp_dir):
     bf16 (Bridge keeps adapters in the params dtype), saved as a Megatron-Bridge PEFT checkpoint whose
     base (run_config.yaml checkpoint.pretrained_checkpoint) is the Megatron-LM folder of the same model;
     dense / shared-expert fc1 as CanonicalLoRA gate/up halves."""
-    from glm5_mcore.adapters import gather_adapter
+    from glm5_mcore.lora.state import gather_adapter
     from glm5_mcore.config import ParallelConfig
-    from glm5_mcore.lora import FAMILIES, LoRAConfig, apply_lora
-    from glm5_mcore.model import init_parallel
+    from glm5_mcore.lora.apply import FAMILIES, LoRAConfig, apply_lora
+    from glm5_mcore.model.build import init_parallel
     from helpers import hf_model
     from megatron_layout import write_bridge_peft
 
@@ -270,8 +270,8 @@ def test_lora_export_reads_a_bridge_peft_checkpoint(bridge_lora, tiny_mtp_dir, t
     from safetensors.torch import load_file
 
     from glm5_mcore.config import GLM5Config
-    from glm5_mcore.foreign_lora import read_bridge_adapter
-    from glm5_mcore.peft_io import export_peft
+    from glm5_mcore.lora.bridge_peft import read_bridge_adapter
+    from glm5_mcore.lora.peft import export_peft
     from test_peft import _peft_model
 
     root, src = bridge_lora
@@ -294,8 +294,8 @@ def test_lora_export_reads_a_bridge_peft_checkpoint(bridge_lora, tiny_mtp_dir, t
     assert ca == cb
     pm, unexpected, missing = _peft_model(tiny_mtp_dir, tmp_path / "peft")
     assert unexpected == [] and missing == []
-    from glm5_mcore.adapters import load_adapter_state
-    from glm5_mcore.model import forward_logits
+    from glm5_mcore.lora.state import load_adapter_state
+    from glm5_mcore.model.build import forward_logits
     from glm5_mcore.parity import load_input_ids
     from helpers import hf_model
 
@@ -334,8 +334,8 @@ def test_bridge_peft_variants_and_bad_adapters(bridge_lora, foreign, tiny_mtp_di
     """Bridge's shared expert adapter (expert-axis and legacy 2-D layouts) reaches every expert; a LoRA
     with no GLM-5 counterpart (the router), DoRA, and an adapter-only folder given as base weights are
     one-line errors naming the tensor / field, with nothing written."""
-    from glm5_mcore.adapters import AdapterState
-    from glm5_mcore.foreign_lora import read_bridge_adapter
+    from glm5_mcore.lora.state import AdapterState
+    from glm5_mcore.lora.bridge_peft import read_bridge_adapter
     from megatron_layout import write_bridge_peft
 
     _, src = bridge_lora
@@ -377,10 +377,10 @@ def test_export_megatron_round_trip(tiny_mtp_dir, tmp_path, capsys, single_rank)
     """Ours -> their layout (tracker, iter_N = the distributed checkpoint, run_config.yaml, tokenizer/),
     which our foreign-layout loaders read back bit for bit; a second export into it is allowed,
     anything else there is refused untouched."""
-    from glm5_mcore.checkpoint import load_model, model_dir
-    from glm5_mcore.convert import hf_to_mcore
-    from glm5_mcore.foreign_ckpt import glm5_config, model_path
-    from glm5_mcore.model import build_model
+    from glm5_mcore.checkpoint.layout import load_model, model_dir
+    from glm5_mcore.convert.common import hf_to_mcore
+    from glm5_mcore.checkpoint.megatron_lm import glm5_config, model_path
+    from glm5_mcore.model.build import build_model
     from glm5_mcore.config import GLM5Config
 
     ours = hf_to_mcore(tiny_mtp_dir, tmp_path / "ours", progress=False)
@@ -414,11 +414,11 @@ def test_export_megatron_round_trip(tiny_mtp_dir, tmp_path, capsys, single_rank)
 def test_export_megatron_merges_a_lora_result(tiny_dir, tmp_path, single_rank):
     """A LoRA SFT result exported with --merge-adapter: the Megatron folder computes what the base
     plus the adapter computes."""
-    from glm5_mcore.adapters import load_adapter_state, read_adapter_state
-    from glm5_mcore.checkpoint import adapter_dir, load_model, model_dir
+    from glm5_mcore.lora.state import load_adapter_state, read_adapter_state
+    from glm5_mcore.checkpoint.layout import adapter_dir, load_model, model_dir
     from glm5_mcore.config import GLM5Config
-    from glm5_mcore.foreign_ckpt import glm5_config
-    from glm5_mcore.model import build_model, forward_logits, load_hf_weights
+    from glm5_mcore.checkpoint.megatron_lm import glm5_config
+    from glm5_mcore.model.build import build_model, forward_logits, load_hf_weights
     from recipes.sft import run
     from test_sft import _cfg
 

@@ -1,4 +1,4 @@
-"""``RUN/metrics.jsonl`` (``glm5_mcore.run_log``) and ``glm5 plot``: rows continued across a resume
+"""``RUN/metrics.jsonl`` (``glm5_mcore.training.run_log``) and ``glm5 plot``: rows continued across a resume
 without repeating a step, the PNG's panels, and ``--out`` / bad run folders refused without harm.
 (Real SFT and RL runs write and plot theirs in tests/test_sft.py and tests/test_rl_ray.py.)"""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from glm5_mcore.plot import RL_PANELS, SFT_PANELS, png_kind, plot
-from glm5_mcore.run_log import METRICS_FILE, MetricsFile, read_metrics
+from glm5_mcore.training.run_log import METRICS_FILE, MetricsFile, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,7 +57,7 @@ def test_plot_panels_and_refusals(tmp_path):
            "OMP_NUM_THREADS": "1"}
 
     def glm5(*args):
-        return subprocess.run([sys.executable, "-m", "glm5_mcore.cli", "plot", *map(str, args)], env=env,
+        return subprocess.run([sys.executable, "-m", "recipes.main", "plot", *map(str, args)], env=env,
                               capture_output=True, text=True, timeout=300)
 
     other = tmp_path / "photo.png"

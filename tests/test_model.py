@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
-from glm5_mcore.model import build_model, forward_logits, load_hf_weights, packed_seq_params_from_lengths
+from glm5_mcore.model.build import build_model, forward_logits, load_hf_weights, packed_seq_params_from_lengths
 from glm5_mcore.parity import load_input_ids, run_parity
 
 SEQ = 32  # > index_topk = 8, so the indexer really drops keys
@@ -87,7 +87,7 @@ def test_three_optimizer_steps_lower_the_loss(tiny_mtp_dir, single_rank):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from glm5_mcore.dsa import set_indexer_frozen
+    from glm5_mcore.model.dsa import set_indexer_frozen
     from helpers import megatron_steps
 
     m, _ = _model(tiny_mtp_dir)
@@ -103,8 +103,8 @@ def test_three_optimizer_steps_lower_the_loss(tiny_mtp_dir, single_rank):
 
 
 def test_model_code_imports_no_transformers():
-    code = ("import sys, glm5_mcore.config, glm5_mcore.model, glm5_mcore.dsa, glm5_mcore.layer_spec, "
-            "glm5_mcore.hf_names, glm5_mcore.hf_io, glm5_mcore.cpu_compat, glm5_mcore.tiny; "
+    code = ("import sys, glm5_mcore.config, glm5_mcore.model.build, glm5_mcore.model.dsa, glm5_mcore.model.layer_spec, "
+            "glm5_mcore.checkpoint.hf_names, glm5_mcore.checkpoint.hf_io, glm5_mcore.cpu_compat, glm5_mcore.tiny; "
             "assert 'transformers' not in sys.modules, 'transformers imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -132,7 +132,7 @@ def test_wrong_shape_and_missing_tensor_are_named(tiny_dir, tmp_path, single_ran
 
 
 def test_cli_errors_name_the_file(tmp_path, tiny_dir):
-    from glm5_mcore.cli import main
+    from recipes.main import main
 
     assert main(["parity", "--hf-dir", str(tmp_path / "nope")]) == 2
     (tmp_path / "ids.safetensors").write_bytes(b"garbage")

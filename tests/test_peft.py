@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from glm5_mcore.config import ParallelConfig
-from glm5_mcore.lora import EXPERTS, INDEXER, MLA, MLP, LoRAConfig, apply_lora
-from glm5_mcore.model import forward_logits
+from glm5_mcore.lora.apply import EXPERTS, INDEXER, MLA, MLP, LoRAConfig, apply_lora
+from glm5_mcore.model.build import forward_logits
 from glm5_mcore.parity import load_input_ids
 from helpers import hf_model
 
@@ -40,8 +40,8 @@ def _peft_model(hf_dir, adapter_dir):
 @pytest.fixture(scope="module")
 def lora_ckpt(tiny_share_dir, tmp_path_factory):
     """A checkpoint (base + adapter 'sft') of the IndexShare tiny model with every family adapted."""
-    from glm5_mcore.checkpoint import save_checkpoint, write_hf_meta
-    from glm5_mcore.model import init_parallel
+    from glm5_mcore.checkpoint.layout import save_checkpoint, write_hf_meta
+    from glm5_mcore.model.build import init_parallel
 
     init_parallel(ParallelConfig())
     cfg = LoRAConfig(rank=4, alpha=8, targets=ALL, init="random", rank_overrides={"linear_kv_up_proj": 2})
@@ -56,7 +56,7 @@ def lora_ckpt(tiny_share_dir, tmp_path_factory):
 
 
 def test_export_loads_in_peft_with_no_missing_keys_and_matches(lora_ckpt, tiny_share_dir, tmp_path):
-    from glm5_mcore.peft_io import export_checkpoint_adapter
+    from glm5_mcore.lora.peft import export_checkpoint_adapter
 
     root, ids, ours = lora_ckpt
     out = export_checkpoint_adapter(root, tmp_path / "peft", "sft", progress=False)
@@ -74,7 +74,7 @@ def test_export_loads_in_peft_with_no_missing_keys_and_matches(lora_ckpt, tiny_s
 def test_merged_export_matches(lora_ckpt, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from glm5_mcore.peft_io import export_checkpoint_adapter
+    from glm5_mcore.lora.peft import export_checkpoint_adapter
 
     root, ids, ours = lora_ckpt
     out = export_checkpoint_adapter(root, tmp_path / "merged", "sft", merged=True, progress=False)
@@ -113,7 +113,7 @@ def test_adapter_made_with_peft_imports_and_matches(tiny_dir, tmp_path):
 
 
 def test_per_expert_keys_and_split_gate_up_import(tmp_path):
-    from glm5_mcore.peft_io import import_peft
+    from glm5_mcore.lora.peft import import_peft
 
     g = torch.Generator().manual_seed(0)
     H, I, r = 64, 32, 3
@@ -138,7 +138,7 @@ def test_per_expert_keys_and_split_gate_up_import(tmp_path):
 
 def test_lora_cli_errors_name_the_path(tmp_path, lora_ckpt):
     root, _, _ = lora_ckpt
-    r = subprocess.run([sys.executable, "-m", "glm5_mcore.cli", "lora", "export", "--ckpt", str(root),
+    r = subprocess.run([sys.executable, "-m", "recipes.main", "lora", "export", "--ckpt", str(root),
                         "--adapter", "nope", "--out", str(tmp_path / "x")], capture_output=True, text=True)
     assert r.returncode == 2 and "adapters/nope" in r.stderr and "sft" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "x").exists()

@@ -142,7 +142,7 @@ def test_rollout_kv_cache_per_token_by_hand():
 
 
 def _glm5(*args):
-    return subprocess.run([sys.executable, "-m", "glm5_mcore.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "recipes.main", *args], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
 
 
@@ -154,7 +154,7 @@ def test_glm5_plan_cli_shipped_config():
 
 
 def test_glm5_plan_search(capsys):
-    from glm5_mcore.cli import main
+    from recipes.main import main
 
     assert main(["plan", "--config", "rl/glm5_744b", "trainer.ep=8"]) == 1  # the old trainer layout
     out = capsys.readouterr().out
@@ -170,7 +170,7 @@ def test_glm5_plan_search(capsys):
 
 
 def test_glm5_plan_cli_bad_input(capsys):
-    from glm5_mcore.cli import main
+    from recipes.main import main
 
     assert main(["plan", "--cluster", "a100"]) == 2
     assert capsys.readouterr().err.startswith("glm5 plan: error: cluster: unknown preset 'a100'")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from glm5_mcore.hf_io import HFCheckpoint, SafetensorsFile, dequantize_fp8_blocks
+from glm5_mcore.checkpoint.hf_io import HFCheckpoint, SafetensorsFile, dequantize_fp8_blocks
 
 
 def _stored(hf_dir) -> dict:
@@ -58,7 +58,7 @@ def test_saved_folder_passes_parity_with_a_notice(saved_dir, single_rank, capfd)
 
 
 def test_saved_folder_round_trips_byte_for_byte(saved_dir, tmp_path):
-    from glm5_mcore.convert import hf_to_mcore, mcore_to_hf
+    from glm5_mcore.convert.common import hf_to_mcore, mcore_to_hf
 
     ck = hf_to_mcore(saved_dir, tmp_path / "ck", progress=False)
     back = mcore_to_hf(ck, tmp_path / "back", progress=False)
@@ -70,7 +70,7 @@ def test_saved_folder_round_trips_byte_for_byte(saved_dir, tmp_path):
 
 def test_bf16_stored_under_fp32_config_round_trips_to_bf16(saved_dir, tmp_path):
     """Tensors stored bf16 (router fp32) while config.json says float32: they come back bf16, not fp32."""
-    from glm5_mcore.convert import hf_to_mcore, mcore_to_hf
+    from glm5_mcore.convert.common import hf_to_mcore, mcore_to_hf
 
     src = HFCheckpoint(saved_dir)
     d = tmp_path / "bf16"
@@ -96,8 +96,8 @@ def test_fp8_export_reimports_to_its_dequantized_values(saved_dir, tmp_path):
     import subprocess
     import sys
 
-    from glm5_mcore.convert import hf_to_mcore
-    from glm5_mcore.fp8 import is_quantized
+    from glm5_mcore.convert.common import hf_to_mcore
+    from glm5_mcore.checkpoint.fp8 import is_quantized
 
     # widths past one 128 block (partial edge blocks): hidden 192, intermediate 160
     from glm5_mcore.config import glm5_tiny
@@ -108,7 +108,7 @@ def test_fp8_export_reimports_to_its_dequantized_values(saved_dir, tmp_path):
     src = write_hf_checkpoint(cfg, {k: v.bfloat16() if not k.endswith(("mlp.gate.weight", "e_score_correction_bias"))
                                     else v for k, v in random_hf_state_dict(cfg, 5).items()}, tmp_path / "src")
     ck = hf_to_mcore(src, tmp_path / "ck", progress=False)
-    env_py = [sys.executable, "-m", "glm5_mcore.cli", "convert", "mcore-to-hf", "--no-progress"]
+    env_py = [sys.executable, "-m", "recipes.main", "convert", "mcore-to-hf", "--no-progress"]
     env = {k: v for k, v in os.environ.items()  # the pytest process holds its own process group
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent))
@@ -139,7 +139,7 @@ def test_fp8_export_reimports_to_its_dequantized_values(saved_dir, tmp_path):
             assert torch.equal(got.get(name), source.get(name)), name
     assert n_q > 0 and stored["model.layers.0.mlp.gate_proj.weight_scale_inv"][1] == (2, 2)  # 160x192: partial blocks
     # import ∘ export: the FP8 folder converts and exports back byte-identically (scales and bytes)
-    from glm5_mcore.convert import mcore_to_hf
+    from glm5_mcore.convert.common import mcore_to_hf
 
     mcore_to_hf(hf_to_mcore(fp8, tmp_path / "ck8", progress=False), tmp_path / "fp8b", progress=False)
     assert _stored(tmp_path / "fp8b") == stored
@@ -165,7 +165,7 @@ def _sft_cfg(hf_dir, tmp_path, **over):
 def test_saved_folder_fine_tunes_without_mtp_or_with_a_fresh_one(saved_dir, tmp_path):
     """model.mtp=auto: no MTP block, no MTP loss, the export holds the tensors read; model.mtp=init: a
     fresh MTP layer (Megatron-Core's init) is trained and exported as model.layers.{L}.*."""
-    from glm5_mcore.convert import mcore_to_hf
+    from glm5_mcore.convert.common import mcore_to_hf
     from recipes.sft import run
 
     L = json.loads((Path(saved_dir) / "config.json").read_text())["num_hidden_layers"]
@@ -198,7 +198,7 @@ def test_saved_folder_lora_exports_and_is_an_rl_base(saved_dir, tmp_path):
     from rl.rollout.hf_engine import HFRolloutEngine
     from rl.trainer import PolicyTrainer
 
-    from glm5_mcore.convert import hf_to_mcore
+    from glm5_mcore.convert.common import hf_to_mcore
 
     ck = hf_to_mcore(saved_dir, tmp_path / "base", progress=False)
     run(_sft_cfg(saved_dir, tmp_path, model={"hf_dir": None, "ckpt": str(ck)}, lora={"enabled": True, "rank": 4},
@@ -206,7 +206,7 @@ def test_saved_folder_lora_exports_and_is_an_rl_base(saved_dir, tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent))
-    cli = [sys.executable, "-m", "glm5_mcore.cli", "lora", "export", "--ckpt", str(tmp_path / "run"), "--no-progress"]
+    cli = [sys.executable, "-m", "recipes.main", "lora", "export", "--ckpt", str(tmp_path / "run"), "--no-progress"]
     for extra, out in (([], "peft"), (["--merged"], "merged")):
         r = subprocess.run(cli + extra + ["--out", str(tmp_path / out)], env=env, capture_output=True, text=True,
                            timeout=300)
@@ -237,7 +237,7 @@ def test_bad_dtype_record_and_mtp_mode_name_the_problem(saved_dir, tmp_path):
     import subprocess
     import sys
 
-    from glm5_mcore.convert import hf_to_mcore
+    from glm5_mcore.convert.common import hf_to_mcore
     from recipes.sft import run
 
     ck = hf_to_mcore(saved_dir, tmp_path / "ck", progress=False)
@@ -245,7 +245,7 @@ def test_bad_dtype_record_and_mtp_mode_name_the_problem(saved_dir, tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent))
-    r = subprocess.run([sys.executable, "-m", "glm5_mcore.cli", "convert", "mcore-to-hf", "--ckpt", str(ck),
+    r = subprocess.run([sys.executable, "-m", "recipes.main", "convert", "mcore-to-hf", "--ckpt", str(ck),
                         "--out", str(tmp_path / "out"), "--no-progress"], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 2 and f"error: {ck / 'hf' / 'dtypes.json'}: not a dtype record" in r.stderr, r.stderr

@@ -20,7 +20,7 @@ def _cfg(tiny_dir, **sections):
 
 
 def _perturb(trainer, name="default", seed=0, scale=0.05):
-    from glm5_mcore.lora import lora_layers
+    from glm5_mcore.lora.apply import lora_layers
 
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -57,7 +57,7 @@ def test_trainer_and_engine_logprobs_agree(setup):
     """Same weights in fp32, frozen indexer, deterministic top-k: |Δ log p| <= 1e-5 per sampled token."""
     cfg, trainer, engine, tok = setup
     prompts, results = _rollout(cfg, engine, tok)
-    from glm5_mcore.dsa import GLM5SparseAttention
+    from glm5_mcore.model.dsa import GLM5SparseAttention
 
     indexer = [p for m in trainer.model.modules() if isinstance(m, GLM5SparseAttention) and m.indexer is not None
                for p in m.indexer.parameters()]
@@ -76,8 +76,8 @@ def test_trainer_and_engine_logprobs_agree(setup):
 def test_reference_logprobs_are_the_base_model(setup, tiny_dir):
     """Adapters disabled on the policy model == a separate model built without any adapter, exactly."""
     from glm5_mcore.config import GLM5Config
-    from glm5_mcore.model import build_model, load_hf_weights
-    from glm5_mcore.mtp_loss import token_logprobs
+    from glm5_mcore.model.build import build_model, load_hf_weights
+    from glm5_mcore.model.mtp_loss import token_logprobs
 
     cfg, trainer, engine, tok = setup
     prompts, results = _rollout(cfg, engine, tok, step=3, n=2, count=3)
@@ -104,7 +104,7 @@ def test_reference_logprobs_are_the_base_model(setup, tiny_dir):
     ("no_loss_token", "no response token left in the loss (masked or rejected)"),  # all rejected / masked
 ])
 def test_a_bad_batch_skips_the_update_naming_why(setup, spoil, reason):
-    from glm5_mcore.lora import adapter_parameters
+    from glm5_mcore.lora.apply import adapter_parameters
 
     cfg, trainer, engine, tok = setup
     prompts, results = _rollout(cfg, engine, tok, step=5, n=4, count=16)

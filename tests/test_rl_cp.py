@@ -137,7 +137,7 @@ def test_cp_refuses_the_mtp_loss(tiny_dir):
 def test_cp_shards_cover_the_pack_once():
     """Every token of a pack lands on exactly one CP rank (chunks r and 2·cp-1-r of each padded document),
     and ``cp_unsplit_index`` puts the all-gathered shares back in order."""
-    from glm5_mcore.cp_split import cp_shard, cp_unsplit_index
+    from glm5_mcore.data.cp_split import cp_shard, cp_unsplit_index
 
     cu = [0, 5, 6, 23, 40]
     for cp, m in ((2, 1), (2, 2), (3, 1), (4, 1)):

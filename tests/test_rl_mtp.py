@@ -49,7 +49,7 @@ def _mtp_logits(trainer, mb, train: bool):
 
 def test_mtp_on_leaves_ppo_logprobs_unchanged(mtp_setup, tiny_mtp_dir):
     """Against a trainer with the MTP loss off: built without the MTP block at all."""
-    from glm5_mcore.lora import lora_layers
+    from glm5_mcore.lora.apply import lora_layers
     from rl.trainer import PolicyTrainer
 
     cfg, trainer, batch = mtp_setup
@@ -69,7 +69,7 @@ def test_mtp_on_leaves_ppo_logprobs_unchanged(mtp_setup, tiny_mtp_dir):
 def test_mtp_loss_equals_reference_and_reaches_only_mtp_and_adapters(mtp_setup):
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-    from glm5_mcore.mtp_loss import mtp_depth_losses
+    from glm5_mcore.model.mtp_loss import mtp_depth_losses
 
     cfg, trainer, batch = mtp_setup
     mb = trainer._micro_batches(batch, list(range(batch.size)))[0]
@@ -181,7 +181,7 @@ def test_glm5_rl_mtp_loss_without_mtp_tensors_is_a_one_line_error(tiny_dir, tmp_
     import contextlib
     import io
 
-    from glm5_mcore.cli import main
+    from recipes.main import main
 
     out = tmp_path / "rl"
     err = io.StringIO()
@@ -199,7 +199,7 @@ def _drafted_case(trainer, seed: int = 0, hit: float = 0.7) -> dict:
     the MTP head's draft for it under that adapter (else random): so ``rollout/mtp_accept`` is far
     from 0 (random tokens would give ~1/vocab). Built position by position: the draft of token t
     (from position t-2 and token t-1) does not depend on tokens t and later."""
-    from glm5_mcore.lora import lora_layers
+    from glm5_mcore.lora.apply import lora_layers
     from rl_mtp_check import load_case
 
     g = torch.Generator().manual_seed(seed)
@@ -271,8 +271,8 @@ def test_mtp_loss_and_accept_at_tp2_and_dp2ep2_equal_one_rank(tiny_mtp_dir, tmp_
 def trainer_merged_mtp(trainer) -> dict:
     """HF name → W + scale·B·A of every adapted MTP-layer linear, from the trainer's own modules (one
     rank: full tensors), independent of the engines' push path (base shards + the exported PEFT payload)."""
-    from glm5_mcore.hf_names import hf_source
-    from glm5_mcore.lora import lora_layers
+    from glm5_mcore.checkpoint.hf_names import hf_source
+    from glm5_mcore.lora.apply import lora_layers
 
     out = {}
     with torch.no_grad():
@@ -317,7 +317,7 @@ def test_vllm_push_sends_the_mtp_layer_to_the_draft_model(mtp_setup, tiny_mtp_di
     model again restores the draft. Not drafting: nothing of the MTP layer is sent."""
     from safetensors.torch import load_file
 
-    from glm5_mcore.hf_io import HFCheckpoint
+    from glm5_mcore.checkpoint.hf_io import HFCheckpoint
 
     cfg, trainer, batch = mtp_setup
     L = trainer.glm5.num_hidden_layers

@@ -25,7 +25,7 @@ def test_grpo_toy_reward_rises_from_chance(tiny_dir, tmp_path):
     """``glm5 rl`` (the README's main job, Ray local, W&B offline): held-out reward from chance (1/2)
     to >= 0.9."""
     out = tmp_path / "rl"
-    cmd = [sys.executable, "-m", "glm5_mcore.cli", "rl", f"model.hf_dir={tiny_dir}", f"trainer.out={out}",
+    cmd = [sys.executable, "-m", "recipes.main", "rl", f"model.hf_dir={tiny_dir}", f"trainer.out={out}",
            "trainer.steps=90", "trainer.stop_at_reward=0.9", "trainer.save_every=0", "trainer.progress=false"]
     p = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -35,7 +35,7 @@ def test_grpo_toy_reward_rises_from_chance(tiny_dir, tmp_path):
     assert max(val.values()) >= 0.9, val
     assert list((out / "wandb").glob("offline-run-*")), "W&B offline run missing"
     from glm5_mcore.plot import RL_PANELS, plot
-    from glm5_mcore.run_log import read_metrics
+    from glm5_mcore.training.run_log import read_metrics
 
     rows = read_metrics(out / "metrics.jsonl")  # every step once, the W&B names, the held-out curve
     assert [r["step"] for r in rows] == list(range(len(rows))) and rows[-1]["step"] == res["steps"]
@@ -102,7 +102,7 @@ def test_resume_gives_identical_next_step(tiny_dir, tmp_path, ray_local):
               "rollout_corr/k3_kl", "response_length/mean"):
         assert x[k] == y[k], (k, x[k], y[k])
     assert resumed["state"] == {**full["state"]}
-    from glm5_mcore.run_log import read_metrics
+    from glm5_mcore.training.run_log import read_metrics
 
     rows = read_metrics(b / "metrics.jsonl")  # step 3 of the copied run dropped, then logged again: once
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -161,7 +161,7 @@ def test_tool_episodes_reward_rises_from_chance(tiny_dir, tmp_path):
     """``glm5 rl --config tool_tiny``: multi-turn episodes with the toy lookup tool; held-out reward from
     chance (~0.1: the answer needs the value only the tool returns) to >= 0.9."""
     out = tmp_path / "rl"
-    cmd = [sys.executable, "-m", "glm5_mcore.cli", "rl", "--config", "tool_tiny", f"model.hf_dir={tiny_dir}",
+    cmd = [sys.executable, "-m", "recipes.main", "rl", "--config", "tool_tiny", f"model.hf_dir={tiny_dir}",
            f"trainer.out={out}", "trainer.steps=120", "trainer.stop_at_reward=0.9", "trainer.save_every=0",
            "trainer.progress=false", "wandb.mode=disabled"]
     p = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=1200)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.data import DataError, pack, read_jsonl
+from glm5_mcore.data.sft import DataError, pack, read_jsonl
 
 
 def _tok(hf_dir):
@@ -72,7 +72,7 @@ def test_bad_rows_name_file_and_line_or_are_skipped(tiny_dir, tmp_path):
                  '{"messages": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w5 w6"}]}\n')
     with pytest.raises(DataError, match=r"bad.jsonl:3: 'prompt' and a non-empty 'response'"):
         read_jsonl(p, tok, 64)
-    from recipes.data import DataStats
+    from glm5_mcore.data.sft import DataStats
 
     st = DataStats()
     docs = read_jsonl(p, tok, 64, skip_bad_rows=True, stats=st)
@@ -83,7 +83,7 @@ def test_bad_rows_name_file_and_line_or_are_skipped(tiny_dir, tmp_path):
 
 def test_thd_packed_losses_equal_unpacked_and_documents_are_independent(tiny_mtp_dir, tmp_path, single_rank):
     from glm5_mcore.config import GLM5Config, ParallelConfig
-    from glm5_mcore.model import build_model, load_hf_weights
+    from glm5_mcore.model.build import build_model, load_hf_weights
 
     tok = _tok(tiny_mtp_dir)
     docs = read_jsonl(_reverse_task(tmp_path / "d.jsonl", 3, 5, lengths=(8, 14)), tok, 64)
@@ -123,7 +123,7 @@ def test_tiny_sft_lowers_train_and_validation_loss(tiny_mtp_dir, tmp_path):
     assert "moe/max_over_mean" in h[-1]
     # the run's metrics.jsonl: the W&B names, one row per step (+ the step-0 evaluation); its plot
     from glm5_mcore.plot import SFT_PANELS, plot
-    from glm5_mcore.run_log import read_metrics
+    from glm5_mcore.training.run_log import read_metrics
 
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(25)) and rows[0] == {"step": 0, "val_loss": out["val"][0][1]}
@@ -148,7 +148,7 @@ def test_resume_continues_with_identical_losses(tiny_dir, tmp_path):
     resumed = run(_cfg(tiny_dir, tmp_path / "b", **cfg))
     assert resumed["state"]["step"] == 6 and len(resumed["history"]) == 3
     assert [x["loss"] for x in resumed["history"]] == [x["loss"] for x in full[3:]]
-    from glm5_mcore.run_log import read_metrics
+    from glm5_mcore.training.run_log import read_metrics
 
     rows = read_metrics(tmp_path / "b" / "run" / "metrics.jsonl")  # continued, each step once
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
@@ -156,7 +156,7 @@ def test_resume_continues_with_identical_losses(tiny_dir, tmp_path):
 
 
 def test_config_that_cannot_work_fails_before_work_naming_the_field(tiny_dir, tmp_path):
-    env_cmd = [sys.executable, "-m", "glm5_mcore.cli", "sft", f"model.hf_dir={tiny_dir}",
+    env_cmd = [sys.executable, "-m", "recipes.main", "sft", f"model.hf_dir={tiny_dir}",
                f"data.train={_reverse_task(tmp_path / 't.jsonl', 8, 0)}", f"train.out={tmp_path / 'o'}",
                "wandb.mode=disabled"]
     r = subprocess.run(env_cmd + ["data.global_batch_tokens=1000", "data.micro_batch_tokens=512",
@@ -173,10 +173,10 @@ def _sft_losses(args, nproc, out):
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent))
-    cmd = [sys.executable, "-m", "glm5_mcore.cli", "sft", *args, f"train.out={out}"]
+    cmd = [sys.executable, "-m", "recipes.main", "sft", *args, f"train.out={out}"]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               "-m", "glm5_mcore.cli", "sft", *args, f"train.out={out}"]
+               "-m", "recipes.main", "sft", *args, f"train.out={out}"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, "\n".join(l for l in r.stderr.splitlines() if "Error" in l or "error" in l)[-3000:]
     return json.loads([l for l in r.stdout.splitlines() if l.startswith("{")][-1])["losses"]
@@ -204,8 +204,8 @@ def test_mtp_loss_equals_hand_written_reference_and_reaches_mtp_grads(tiny_mtp_d
     import torch.nn.functional as F
 
     from glm5_mcore.config import GLM5Config, ParallelConfig
-    from glm5_mcore.model import build_model, load_hf_weights
-    from glm5_mcore.mtp_loss import mtp_depth_losses
+    from glm5_mcore.model.build import build_model, load_hf_weights
+    from glm5_mcore.model.mtp_loss import mtp_depth_losses
 
     tok = _tok(tiny_mtp_dir)
     docs = read_jsonl(_reverse_task(tmp_path / "d.jsonl", 3, 9, lengths=(6, 10)), tok, 64)
@@ -270,7 +270,7 @@ def test_vocab_parallel_token_logprobs_and_entropy(tiny_dir, tmp_path, tp):
 
 
 def test_token_logprob_gradients_match_autograd():
-    from glm5_mcore.mtp_loss import token_logprobs
+    from glm5_mcore.model.mtp_loss import token_logprobs
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 11, generator=g, requires_grad=True)

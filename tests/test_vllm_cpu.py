@@ -46,7 +46,7 @@ def tiny576(tmp_path_factory):
 
 
 def _perturb(trainer, seed: int, scale: float = 0.05) -> None:
-    from glm5_mcore.lora import lora_layers
+    from glm5_mcore.lora.apply import lora_layers
 
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -239,7 +239,7 @@ def test_mtp_draft_head_follows_the_pushed_adapter(tiny576_mtp):
     trainer = PolicyTrainer(cfg)
     _perturb(trainer, 11)
     with torch.no_grad():  # the policy moved; the MTP head's adapter stays at its no-op init (stale head)
-        from glm5_mcore.lora import lora_layers
+        from glm5_mcore.lora.apply import lora_layers
 
         for _, _, lora in lora_layers(trainer.model):
             if lora.module_name.startswith("mtp."):

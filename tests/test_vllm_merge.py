@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from glm5_mcore.hf_io import HFCheckpoint, dequantize_fp8_blocks
+from glm5_mcore.checkpoint.hf_io import HFCheckpoint, dequantize_fp8_blocks
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_merged_push_equals_peft_merge(tiny_dir, adapter):
 
 
 def test_merged_push_quantizes_where_the_folder_stores_fp8(tiny_dir, adapter, tmp_path):
-    from glm5_mcore.fp8 import is_quantized, quantize_fp8_blocks
+    from glm5_mcore.checkpoint.fp8 import is_quantized, quantize_fp8_blocks
     from rl.rollout.vllm_engine import merged_weights
 
     path, ref = adapter

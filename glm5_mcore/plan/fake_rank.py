@@ -29,8 +29,8 @@ def _import_megatron() -> None:
     import megatron.core.transformer.moe.moe_utils  # noqa: F401
     import megatron.core.transformer.multi_token_prediction  # noqa: F401
 
-    import glm5_mcore.layer_spec  # noqa: F401
-    import glm5_mcore.lora  # noqa: F401
+    import glm5_mcore.model.layer_spec  # noqa: F401
+    import glm5_mcore.lora.apply  # noqa: F401
 
 
 def init_fake(layout: Layout, rank: int) -> None:
@@ -40,14 +40,14 @@ def init_fake(layout: Layout, rank: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from glm5_mcore import cpu_compat
-    from glm5_mcore.model import _seed
+    from glm5_mcore.model.build import _seed
 
     cpu_compat.apply()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-    import glm5_mcore.model as model_mod
+    import glm5_mcore.model.build as model_mod
 
     model_mod._LAYOUT = None  # init_parallel must not reuse these groups
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world)
@@ -62,9 +62,9 @@ def build_rank(model: GLM5Config, layout: Layout, rank: int, *, mtp: bool = True
     """The ``GPTModel`` of global ``rank`` in ``layout`` on the meta device. ``mtp=False`` builds it
     without MTP layers (as the RL trainer does); ``lora=(targets, rank)`` applies adapters as the
     recipes do (base frozen); otherwise the indexer is frozen as in full fine-tuning."""
-    from glm5_mcore.dsa import set_indexer_frozen
-    from glm5_mcore.lora import LoRAConfig, apply_lora
-    from glm5_mcore.model import build_model
+    from glm5_mcore.model.dsa import set_indexer_frozen
+    from glm5_mcore.lora.apply import LoRAConfig, apply_lora
+    from glm5_mcore.model.build import build_model
 
     _import_megatron()
     init_fake(layout, rank)

@@ -1,6 +1,6 @@
 """Bytes per rank: weights, gradients, fp32 main parameters, optimizer state.
 
-Megatron-Core's rules, as ``glm5_mcore.training.build_trainer`` sets them up:
+Megatron-Core's rules, as ``glm5_mcore.training.loop.build_trainer`` sets them up:
 - weights in the job's dtype (bf16 or fp32); router weight and MoE buffers always fp32;
 - gradients: DDP's contiguous buffer in each trainable parameter's dtype (``grad_reduce_in_fp32`` off);
 - bf16: Megatron's mixed-precision optimizer keeps an fp32 main copy of each trainable bf16 parameter;

@@ -1,7 +1,7 @@
 """The tensors one rank of a layout holds, computed from the architecture (no model is built).
 
 ``stage_tensors`` lists every parameter and buffer Megatron-Core's ``GPTModel`` (as
-``glm5_mcore.model.build_model`` specs it) creates on a rank of a pipeline stage, with its local
+``glm5_mcore.model.build.build_model`` specs it) creates on a rank of a pipeline stage, with its local
 shape. Shapes per rank (H hidden, V vocab, h heads, M expert width, S shared-expert width, r rank):
 
     embedding / output layer     [V/tp, H]          (first stage / last stage; MTP with PP > 1 keeps
@@ -12,7 +12,7 @@ shape. Shapes per rank (H hidden, V vocab, h heads, M expert width, S shared-exp
     routed experts                [2M/etp, H], [H, M/etp] × experts/ep  (ETP shards, EP splits)
     router weight, expert bias    fp32, replicated
 
-``lora_tensors`` adds the adapters ``glm5_mcore.lora.apply_lora`` would create for a target list
+``lora_tensors`` adds the adapters ``glm5_mcore.lora.apply.apply_lora`` would create for a target list
 (column: A [r, in] B [out/tp, r]; row: A [r, in/tp] B [out, r]; replicated/experts: local shapes).
 The exactness test (``tests/test_plan.py``) checks these against the real model built per rank.
 """
@@ -123,7 +123,7 @@ def stage_tensors(m: GLM5Config, L: Layout, stage: int, mtp: bool) -> list[Tenso
 
 def lora_tensors(groups: list[TensorGroup], L: Layout, targets: tuple, rank: int,
                  freeze_indexer: bool = True) -> list[TensorGroup]:
-    """The LoRA A and B of every targeted linear in ``groups`` (``glm5_mcore.lora`` shapes)."""
+    """The LoRA A and B of every targeted linear in ``groups`` (``glm5_mcore.lora.apply`` shapes)."""
     out = []
     for g in groups:
         if g.lora_mode is None or g.name not in targets:

@@ -10,7 +10,7 @@ The adapter arrives as the same HF PEFT payload the embedded engine loads and is
 forces the Triton fused-MoE backend: GPU only; routed-expert adapters), ``merge=True`` folds the
 adapter into the base weights on the host instead — ``merged_weights``: W + scale·B·A per adapted HF
 tensor, from the base shards (never cumulative, so a second push replaces the first), in the dtype the
-served folder stores, FP8 block-quantized (``glm5_mcore.fp8``) where it stores FP8 — written to a
+served folder stores, FP8 block-quantized (``glm5_mcore.checkpoint.fp8``) where it stores FP8 — written to a
 safetensors file that vLLM's workers ``reload_weights`` from.
 
 Log-probs are vLLM's ``processed_logprobs`` (after temperature, the distribution the token was drawn
@@ -83,9 +83,9 @@ def iter_merged_weights(hf_dir: str | Path, adapter_dir: Optional[str | Path], a
     "mtp" (only the MTP layer's tensors, ``model.layers.{num_hidden_layers}.*``, for vLLM's MTP draft
     model: the adapter's MTP-layer modules merged the same way) or "all". Host memory is about one chunk."""
     from glm5_mcore.config import GLM5Config
-    from glm5_mcore.hf_io import HFCheckpoint
-    from glm5_mcore.hf_names import hf_source
-    from glm5_mcore.peft_io import import_peft
+    from glm5_mcore.checkpoint.hf_io import HFCheckpoint
+    from glm5_mcore.checkpoint.hf_names import hf_source
+    from glm5_mcore.lora.peft import import_peft
 
     glm5 = GLM5Config.from_hf_dir(hf_dir)
     L = glm5.num_hidden_layers
@@ -135,13 +135,13 @@ def merged_weights(hf_dir: str | Path, adapter_dir: str | Path, also: tuple = ()
 
 def _as_stored(base, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each tensor in the dtype ``base`` (an ``HFCheckpoint``) stores it; FP8 as e4m3 + block scales."""
-    from glm5_mcore.hf_io import FP8
+    from glm5_mcore.checkpoint.hf_io import FP8
 
     out = {}
     for h, w in tensors.items():
         stored = base.info(h)[1]
         if stored in FP8:
-            from glm5_mcore.fp8 import quantize_fp8_blocks
+            from glm5_mcore.checkpoint.fp8 import quantize_fp8_blocks
 
             out[h], out[h + "_scale_inv"] = quantize_fp8_blocks(w)
         else:

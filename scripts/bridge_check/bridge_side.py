@@ -6,7 +6,7 @@
                                                           PEFT training saves them (+ OUT_hfpeft: its HF export)
 
 Bridge builds GLM-5 with Transformer Engine layers and CUDA-only settings; here its provider is given
-Megatron-Core's local-backend GLM-5 spec (``glm5_mcore.layer_spec``, the same sharded keys) and CPU
+Megatron-Core's local-backend GLM-5 spec (``glm5_mcore.model.layer_spec``, the same sharded keys) and CPU
 settings (no fusions, allgather dispatcher, no grouped GEMM), and ``glm5_mcore.cpu_compat``. Everything
 that reads or writes a checkpoint, maps names or converts to HF is Bridge's own code.
 """
@@ -24,7 +24,7 @@ def _patch(glm5) -> None:
     from megatron.bridge.models.conversion.param_mapping import AutoMapping
 
     from glm5_mcore import cpu_compat
-    from glm5_mcore.layer_spec import get_glm5_decoder_block_spec, get_glm5_mtp_block_spec
+    from glm5_mcore.model.layer_spec import get_glm5_decoder_block_spec, get_glm5_mtp_block_spec
 
     cpu_compat.apply()
     cpu = dict(use_cpu_initialization=True, moe_token_dispatcher_type="allgather", moe_shared_expert_overlap=False,
@@ -66,7 +66,7 @@ def main() -> None:
 
         AutoBridge.from_hf_pretrained(hf).export_ckpt(sys.argv[3], sys.argv[4], show_progress=False)
     else:
-        from glm5_mcore.model import init_parallel
+        from glm5_mcore.model.build import init_parallel
 
         init_parallel(ParallelConfig())
         if cmd == "import":

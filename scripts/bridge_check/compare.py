@@ -4,7 +4,7 @@ import sys
 
 import torch
 
-from glm5_mcore.hf_io import HFCheckpoint
+from glm5_mcore.checkpoint.hf_io import HFCheckpoint
 
 
 def hf_diff(a_dir, b_dir) -> dict:
@@ -17,7 +17,7 @@ def hf_diff(a_dir, b_dir) -> dict:
 
 
 def main(w: str) -> None:
-    from glm5_mcore.foreign_lora import read_bridge_adapter
+    from glm5_mcore.lora.bridge_peft import read_bridge_adapter
     from glm5_mcore.parity import load_input_ids
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[2] / "tests"))
@@ -50,7 +50,7 @@ def main(w: str) -> None:
 
 def canonical(w: str, ids, peft_model, auto) -> dict:
     """CanonicalLoRA: each module's ``scale·B·A`` we read vs Bridge's (gate rows, then up rows)."""
-    from glm5_mcore.foreign_lora import read_bridge_adapter
+    from glm5_mcore.lora.bridge_peft import read_bridge_adapter
 
     src = torch.load(f"{w}/bridge_clora/adapters.pt")
     fa = read_bridge_adapter(f"{w}/bridge_clora")

@@ -1,0 +1,1 @@
+"""The streaming HF <-> Megatron converters."""

@@ -1,0 +1,1 @@
+"""Rows -> documents -> packs, epoch order, indexed datasets."""

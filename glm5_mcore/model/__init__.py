@@ -1,0 +1,1 @@
+"""The network on Megatron-Core specs."""

@@ -1,0 +1,1 @@
+"""What the SFT recipe and the RL trainer share."""

@@ -1,0 +1,90 @@
+"""Resume guards shared by SFT and RL: a run's output folder and the settings a resume must keep.
+
+A run records, in every iteration's ``trainer_state.json`` under ``"settings"``, the settings that
+must not change across a resume (data files with their size and xxh3 digest, batch sizes, LoRA
+rank/alpha/targets, the model's config digest, the parallel layout the per-rank optimizer files
+were saved at). A resume compares them with the new run's and refuses any difference, naming each
+field with its old and new value, unless ``allow_resume_mismatch`` (``train.`` in SFT, ``trainer.``
+in RL) is set. ``claim_run_dir`` is the ``--out`` guard of a training run's folder.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+SWITCH = "allow_resume_mismatch"
+
+
+def file_fingerprint(path: Optional[str]) -> Any:
+    """{"size", "xxh3"} of a data file (a moved but unchanged file is the same data); None or a
+    non-file name such as ``toy`` as is."""
+    if not path or not Path(path).is_file():
+        return path
+    from glm5_mcore.checkpoint.manifest import file_digest
+
+    return {"size": Path(path).stat().st_size, "xxh3": file_digest(path)}
+
+
+def model_fingerprint(hf_dir: Optional[str], ckpt: Optional[str] = None) -> dict:
+    """The model a run trains: its HF config's digest (architecture and sizes) and base checkpoint."""
+    out: dict = {"ckpt": str(Path(ckpt).resolve()) if ckpt else None}
+    cfg = Path(ckpt) / "hf" / "config.json" if ckpt else Path(hf_dir or "") / "config.json"
+    if cfg.is_file():
+        from glm5_mcore.checkpoint.manifest import file_digest
+
+        out["config_xxh3"] = file_digest(cfg)
+    return out
+
+
+def _flat(d: Any, prefix: str = "") -> dict:
+    if isinstance(d, dict):
+        out = {}
+        for k, v in d.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def compare(recorded: dict, current: dict) -> list[str]:
+    """``field: old -> new`` for every setting that differs (a field only one side has counts)."""
+    a, b = _flat(json.loads(json.dumps(recorded))), _flat(json.loads(json.dumps(current)))
+    return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
+            for k in sorted(set(a) | set(b)) if a.get(k, "<absent>") != b.get(k, "<absent>")]
+
+
+def guard_resume(root: str | Path, current: dict, proceed: bool, section: str) -> Optional[int]:
+    """Before resuming from ``root``'s latest iteration: refuse (``ValueError`` naming each field)
+    if its recorded settings differ from ``current``, unless ``proceed`` (then print them). Returns
+    the iteration to resume, or None when ``root`` has no checkpoint."""
+    from glm5_mcore.checkpoint.layout import latest_iteration, read_trainer_state
+
+    if not (Path(root) / "latest").is_file():
+        return None
+    it = latest_iteration(root)
+    state = read_trainer_state(root, it)
+    recorded = state.get("settings")
+    if recorded is None:
+        return it  # a checkpoint from before settings were recorded
+    diffs = compare(recorded, current)
+    if diffs and not proceed:
+        raise ValueError(f"{Path(root) / 'latest'}: resuming iteration {it} with settings that differ from "
+                         f"the run's: {'; '.join(diffs)} (set {section}.{SWITCH}=true to resume anyway, "
+                         f"or {section}.resume=false / a new {section}.out to start over)")
+    if diffs:
+        print(f"warning: resuming {root} with changed settings: {'; '.join(diffs)}", file=sys.stderr)
+    return it
+
+
+def claim_run_dir(out: str | Path, kind: str, inputs: Iterable = ()) -> None:
+    """A training run's output folder: absent, empty or a previous ``kind`` run's folder (which it
+    resumes or extends), never an input or a folder of something else; marks it as ``kind``'s."""
+    from glm5_mcore.checkpoint.atomic import check_output, output_kind, write_marker
+
+    check_output(out, kind, inputs, overwrite=False, what=f"the {kind} output folder",
+                 hint="choose another output folder")
+    Path(out).mkdir(parents=True, exist_ok=True)
+    if output_kind(out) != kind:
+        write_marker(out, kind)
