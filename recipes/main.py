@@ -156,9 +156,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {out}")
             return 0
         if args.cmd == "checkpoint":
-            from glm5_mcore.checkpoint.manifest import verify_tree
+            from glm5_mcore.checkpoint.layout import verify_checkpoint
 
-            for folder, n in verify_tree(args.dir):
+            for folder, n in verify_checkpoint(args.dir):
                 print(f"{folder}: {n} files ok")
             return 0
         if args.cmd == "plan":

@@ -26,6 +26,7 @@ from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.data.order import epoch_order, equal_micro_batch_sizes
 from glm5_mcore.device import training_device
 from glm5_mcore.lora.apply import LoRAConfig
+from glm5_mcore.training.checkpointing import SaveSchedule, refuse_restart_over
 from glm5_mcore.training.loop import MoELoad, build_trainer, rng_state, set_rng_state
 from glm5_mcore.data.sft import DataStats, PackedBatch, pack, pad_to, read_jsonl, split_for_cp
 from glm5_mcore.data.indexed import is_jsonl
@@ -183,7 +184,7 @@ def _equalize(batches: list[PackedBatch], pad_id: int) -> list[PackedBatch]:
 # checkpoints
 # --------------------------------------------------------------------------------------------------
 def save(cfg: SFTConfig, model, opt, sched, state: dict) -> None:
-    from glm5_mcore.checkpoint.layout import prune_iterations, save_checkpoint, write_hf_meta
+    from glm5_mcore.checkpoint.layout import save_checkpoint, write_hf_meta
 
     out = Path(cfg.train.out)
     adapters = None
@@ -192,11 +193,9 @@ def save(cfg: SFTConfig, model, opt, sched, state: dict) -> None:
                                               targets=tuple(cfg.lora.targets))}
     rank_state = {"scheduler": sched.state_dict(), "rng": rng_state()}
     save_checkpoint(out, state["step"], model, state, adapters=adapters, save_base=not cfg.lora.enabled,
-                    rank_state=rank_state, optimizer=opt)
-    if dist.get_rank() == 0:
-        if not (out / "hf").is_dir():
-            write_hf_meta(out / "hf", _hf_dir(cfg), base_ckpt=cfg.model.ckpt)
-        prune_iterations(out, cfg.train.keep_last)
+                    rank_state=rank_state, optimizer=opt, keep_last=cfg.train.keep_last)
+    if dist.get_rank() == 0 and not (out / "hf").is_dir():
+        write_hf_meta(out / "hf", _hf_dir(cfg), base_ckpt=cfg.model.ckpt)
     dist.barrier()
 
 
@@ -368,6 +367,8 @@ def run(cfg: SFTConfig, record: Optional[Callable[[], None]] = None) -> dict:
                                              *data_inputs(cfg.data)])
     if cfg.train.resume:  # refuse changed settings before any work
         guard_resume(cfg.train.out, settings, cfg.train.allow_resume_mismatch, "train")
+    else:
+        refuse_restart_over(cfg.train.out, "train")
     if record is not None and rank0:
         record()
 
@@ -436,6 +437,7 @@ def run(cfg: SFTConfig, record: Optional[Callable[[], None]] = None) -> dict:
     # allgather dispatcher rules out Megatron's variable_seq_lengths): every pack is padded to it.
     fixed_tokens = (-(-cfg.data.micro_batch_tokens // multiple) * multiple) if parallel.pp > 1 else 0
     log = _Logger(cfg, state["step"])
+    saves = SaveSchedule(cfg.train.save_every, state["step"])
     history, vals = [], []
 
     def validate_now() -> float:
@@ -498,10 +500,13 @@ def run(cfg: SFTConfig, record: Optional[Callable[[], None]] = None) -> dict:
                 vals.append((state["step"], m["val_loss"]))
             history.append(m)
             log.log(state["step"], m)
-            if cfg.train.save_every and state["step"] % cfg.train.save_every == 0:
+            if saves.due(state["step"]):
                 save(cfg, model, opt, sched, dict(state))
+                saves.done(state["step"])
         if val_mine and (not vals or vals[-1][0] != state["step"]):
             vals.append((state["step"], validate_now()))
+        if saves.final_due(state["step"]):  # the last step, whatever save_every
+            save(cfg, model, opt, sched, dict(state))
     finally:
         log.close()
     return {"history": history, "val": vals, "data": asdict(stats), "valid_data": asdict(val_stats), "state": state}

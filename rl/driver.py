@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
+from glm5_mcore.training.checkpointing import SaveSchedule, refuse_restart_over
 from rl import algos, shaping
 from rl.batch import RolloutBatch
 from rl.config import RLConfig
@@ -97,6 +98,8 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
     claim_run_dir(cfg.trainer.out, "rl", [cfg.model.hf_dir, cfg.model.ckpt, d.train, d.val])
     if cfg.trainer.resume:  # refuse changed settings before Ray starts
         guard_resume(cfg.trainer.out, settings, cfg.trainer.allow_resume_mismatch, "trainer")
+    else:
+        refuse_restart_over(cfg.trainer.out, "trainer")
     if record is not None:
         record()
     r = cfg.rollout
@@ -112,7 +115,12 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
     kl_ctrl.value = state["kl_coef"]
     log = RLLogger(cfg, state["step"])
     if state["step"]:
-        log.note(f"resuming {cfg.trainer.out} at step {state['step']} (trainer.resume=false starts over)")
+        log.note(f"resuming {cfg.trainer.out} at step {state['step']} (a new trainer.out starts over)")
+    saves = SaveSchedule(cfg.trainer.save_every, state["step"])
+
+    def save() -> None:
+        trainers.call("save", cfg.trainer.out, state["step"], dict(state), rollout_adapter=source.inflight_payload)
+        saves.done(state["step"])
     vals: list[tuple[int, float]] = []
 
     def build(prompts, results):
@@ -176,13 +184,14 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
                 metrics["val/reward"] = evaluate()
                 vals.append((state["step"], metrics["val/reward"]))
             log.log(state["step"], metrics)
-            if cfg.trainer.save_every and state["step"] % cfg.trainer.save_every == 0:
-                trainers.call("save", cfg.trainer.out, state["step"], dict(state),
-                              rollout_adapter=source.inflight_payload)
+            if saves.due(state["step"]):
+                save()
             stop = cfg.trainer.stop_at_reward
             if stop is not None and vals and vals[-1][0] == state["step"] and vals[-1][1] >= stop:
                 log.note(f"step {state['step']}: held-out reward {vals[-1][1]:.3f} >= {stop}, stopping")
                 break
+        if saves.final_due(state["step"]):  # the last step (or the early stop), whatever save_every
+            save()
     finally:
         source.close()
         log.close()

@@ -424,18 +424,16 @@ class PolicyTrainer:
     def save(self, root: str, step: int, trainer_state: dict, rollout_adapter=None) -> None:
         """``rollout_adapter``: the adapter payload an in-flight (one-step-off-policy) batch is being
         generated with, kept in rank 0's state so a resume regenerates that batch exactly."""
-        from glm5_mcore.checkpoint.layout import prune_iterations, save_checkpoint, write_hf_meta
+        from glm5_mcore.checkpoint.layout import save_checkpoint, write_hf_meta
         from glm5_mcore.training.loop import rng_state
 
         rank_state = {"scheduler": self.sched.state_dict(), "rng": rng_state(),
                       "value_head": self.value_head.state_dict() if self.value_head is not None else None,
                       "rollout_adapter": rollout_adapter if dist.get_rank() == 0 else None}
         save_checkpoint(root, step, self.model, trainer_state, adapters=self.lora_cfg, save_base=False,
-                        rank_state=rank_state, optimizer=self.opt)
-        if dist.get_rank() == 0:
-            if not (Path(root) / "hf").is_dir():
-                write_hf_meta(Path(root) / "hf", self.cfg.model.hf_dir)
-            prune_iterations(root, self.cfg.trainer.keep_last)
+                        rank_state=rank_state, optimizer=self.opt, keep_last=self.cfg.trainer.keep_last)
+        if dist.get_rank() == 0 and not (Path(root) / "hf").is_dir():
+            write_hf_meta(Path(root) / "hf", self.cfg.model.hf_dir, base_ckpt=self.cfg.model.ckpt)
         dist.barrier()
 
     @torch.no_grad()

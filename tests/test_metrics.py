@@ -39,8 +39,13 @@ def test_metrics_file_resume_drops_later_steps_and_fresh_start_clears(tmp_path):
     assert rows[2]["loss"] == 1.0 and rows[3]["loss"] == 9.0
     assert rows[4]["grad_norm"] is None and "note" not in rows[0]  # strict JSON: NaN as null, scalars only
     json.loads((run / METRICS_FILE).read_text().splitlines()[-1])
-    MetricsFile(run, start_step=0).close()  # trainer.resume=false: the run starts over
-    assert (run / METRICS_FILE).read_text() == ""
+    before = (run / METRICS_FILE).read_bytes()
+    MetricsFile(run, start_step=0).close()  # a fresh start that logs nothing (failed first step): untouched
+    assert (run / METRICS_FILE).read_bytes() == before
+    f = MetricsFile(run, start_step=0)  # a fresh start: its first row replaces the file
+    f.write(1, {"loss": 7.0})
+    f.close()
+    assert [r["step"] for r in read_metrics(run / METRICS_FILE)] == [1]
 
 
 def test_plot_panels_and_refusals(tmp_path):

@@ -34,6 +34,10 @@ def test_grpo_toy_reward_rises_from_chance(tiny_dir, tmp_path):
     assert val[0] <= 0.65, val                      # chance: a constant policy scores 0.5
     assert max(val.values()) >= 0.9, val
     assert list((out / "wandb").glob("offline-run-*")), "W&B offline run missing"
+    from glm5_mcore.checkpoint.layout import iterations, latest_iteration
+
+    # stopped by stop_at_reward with save_every=0: the final policy is saved all the same
+    assert iterations(out) == [res["steps"]] and latest_iteration(out) == res["steps"]
     from glm5_mcore.plot import RL_PANELS, plot
     from glm5_mcore.training.run_log import read_metrics
 
@@ -87,6 +91,14 @@ def test_rollout_actor_killed_mid_step(tiny_dir, tmp_path, ray_local):
     assert res["state"]["step"] == 1
 
 
+def _killed_before_last_save(run, last: int, prev: int) -> None:
+    """``run`` as a run killed after step ``last`` was logged, before its (final) checkpoint."""
+    from glm5_mcore.checkpoint.layout import iter_dir, write_latest
+
+    shutil.rmtree(iter_dir(run, last))
+    write_latest(run, prev)
+
+
 @pytest.mark.slow
 def test_resume_gives_identical_next_step(tiny_dir, tmp_path, ray_local):
     from rl.driver import run
@@ -94,7 +106,8 @@ def test_resume_gives_identical_next_step(tiny_dir, tmp_path, ray_local):
     a = tmp_path / "a"
     full = run(_cfg(tiny_dir, a, trainer={"steps": 3, "save_every": 2}, rollout={"num_actors": 1}))
     b = tmp_path / "b"
-    shutil.copytree(a, b)                                   # holds iter 2 only (step 3 was not saved)
+    shutil.copytree(a, b)
+    _killed_before_last_save(b, 3, 2)
     resumed = run(_cfg(tiny_dir, b, trainer={"steps": 3, "save_every": 2}, rollout={"num_actors": 1}))
     assert [h["step"] for h in resumed["history"]] == [3]
     x, y = full["history"][2], resumed["history"][0]
@@ -147,6 +160,7 @@ def test_one_step_off_policy_resume_and_actor_death(tiny_dir, tmp_path, ray_loca
     assert [h["rollout/staleness"] for h in hist] == [0.0, 1.0, 1.0]
     b = tmp_path / "b"
     shutil.copytree(a, b)                                   # iter 2: batch 2 was in flight with adapter v1
+    _killed_before_last_save(b, 3, 2)
     resumed = run(cfg(b))
     assert [h["step"] for h in resumed["history"]] == [3]
     x, y = hist[2], resumed["history"][0]

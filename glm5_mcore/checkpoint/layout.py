@@ -68,11 +68,17 @@ def iterations(root: str | Path) -> list[int]:
     return sorted(int(p.name[5:]) for p in Path(root).glob("iter_*") if p.is_dir() and p.name[5:].isdigit())
 
 
-def prune_iterations(root: str | Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` iterations (``keep`` <= 0 keeps everything)."""
-    if keep > 0:
-        for it in iterations(root)[:-keep]:
-            shutil.rmtree(iter_dir(root, it), ignore_errors=True)
+def prune_iterations(root: str | Path, keep: int, newest: int) -> list[int]:
+    """Delete all but the ``keep`` newest iterations up to ``newest`` (the one just saved, which
+    ``latest`` names); ``keep`` <= 0 keeps everything. Iterations after ``newest`` are not this
+    series' and are never touched (a pruning by number alone would delete the checkpoint just
+    written when the folder holds later ones). Returns the iterations deleted."""
+    if keep <= 0:
+        return []
+    gone = [it for it in iterations(root) if it <= newest][:-keep]
+    for it in gone:
+        shutil.rmtree(iter_dir(root, it), ignore_errors=True)
+    return gone
 
 
 def latest_iteration(root: str | Path) -> int:
@@ -87,6 +93,16 @@ def latest_iteration(root: str | Path) -> int:
     if not iter_dir(root, it).is_dir():
         raise FileNotFoundError(f"{iter_dir(root, it)}: named by {path} but missing")
     return it
+
+
+def verify_checkpoint(root: str | Path) -> list[tuple[Path, int]]:
+    """``glm5 checkpoint verify``: a checkpoint folder's ``latest`` names an iteration that is there
+    (what every loader needs; ``latest_iteration``'s error otherwise), then every manifest folder
+    verified strictly (``manifest.verify_tree``). Returns [(folder, files checked)]."""
+    root = Path(root)
+    if (root / "latest").exists() or (root.is_dir() and iterations(root)):
+        latest_iteration(root)
+    return manifest.verify_tree(root)
 
 
 def require_iteration(root: str | Path, iteration: int) -> Path:
@@ -306,12 +322,13 @@ def adapter_dir(root: str | Path, name: str, iteration: Optional[int] = None) ->
 
 def save_checkpoint(root: str | Path, iteration: int, model, trainer_state: Optional[dict] = None,
                     adapters: Optional[dict] = None, save_base: bool = True,
-                    rank_state: Optional[dict] = None, optimizer=None) -> Path:
+                    rank_state: Optional[dict] = None, optimizer=None, keep_last: int = 0) -> Path:
     """Write ``DIR/iter_N`` (model, ``adapters/{name}`` for each ``{name: LoRAConfig}`` in
     ``adapters``, trainer_state.json) atomically, then point ``latest`` at it. ``save_base=False``
     skips the (frozen) base weights of a LoRA run. ``optimizer`` (a Megatron optimizer over
     ``model``) is saved with ``save_optimizer`` under ``optimizer/dist``; ``rank_state`` (scheduler,
-    RNG) by every rank as ``optimizer/rank_{r}.pt``."""
+    RNG) by every rank as ``optimizer/rank_{r}.pt``. ``keep_last`` > 0: then the older iterations
+    beyond the newest ``keep_last`` are pruned (``prune_iterations``)."""
     root = Path(root)
     final = iter_dir(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
@@ -338,6 +355,7 @@ def save_checkpoint(root: str | Path, iteration: int, model, trainer_state: Opti
             shutil.rmtree(final)
         tmp.rename(final)
         write_latest(root, iteration)
+        prune_iterations(root, keep_last, iteration)
     dist.barrier()
     return final
 

@@ -59,13 +59,19 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 class MetricsFile:
-    """``out/metrics.jsonl``, appended one line per step (flushed), continued after ``start_step``."""
+    """``out/metrics.jsonl``, appended one line per step (flushed), continued after ``start_step``.
+    The file is first touched by the first row written: a run that fails before it logs anything
+    leaves the previous file byte-identical."""
 
     def __init__(self, out: str | Path, start_step: int = 0):
         self.path = Path(out) / METRICS_FILE
+        self.start_step = start_step
+        self.f = None
+
+    def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
-            self._keep_until(start_step)
+            self._keep_until(self.start_step)
         self.f = open(self.path, "a", encoding="utf-8")
 
     def _keep_until(self, start_step: int) -> None:
@@ -85,11 +91,13 @@ class MetricsFile:
             atomic_write_text(self.path, text)
 
     def write(self, step: int, metrics: dict) -> None:
+        if self.f is None:
+            self._open()
         self.f.write(_line({"step": int(step), **scalars(metrics)}))
         self.f.flush()
 
     def close(self) -> None:
-        if not self.f.closed:
+        if self.f is not None and not self.f.closed:
             self.f.flush()
             os.fsync(self.f.fileno())
             self.f.close()
