@@ -63,11 +63,16 @@ def run_settings(cfg: SFTConfig, world: int) -> dict:
     from glm5_mcore.training.resume import model_fingerprint
 
     d, lo = cfg.data, cfg.lora
+    data = {"train": data_fingerprint(d.train), "valid": data_fingerprint(d.valid),
+            "blend": [data_fingerprint(x) for x in data_inputs(d)], "split": d.split,
+            "micro_batch_tokens": d.micro_batch_tokens, "global_batch_tokens": d.global_batch_tokens,
+            "max_tokens": d.max_tokens, "seed": d.seed}
+    if d.blend:  # the weights decide which documents a step draws, as much as the members do
+        from glm5_mcore.data.indexed import parse_blend
+
+        data["blend_weights"] = parse_blend(d.blend)[1]
     return {
-        "data": {"train": data_fingerprint(d.train), "valid": data_fingerprint(d.valid),
-                 "blend": [data_fingerprint(x) for x in data_inputs(d)], "split": d.split,
-                 "micro_batch_tokens": d.micro_batch_tokens, "global_batch_tokens": d.global_batch_tokens,
-                 "max_tokens": d.max_tokens, "seed": d.seed},
+        "data": data,
         "lora": {"enabled": lo.enabled, "name": lo.name, "rank": lo.rank, "alpha": lo.alpha,
                  "targets": sorted(lo.targets)} if lo.enabled else {"enabled": False},
         "model": model_fingerprint(cfg.model.hf_dir, cfg.model.ckpt),
@@ -352,6 +357,10 @@ def run(cfg: SFTConfig, record: Optional[Callable[[], None]] = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     stats, val_stats = DataStats(), DataStats()
     indexed = bool(cfg.data.blend) or not is_jsonl(cfg.data.train)  # Megatron indexed datasets
+    if indexed:
+        from glm5_mcore.data.indexed import check_tokenizer
+
+        check_tokenizer(cfg.data, tokenizer, hf_dir)
     docs = None if indexed else read_jsonl(cfg.data.train, tokenizer, cfg.data.max_tokens, cfg.data.skip_bad_rows,
                                            stats)
     val_docs = (read_jsonl(cfg.data.valid, tokenizer, cfg.data.max_tokens, cfg.data.skip_bad_rows, val_stats)
@@ -420,7 +429,8 @@ def run(cfg: SFTConfig, record: Optional[Callable[[], None]] = None) -> dict:
         from glm5_mcore.data.indexed import IndexedData
 
         data = IndexedData(cfg.data, cfg.train.steps, accum, dp, dp_rank, multiple, pad_id,
-                           str(Path(cfg.train.out) / "data_cache"), state.setdefault("sample", 0))
+                           str(Path(cfg.train.out) / "data_cache"), state.setdefault("sample", 0),
+                           vocab_size=glm5.vocab_size)
         val_mine = data.valid_batches()
     else:
         packs = pack([docs[i] for i in epoch_order(len(docs), cfg.data.seed, state["epoch"])],

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import math
 import os
 import re
@@ -37,6 +38,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from glm5_mcore.data.order import epoch_order, greedy_packs
+from glm5_mcore.data.preprocess import tokenizer_identity
 from glm5_mcore.data.sft import Document, PackedBatch, pack
 
 TOKENS, MASK = "tokens", "loss_mask"  # the names glm5_mcore.data.preprocess writes
@@ -66,6 +68,14 @@ def parse_blend(blend, field: str = "data.blend") -> tuple[list[str], Optional[l
     items = [x for x in items if x]
     if not items:
         raise ValueError(f"{field}: empty blend")
+    numbers = [_is_number(x) for x in items]
+    if any(numbers):  # weighted: (weight, prefix) pairs, as Megatron's get_blend_from_list reads them
+        bad = next((i for i, n in enumerate(numbers) if n != (i % 2 == 0)), None)
+        if bad is not None or len(items) % 2:
+            where = (f"entry {bad + 1} ({items[bad]!r}) should be a {'weight' if bad % 2 == 0 else 'prefix'}"
+                     if bad is not None else f"{len(items)} entries, the last weight has no prefix")
+            raise ValueError(f"{field}: {blend!r}: expected weight, prefix pairs ([0.7, web, 0.3, code]) or "
+                             f"prefixes alone; {where}")
     try:
         prefixes, weights = get_blend_from_list(items)
     except AssertionError:
@@ -75,17 +85,68 @@ def parse_blend(blend, field: str = "data.blend") -> tuple[list[str], Optional[l
     return [resolve_prefix(p) for p in prefixes], weights
 
 
+def _is_number(x: str) -> bool:
+    try:
+        float(x)
+    except ValueError:
+        return False
+    return True
+
+
+def open_indexed(prefix: str):
+    """Megatron's ``IndexedDataset`` of ``prefix`` (memory-mapped; the .bin mapping is only touched
+    with mmap), refused naming the file when ``.bin`` is not the size its ``.idx`` describes (a
+    ``.bin`` from another dataset, or cut short) or the pair does not open."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
+    for f in (idx, bin_):
+        if not f.is_file():
+            other = bin_ if f == idx else idx
+            raise FileNotFoundError(f"{f}: missing beside {other}" if other.is_file() else f"{f}: missing")
+    try:
+        ds = IndexedDataset(prefix, mmap=bin_.stat().st_size > 0)
+    except Exception as e:  # noqa: BLE001 - a damaged index: name the file, not Megatron's assert
+        raise ValueError(f"{idx}: not a readable Megatron indexed dataset index "
+                         f"({type(e).__name__}: {' '.join(str(e).split())[:160]})") from None
+    n, item = len(ds.sequence_lengths), ds.index.dtype_size
+    want = int(ds.index.sequence_pointers[-1]) + int(ds.sequence_lengths[-1]) * item if n else 0  # O(1)
+    have = bin_.stat().st_size
+    if have != want:
+        raise ValueError(f"{bin_}: {have} bytes, but {idx} indexes {want} ({n} sequences of {item}-byte "
+                         f"tokens): the two files are not one dataset ({'cut short' if have < want else 'another dataset'}"
+                         "?); re-run glm5 data preprocess")
+    return ds
+
+
+def preprocess_summary(prefix: str) -> Optional[dict]:
+    """``summary.json`` of the ``glm5 data preprocess`` folder ``prefix`` belongs to (None: another tool's)."""
+    path = Path(prefix).with_name("summary.json")
+    if Path(prefix).name != TOKENS or not path.is_file():
+        return None
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: unreadable ({e})") from None
+    return out if isinstance(out, dict) else None
+
+
 class Corpus:
     """One indexed dataset (Megatron's ``IndexedDataset``, memory-mapped) + its optional loss-mask
-    stream; one sequence per document."""
+    stream; one sequence per document. ``vocab_size`` > 0: a document holding a token id beyond it is
+    an error naming the dataset and the document (the model's embedding would fail on it)."""
 
-    def __init__(self, prefix: str, mmap: bool = True):
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-        self.prefix, self.mmap, self._fds = prefix, mmap, {}
-        self.tokens = IndexedDataset(prefix, mmap=True)  # the .bin mapping is only touched with mmap
+    def __init__(self, prefix: str, mmap: bool = True, vocab_size: int = 0):
+        self.prefix, self.mmap, self._fds, self.vocab_size = prefix, mmap, {}, vocab_size
+        self.tokens = open_indexed(prefix)
         mask = str(Path(prefix).with_name(MASK)) if Path(prefix).name == TOKENS else None
-        self.mask = IndexedDataset(mask, mmap=True) if mask and Path(mask + ".idx").is_file() else None
+        self.mask = None
+        if mask and (Path(mask + ".idx").exists() or Path(mask + ".bin").exists()):
+            self.mask = open_indexed(mask)
+        elif mask and (preprocess_summary(prefix) or {}).get("loss_mask"):
+            raise FileNotFoundError(f"{mask}.idx: missing, and {Path(prefix).with_name('summary.json')} records a "
+                                    "loss mask: without it the prompt tokens would be trained; restore it or "
+                                    "re-run glm5 data preprocess")
         n = len(self.tokens.document_indices) - 1
         if len(self.tokens) != n:
             raise ValueError(f"{prefix}: {len(self.tokens)} sequences in {n} documents; one sequence per "
@@ -111,7 +172,11 @@ class Corpus:
 
     def document(self, doc: int, max_tokens: int) -> Document:
         n = min(int(self.tokens.sequence_lengths[doc]), max_tokens + 1)
-        toks = self._get(self.tokens, doc, n).tolist()
+        raw = self._get(self.tokens, doc, n)
+        if self.vocab_size and n and int(raw.max()) >= self.vocab_size:
+            raise ValueError(f"{self.prefix}: document {doc} holds token id {int(raw.max())}, beyond the model's "
+                             f"vocabulary of {self.vocab_size} (tokenized for another model?)")
+        toks = raw.tolist()
         mask = self._get(self.mask, doc, n).tolist() if self.mask is not None else [1] * n
         return Document(toks, mask, f"{self.prefix}#{doc}")
 
@@ -135,6 +200,8 @@ def _dataset_classes():
     class DocumentDatasetConfig(BlendedMegatronDatasetConfig):
         max_tokens: int = 1024
         """Training positions per document; longer documents are cut (as the jsonl path does)."""
+        vocab_size: int = 0
+        """The model's vocabulary: a token id at or beyond it is an error naming the dataset (0: unchecked)."""
 
     class DocumentDataset(MegatronDataset):
         """Sample i = one document of the split: train shuffles each epoch with ``epoch_order``
@@ -154,7 +221,7 @@ def _dataset_classes():
 
         @staticmethod
         def build_low_level_dataset(dataset_path, config):
-            return Corpus(dataset_path, config.mmap_bin_files)
+            return Corpus(dataset_path, config.mmap_bin_files, config.vocab_size)
 
         @staticmethod
         def _key_config_attributes() -> list[str]:
@@ -264,6 +331,14 @@ class DocumentStream:
         return pack(docs, budget, multiple_of, pad_id)[0]
 
 
+def dataset_prefixes(data) -> list[str]:
+    """Every indexed prefix an indexed ``data`` config reads (train or blend, and valid)."""
+    out = parse_blend(data.blend)[0] if data.blend else parse_blend([data.train], "data.train")[0]
+    if data.valid and not is_jsonl(data.valid):
+        out += parse_blend(data.valid, "data.valid")[0]
+    return out
+
+
 def check_data(data) -> None:
     """Fail before any work on an indexed ``data`` config that cannot load (errors name the field)."""
     cfg = _config(data, data.seed, None)
@@ -272,7 +347,19 @@ def check_data(data) -> None:
             Corpus(prefix)  # opens the index (O(1)); streams that do not match raise here
 
 
-def _config(data, seed: int, cache: Optional[str]):
+def check_tokenizer(data, tokenizer, hf_dir: str) -> None:
+    """Refuse indexed data that ``glm5 data preprocess`` tokenized with another tokenizer than the
+    model's (``summary.json``'s ``tokenizer_id``, ``tokenizer_identity``): a tokenizer with the same
+    vocabulary size would otherwise train on the wrong tokens. Other tools' prefixes record none."""
+    mine = tokenizer_identity(tokenizer)
+    for prefix in dataset_prefixes(data):
+        s = preprocess_summary(prefix) or {}
+        if s.get("tokenizer_id") not in (None, mine):
+            raise ValueError(f"{Path(prefix).parent}: tokenized with another tokenizer ({s.get('tokenizer')}) than "
+                             f"the model's ({hf_dir}); re-run glm5 data preprocess --hf-dir {hf_dir}")
+
+
+def _config(data, seed: int, cache: Optional[str], vocab_size: int = 0):
     """Megatron's dataset config from ``data`` (the recipe's DataCfg): blend or blend_per_split."""
     Config, _ = _dataset_classes()
     train = parse_blend(data.blend) if data.blend else parse_blend([data.train], "data.train")
@@ -282,7 +369,7 @@ def _config(data, seed: int, cache: Optional[str]):
     # mmap_bin_files=False: token files are read by offset (Megatron's _FileBinReader), so the loader's
     # resident memory holds what it reads, not mapped page cache of the whole corpus (.idx stays mapped)
     kw = dict(random_seed=seed, sequence_length=data.micro_batch_tokens, max_tokens=data.max_tokens,
-              path_to_cache=cache, mid_level_dataset_surplus=0.005, mmap_bin_files=False)
+              path_to_cache=cache, mid_level_dataset_surplus=0.005, mmap_bin_files=False, vocab_size=vocab_size)
     if data.valid:
         if data.split:
             raise ValueError("data.split and data.valid: give one (a split of data.train, or a validation set)")
@@ -333,12 +420,12 @@ class IndexedData:
     validation micro-batches of this rank."""
 
     def __init__(self, data, steps: int, accum: int, dp: int, dp_rank: int, multiple_of: int, pad_id: int,
-                 cache: Optional[str], start_sample: int = 0):
+                 cache: Optional[str], start_sample: int = 0, vocab_size: int = 0):
         from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
         from megatron.core.datasets.utils import Split
 
         _, DocumentDataset = _dataset_classes()
-        self.cfg = _config(data, data.seed, cache)
+        self.cfg = _config(data, data.seed, cache, vocab_size)
         self.budget, self.accum, self.dp, self.dp_rank = data.micro_batch_tokens, accum, dp, dp_rank
         self.multiple_of, self.pad_id = multiple_of, pad_id
         valid = _valid_size(self.cfg)

@@ -7,7 +7,8 @@ Output: a folder ``OUT/`` holding
 - ``loss_mask.bin`` / ``loss_mask.idx``: a second ``IndexedDataset`` (uint8), the same lengths,
   1 where the token is a training target (prompt / non-assistant tokens 0). Written only when
   some document has a masked token; absent = every token trains (plain pretraining text);
-- ``summary.json``: documents, tokens, truncated, skipped (+ the first errors), inputs, tokenizer.
+- ``summary.json``: documents, tokens, truncated, skipped (+ the first errors), inputs, tokenizer (its
+  folder and ``tokenizer_identity``, which training checks against the model's tokenizer).
 
 Rows are parsed by the recipe's own ``glm5_mcore.data.sft.parse_line`` (every row kind, same masks, same
 errors), cut by ``glm5_mcore.data.sft.truncate``. The inputs are cut into byte ranges at line boundaries;
@@ -65,12 +66,36 @@ class _Task:
 _TOKENIZER = None
 
 
+def tokenizer_identity(tokenizer) -> str:
+    """xxh3-128 of what decides the token ids of a row: the tokenizer's full definition (a fast
+    tokenizer's serialized vocabulary, merges, normalizer and pre-tokenizer; a slow one's vocabulary),
+    its special tokens and chat template. Equal for the same tokenizer in another folder; a tokenizer
+    with the same vocabulary size but other ids differs."""
+    import xxhash
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    extra = json.dumps([tokenizer.all_special_tokens, getattr(tokenizer, "chat_template", None)])
+    return xxhash.xxh3_128((body + "\0" + extra).encode()).hexdigest()
+
+
+def load_tokenizer(hf_dir: str | Path, what: str = "--hf-dir"):
+    """``AutoTokenizer.from_pretrained(hf_dir)``; a missing folder or tokenizer is one line naming it."""
+    from transformers import AutoTokenizer
+
+    if not Path(hf_dir).is_dir():
+        raise FileNotFoundError(f"{what} {hf_dir}: no such folder (the HF folder with the tokenizer)")
+    try:
+        return AutoTokenizer.from_pretrained(str(hf_dir))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{what} {hf_dir}: cannot load a tokenizer from it "
+                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+
+
 def _init_worker(hf_dir: str) -> None:
     global _TOKENIZER
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers import AutoTokenizer
-
-    _TOKENIZER = AutoTokenizer.from_pretrained(hf_dir)
+    _TOKENIZER = load_tokenizer(hf_dir)
 
 
 def _encode_range(task: _Task) -> tuple[Summary, Optional[np.ndarray], Optional[str]]:
@@ -176,7 +201,6 @@ def preprocess(inputs: list[str | Path], out: str | Path, hf_dir: str | Path, wo
     from multiprocessing import get_all_start_methods, get_context
 
     from megatron.core.datasets.indexed_dataset import DType
-    from transformers import AutoTokenizer
 
     from glm5_mcore.checkpoint.atomic import atomic_dir
     from glm5_mcore.data.sft import DataError
@@ -190,7 +214,7 @@ def preprocess(inputs: list[str | Path], out: str | Path, hf_dir: str | Path, wo
     _check_paths(inputs, out)
     if workers < 1:
         raise ValueError(f"--workers {workers}: must be >= 1")
-    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    tokenizer = load_tokenizer(hf_dir)
     dtype = np.dtype(DType.optimal_dtype(len(tokenizer))).name
     max_tokens = max_tokens if max_tokens is not None else (1 << 31) - 2
     if max_tokens < 1:
@@ -237,6 +261,7 @@ def preprocess(inputs: list[str | Path], out: str | Path, hf_dir: str | Path, wo
             dt = time.perf_counter() - t0
             result = {"format": FORMAT, **asdict(summary), "loss_mask": bool(summary.masked_tokens),
                       "dtype": dtype, "inputs": [str(p) for p in inputs], "tokenizer": str(hf_dir),
+                      "tokenizer_id": tokenizer_identity(tokenizer), "vocab_size": len(tokenizer),
                       "max_tokens": max_tokens, "workers": workers, "seconds": round(dt, 3),
                       "tokens_per_s": round(summary.tokens / dt, 1)}
             (tmp / "summary.json").write_text(json.dumps(result, indent=1) + "\n")
