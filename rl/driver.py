@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
 from glm5_mcore.training.checkpointing import SaveSchedule, refuse_restart_over
+from glm5_mcore.training.resume import claim_run_dir, guard_resume
+from glm5_mcore.training.run_log import RunLogger
 from rl import algos, shaping
 from rl.batch import RolloutBatch
-from rl.config import RLConfig
+from rl.config import RLConfig, run_settings
+from rl.logger import CONSOLE_KEYS
 from rl.rewards import load_fn, score_batch
 from rl.overlap import StepSource
 from rl.routing import index_metrics, router_metrics
@@ -77,12 +82,7 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
     job's config there)."""
     from transformers import AutoTokenizer
 
-    from glm5_mcore.training.resume import claim_run_dir, guard_resume
-    from rl.config import run_settings
-    from rl.logger import RLLogger
     from rl.workers import RolloutPool, TrainerGroup, start_ray
-
-    from pathlib import Path
 
     if not (Path(cfg.model.hf_dir) / "config.json").is_file():
         raise FileNotFoundError(f"model.hf_dir={cfg.model.hf_dir}: no config.json there (a tiny one: "
@@ -113,14 +113,11 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
     resume_payload = state.pop("rollout_adapter", None)
     kl_ctrl = algos.kl_controller(cfg)
     kl_ctrl.value = state["kl_coef"]
-    log = RLLogger(cfg, state["step"])
+    log = RunLogger(cfg.wandb, cfg.trainer.out, asdict(cfg), steps=cfg.trainer.steps, start_step=state["step"],
+                    progress=cfg.trainer.progress, desc="rl", console_keys=CONSOLE_KEYS)
     if state["step"]:
         log.note(f"resuming {cfg.trainer.out} at step {state['step']} (a new trainer.out starts over)")
     saves = SaveSchedule(cfg.trainer.save_every, state["step"])
-
-    def save() -> None:
-        trainers.call("save", cfg.trainer.out, state["step"], dict(state), rollout_adapter=source.inflight_payload)
-        saves.done(state["step"])
     vals: list[tuple[int, float]] = []
 
     def build(prompts, results):
@@ -128,6 +125,10 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
         return batch, (shaping.mask_truncated(batch, results) if cfg.algorithm.mask_truncated_responses else {})
 
     source = StepSource(cfg, train, rollouts, sampling, rewards, state, resume_payload, build=build)
+
+    def save() -> None:
+        trainers.call("save", cfg.trainer.out, state["step"], dict(state), rollout_adapter=source.inflight_payload)
+        saves.done(state["step"])
 
     def evaluate() -> float:
         source.settle()  # the engines free, with the newest adapter
