@@ -63,8 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True)
     ex.add_argument("--merged", action="store_true", help="full HF checkpoint with the adapter merged")
     ex.add_argument("--max-shard-size", default="5GB")
-    ex.add_argument("--base", help="Megatron-Bridge PEFT checkpoint with --merged: the base weights "
-                                   "(default: its run_config.yaml checkpoint.pretrained_checkpoint)")
+    ex.add_argument("--base", help="with --merged: the base weights to merge onto, a checkpoint or HF folder "
+                                   "(default: what the run records: its base checkpoint or HF origin; a "
+                                   "Megatron-Bridge PEFT checkpoint's run_config.yaml checkpoint.pretrained_checkpoint)")
     da = sub.add_parser("data", help="datasets")
     dasub = da.add_subparsers(dest="action", required=True)
     pre = dasub.add_parser("preprocess", help="jsonl -> Megatron-Core indexed dataset folder (tokens + loss mask)")

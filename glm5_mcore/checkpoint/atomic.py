@@ -8,39 +8,101 @@ the target may be absent, empty, or a previous output of the same kind of comman
 marker file ``.glm5-output`` that ``output_dir`` writes, ``{"kind": "convert mcore-to-hf"}``);
 anything else is refused naming what is there, unless ``overwrite``. A target equal to, inside,
 or containing one of the command's inputs is always refused.
+
+Temporary folders (``.OUT.tmp-*`` beside an output, ``.glm5-export-*`` scratch) come from
+``scratch_dir``, which writes an owner file ``.glm5-tmp`` (pid, its start time, host) into each. A
+run killed with SIGKILL cannot remove its own; the next ``scratch_dir`` with the same prefix in the
+same folder removes every one whose owner file names a process of this host that is gone. A folder
+without the owner file, or whose owner is alive or on another host, is never touched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
 
 
 MARKER = ".glm5-output"
+OWNER = ".glm5-tmp"
 
 
 class OutputError(ValueError):
     """``--out`` is refused; the message names the path and what is there."""
 
 
+def _start_time(pid: int) -> str | None:
+    """The start time of process ``pid`` (``/proc/PID/stat`` field 22; None where there is no /proc):
+    tells a live owner from a later process that reuses its pid."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw.rsplit(")", 1)[-1].split()[19]
+
+
+def _owner_gone(folder: Path) -> bool:
+    """Whether ``folder``'s owner file names a process of this host that no longer runs."""
+    try:
+        owner = json.loads((folder / OWNER).read_text())
+        pid, host, started = int(owner["pid"]), owner["host"], owner.get("started")
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # not ours, or unreadable: never touched
+    if host != socket.gethostname() or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    return started is not None and _start_time(pid) not in (None, started)  # the pid reused since
+
+
+def remove_stale(parent: str | Path, prefix: str) -> list[Path]:
+    """Delete the folders ``parent/prefix*`` that ``scratch_dir`` made for a process that is gone
+    (killed runs); returns them."""
+    gone = []
+    for p in Path(parent).glob(f"{glob.escape(prefix)}*"):
+        if p.is_dir() and not p.is_symlink() and _owner_gone(p):
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p)
+    return gone
+
+
+def scratch_dir(parent: str | Path, prefix: str) -> Path:
+    """A new empty folder ``parent/prefix<random>`` holding its owner file (this process), after the
+    stale ones of killed runs with the same prefix are removed (``remove_stale``)."""
+    parent = Path(parent)
+    parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(parent, prefix)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    owner = {"pid": os.getpid(), "started": _start_time(os.getpid()), "host": socket.gethostname()}
+    (tmp / OWNER).write_text(json.dumps(owner) + "\n")
+    return tmp
+
+
 @contextlib.contextmanager
 def atomic_dir(out: str | Path) -> Iterator[Path]:
     """Yield an empty temporary folder that replaces ``out`` when the block finishes cleanly (the
-    previous ``out`` is renamed aside, the new one renamed in, then the old one deleted)."""
+    previous ``out`` is renamed aside, the new one renamed in, then the old one deleted). The
+    temporary is a ``scratch_dir`` (its owner file is removed before the rename): one left by a
+    killed run is removed by the next run writing the same ``out``."""
     out = Path(out)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        tmp = scratch_dir(out.parent, f".{out.name}.tmp-")
     except OSError as e:
         raise OutputError(f"{out}: cannot create it ({e.strerror}: {e.filename or out.parent})") from None
     os.chmod(tmp, 0o777 & ~_umask())
     try:
         yield tmp
+        (tmp / OWNER).unlink(missing_ok=True)
         if out.exists() or out.is_symlink():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             out.rename(old)

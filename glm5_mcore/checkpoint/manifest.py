@@ -29,7 +29,7 @@ from typing import Iterable, Optional
 NAME = "manifest.json"
 FORMAT = "glm5-mcore-manifest-1"
 ALGORITHM = "xxh3_128"
-_SKIP = {NAME, ".glm5-output"}
+_SKIP = {NAME, ".glm5-output", ".glm5-tmp"}  # the manifest, the output marker, atomic.OWNER
 _BLOCK = 16 << 20
 
 

@@ -86,12 +86,11 @@ def export_megatron(ckpt: str | Path, out: str | Path, iteration: Optional[int] 
     conversions (``mcore_to_hf`` merging it, ``hf_to_mcore``) in a scratch folder beside ``out``."""
     if merge_adapter is None:
         return _export_megatron(ckpt, out, iteration, overwrite)
-    import tempfile
-
     from glm5_mcore.lora.state import read_adapter_state
-    from glm5_mcore.checkpoint.atomic import check_output
-    from glm5_mcore.checkpoint.layout import adapter_dir, hf_source_dir, latest_iteration, model_dir
+    from glm5_mcore.checkpoint.atomic import check_output, scratch_dir
+    from glm5_mcore.checkpoint.layout import adapter_dir, latest_iteration
     from glm5_mcore.convert.common import hf_to_mcore, mcore_to_hf
+    from glm5_mcore.convert.merge_base import base_checkpoint
 
     root = Path(ckpt)
     if is_foreign(root):
@@ -99,18 +98,9 @@ def export_megatron(ckpt: str | Path, out: str | Path, iteration: Optional[int] 
     check_output(out, "checkpoint export", [root], overwrite)
     it = latest_iteration(root) if iteration is None else iteration
     state = read_adapter_state(adapter_dir(root, merge_adapter, it))
-    Path(out).absolute().parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".glm5-export-", dir=Path(out).absolute().parent))
+    work = scratch_dir(Path(out).absolute().parent, ".glm5-export-")  # a killed run's is removed by the next
     try:
-        base, base_it = root, it
-        try:
-            model_dir(root, it)
-        except FileNotFoundError:  # a LoRA run from an HF folder saves no base weights: its HF origin
-            origin = hf_source_dir(root)
-            if origin is None or not origin.is_dir():
-                raise FileNotFoundError(f"{root}: no base weights saved, and its HF origin ({origin}) is "
-                                        "missing") from None
-            base, base_it = hf_to_mcore(origin, work / "base", progress=False), None
+        base, base_it = base_checkpoint(root, it, work)
         hf = mcore_to_hf(base, work / "hf", iteration=base_it, progress=False, merge_adapter=state,
                          kind="lora export")
         merged = hf_to_mcore(hf, work / "mc", progress=False)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -270,7 +271,9 @@ def export_checkpoint_adapter(ckpt: str | Path, out: str | Path, adapter: str = 
                               base: Optional[str | Path] = None) -> Path:
     """``glm5 lora export``: the checkpoint's adapter as an HF PEFT folder, or (``merged``) a full HF
     checkpoint of the base weights with the adapter merged in (before experts are split per expert).
-    A Megatron-Bridge PEFT checkpoint (``glm5_mcore.lora.bridge_peft``) is read too; its base weights for
+    Our runs' base weights for ``merged``: ``base`` when given, else what the run records
+    (``glm5_mcore.convert.merge_base``: saved base weights, its base checkpoint, or its HF origin). A
+    Megatron-Bridge PEFT checkpoint (``glm5_mcore.lora.bridge_peft``) is read too; its base weights for
     ``merged`` are ``base``, else the ``checkpoint.pretrained_checkpoint`` its run_config.yaml names."""
     from glm5_mcore.lora.state import read_adapter_state
     from glm5_mcore.checkpoint.layout import adapter_dir
@@ -282,15 +285,22 @@ def export_checkpoint_adapter(ckpt: str | Path, out: str | Path, adapter: str = 
     if is_foreign(root):
         return _export_foreign_adapter(root, out, adapter, iteration, merged, max_shard_size, progress,
                                        overwrite, allow_nonfinite, base)
-    if base is not None:
-        raise ValueError(f"{root}: --base applies to a Megatron-Bridge PEFT checkpoint only (ours records its base)")
+    if base is not None and not merged:
+        raise ValueError(f"--base {base}: the base weights to merge onto; it applies with --merged only")
     state = read_adapter_state(adapter_dir(root, adapter, iteration))
     glm5 = GLM5Config.from_hf_dir(root / "hf")
     if merged:
+        from glm5_mcore.checkpoint.atomic import scratch_dir
         from glm5_mcore.convert.common import mcore_to_hf
+        from glm5_mcore.convert.merge_base import base_checkpoint
 
-        return mcore_to_hf(root, out, max_shard_size, iteration, progress, merge_adapter=state,
-                           overwrite=overwrite, kind="lora export", allow_nonfinite=allow_nonfinite)
+        work = scratch_dir(Path(out).absolute().parent, ".glm5-export-")  # a killed run's is removed by the next
+        try:
+            src, it = base_checkpoint(root, iteration, work, base)
+            return mcore_to_hf(src, out, max_shard_size, it, progress, merge_adapter=state,
+                               overwrite=overwrite, kind="lora export", allow_nonfinite=allow_nonfinite)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     return export_peft(state, glm5.num_hidden_layers, glm5.n_routed_experts, out, base_model=str(root / "hf"),
                        inputs=[root], overwrite=overwrite)
 
