@@ -456,3 +456,32 @@ def test_config_and_reward_errors_name_the_field_or_function(tiny_dir, tmp_path,
     with pytest.raises(RewardError, match=r"reward function my\.boom raised ZeroDivisionError: division by zero "
                                           r"for sample 1 \(data_source 'toy', response 'bad'\)"):
         score_batch(boom, "my.boom", False, ["toy"] * 2, ["ok", "bad"], [0, 0], [{}, {}])
+
+
+def test_conversion_verifies_from_the_bytes_it_reads(mc, tmp_path, capsys, monkeypatch):
+    """Issue 34, class 17: mcore-to-hf hashes the checkpoint's files as its loader reads them (no second
+    read: the bytes hashed from disk besides are a small part of the model files), and a damaged byte
+    the loader never reads (a file's tail) is caught all the same, before anything is published."""
+    from glm5_mcore.checkpoint import manifest
+
+    monkeypatch.setenv("GLM5_VERIFY_CHECKSUMS", "1")
+    from_disk = []
+    orig = manifest._Stream._from_disk
+
+    def counted(self, end):
+        from_disk.append((self.path.name, end - self.upto))
+        return orig(self, end)
+
+    monkeypatch.setattr(manifest._Stream, "_from_disk", counted)
+    assert glm5(["convert", "mcore-to-hf", "--ckpt", str(mc), "--out", str(tmp_path / "hf"), "--no-progress"]) == 0
+    data = sorted((mc / "iter_0000000" / "model").glob("*.distcp"))
+    total = sum(p.stat().st_size for p in data)
+    again = sum(n for name, n in from_disk if name.endswith(".distcp"))
+    assert again <= 0.1 * total, (again, total)
+    ck = tmp_path / "ck"
+    shutil.copytree(mc, ck)
+    tail = sorted((ck / "iter_0000000" / "model").glob("*.distcp"))[0]
+    _flip(tail, tail.stat().st_size - 1)  # the zip's end record: not a tensor byte
+    _refused(capsys, ["convert", "mcore-to-hf", "--ckpt", str(ck), "--out", str(tmp_path / "o"), "--no-progress"],
+             tail, "checksum mismatch", untouched=[ck])
+    assert not (tmp_path / "o").exists()

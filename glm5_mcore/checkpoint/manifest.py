@@ -13,7 +13,9 @@ being read); ``glm5 checkpoint verify DIR`` verifies whole folders.
 
 The hash is xxh3-128 (``xxhash``, ~8 GB/s per core, streamed in 16 MiB blocks; files hashed in
 parallel threads, the hash releases the GIL). ``GLM5_VERIFY_CHECKSUMS=0`` (CLI ``--no-verify``) skips
-verification on load; manifests are still written. A folder without a manifest (written before
+verification on load; manifests are still written. A streaming loader verifies from the bytes it
+reads anyway (``StreamVerifier``: hashed as they arrive, decided before its output is published), so
+verification costs no second read. A folder without a manifest (written before
 manifests existed) loads unverified. Files the converters stream out (``direct_io.DirectWriter``)
 are hashed as they are written (``remember_digest``), so their manifest does not read them back.
 """
@@ -167,19 +169,92 @@ def verify_under(path: str | Path, levels: int = 3) -> int:
     return 0
 
 
-class Background:
-    """``verify_under(path)`` on a thread (overlapping a conversion's own reads and compute);
-    ``result()`` re-raises its error. Nothing built from the files may be published before it."""
+class _Stream:
+    """One file's xxh3 state, fed the bytes ``[0, upto)`` in order."""
 
-    def __init__(self, path: str | Path):
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="glm5-verify")
-        self._future = self._pool.submit(verify_under, path)
+    def __init__(self, path: Path, size: int, want: str):
+        import threading
 
-    def result(self) -> int:
-        try:
-            return self._future.result()
-        finally:
-            self._pool.shutdown(wait=True)
+        import xxhash
+
+        self.path, self.size, self.want, self.upto = path, size, want, 0
+        self.h = xxhash.xxh3_128()
+        self.lock = threading.Lock()
+
+    def feed(self, start: int, view) -> None:
+        """Hash the part of ``view`` (bytes ``[start, start + len)``) past ``upto``, first reading any
+        gap before ``start`` from disk (bytes the reader skipped); bytes before ``upto`` are ignored."""
+        with self.lock:
+            if start > self.upto:
+                self._from_disk(start)
+            end = start + len(view)
+            if end > self.upto:
+                self.h.update(view[self.upto - start:])
+                self.upto = end
+
+    def _from_disk(self, end: int) -> None:
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.upto)
+            while self.upto < end:
+                block = f.read(min(_BLOCK, end - self.upto))
+                if not block:
+                    raise ChecksumError(f"{self.path}: truncated at byte {self.upto}")
+                self.h.update(block)
+                self.upto += len(block)
+
+    def digest(self) -> str:
+        with self.lock:
+            self._from_disk(self.size)
+            return self.h.hexdigest()
+
+
+class StreamVerifier:
+    """Checksum verification from the bytes a loader reads anyway: the loader reports each byte run
+    it read (``feed(path, start, view)``); every listed file under ``path`` is hashed in order as
+    the runs arrive (a gap, bytes the loader skipped, is read from disk; a run already hashed is
+    ignored), and ``result()`` hashes what is left of each file (its tail, the files never read)
+    and raises ``ChecksumError`` naming the first file that differs from the manifest. Inactive
+    (every call free) without a manifest or with verification off. A loader reading each file front
+    to back reads every byte once; call ``result()`` before anything built from the bytes is
+    published."""
+
+    def __init__(self, path: str | Path, levels: int = 3):
+        self.files: dict[str, _Stream] = {}
+        self.manifest: Optional[Path] = None
+        if not verification_enabled():
+            return
+        path = Path(path).absolute()
+        root = next((r for r in [path, *list(path.parents)[:levels]] if (r / NAME).is_file()), None)
+        if root is None:
+            return
+        rel = os.path.relpath(path, root).replace(os.sep, "/")
+        m = read_manifest(root)
+        self.manifest = root / NAME
+        for r, e in sorted(m["files"].items()):
+            if rel in ("", ".") or r == rel or r.startswith(rel + "/"):
+                p = root / r
+                if not p.is_file():
+                    raise ChecksumError(f"{p}: missing (listed in {root / NAME})")
+                if p.stat().st_size != e["size"]:
+                    raise ChecksumError(f"{p}: {p.stat().st_size} bytes, the manifest says {e['size']} "
+                                        "(truncated or replaced)")
+                self.files[os.path.realpath(p)] = _Stream(p, e["size"], e["digest"])
+
+    def feed(self, path: str | Path, start: int, view) -> None:
+        stream = self.files.get(os.path.realpath(path)) if self.files else None
+        if stream is not None:
+            stream.feed(start, view)
+
+    def result(self, threads: int = 4) -> int:
+        """Finish every file and compare; returns the number of files verified."""
+        streams = list(self.files.values())
+        with ThreadPoolExecutor(max(1, min(threads, len(streams) or 1))) as pool:
+            digests = list(pool.map(lambda st: st.digest(), streams))
+        for st, d in zip(streams, digests):
+            if d != st.want:
+                raise ChecksumError(f"{st.path}: checksum mismatch (the file is corrupt; {self.manifest} "
+                                    f"has {st.want}, the file hashes to {d})")
+        return len(streams)
 
 
 def verify_tree(path: str | Path) -> list[tuple[Path, int]]:

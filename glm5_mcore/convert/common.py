@@ -244,11 +244,11 @@ class _GroupLoader:
     the parameter) instead of Megatron's merged copy (``torch.cat``) that the HF side would split
     again."""
 
-    def __init__(self, model, model_path: Path):
+    def __init__(self, model, model_path: Path, verifier=None):
         from concurrent.futures import ThreadPoolExecutor
 
         self.model, self.path = model, model_path
-        self.reader = DirectReader(model_path)
+        self.reader = DirectReader(model_path, verifier)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="glm5-convert-load")
         self.slabs: list[Optional[torch.Tensor]] = [None, None]
         self.sharded = model.sharded_state_dict()
@@ -363,7 +363,7 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
     ``merge_adapter`` (an ``AdapterState``): its ``scale·B·A`` is added to each Megatron weight
     before the weight is split into HF tensors (gate/up halves, per-expert names)."""
     from glm5_mcore.checkpoint.layout import model_dir
-    from glm5_mcore.checkpoint.manifest import Background
+    from glm5_mcore.checkpoint.manifest import StreamVerifier
     from glm5_mcore.checkpoint.folder_config import checkpoint_config
 
     root = Path(ckpt)
@@ -400,13 +400,13 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
                 plan.extend(out_dtype.plan(h, shape))
     bar = _Progress(sum(t.numel() * t.element_size() for t in tensors.values()), len(plan), "mcore-to-hf",
                     progress)
-    checks = Background(model_path)  # checksums verified alongside the conversion, before publishing
+    checks = StreamVerifier(model_path)  # checksums of the bytes the loader reads, decided before publishing
     try:
         with output_dir(out, kind, [root], overwrite) as tmp, contextlib.ExitStack() as stack, bulk_io():
             writer = PlannedSafetensorsWriter(tmp, plan, max_bytes)
             stack.callback(writer.close)
             merged: set[str] = set()
-            loader = stack.enter_context(_GroupLoader(model, model_path))
+            loader = stack.enter_context(_GroupLoader(model, model_path, checks))
             # Units of at most a quarter of an output shard (a full-size GLM-5 MoE layer, ~19 GB, is
             # cut into slices of its experts): the next loads while this one is written, and the two
             # in memory stay within half a shard; the process itself (torch, Megatron-Core, the meta

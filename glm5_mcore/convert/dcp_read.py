@@ -134,9 +134,10 @@ class DirectReader(FileSystemReader):
     thread while the current one's chunks are copied out), and each chunk's raw bytes are copied
     into its destination (no unpickling, no per-chunk stream)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, verifier=None):
         super().__init__(path)
         self._metadata = None
+        self.verifier = verifier  # a manifest.StreamVerifier fed every run read (checksums from these bytes)
         self._runs = (_Runs(), _Runs())
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="glm5-dcp-read")
 
@@ -181,12 +182,18 @@ class DirectReader(FileSystemReader):
                     end, j = items[j][0] + items[j][1], j + 1
                 runs.append((Path(self.path) / rel, start, end, items[i:j]))
                 i = j
+        def fetch(buf: _Runs, path: Path, start: int, end: int):
+            view, data_u8 = buf.read(path, start, end)
+            if self.verifier is not None:  # hashed on the read-ahead thread, while chunks are copied out
+                self.verifier.feed(path, start, view)
+            return view, data_u8
+
         # run k+1 is read on a thread while run k's chunks are copied out (two buffers)
-        ahead = self._pool.submit(self._runs[0].read, *runs[0][:3]) if runs else None
+        ahead = self._pool.submit(fetch, self._runs[0], *runs[0][:3]) if runs else None
         for k, (path, start, end, items) in enumerate(runs):
             view, data_u8 = ahead.result()
             if k + 1 < len(runs):
-                ahead = self._pool.submit(self._runs[(k + 1) % 2].read, *runs[k + 1][:3])
+                ahead = self._pool.submit(fetch, self._runs[(k + 1) % 2], *runs[k + 1][:3])
             for offset, length, req, target in items:
                 at = offset - start
                 data = raw_data_offset(view[at:at + length])
