@@ -4,10 +4,7 @@ match the weights they were saved from; ``glm5 checkpoint export --format megatr
 their layout."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ from recipes.main import main as cli
 from glm5_mcore.checkpoint.hf_io import HFCheckpoint
 
 from tests.support.megatron_layout import write_megatron  # noqa: E402
+from tests.support.launch import glm5, last_json
 
 ROUTER = ("mlp.gate.weight",)
 
@@ -165,15 +163,8 @@ def test_parity_on_their_folders(foreign, converted, flavour):
 
 @pytest.mark.slow
 def test_parity_on_a_megatron_lm_folder_at_tp2_ep2(foreign, converted):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                        "-m", "recipes.main", "parity", "--ckpt", str(foreign["mlm"]), "--hf-dir",
-                        str(converted["mlm"]), "--tp", "2", "--ep", "2"],
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    rep = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    rep = last_json(glm5("parity", "--ckpt", foreign["mlm"], "--hf-dir", converted["mlm"], "--tp", "2", "--ep", "2",
+                         nproc=2).stdout)
     assert rep["tp"] == 2 and rep["ep"] == 2 and rep["max_abs"] <= 1e-4 and rep["topk_agree"] == 1.0, rep
     assert r.stderr.count("no checksum manifest, loaded unverified") == 1  # said once, by rank 0
 

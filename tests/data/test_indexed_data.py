@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from glm5_mcore.data.sft import DataStats, read_jsonl
 from glm5_mcore.data.preprocess import preprocess
 
 from tests.recipes.test_sft import _cfg, _reverse_task, _tok
+from tests.support.launch import child_env, torchrun_cmd
 
 
 def _mixed_rows(path, n, seed):
@@ -206,13 +206,11 @@ def test_indexed_sft_gives_jsonl_losses_and_resumes_after_a_kill_at_the_next_sam
     assert ix["history"][-1]["data/consumed_samples"] < 96  # still epoch 0
 
     # kill a run (SIGKILL) right after a checkpoint, resume it, compare with an uninterrupted run
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     out = tmp_path / "killed"
     args = _sft_args(tiny_dir, tmp_path / "train_idx", tmp_path / "valid_idx", out, 200, **{"train.save_every": 2})
     log = tmp_path / "killed.log"
     with open(log, "w") as f:  # its own session: the kill takes any helper process with it
-        proc = subprocess.Popen([sys.executable, "-m", "recipes.main", "sft", *args], env=env,
+        proc = subprocess.Popen(torchrun_cmd("-m recipes.main", "sft", *args, nproc=1), env=child_env(),
                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.time() + 240

@@ -2,8 +2,6 @@
 gives our logits; merged export too; adapters made with peft import and match."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from glm5_mcore.lora.apply import EXPERTS, INDEXER, MLA, MLP, LoRAConfig, apply_
 from glm5_mcore.model.build import forward_logits
 from glm5_mcore.parity import load_input_ids
 from tests.support.helpers import hf_model
+from tests.support.launch import glm5
 
 ALL = MLA + MLP + EXPERTS + INDEXER
 
@@ -138,7 +137,6 @@ def test_per_expert_keys_and_split_gate_up_import(tmp_path):
 
 def test_lora_cli_errors_name_the_path(tmp_path, lora_ckpt):
     root, _, _ = lora_ckpt
-    r = subprocess.run([sys.executable, "-m", "recipes.main", "lora", "export", "--ckpt", str(root),
-                        "--adapter", "nope", "--out", str(tmp_path / "x")], capture_output=True, text=True)
+    r = glm5("lora", "export", "--ckpt", root, "--adapter", "nope", "--out", tmp_path / "x", ok=False)
     assert r.returncode == 2 and "adapters/nope" in r.stderr and "sft" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "x").exists()

@@ -3,14 +3,10 @@ formula against a measured forward+backward, the shipped 744B configs, the gate,
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from tests.support.launch import REPO, glm5, torchrun
 
-ROOT = Path(__file__).resolve().parents[2]
 
 OLD_RL_744B = {  # configs/rl/glm5_744b.yaml before the planner: TP 8 x EP 8 trainer, bf16 engines on 8 GPUs
     "data": {"max_prompt_tokens": 2048},
@@ -23,11 +19,7 @@ OLD_RL_744B = {  # configs/rl/glm5_744b.yaml before the planner: TP 8 x EP 8 tra
 
 def _run_check(script: str, *args: str, timeout: int = 600) -> list[dict]:
     # a fresh process group: not the rendezvous of this pytest process (init_parallel sets MASTER_PORT)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    out = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / script), *args], capture_output=True, text=True,
-                         timeout=timeout, cwd=ROOT, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = torchrun(script, *args, nproc=1, timeout=timeout, cwd=REPO)
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
@@ -142,8 +134,7 @@ def test_rollout_kv_cache_per_token_by_hand():
 
 
 def _glm5(*args):
-    return subprocess.run([sys.executable, "-m", "recipes.main", *args], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+    return glm5(*args, ok=False, timeout=300, cwd=REPO)
 
 
 def test_glm5_plan_cli_shipped_config():

@@ -3,14 +3,13 @@
 import json
 import math
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from glm5_mcore.data.sft import DataError, pack, read_jsonl
+from tests.support.launch import glm5, last_json, torchrun
 
 
 def _tok(hf_dir):
@@ -156,30 +155,17 @@ def test_resume_continues_with_identical_losses(tiny_dir, tmp_path):
 
 
 def test_config_that_cannot_work_fails_before_work_naming_the_field(tiny_dir, tmp_path):
-    env_cmd = [sys.executable, "-m", "recipes.main", "sft", f"model.hf_dir={tiny_dir}",
-               f"data.train={_reverse_task(tmp_path / 't.jsonl', 8, 0)}", f"train.out={tmp_path / 'o'}",
-               "wandb.mode=disabled"]
-    r = subprocess.run(env_cmd + ["data.global_batch_tokens=1000", "data.micro_batch_tokens=512",
-                                  "data.max_tokens=64"], capture_output=True, text=True)
+    sft = ["sft", f"model.hf_dir={tiny_dir}", f"data.train={_reverse_task(tmp_path / 't.jsonl', 8, 0)}",
+           f"train.out={tmp_path / 'o'}", "wandb.mode=disabled"]
+    r = glm5(*sft, "data.global_batch_tokens=1000", "data.micro_batch_tokens=512", "data.max_tokens=64", ok=False)
     assert r.returncode == 2 and "data.global_batch_tokens" in r.stderr, r.stderr[-1500:]
-    r = subprocess.run(env_cmd + ["lora.rnak=4"], capture_output=True, text=True)
+    r = glm5(*sft, "lora.rnak=4", ok=False)
     assert r.returncode != 0 and "rnak" in r.stderr
     assert not (tmp_path / "o").exists()
 
 
 def _sft_losses(args, nproc, out):
-    import os
-
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    cmd = [sys.executable, "-m", "recipes.main", "sft", *args, f"train.out={out}"]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               "-m", "recipes.main", "sft", *args, f"train.out={out}"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, "\n".join(l for l in r.stderr.splitlines() if "Error" in l or "error" in l)[-3000:]
-    return json.loads([l for l in r.stdout.splitlines() if l.startswith("{")][-1])["losses"]
+    return last_json(glm5("sft", *args, f"train.out={out}", nproc=nproc).stdout)["losses"]
 
 
 @pytest.mark.slow
@@ -253,17 +239,7 @@ def test_indexer_warmup_raises_recall(tiny_dir, tmp_path):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_vocab_parallel_token_logprobs_and_entropy(tiny_dir, tmp_path, tp):
-    import os
-
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    script = str(Path(__file__).resolve().parents[1] / "workers" / "logprob_check.py")
-    cmd = ([sys.executable, script] if tp == 1 else
-           [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script])
-    r = subprocess.run(cmd + [tiny_dir, str(tp), str(tmp_path / "lp.pt")], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    torchrun("logprob_check.py", tiny_dir, tp, tmp_path / "lp.pt", nproc=1 if tp == 1 else 2)
     d = torch.load(tmp_path / "lp.pt")
     assert (d["lp"] - d["ref_lp"]).abs().max() <= 1e-5 and (d["ent"] - d["ref_ent"]).abs().max() <= 1e-5
     assert d["lp"].shape == (2, 16) and (d["lp"] < 0).all()

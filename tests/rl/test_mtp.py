@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from rl.driver import fill_log_probs, make_batch
 from tests.rl.test_trainer import _cfg, _perturb, _rollout
+from tests.support.launch import torchrun
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +241,6 @@ def test_mtp_loss_and_accept_at_tp2_and_dp2ep2_equal_one_rank(tiny_mtp_dir, tmp_
     from rl.trainer import PolicyTrainer
     from tests.workers.rl_mtp_check import load_case, measure, mtp_cfg
 
-    here = Path(__file__).resolve().parent
     cfg = mtp_cfg(tiny_mtp_dir)
     ref_trainer = PolicyTrainer(cfg)
     t0 = time.perf_counter()
@@ -248,14 +248,7 @@ def test_mtp_loss_and_accept_at_tp2_and_dp2ep2_equal_one_rank(tiny_mtp_dir, tmp_
     ref = measure(ref_trainer, cfg, load_case(ref_trainer, case))
     t1 = time.perf_counter()
     torch.save(case, tmp_path / "case.pt")
-    env = {k: v for k, v in os.environ.items()  # the pytest process holds its own process group
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(here.parents[1]))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                        str(here.parent / "workers" / "rl_mtp_check.py"), tiny_mtp_dir, str(tmp_path / "case.pt"),
-                        str(tmp_path / "out.pt")],
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    torchrun("rl_mtp_check.py", tiny_mtp_dir, tmp_path / "case.pt", tmp_path / "out.pt")
     res = torch.load(tmp_path / "out.pt")
     print(f"\none rank {t1 - t0:.1f}s, torchrun {time.perf_counter() - t1:.1f}s")
     print("mtp multi-rank:", {"one": {k: float(ref[k]) for k in ("mtp_loss", "mtp_accept")},

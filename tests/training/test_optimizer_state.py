@@ -3,12 +3,9 @@ dist_checkpointing: an SFT run resumed at DP 2 (gloo) ends with the same Adam st
 the run that was never interrupted."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
+from tests.support.launch import last_json, torchrun
 
 
 def _data(path, n=48):
@@ -21,14 +18,7 @@ def _data(path, n=48):
 
 def _resume_runs(args, out, steps):
     """{layout: {"a", "b_first", "b_resumed": losses}} of ``tests/workers/resume_check.py`` on two gloo ranks."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(Path(__file__).resolve().parents[1] / "workers" / "resume_check.py"), str(out), str(steps), *args]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    return last_json(torchrun("resume_check.py", out, steps, *args).stdout)
 
 
 def _optimizer_tensors(path) -> dict:
