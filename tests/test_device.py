@@ -11,6 +11,7 @@ from tests.support.fake_device import fake_device, host
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.lora.apply import FAMILIES, LoRAConfig
+
 from tests.support.launch import last_json, torchrun
 
 
@@ -114,6 +115,7 @@ def test_rl_trainer_on_a_device_matches_cpu(tiny_dir):
     assert abs(m["actor/grad_norm"] - ref_m["actor/grad_norm"]) <= 1e-4 * ref_m["actor/grad_norm"]
 
 
+@pytest.mark.slow
 def test_collectives_of_sft_rl_and_parity_get_training_device_tensors(tiny_dir, tmp_path):
     """Two gloo ranks on the stand-in device: every collective SFT (EP2 × DP2), the RL trainer (DP2)
     and parity (CP2, TP2) issue — theirs and Megatron-Core's — gets tensors on the training device."""

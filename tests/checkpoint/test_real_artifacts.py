@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from glm5_mcore.checkpoint.hf_io import HFCheckpoint, SafetensorsFile, dequantize_fp8_blocks
+
 from tests.support.launch import glm5
 
 
@@ -90,6 +91,7 @@ def test_bf16_stored_under_fp32_config_round_trips_to_bf16(saved_dir, tmp_path):
     assert {v[0] for v in fp32.values()} == {torch.float32}
 
 
+@pytest.mark.slow
 def test_fp8_export_reimports_to_its_dequantized_values(saved_dir, tmp_path):
     """FP8 export: e4m3 + 128x128 fp32 weight_scale_inv on the projections, the rest kept; import of the
     export is exactly q·s, within e4m3's bound of the source; exporting that import again is byte-identical."""
@@ -178,6 +180,7 @@ def test_saved_folder_fine_tunes_without_mtp_or_with_a_fresh_one(saved_dir, tmp_
     assert f"model.layers.{L}.eh_proj.weight" in mtp and len(mtp) == len(back.keys()) - len(HFCheckpoint(saved_dir).keys())
 
 
+@pytest.mark.slow
 def test_saved_folder_lora_exports_and_is_an_rl_base(saved_dir, tmp_path):
     """Converted, then a LoRA run from the checkpoint (adapters only in its own folder; the base weights
     found through the recorded base checkpoint): exports as PEFT and
@@ -220,6 +223,7 @@ def test_saved_folder_lora_exports_and_is_an_rl_base(saved_dir, tmp_path):
     assert float(diff.max()) <= 1e-5, float(diff.max())
 
 
+@pytest.mark.slow
 def test_bad_dtype_record_and_mtp_mode_name_the_problem(saved_dir, tmp_path):
     """A corrupt hf/dtypes.json: exit 2 naming the file, no output folder; model.mtp=bogus names the field."""
     import subprocess

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from glm5_mcore.config import GLM5Config
 from glm5_mcore.checkpoint.hf_io import HFCheckpoint, dequantize_fp8_blocks
+
 from tests.support.launch import glm5, last_json, torchrun
 
 
@@ -308,6 +309,7 @@ def test_bad_mcore_input_is_named_and_previous_output_survives(converted, tmp_pa
     assert _tree_hash(out) == before
 
 
+@pytest.mark.slow
 def test_cli_convert_round_trip_and_errors(tiny_dir, tmp_path):
     glm5("convert", "hf-to-mcore", "--hf-dir", tiny_dir, "--out", tmp_path / "mc", "--workers", "2", "--no-progress")
     glm5("convert", "mcore-to-hf", "--ckpt", tmp_path / "mc", "--out", tmp_path / "hf", "--no-progress")

@@ -7,6 +7,7 @@ from glm5_mcore.lora.apply import (FAMILIES, INDEXER, LoRAConfig, adapter_parame
                              lora_layers, merge, set_adapter, unmerge)
 from glm5_mcore.model.build import forward_logits
 from glm5_mcore.parity import load_input_ids
+
 from tests.support.helpers import hf_model
 from tests.support.launch import torchrun
 

@@ -5,6 +5,7 @@ the refusal of an indexer that trains with no loss."""
 
 import pytest
 import torch
+
 from tests.support.launch import torchrun
 
 

@@ -3,6 +3,7 @@
 
 import pytest
 from safetensors.torch import load_file
+
 from tests.support.launch import torchrun
 
 

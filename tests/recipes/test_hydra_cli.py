@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from recipes.main import main
+
 from tests.support.launch import glm5
 
 
@@ -70,6 +71,7 @@ def test_cfg_job_prints_the_resolved_config_and_writes_nothing(capsys, tmp_path,
     assert list(tmp_path.iterdir()) == []  # no outputs/, .hydra/ or log file
 
 
+@pytest.mark.slow
 def test_console_script_help_and_cfg(tmp_path):
     """The installed ``glm5`` script (Hydra used to raise LexerNoViableAltException on these)."""
     for argv in (["sft", "--help"], ["rl", "--cfg", "job", "--config", "ppo_gae_tiny"]):

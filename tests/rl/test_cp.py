@@ -9,8 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.rl.test_trainer import _cfg
-from tests.rl.test_routing import perturbed_router_engine
+from tests.support.rl_setup import perturbed_router_engine, rl_cfg
 from tests.support.launch import torchrun
 
 
@@ -47,13 +46,14 @@ def _rel(a, b) -> float:
     return float((a - b).norm() / max(float(b.norm()), 1e-30))
 
 
+@pytest.mark.slow
 def test_cp2_equals_cp1_with_router_replay(tiny_dir, tmp_path):
     import copy
 
     from tests.workers.rl_cp_check import build, run
 
     d = {"model": {"hf_dir": tiny_dir}, "wandb": {"mode": "disabled"}, **SECTIONS}
-    cfg1 = _cfg(tiny_dir, **SECTIONS)
+    cfg1 = rl_cfg(tiny_dir, **SECTIONS)
     trainer = build(cfg1)
     batch = _batch(cfg1, trainer, tiny_dir)
     torch.save(batch, tmp_path / "batch.pt")
@@ -111,12 +111,12 @@ def test_cp2_equals_cp1_with_router_replay(tiny_dir, tmp_path):
 ])
 def test_bad_cp_is_refused_naming_the_field(tiny_dir, trainer, msg):
     with pytest.raises(ValueError, match=msg.replace("×", ".")):
-        _cfg(tiny_dir, trainer=trainer)
+        rl_cfg(tiny_dir, trainer=trainer)
 
 
 def test_cp_refuses_the_mtp_loss(tiny_dir):
     with pytest.raises(ValueError, match=r"trainer.cp=2: the MTP loss"):
-        _cfg(tiny_dir, trainer={"world_size": 2, "cp": 2}, actor={"mtp_accept": True})
+        rl_cfg(tiny_dir, trainer={"world_size": 2, "cp": 2}, actor={"mtp_accept": True})
 
 
 def test_cp_shards_cover_the_pack_once():

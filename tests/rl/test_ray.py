@@ -6,6 +6,7 @@ import os
 import shutil
 
 import pytest
+
 from tests.support.launch import REPO, child_env, glm5
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from glm5_mcore.plot import RL_PANELS, SFT_PANELS, png_kind, plot
 from glm5_mcore.training.run_log import METRICS_FILE, MetricsFile, read_metrics
+
 from tests.support.launch import glm5
 
 
@@ -40,6 +41,7 @@ def test_metrics_file_resume_drops_later_steps_and_fresh_start_clears(tmp_path):
     assert (run / METRICS_FILE).read_text() == ""
 
 
+@pytest.mark.slow
 def test_plot_panels_and_refusals(tmp_path):
     a = _write_run(tmp_path / "sft_a", range(1, 11), val_loss=2.0)
     b = _write_run(tmp_path / "sft_b", range(1, 8))

@@ -4,7 +4,9 @@ the run that was never interrupted."""
 
 import json
 
+import pytest
 import torch
+
 from tests.support.launch import last_json, torchrun
 
 
@@ -43,6 +45,7 @@ def _check_layout(runs, root):
     return a
 
 
+@pytest.mark.slow
 def test_sft_resume_at_dp2_and_tp2_restores_the_optimizer_state_bitwise(tiny_dir, tmp_path, single_rank):
     """Both layouts on two gloo ranks: DP 2, and TP 2, where the TP-sharded LoRA tensors' moments are
     saved as the two halves of one global tensor (GLU fc1's B as gate and up halves)."""

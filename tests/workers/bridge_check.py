@@ -7,6 +7,7 @@ import torch
 
 from glm5_mcore.checkpoint.layout import save_checkpoint, write_hf_meta
 from glm5_mcore.config import ParallelConfig
+
 from tests.support.helpers import hf_model
 
 
