@@ -56,7 +56,21 @@ def _sft_loss_and_grads(hf_dir, batch):
     return float(host(loss)), int(host(n)), grads
 
 
-def test_sft_forward_backward_on_a_device_matches_cpu(tiny_mtp_dir, tmp_path, single_rank):
+@pytest.fixture()
+def default_loss_scales(monkeypatch):
+    """Megatron's auxiliary-loss scalers at their import-time defaults: an SFT run earlier in this
+    process (Megatron's schedule sets them per step) leaves a [1] CPU tensor there, which the
+    stand-in device rightly refuses; ``_sft_loss_and_grads`` runs no schedule to set them."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    monkeypatch.setattr(MTPLossAutoScaler, "main_loss_backward_scale", torch.tensor(1.0))
+    monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale", None)
+    monkeypatch.setattr(DSAIndexerLossAutoScaler, "main_loss_backward_scale", None)
+
+
+def test_sft_forward_backward_on_a_device_matches_cpu(tiny_mtp_dir, tmp_path, single_rank, default_loss_scales):
     from glm5_mcore import kernels
     from glm5_mcore.data.sft import pack
 
