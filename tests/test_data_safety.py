@@ -55,7 +55,7 @@ def _flip(path: Path, offset: int = None) -> None:
 @pytest.fixture(scope="module")
 def mc(tmp_path_factory, tiny_dir):
     """hf-to-mcore of the tiny checkpoint (iter_0000000/model + manifest)."""
-    from glm5_mcore.convert.common import hf_to_mcore
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
 
     return hf_to_mcore(tiny_dir, tmp_path_factory.mktemp("mc") / "ckpt", progress=False)
 
@@ -264,7 +264,8 @@ def test_loads_verify_what_they_read(mc, sft_run, tiny_dir, tmp_path, capsys, mo
 
 
 def test_truncated_peft_adapter_is_named(sft_run, tmp_path, monkeypatch):
-    from glm5_mcore.lora.peft import export_checkpoint_adapter, import_peft
+    from glm5_mcore.convert.lora_export import export_checkpoint_adapter
+    from glm5_mcore.lora.peft import import_peft
 
     out = export_checkpoint_adapter(sft_run / "run", tmp_path / "peft", progress=False)
     f = out / "adapter_model.safetensors"
