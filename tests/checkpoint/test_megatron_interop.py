@@ -237,7 +237,8 @@ def bridge_lora(foreign, tiny_mtp_dir):
     dense / shared-expert fc1 as CanonicalLoRA gate/up halves."""
     from glm5_mcore.lora.state import gather_adapter
     from glm5_mcore.config import ParallelConfig
-    from glm5_mcore.lora.apply import FAMILIES, LoRAConfig, apply_lora
+    from glm5_mcore.lora.config import FAMILIES, LoRAConfig
+    from glm5_mcore.lora.apply import apply_lora
     from glm5_mcore.model.parallel import init_parallel
     from tests.support.helpers import hf_model
     from tests.support.megatron_layout import write_bridge_peft
@@ -369,7 +370,7 @@ def test_export_megatron_round_trip(tiny_mtp_dir, tmp_path, capsys, single_rank)
     anything else there is refused untouched."""
     from glm5_mcore.checkpoint.dist import load_model
     from glm5_mcore.checkpoint.layout import model_dir
-    from glm5_mcore.convert.common import hf_to_mcore
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
     from glm5_mcore.checkpoint.megatron_lm import glm5_config, model_path
     from glm5_mcore.model.build import build_model
     from glm5_mcore.config import GLM5Config

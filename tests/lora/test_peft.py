@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 from glm5_mcore.config import ParallelConfig
-from glm5_mcore.lora.apply import EXPERTS, INDEXER, MLA, MLP, LoRAConfig, apply_lora
+from glm5_mcore.lora.config import EXPERTS, INDEXER, MLA, MLP, LoRAConfig
+from glm5_mcore.lora.apply import apply_lora
 from glm5_mcore.model.build import forward_logits
 from glm5_mcore.parity import load_input_ids
 
@@ -44,7 +45,7 @@ def lora_ckpt(tiny_share_dir, tmp_path_factory):
 
 
 def test_export_loads_in_peft_with_no_missing_keys_and_matches(lora_ckpt, tiny_share_dir, tmp_path):
-    from glm5_mcore.lora.peft import export_checkpoint_adapter
+    from glm5_mcore.convert.lora_export import export_checkpoint_adapter
 
     root, ids, ours = lora_ckpt
     out = export_checkpoint_adapter(root, tmp_path / "peft", "sft", progress=False)
@@ -62,7 +63,7 @@ def test_export_loads_in_peft_with_no_missing_keys_and_matches(lora_ckpt, tiny_s
 def test_merged_export_matches(lora_ckpt, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from glm5_mcore.lora.peft import export_checkpoint_adapter
+    from glm5_mcore.convert.lora_export import export_checkpoint_adapter
 
     root, ids, ours = lora_ckpt
     out = export_checkpoint_adapter(root, tmp_path / "merged", "sft", merged=True, progress=False)
