@@ -17,6 +17,7 @@ from typing import Optional
 from glm5_mcore.checkpoint.folder_config import checkpoint_config, hf_dir_config
 from glm5_mcore.checkpoint.layout import hf_source_dir, model_dir
 from glm5_mcore.checkpoint.megatron_lm import check_same_arch
+from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
 
 
 def _is_hf_folder(path: Path) -> bool:
@@ -28,8 +29,6 @@ def base_checkpoint(root: str | Path, iteration: Optional[int], work: Path,
     """(checkpoint folder, iteration or None for its latest) holding the base weights of ``root``'s
     ``iteration``; an HF folder is converted under ``work`` (the caller's scratch folder, removed by it).
     Errors name the folder and the way out (``--base``)."""
-    from glm5_mcore.convert.common import hf_to_mcore
-
     root = Path(root)
     if base is not None:
         base = Path(base)

@@ -39,7 +39,7 @@ def _tensors(folder) -> dict:
 
 def test_lora_export_merged_of_a_run_from_its_hf_origin(lora_run, tiny_dir, tmp_path, capsys):
     from glm5_mcore.checkpoint.atomic import OWNER
-    from glm5_mcore.convert.common import hf_to_mcore
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
     from glm5_mcore.lora.state import read_adapter_state
     from glm5_mcore.checkpoint.layout import adapter_dir
 

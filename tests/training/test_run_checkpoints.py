@@ -62,7 +62,8 @@ def _copy(run3, tmp_path) -> Path:
 
 def test_the_last_step_is_saved_whatever_save_every(run3, tiny_dir, tmp_path):
     """Class 3: steps % save_every != 0 (and save_every=0) still leave the final weights on disk."""
-    from glm5_mcore.checkpoint.layout import iterations, latest_iteration, read_trainer_state
+    from glm5_mcore.checkpoint.dist import read_trainer_state
+    from glm5_mcore.checkpoint.layout import iterations, latest_iteration
     from recipes.sft import run
 
     root, out = run3
