@@ -73,10 +73,13 @@ def latest_iteration(root: str | Path) -> int:
 
 def verify_checkpoint(root: str | Path) -> list[tuple[Path, int]]:
     """``glm5 checkpoint verify``: a checkpoint folder's ``latest`` names an iteration that is there
-    (what every loader needs; ``latest_iteration``'s error otherwise), then every manifest folder
-    verified strictly (``manifest.verify_tree``). Returns [(folder, files checked)]."""
+    (what every loader needs; ``latest_iteration``'s error otherwise; a Megatron-LM folder: its tracker
+    file), then every manifest folder verified strictly (``manifest.verify_tree``). Returns [(folder,
+    files checked)]."""
     root = Path(root)
-    if (root / "latest").exists() or (root.is_dir() and iterations(root)):
+    if megatron_lm.is_foreign(root):  # Megatron-LM / Bridge layout: its tracker file names the iteration
+        megatron_lm.model_path(root, None)
+    elif (root / "latest").exists() or (root.is_dir() and iterations(root)):
         latest_iteration(root)
     return manifest.verify_tree(root)
 
