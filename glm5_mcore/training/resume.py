@@ -73,7 +73,7 @@ def guard_resume(root: str | Path, current: dict, proceed: bool, section: str) -
     if diffs and not proceed:
         raise ValueError(f"{Path(root) / 'latest'}: resuming iteration {it} with settings that differ from "
                          f"the run's: {'; '.join(diffs)} (set {section}.{SWITCH}=true to resume anyway, "
-                         f"or {section}.resume=false / a new {section}.out to start over)")
+                         f"or a new {section}.out to start over)")
     if diffs:
         print(f"warning: resuming {root} with changed settings: {'; '.join(diffs)}", file=sys.stderr)
     return it
