@@ -430,6 +430,12 @@ def test_conversion_verifies_from_the_bytes_it_reads(tiny_converted, tmp_path, c
     total = sum(p.stat().st_size for p in data)
     again = sum(n for name, n in from_disk if name.endswith(".distcp"))
     assert again <= 0.1 * total, (again, total)
+    from_disk.clear()  # and back: hf-to-mcore verifies the HF folder (it has our manifest) as it reads it
+    assert glm5(["convert", "hf-to-mcore", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "back"),
+                 "--no-progress"]) == 0
+    shards = sum(p.stat().st_size for p in (tmp_path / "hf").glob("*.safetensors"))
+    again = sum(n for name, n in from_disk if name.endswith(".safetensors"))
+    assert 0 < again <= 0.1 * shards, (again, shards)  # > 0: the verifier ran (each file's header)
     ck = tmp_path / "ck"
     shutil.copytree(tiny_converted, ck)
     tail = sorted((ck / "iter_0000000" / "model").glob("*.distcp"))[0]

@@ -40,8 +40,9 @@ _MAX_HEADER = 100 << 20
 class SafetensorsFile:
     """One ``.safetensors`` file: header parsed and checked on open, tensors read on demand."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, verifier=None):
         self.path = Path(path)
+        self.verifier = verifier  # a manifest.StreamVerifier fed every tensor read (checksums from these bytes)
         if not self.path.is_file():
             raise FileNotFoundError(f"{self.path}: safetensors file is missing")
         size = self.path.stat().st_size
@@ -104,6 +105,8 @@ class SafetensorsFile:
                 got += k
         if got != n:
             raise ValueError(f"{self.path}: tensor {name} could not be read (got {got} of {n} bytes)")
+        if self.verifier is not None:
+            self.verifier.feed(self.path, self._base + start, view)
         return buf.view(dtype).reshape(shape)
 
 
@@ -128,8 +131,9 @@ def dequantize_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: int =
 class HFCheckpoint:
     """Name → tensor access over the safetensors files of one HF folder."""
 
-    def __init__(self, hf_dir: str | Path):
+    def __init__(self, hf_dir: str | Path, verifier=None):
         self.dir = Path(hf_dir)
+        self.verifier = verifier
         if not self.dir.is_dir():
             raise FileNotFoundError(f"{self.dir}: HF checkpoint folder does not exist")
         self._open_files: dict[Path, SafetensorsFile] = {}
@@ -154,7 +158,7 @@ class HFCheckpoint:
         if path not in self._open_files:
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: shard listed in the index is missing")
-            self._open_files[path] = SafetensorsFile(path)
+            self._open_files[path] = SafetensorsFile(path, self.verifier)
         return self._open_files[path]
 
     def keys(self) -> list[str]:

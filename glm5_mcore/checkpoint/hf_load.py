@@ -9,7 +9,7 @@ import torch
 from glm5_mcore.checkpoint.checks import check_finite
 from glm5_mcore.checkpoint.hf_io import HFCheckpoint
 from glm5_mcore.checkpoint.hf_names import hf_source, shard_for_rank
-from glm5_mcore.checkpoint.manifest import verify_under
+from glm5_mcore.checkpoint.manifest import StreamVerifier
 from glm5_mcore.config import GLM5Config
 from glm5_mcore.model.parallel import rank_offsets
 
@@ -31,10 +31,22 @@ def load_hf_weights(model, hf_dir, glm5: GLM5Config, skip_prefixes: tuple = ()) 
     Megatron names starting with one of ``skip_prefixes`` keep their initialisation (a fresh MTP
     block: ``skip_prefixes=("mtp.",)``).
 
-    Errors name the missing tensor, or the tensor whose shape does not match the model's.
+    Errors name the missing tensor, or the tensor whose shape does not match the model's. A folder with
+    a checksum manifest (one we wrote) is verified from the bytes read (``manifest.StreamVerifier``),
+    before this returns; a corrupt file is named before any error it caused.
     """
-    verify_under(hf_dir)
-    ckpt = HFCheckpoint(hf_dir)
+    checks = StreamVerifier(hf_dir)
+    ckpt = HFCheckpoint(hf_dir, checks)
+    try:
+        n = _copy_weights(model, hf_dir, glm5, ckpt, skip_prefixes)
+    except BaseException:
+        checks.result()
+        raise
+    checks.result()
+    return n
+
+
+def _copy_weights(model, hf_dir, glm5: GLM5Config, ckpt: HFCheckpoint, skip_prefixes: tuple) -> int:
     n = 0
     for name, target, src, rank, size in mcore_to_hf_sources(model, glm5.num_hidden_layers):
         if skip_prefixes and name.startswith(skip_prefixes):

@@ -43,7 +43,7 @@ from glm5_mcore.checkpoint.hf_io import FP8, HFCheckpoint
 from glm5_mcore.checkpoint.hf_names import hf_source
 
 from glm5_mcore.checkpoint.folder_config import hf_dir_config
-from glm5_mcore.checkpoint.manifest import verify_under, write_manifest
+from glm5_mcore.checkpoint.manifest import StreamVerifier, write_manifest
 from glm5_mcore.convert.common import Progress, meta_model, named_tensors
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -118,9 +118,9 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, workers: int = 1, dtype: Op
     """Convert an HF GLM-5 folder into ``out`` (``iter_0000000/model``, ``hf/``, ``latest``)."""
     hf_dir = Path(hf_dir)
     check_output(out, "convert hf-to-mcore", [hf_dir], overwrite)
-    verify_under(hf_dir)  # an HF folder we wrote (mcore-to-hf) carries a manifest
+    checks = StreamVerifier(hf_dir)  # an HF folder we wrote (mcore-to-hf) has a manifest: checked from the reads
     glm5 = hf_dir_config(hf_dir)  # MTP layers the weights lack are left out (a notice)
-    ckpt = HFCheckpoint(hf_dir)
+    ckpt = HFCheckpoint(hf_dir, checks)
     if dtype is None:
         td = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}.get(
             glm5.torch_dtype, torch.bfloat16)
@@ -146,6 +146,10 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, workers: int = 1, dtype: Op
             (iter_dir(tmp, 0) / "trainer_state.json").write_text(json.dumps({"iteration": 0}, indent=2))
             write_manifest(iter_dir(tmp, 0))
             (tmp / "latest").write_text("0\n")
+            checks.result()  # before the output is renamed into place
+    except BaseException:
+        checks.result()  # a corrupt file explains a failure better than what it caused
+        raise
     finally:
         bar.close()
     return Path(out)
