@@ -163,7 +163,7 @@ def _export_megatron(ckpt: str | Path, out: str | Path, iteration: Optional[int]
                 how.add(_link_or_copy(p, dst / p.name))
                 entry = recorded.get(f"{src.name}/{p.name}")
                 if entry and (dst / p.name).stat().st_ino == p.stat().st_ino:  # a link: digest known
-                    manifest._KNOWN[manifest._key((dst / p.name).stat())] = entry["digest"]
+                    manifest.remember_file_digest(dst / p.name, entry["digest"])
         tok = dst / TOKENIZER_DIR
         tok.mkdir()
         for name in HF_META_FILES:
