@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from glm5_mcore.config import GLM5Config, ParallelConfig, check_transformers_version
+from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.device import training_device
 from glm5_mcore.checkpoint.folder_config import checkpoint_config, hf_dir_config
 from glm5_mcore.checkpoint import megatron_lm as foreign_ckpt
@@ -33,6 +34,19 @@ from glm5_mcore.model.dsa import GLM5SparseAttention
 from glm5_mcore.model.parallel import init_parallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MIN_TRANSFORMERS = (5, 13)
+
+
+def check_transformers_version() -> None:
+    """Warn when the installed transformers computes a different (pre-5.13) indexer."""
+    try:
+        import transformers
+    except ImportError:
+        return
+    parts = tuple(int(x) for x in transformers.__version__.split(".")[:2] if x.isdigit())
+    if parts < MIN_TRANSFORMERS:
+        warnings.warn(f"transformers {transformers.__version__} < 5.13 computes a different GLM-5 "
+                      "indexer (half-split RoPE / no ReLU); the parity reference is wrong")
 
 
 def _all_gather_cat(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
