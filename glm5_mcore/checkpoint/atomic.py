@@ -19,6 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
+
 from glm5_mcore.checkpoint.manifest import write_manifest
 
 

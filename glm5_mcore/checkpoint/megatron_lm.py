@@ -27,6 +27,7 @@ import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
+
 from glm5_mcore.checkpoint.manifest import NAME
 from glm5_mcore.config import GLM5Config, MODEL_TYPE
 

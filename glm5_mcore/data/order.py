@@ -18,6 +18,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
+
 from glm5_mcore.device import training_device
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+
 from glm5_mcore.checkpoint.atomic import atomic_dir
 from glm5_mcore.data.sft import DataError, parse_line, truncate
 

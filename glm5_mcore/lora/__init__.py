@@ -1,7 +1,6 @@
-"""LoRA adapters: ``LoRAConfig`` (``lora.config``), attached and switched on a model (``lora.apply``).
-Only this package's names."""
+"""LoRA adapters: ``LoRAConfig`` and the families (``lora.config``), the TP-correct layer (``lora.layers``),
+attached and switched on a model (``lora.apply``), adapter state and formats (``state``, ``peft``,
+``bridge_peft``).
 
-from glm5_mcore.lora.apply import apply_lora, disable_adapters, merge, set_adapter, unmerge
-from glm5_mcore.lora.config import LoRAConfig
-
-__all__ = ["LoRAConfig", "apply_lora", "disable_adapters", "merge", "set_adapter", "unmerge"]
+Nothing is re-exported here: ``lora.config`` is what the config schemas and the planner import (``glm5 sft
+--help``, ``glm5 plan`` stay free of Megatron-Core); a package face would load ``lora.apply`` and the model."""
