@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.config import GLM5Config, ParallelConfig, recompute_overrides
 from glm5_mcore.data.order import epoch_order, equal_micro_batch_sizes
 from glm5_mcore.device import training_device
 from glm5_mcore.lora.apply import LoRAConfig
@@ -70,7 +70,8 @@ def run_settings(cfg: SFTConfig, world: int) -> dict:
         "lora": {"enabled": lo.enabled, "name": lo.name, "rank": lo.rank, "alpha": lo.alpha,
                  "targets": sorted(lo.targets)} if lo.enabled else {"enabled": False},
         "model": model_fingerprint(cfg.model.hf_dir, cfg.model.ckpt),
-        "layout": {"world_size": world, **{k: getattr(cfg.parallel, k) for k in ("tp", "ep", "cp", "pp")}},
+        "layout": {"world_size": world, **{k: getattr(cfg.parallel, k) for k in ("tp", "ep", "cp", "pp")},
+                   **({"etp": cfg.parallel.etp} if cfg.parallel.etp > 1 else {})},
     }
 
 
@@ -85,6 +86,9 @@ def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConf
         raise ValueError(f"parallel.pp={parallel.pp} does not divide num_hidden_layers={glm5.num_hidden_layers}")
     if world % (parallel.tp * parallel.cp * parallel.pp):
         raise ValueError(f"parallel.tp*cp*pp={parallel.tp * parallel.cp * parallel.pp} does not divide the "
+                         f"world size {world}")
+    if world % (parallel.etp * parallel.ep * parallel.pp):
+        raise ValueError(f"parallel.etp*ep*pp={parallel.etp * parallel.ep * parallel.pp} does not divide the "
                          f"world size {world}")
     dp = world // (parallel.tp * parallel.cp * parallel.pp)
     d = cfg.data
@@ -157,7 +161,10 @@ def step_losses(ddp, batches: list[PackedBatch], forward_only: bool) -> tuple[fl
 
     from glm5_mcore.training.loop import forward_backward
 
-    res = forward_backward(ddp, _forward_step, batches, forward_only, max(b.num_tokens for b in batches))
+    # Megatron's schedule takes the sequence length before the CP split (schedules.py divides it by CP to
+    # size the pipeline's P2P buffers); these batches are this CP rank's share (split_for_cp)
+    seq = max(b.num_tokens for b in batches) * ps.get_context_parallel_world_size()
+    res = forward_backward(ddp, _forward_step, batches, forward_only, seq)
     tot = torch.zeros(2, device=training_device())
     for r in res:  # only the last pipeline stage computes the loss
         tot += r["lm"].float()
@@ -167,6 +174,22 @@ def step_losses(ddp, batches: list[PackedBatch], forward_only: bool) -> tuple[fl
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(tot, group=ps.get_pipeline_model_parallel_group())
     return float(tot[0]), float(tot[1])
+
+
+def _cp_shares(batches: list[PackedBatch], parallel: ParallelConfig, cp_rank: int, pad_id: int,
+               multiple: int) -> list[PackedBatch]:
+    """This CP rank's share of each micro-batch (``split_for_cp``). With PP > 1 the stages exchange one
+    fixed shape per step, but a share's length depends on its documents (each is padded to 2·cp·m):
+    a micro-batch whose share is shorter than the step's longest gets a masked filler document of
+    cp × the difference (a multiple of 2·cp·m, so it is split without padding), and every share
+    has one length."""
+    shares = [split_for_cp(b, parallel.cp, cp_rank, pad_id, multiple) for b in batches]
+    if parallel.cp == 1 or parallel.pp == 1 or not shares:
+        return shares
+    n = max(x.num_tokens for x in shares)
+    return [x if x.num_tokens == n else
+            split_for_cp(pad_to(b, b.num_tokens + (n - x.num_tokens) * parallel.cp, pad_id), parallel.cp, cp_rank,
+                         pad_id, multiple) for b, x in zip(batches, shares)]
 
 
 def _equalize(batches: list[PackedBatch], pad_id: int) -> list[PackedBatch]:
@@ -380,8 +403,7 @@ def run(cfg: SFTConfig, record: Optional[Callable[[], None]] = None) -> dict:
         overrides.update(moe_aux_loss_coeff=cfg.train.moe_aux_loss_coeff, moe_router_load_balancing_type="seq_aux_loss")
     if cfg.train.bf16:
         overrides.update(bf16=True, params_dtype=torch.bfloat16)
-    if cfg.train.recompute:
-        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    overrides.update(recompute_overrides(cfg.train.recompute))
     if cfg.model.ckpt:
         from glm5_mcore.checkpoint import megatron_lm as foreign_ckpt
 
@@ -445,7 +467,7 @@ def run(cfg: SFTConfig, record: Optional[Callable[[], None]] = None) -> dict:
             mine = [pad_to(b, fixed_tokens, pad_id) for b in mine]
         elif equal_sizes:
             mine = _equalize(mine, pad_id)
-        mine = [split_for_cp(b, parallel.cp, cp_rank, pad_id, multiple) for b in mine]
+        mine = _cp_shares(mine, parallel, cp_rank, pad_id, multiple)
         with torch.no_grad():
             s, n = step_losses(ddp, mine, forward_only=True)
         ddp.train()
@@ -472,7 +494,7 @@ def run(cfg: SFTConfig, record: Optional[Callable[[], None]] = None) -> dict:
                 mine = [pad_to(b, fixed_tokens, pad_id) for b in mine]
             elif equal_sizes:
                 mine = _equalize(mine, pad_id)
-            mine = [split_for_cp(b, parallel.cp, cp_rank, pad_id, multiple) for b in mine]
+            mine = _cp_shares(mine, parallel, cp_rank, pad_id, multiple)
             t0 = time.perf_counter()
             ddp.zero_grad_buffer()
             opt.zero_grad()

@@ -103,7 +103,7 @@ class _Packed:
 class PolicyTrainer:
     def __init__(self, cfg: RLConfig, rank: int = 0, world: int = 1, master_addr: Optional[str] = None,
                  master_port: Optional[int] = None):
-        from glm5_mcore.config import GLM5Config, ParallelConfig
+        from glm5_mcore.config import GLM5Config, ParallelConfig, recompute_overrides
         from glm5_mcore.model.dsa import check_indexer_learns
         from glm5_mcore.lora.apply import LoRAConfig, apply_lora, set_adapter
         from glm5_mcore.model.build import build_model, init_parallel, load_hf_weights
@@ -115,7 +115,7 @@ class PolicyTrainer:
                               WORLD_SIZE=str(world), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
         self.cfg = cfg
         t = cfg.trainer
-        self.parallel = ParallelConfig(tp=t.tp, ep=t.ep, cp=t.cp)
+        self.parallel = ParallelConfig(tp=t.tp, ep=t.ep, cp=t.cp, etp=t.etp)
         from glm5_mcore.checkpoint import megatron_lm as foreign_ckpt
         from glm5_mcore.checkpoint.folder_config import checkpoint_config, hf_dir_config
 
@@ -132,6 +132,7 @@ class PolicyTrainer:
         init_parallel(self.parallel, seed=t.seed)
         self.pad_id = AutoTokenizer.from_pretrained(cfg.model.hf_dir).pad_token_id or 0
         overrides = {"bf16": True, "params_dtype": torch.bfloat16} if t.bf16 else {}
+        overrides.update(recompute_overrides(t.recompute))
         model = build_model(self.glm5, self.parallel, backend=t.backend, mtp_num_layers=mtp,
                             moe_enable_routing_replay=True, **overrides, **overrides_mtp)
         if cfg.model.ckpt:

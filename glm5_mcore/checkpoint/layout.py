@@ -155,21 +155,52 @@ def hf_source_dir(root: str | Path) -> Optional[Path]:
     return Path(json.loads(path.read_text())["hf_dir"])
 
 
+def has_hf_weights(folder: str | Path) -> bool:
+    """``folder`` holds HF weights (``*.safetensors`` shards or their index), not only config + tokenizer."""
+    folder = Path(folder)
+    return (folder / "model.safetensors.index.json").is_file() or any(folder.glob("*.safetensors"))
+
+
+def hf_weights_dir(hf_dir: str | Path, ckpt: Optional[str | Path] = None) -> Optional[Path]:
+    """The HF folder with weights for a model given as ``hf_dir`` (+ ``ckpt``): ``hf_dir`` itself when it
+    holds weights, else the folder its ``source.json`` names (``write_hf_meta``: a converted checkpoint's
+    ``hf/`` has config and tokenizer only), else the one ``ckpt/hf/source.json`` names. None: none has."""
+    candidates = [Path(hf_dir)]
+    src = Path(hf_dir) / "source.json"
+    if src.is_file():
+        candidates.append(Path(json.loads(src.read_text())["hf_dir"]))
+    if ckpt is not None and hf_source_dir(ckpt) is not None:
+        candidates.append(hf_source_dir(ckpt))
+    return next((c for c in candidates if has_hf_weights(c)), None)
+
+
 def verify_once(path: str | Path) -> None:
-    """``manifest.verify_under(path)`` by rank 0 alone (every rank reads the same shared files), its
-    verdict broadcast so that every rank raises the same error."""
+    """``manifest.verify_under(path)`` shared by every rank: rank r hashes its share of the files
+    (``manifest.share``: by size, balanced), all at once, and the verdicts are gathered so that every rank
+    raises the same error (the first bad file). 1.5 TB over 64 ranks is ~23 GB each, not 1.5 TB on rank 0
+    while the others wait out the process group's timeout (``glm5_mcore.device.dist_timeout``).
+    Rank 0 prints what it checks and how fast."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         manifest.verify_under(path)
         return
-    verdict = [None]
-    if dist.get_rank() == 0:
-        try:
-            manifest.verify_under(path)
-        except ValueError as e:
-            verdict[0] = str(e)
-    dist.broadcast_object_list(verdict, src=0)
-    if verdict[0] is not None:
-        raise manifest.ChecksumError(verdict[0])
+    import time
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t0 = time.monotonic()
+    verdict = None
+    try:
+        n, nbytes = manifest.verify_under(path, share=(rank, world), report=True)
+    except ValueError as e:
+        verdict, n, nbytes = str(e), 0, 0
+    if rank == 0 and nbytes:
+        dt = time.monotonic() - t0
+        print(f"verified {path}: {n} files, {nbytes / 1e9:.1f} GB on rank 0 of {world} in {dt:.1f}s "
+              f"({nbytes / 1e9 / max(dt, 1e-9):.2f} GB/s)", flush=True)
+    verdicts = [None] * world
+    dist.all_gather_object(verdicts, verdict)
+    bad = next((v for v in verdicts if v is not None), None)
+    if bad is not None:
+        raise manifest.ChecksumError(bad)
 
 
 def base_sharded_state_dict(model) -> dict:

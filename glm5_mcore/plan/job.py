@@ -42,7 +42,8 @@ class Job:
     micro_batch_tokens: int
     microbatches: int = 1
     bf16: bool = True
-    recompute: bool = False
+    recompute: object = False
+    """False, True / ``"full"`` or ``"selective"`` (``glm5_mcore.config.recompute_overrides``)."""
     distributed_optimizer: Optional[bool] = None
     """None: Megatron's distributed optimizer on when DP > 1 (``training.build_trainer`` on CUDA)."""
     lora: Optional[tuple] = None
@@ -84,15 +85,15 @@ def sft_job(d: dict, world: int) -> Job:
                lora=(tuple(lora.get("targets", DEFAULT_TARGETS)), int(lora.get("rank", 16)))
                if lora.get("enabled", True) else None,
                freeze_indexer=bool(t.get("freeze_indexer", True)), mtp=True,
-               cluster=(d.get("plan") or {}).get("cluster"), fixed=("etp",))
+               cluster=(d.get("plan") or {}).get("cluster"))
 
 
 def rl_job(d: dict) -> Job:
-    """From a resolved ``configs/rl/*.yaml`` dict: the trainer (TP × EP × CP, LoRA, MTP only with
+    """From a resolved ``configs/rl/*.yaml`` dict: the trainer (TP × EP × ETP × CP, recompute, LoRA, MTP only with
     ``actor.mtp_loss_scale > 0`` or ``actor.mtp_accept``) and the engines."""
     t, a, r, data = d.get("trainer", {}), d.get("actor", {}), d.get("rollout", {}), d.get("data", {})
     layout = Layout(world=int(t.get("world_size", 1)), tp=int(t.get("tp", 1)), ep=int(t.get("ep", 1)),
-                    cp=int(t.get("cp", 1)))
+                    etp=int(t.get("etp", 1)), cp=int(t.get("cp", 1)))
     lora = d.get("lora") or {}
     engine = EngineSpec.from_engine_kwargs(dict(r.get("engine_kwargs") or {}))
     ro = RolloutJob(engines=int(r.get("num_actors", 1)), engine=engine, n=int(r.get("n", 8)),
@@ -100,7 +101,8 @@ def rl_job(d: dict) -> Job:
                     response_tokens=int(r.get("max_new_tokens", 8)),
                     gpus_per_engine=float(r.get("gpus_per_actor", 0.0)))
     return Job(kind="rl", layout=layout, micro_batch_tokens=int(a.get("micro_batch_tokens", 4096)),
-               bf16=bool(t.get("bf16", False)), lora=(tuple(lora.get("targets", DEFAULT_TARGETS)), int(lora.get("rank", 16))),
+               bf16=bool(t.get("bf16", False)), recompute=t.get("recompute") or False,
+               lora=(tuple(lora.get("targets", DEFAULT_TARGETS)), int(lora.get("rank", 16))),
                freeze_indexer=bool(t.get("freeze_indexer", True)),
                mtp=float(a.get("mtp_loss_scale", 0.0)) > 0 or bool(a.get("mtp_accept", False)), rollout=ro,
-               cluster=(d.get("plan") or {}).get("cluster"), fixed=("pp", "etp"))
+               cluster=(d.get("plan") or {}).get("cluster"), fixed=("pp",))
