@@ -168,6 +168,8 @@ class ActorCfg:
     clip_grad: float = 1.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
+    overlap_grad_reduce: bool = False
+    """Megatron DDP's ``overlap_grad_reduce`` (``glm5_mcore.training.loop.OptimCfg``, SFT's ``optim``)."""
     mtp_loss_scale: float = 0.0
     """> 0: build the MTP block and train it (LoRA on its linears) on the rollout sequences beside the
     PPO loss, so the speculative-decoding draft head follows the policy (as the SFT recipe's

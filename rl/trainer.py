@@ -174,7 +174,8 @@ class PolicyTrainer:
         a = cfg.actor
         self.ddp, self.opt, self.sched = build_trainer(model, OptimCfg(
             lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
-            adam_beta2=a.adam_beta2, decay_style="constant"), t.steps, bf16=t.bf16)
+            adam_beta2=a.adam_beta2, decay_style="constant", overlap_grad_reduce=a.overlap_grad_reduce), t.steps,
+            bf16=t.bf16)
         self.loss = ActorLoss(cfg)
 
     # ------------------------------------------------------------------ helpers

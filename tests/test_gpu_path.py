@@ -343,3 +343,68 @@ def test_rng_state_carries_megatrons_cuda_rng_tracker(monkeypatch):
     tracker.states_["model-parallel-rng"] = torch.ByteTensor([9, 9, 9])  # the stream moved on
     set_rng_state(saved)
     assert tracker.get_states()["model-parallel-rng"].tolist() == [1, 2, 3]
+
+
+# ---------------------------------------------------------------- D3: gradient-reduce overlap, as Megatron exposes it
+def test_overlap_grad_reduce_gives_the_same_gradients(tiny_dir, single_rank):
+    """``optim.overlap_grad_reduce`` (RL: ``actor.overlap_grad_reduce``): Megatron DDP reduces each bucket
+    during the last micro-batch's backward, the earlier ones under ``ddp.no_sync`` (set as the schedule's
+    ``no_sync_func``); the accumulated gradients equal the non-overlapped ones."""
+    from helpers import hf_model
+    from transformers import AutoTokenizer
+
+    from glm5_mcore.data.sft import pack, read_jsonl
+    from glm5_mcore.training.loop import OptimCfg, build_trainer
+    from recipes.sft import step_losses
+
+    rows = Path(tiny_dir).parent / "overlap_rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1}", "response": f"w{i + 2} w{i + 3}"}) + "\n"
+                            for i in range(12)))
+    batches = pack(read_jsonl(str(rows), AutoTokenizer.from_pretrained(tiny_dir), 32), 24)[:3]
+    grads = {}
+    for overlap in (False, True):
+        model, _ = hf_model(tiny_dir, calculate_per_token_loss=True)
+        ddp, _, _ = build_trainer(model, OptimCfg(lr=1e-3, decay_style="constant", overlap_grad_reduce=overlap), 1)
+        assert ddp.ddp_config.overlap_grad_reduce == overlap
+        assert (model.config.no_sync_func == ddp.no_sync) == overlap
+        ddp.zero_grad_buffer()
+        step_losses(ddp, batches, forward_only=False)
+        ddp.finish_grad_sync()
+        grads[overlap] = [p.main_grad.clone() for p in model.parameters() if p.requires_grad]
+    assert len(batches) == 3 and all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
+
+
+# ---------------------------------------------------------------- item 4: bench/gpu_check.py
+def _gpu_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).parent.parent / "bench" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_check_dry_run_walks_every_stage_with_its_budget(capsys):
+    gc = _gpu_check()
+    assert gc.main(["--dry-run", "--deadline-s", "600"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    plan, records, summary = lines[0], lines[1:-1], lines[-1]
+    names = [s[0] for s in gc.STAGES]
+    assert [p["stage"] for p in plan["plan"]] == names == [r["stage"] for r in records]
+    for r in records:  # every stage present ran its dry run (a plan line); an absent file says so
+        assert r["ok"] and ("plan" in r or r.get("skipped") == "stage file absent"), r
+    assert plan["budget_s"] == sum(p["budget_s"] for p in plan["plan"]) <= 600 and summary["all_ok"]
+    assert set(summary["stages"]) == set(names) and "commands" in records[-1]
+
+
+def test_gpu_check_stops_at_the_deadline(tmp_path):
+    import time
+
+    gc = _gpu_check()
+    ctx = {"device": torch.device("cpu"), "deadline": time.monotonic() + 1.0, "dry_run": False, "out_dir": tmp_path}
+    slow = gc.run_stage("slow", 0, lambda c: time.sleep(30) or {}, ctx)
+    assert not slow["ok"] and slow["error"].startswith("StageTimeout") and slow["wall_s"] < 5
+    late = gc.run_stage("late", 60, lambda c: {}, ctx)
+    assert late["skipped"] == "deadline"
+    broken = gc.run_stage("broken", 0, lambda c: 1 / 0, {**ctx, "deadline": time.monotonic() + 60})
+    assert not broken["ok"] and broken["error"].startswith("ZeroDivisionError")

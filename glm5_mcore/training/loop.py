@@ -35,6 +35,10 @@ class OptimCfg:
     distributed: Optional[bool] = None
     """Megatron's distributed optimizer (states sharded over DP). None: on with CUDA and DP > 1;
     gloo has no reduce-scatter, so CPU runs keep a replicated optimizer."""
+    overlap_grad_reduce: bool = False
+    """Megatron DDP's ``overlap_grad_reduce``: each gradient bucket is reduced (reduce-scattered with the
+    distributed optimizer) as soon as the last micro-batch's backward fills it, overlapping the backward;
+    the schedule's earlier micro-batches run under ``ddp.no_sync``."""
 
 
 def build_trainer(model, o: OptimCfg, total_steps: int, bf16: bool = False, cpu_offload: bool = False):
@@ -52,7 +56,9 @@ def build_trainer(model, o: OptimCfg, total_steps: int, bf16: bool = False, cpu_
     bf16 = bf16 or bool(model.config.bf16)
     # Megatron-LM turns grad_reduce_in_fp32 on for bf16: gradients accumulate and are reduced in fp32
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=bf16), model)
+        use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=bf16, overlap_grad_reduce=o.overlap_grad_reduce), model)
+    if o.overlap_grad_reduce:  # as Megatron-LM's training.py: no reduce before the last micro-batch
+        model.config.no_sync_func = ddp.no_sync
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
         adam_beta2=o.adam_beta2, clip_grad=o.clip_grad, bf16=bf16, optimizer_cpu_offload=cpu_offload,
