@@ -6,7 +6,7 @@ Stages (``--dry-run`` prints this plan with each budget, touching no GPU):
 1. ``env``: torch / CUDA / GPU, and which of megatron-core, TileLang, Transformer Engine, vLLM import.
 2. ``model_sft``: the model (local spec, bf16 on CUDA) + LoRA on the training device, Megatron's optimizer
    over it, one THD-packed SFT step through Megatron's schedule (finite loss, LoRA weights moved), every
-   tensor handed to a collective on the device (``tests/fake_device.assert_collectives_on``).
+   tensor handed to a collective on the device (``tests/support/fake_device.assert_collectives_on``).
 3. ``rl_step``: the RL trainer's log-prob pass and one update on the device, its collectives on the
    device, and the bf16 log-prob figure (fp32 output layer vs bf16 logits against a float64 projection).
 4. ``dsa`` — ``bench/gpu_check_dsa.py`` (the DSA issue's stage: fused DSA, scaling at real widths), when present.
@@ -58,11 +58,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: deterministic GEMMs possible
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 TE_VLLM = {
-    "te_forward": "python3 -m pytest -m gpu tests/test_gpu_te.py -x -s",
-    "vllm_engine": "python3 -m pytest -m gpu tests/test_gpu_vllm.py -x -s",
+    "te_forward": "python3 -m pytest -m gpu tests/gpu/test_gpu_te.py -x -s",
+    "vllm_engine": "python3 -m pytest -m gpu tests/gpu/test_gpu_vllm.py -x -s",
     "rl_te_smoke": ("glm5 rl --config grpo_tiny trainer.backend=te trainer.bf16=true trainer.gpus_per_rank=1 "
                     "rollout.engine=rl.rollout.vllm_engine.VLLMRolloutEngine rollout.gpus_per_actor=1 "
                     "'rollout.engine_kwargs={merge: true, gpu_memory_utilization: 0.3}' trainer.steps=3"),
@@ -130,7 +129,7 @@ def stage_model_sft(ctx: dict) -> dict:
                         "step: finite loss, LoRA moved, collectives' tensors on the device"}
     import torch
 
-    from fake_device import assert_collectives_on
+    from tests.support.fake_device import assert_collectives_on
     from glm5_mcore.config import GLM5Config, ParallelConfig
     from glm5_mcore.data.sft import pack, read_jsonl
     from glm5_mcore.lora.apply import LoRAConfig, apply_lora
@@ -172,11 +171,11 @@ def stage_rl_step(ctx: dict) -> dict:
                         "collectives on the device; bf16 log-probs (fp32 output layer vs bf16 logits) vs float64"}
     if importlib.util.find_spec("verl") is None:  # the policy losses and IcePop are verl's (it needs Ray)
         return {"skipped": "needs verl (and Ray, ~70 MB: over the 64 MiB of carried wheels); "
-                           "tests/test_bf16_logprobs.py covers the log-prob figure on CPU"}
+                           "tests/model/test_bf16_logprobs.py covers the log-prob figure on CPU"}
     import torch
     import torch.distributed as dist
 
-    from fake_device import assert_collectives_on
+    from tests.support.fake_device import assert_collectives_on
     from glm5_mcore.model.mtp_loss import token_logprobs
     from rl import algos
     from rl.batch import RolloutBatch
