@@ -132,8 +132,11 @@ def stage_model_sft(ctx: dict) -> dict:
     from tests.support.fake_device import assert_collectives_on
     from glm5_mcore.config import GLM5Config, ParallelConfig
     from glm5_mcore.data.sft import pack, read_jsonl
-    from glm5_mcore.lora.apply import LoRAConfig, apply_lora
-    from glm5_mcore.model.build import build_model, init_parallel, load_hf_weights
+    from glm5_mcore.checkpoint.hf_load import load_hf_weights
+    from glm5_mcore.lora.apply import apply_lora
+    from glm5_mcore.lora.config import LoRAConfig
+    from glm5_mcore.model.build import build_model
+    from glm5_mcore.model.parallel import init_parallel
     from glm5_mcore.training.loop import OptimCfg, build_trainer
     from recipes.sft import step_losses
     from transformers import AutoTokenizer
@@ -373,7 +376,7 @@ def main(argv=None) -> int:
         import torch.distributed as dist
 
         from glm5_mcore.config import ParallelConfig
-        from glm5_mcore.model.build import init_parallel
+        from glm5_mcore.model.parallel import init_parallel
 
         init_parallel(ParallelConfig())
         rank0 = dist.get_rank() == 0

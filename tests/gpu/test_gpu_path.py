@@ -202,7 +202,7 @@ def _verify_rank(rank, world, port, root, out):
     import torch.distributed as dist
 
     from glm5_mcore.checkpoint import manifest
-    from glm5_mcore.checkpoint.layout import verify_once
+    from glm5_mcore.checkpoint.dist import verify_once
 
     hashed = []
     real = manifest.file_digest
@@ -248,7 +248,7 @@ def test_process_groups_get_an_explicit_timeout(monkeypatch):
 
     from glm5_mcore.config import ParallelConfig
     from glm5_mcore.device import dist_timeout
-    from glm5_mcore.model import build
+    from glm5_mcore.model import parallel as build
 
     seen = {}
 
