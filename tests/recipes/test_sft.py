@@ -301,3 +301,16 @@ def test_pp2_cp2_on_four_ranks_gives_one_rank_losses(tiny_dir, tmp_path):
     ref = _sft_losses(args, 1, tmp_path / "one")
     got = _sft_losses(args + ["parallel.pp=2", "parallel.cp=2"], 4, tmp_path / "pp2cp2")
     assert len(ref) == 2 and max(abs(a - b) / b for a, b in zip(got, ref)) <= 1e-6, (got, ref)
+
+
+@pytest.mark.slow
+def test_etp2_gives_one_rank_losses(tiny_dir, tmp_path):
+    """Issue 28 item 2: ``parallel.etp=2`` (Megatron's expert tensor parallelism: each routed expert's FFN
+    split over two ranks) with LoRA on the experts gives one rank's losses."""
+    args = [f"model.hf_dir={tiny_dir}", f"data.train={_reverse_task(tmp_path / 't.jsonl', 64, 0)}",
+            "data.micro_batch_tokens=128", "data.global_batch_tokens=256", "data.max_tokens=64", "train.steps=2",
+            "optim.optimizer=sgd", "optim.lr=0.1", "optim.decay_style=constant", "wandb.mode=disabled",
+            "train.progress=false", "lora.rank=4", "lora.targets=[linear_q_up_proj,experts.linear_fc1,experts.linear_fc2]"]
+    ref = _sft_losses(args, 1, tmp_path / "one")
+    got = _sft_losses(args + ["parallel.etp=2"], 2, tmp_path / "etp2")
+    assert len(ref) == 2 and max(abs(a - b) / b for a, b in zip(got, ref)) <= 1e-6, (got, ref)
