@@ -207,6 +207,7 @@ def stage_rl_step(ctx: dict) -> dict:
         trainer.update(batch, step=0)
     out = {"collectives": len(seen), "collective_violations": sorted(set(bad))[:10]}
     m, glm5 = trainer.model, trainer.glm5
+    trainer.moe_load.token_mask = None  # the last micro-batch's real-token mask: not this forward's
     ids = torch.randint(3, glm5.vocab_size, (1, 48), generator=g).to(dev)
     targets = torch.randint(3, glm5.vocab_size, (48,), generator=g).to(dev)
     hidden = []
@@ -265,9 +266,8 @@ def stage_resume(ctx: dict) -> dict:
         resumed = [h["loss"] for h in run(cfg("b", 4))["history"]]
     finally:
         torch.use_deterministic_algorithms(was)
-    sub = "dist" if dist_opt else ""
-    a = load_plain_tensors(str(iter_dir(out / "a", 4) / "optimizer" / sub))
-    b = load_plain_tensors(str(iter_dir(out / "b", 4) / "optimizer" / sub))
+    a = load_plain_tensors(str(iter_dir(out / "a", 4) / "optimizer" / "dist"))
+    b = load_plain_tensors(str(iter_dir(out / "b", 4) / "optimizer" / "dist"))
     tensors = [k for k, v in a.items() if isinstance(v, torch.Tensor)]
     differ = [k for k in tensors if not torch.equal(a[k], b[k])]
     return {"optimizer": "distributed" if dist_opt else "replicated", "losses_full": full, "losses_resumed": resumed,
