@@ -31,7 +31,7 @@ from glm5_mcore.data.indexed import check_data, is_jsonl, parse_blend, resolve_p
 from glm5_mcore.data.sft import PackedBatch
 from glm5_mcore.data.stream import SFTDocuments, SFTStream, is_indexed
 from glm5_mcore.device import training_device
-from glm5_mcore.lora.config import INDEXER
+from glm5_mcore.lora.config import INDEXER, check_expert_tp
 from glm5_mcore.lora.apply import apply_lora
 from glm5_mcore.model.build import build_model
 from glm5_mcore.model.dsa import (check_indexer_learns, indexer_metrics, set_indexer_frozen, set_indexer_warmup,
@@ -99,6 +99,8 @@ def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConf
     if world % (parallel.tp * parallel.cp * parallel.pp):
         raise ValueError(f"parallel.tp*cp*pp={parallel.tp * parallel.cp * parallel.pp} does not divide the "
                          f"world size {world}")
+    if cfg.lora.enabled:
+        check_expert_tp(cfg.lora.targets, parallel.etp, "parallel.etp")
     if world % (parallel.etp * parallel.ep * parallel.pp):
         raise ValueError(f"parallel.etp*ep*pp={parallel.etp * parallel.ep * parallel.pp} does not divide the "
                          f"world size {world}")
@@ -255,7 +257,7 @@ def make_stream(cfg: SFTConfig, docs: SFTDocuments, state: dict, parallel: Paral
     return SFTStream(cfg.data, docs, state, steps=cfg.train.steps, accum=accum,
                      dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(), cp=parallel.cp,
                      cp_rank=ps.get_context_parallel_rank(), multiple=multiple, pad_id=pad_id,
-                     equal_sizes=parallel.ep > 1 and model.config.moe_token_dispatcher_type == "allgather",
+                     equal_sizes=parallel.ep * parallel.etp > 1 and model.config.moe_token_dispatcher_type == "allgather",
                      pipeline=parallel.pp > 1, cache_dir=Path(cfg.train.out) / "data_cache")
 
 

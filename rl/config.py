@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from glm5_mcore.lora.config import check_expert_tp
 from glm5_mcore.training.schema import LoRACfg, ModelCfg, PlanCfg, WandbCfg, build
 
 ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "gae")
@@ -370,6 +371,8 @@ def validate(c: RLConfig) -> None:
     if t.etp < 1 or t.world_size % (t.etp * t.ep):
         raise ValueError(f"trainer.etp={t.etp}: etp × ep = {t.etp * t.ep} must divide trainer.world_size="
                          f"{t.world_size}")
+    check_expert_tp(c.lora.targets, t.etp, "trainer.etp")
+    check_expert_tp(c.critic.lora.targets, t.etp, "trainer.etp")
     if t.recompute not in (None, "selective", "full"):
         raise ValueError(f"trainer.recompute={t.recompute!r}: null, selective or full")
     if t.cp < 1 or t.world_size % (t.tp * t.cp):

@@ -58,7 +58,7 @@ class SFTStream:
     """This rank's micro-batches of each step (``step``) and of validation (``valid``).
 
     ``accum`` micro-batches per rank and step, ``dp`` / ``dp_rank`` and ``cp`` / ``cp_rank`` this rank's place,
-    ``multiple`` the token multiple of a pack (TP under sequence parallelism), ``equal_sizes``: EP with the
+    ``multiple`` the token multiple of a pack (TP under sequence parallelism), ``equal_sizes``: EP or ETP with the
     allgather dispatcher, ``pipeline``: PP > 1 (fixed pack shape). ``state`` is the run's (resumed) state."""
 
     def __init__(self, data, docs: SFTDocuments, state: dict, *, steps: int, accum: int, dp: int, dp_rank: int,
