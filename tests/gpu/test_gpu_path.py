@@ -312,6 +312,7 @@ def test_rl_plan_counts_recompute_and_etp():
     from glm5_mcore.plan.cluster import cluster_from
     from glm5_mcore.plan.job import rl_job
     from glm5_mcore.plan.planner import plan_job
+    from recipes.plan_cli import plan_config
 
     m = glm5_744b()
     d = {"trainer": {"world_size": 64, "tp": 8, "ep": 32, "bf16": True}, "actor": {"micro_batch_tokens": 10240},
@@ -319,12 +320,12 @@ def test_rl_plan_counts_recompute_and_etp():
     cluster = cluster_from("h100:8")
     peak = {}
     for mode in (None, "selective", "full"):
-        job = rl_job({**d, "trainer": {**d["trainer"], "recompute": mode}})
+        job = rl_job(plan_config("rl", {**d, "trainer": {**d["trainer"], "recompute": mode}}))
         peak[mode] = plan_job(m, job, cluster).worst.act.peak
     assert peak["full"] < peak["selective"] < peak[None]
-    etp = rl_job({**d, "trainer": {**d["trainer"], "etp": 2}})
+    etp = rl_job(plan_config("rl", {**d, "trainer": {**d["trainer"], "etp": 2}}))
     assert etp.layout.etp == 2 and "etp" not in etp.fixed
-    assert plan_job(m, etp, cluster).worst.state.expert_params < plan_job(m, rl_job(d), cluster).worst.state.expert_params
+    assert plan_job(m, etp, cluster).worst.state.expert_params < plan_job(m, rl_job(plan_config("rl", d)), cluster).worst.state.expert_params
 
 
 # ---------------------------------------------------------------- B3: resume restores Megatron's CUDA RNG streams
