@@ -325,11 +325,9 @@ RECOMPUTE_MODES = (None, "selective", "full")
 
 
 def recompute_overrides(mode) -> dict:
-    """Megatron-Core's activation-recompute fields for ``mode`` (SFT's ``train.recompute``, RL's
-    ``trainer.recompute``): None / False: none; ``selective``: ``recompute_granularity="selective"`` with
-    Megatron's default module, the core attention (``recompute_modules=["core_attn"]``: the DSA core's
-    internals are recomputed, its inputs kept); ``full`` / True: every layer, uniform, one layer per chunk
-    (a layer keeps only its input)."""
+    """Megatron-Core's recompute fields for ``mode`` (SFT ``train.recompute``, RL ``trainer.recompute``): None /
+    False: none; ``selective``: the core attention (``recompute_modules=["core_attn"]``); ``full`` / True:
+    every layer, uniform, one layer per chunk (a layer keeps only its input)."""
     if mode in (None, False):
         return {}
     if mode == "selective":

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from glm5_mcore.checkpoint.layout import serving_dir
 from glm5_mcore.lora.config import check_expert_tp
 from glm5_mcore.training.schema import LoRACfg, ModelCfg, PlanCfg, WandbCfg, build
 from glm5_mcore.training.resume import file_fingerprint, model_fingerprint
@@ -71,10 +72,8 @@ class RolloutCfg:
     """All of an actor's prompts in one batched decode (False: one prompt at a time, for benchmarks)."""
     gpus_per_actor: float = 0.0
     hf_dir: Optional[str] = None
-    """The HF folder with weights the engines serve (and a merged push reads its base shards from). None:
-    ``model.hf_dir`` when it holds weights, else the folder its ``source.json`` (or ``model.ckpt``'s
-    ``hf/source.json``) names: the HF export a checkpoint was converted from. A folder with config and
-    tokenizer only is refused (vLLM: "Cannot find any model weights")."""
+    """The HF folder with weights the engines serve (and merged pushes read); None: found from ``model``
+    (``glm5_mcore.checkpoint.layout.serving_dir``). A folder without weights is refused."""
     engine_kwargs: dict = field(default_factory=dict)
     multi_turn: MultiTurnCfg = field(default_factory=MultiTurnCfg)
 
@@ -202,15 +201,11 @@ class TrainerCfg:
     """Context parallelism: each packed micro-batch split over ``cp`` ranks (per-document load-balanced
     chunks, as ``glm5 sft parallel.cp``); tp × cp must divide ``world_size``."""
     gpus_per_rank: float = 0.0
-    """GPUs Ray gives each trainer rank; ``backend=te`` and ``bf16`` need 1 (the driver seeing CUDA does not
-    mean the actors do)."""
+    """GPUs Ray gives each trainer rank; ``backend=te``, ``bf16`` and ``recompute`` need 1."""
     etp: int = 1
-    """Expert tensor parallelism (Megatron's ``expert_tensor_parallel_size``): each routed expert's FFN
-    split over ``etp`` ranks; etp × ep must divide ``world_size``."""
+    """Expert tensor parallelism (Megatron's ``expert_tensor_parallel_size``); etp × ep divides ``world_size``."""
     recompute: Optional[str] = None
-    """Activation recompute (``glm5_mcore.config.recompute_overrides``): null, ``selective`` (Megatron's
-    ``recompute_granularity="selective"``, the core attention) or ``full`` (every layer, uniform, one per
-    chunk: a layer keeps only its input). GPU only."""
+    """null, ``selective`` or ``full``: Megatron's activation recompute (``config.recompute_overrides``); GPU only."""
     backend: str = "local"
     """Megatron-Core modules: ``local`` (CPU and GPU) or ``te`` (Transformer Engine, GPU)."""
     bf16: bool = False
@@ -306,23 +301,6 @@ def run_settings(c: RLConfig) -> dict:
     }
 
 
-def rollout_hf_dir(c: RLConfig) -> str:
-    """The HF folder the rollout engines load (``rollout.hf_dir``, else found from ``model``); a folder
-    without weights is a ValueError naming it and the field to set."""
-    from glm5_mcore.checkpoint.layout import has_hf_weights, hf_weights_dir
-
-    if c.rollout.hf_dir:
-        if not has_hf_weights(c.rollout.hf_dir):
-            raise ValueError(f"rollout.hf_dir={c.rollout.hf_dir}: no *.safetensors weights there")
-        return str(c.rollout.hf_dir)
-    found = hf_weights_dir(c.model.hf_dir, c.model.ckpt)
-    if found is None:
-        raise ValueError(f"model.hf_dir={c.model.hf_dir}: holds no *.safetensors weights (config and tokenizer "
-                         f"only{', nor does the HF folder model.ckpt was converted from' if c.model.ckpt else ''}); "
-                         "the rollout engines need them: set rollout.hf_dir=<the HF folder with the weights>")
-    return str(found)
-
-
 def validate(c: RLConfig) -> None:
     """Impossible settings raise a ValueError naming the field."""
     if not c.model.hf_dir:
@@ -370,8 +348,7 @@ def validate(c: RLConfig) -> None:
     if t.etp < 1 or t.world_size % (t.etp * t.ep):
         raise ValueError(f"trainer.etp={t.etp}: etp × ep = {t.etp * t.ep} must divide trainer.world_size="
                          f"{t.world_size}")
-    check_expert_tp(c.lora.targets, t.etp, "trainer.etp")
-    check_expert_tp(c.critic.lora.targets, t.etp, "trainer.etp")
+    check_expert_tp([*c.lora.targets, *c.critic.lora.targets], t.etp, "trainer.etp")
     if t.recompute not in (None, "selective", "full"):
         raise ValueError(f"trainer.recompute={t.recompute!r}: null, selective or full")
     if t.cp < 1 or t.world_size % (t.tp * t.cp):
@@ -428,18 +405,15 @@ def validate(c: RLConfig) -> None:
                          "(glm5 sft train.freeze_indexer=false)")
     if t.backend not in ("local", "te"):
         raise ValueError(f"trainer.backend={t.backend!r}: local or te")
-    for flag, on in (("trainer.backend=te", t.backend == "te"), ("trainer.bf16", t.bf16),
-                     (f"trainer.recompute={t.recompute}", t.recompute is not None)):
-        if on and not t.gpus_per_rank:
-            raise ValueError(f"{flag}: needs a GPU per trainer rank, and trainer.gpus_per_rank=0 gives the trainer "
-                             "actors none (set trainer.gpus_per_rank=1)")
-    if c.model.hf_dir and (c.rollout.hf_dir or (Path(c.model.hf_dir) / "config.json").is_file()):
-        rollout_hf_dir(c)  # a missing model.hf_dir is the driver's error (it names it)
     import torch
 
-    if not torch.cuda.is_available():
-        for flag, on in (("trainer.backend=te", t.backend == "te"), ("trainer.bf16", t.bf16),
-                         (f"trainer.recompute={t.recompute}", t.recompute is not None)):
-            if on:
-                raise ValueError(f"{flag}: needs CUDA (Transformer Engine / Megatron's bf16 optimizer / the CUDA "
-                                 "RNG state recompute restores); CPU runs are fp32 with local modules")
+    gpu_flags = [f for f, on in (("trainer.backend=te", t.backend == "te"), ("trainer.bf16", t.bf16),
+                                 (f"trainer.recompute={t.recompute}", t.recompute is not None)) if on]
+    if gpu_flags and not t.gpus_per_rank:
+        raise ValueError(f"{gpu_flags[0]}: needs a GPU per trainer rank, and trainer.gpus_per_rank=0 gives the "
+                         "trainer actors none (set trainer.gpus_per_rank=1)")
+    if gpu_flags and not torch.cuda.is_available():
+        raise ValueError(f"{gpu_flags[0]}: needs CUDA (Transformer Engine / Megatron's bf16 optimizer / the CUDA "
+                         "RNG state recompute restores); CPU runs are fp32 with local modules")
+    if c.model.hf_dir and (c.rollout.hf_dir or (Path(c.model.hf_dir) / "config.json").is_file()):
+        serving_dir(c.model.hf_dir, c.model.ckpt, c.rollout.hf_dir)  # no model.hf_dir: the driver names it

@@ -158,3 +158,19 @@ def adapter_dir(root: str | Path, name: str, iteration: Optional[int] = None) ->
             iter_dir(root, it) / "adapters").is_dir() else []
         raise FileNotFoundError(f"{path}: no adapter {name!r} in this checkpoint (have {have})")
     return path
+
+
+def serving_dir(hf_dir: str | Path, ckpt: Optional[str | Path] = None, explicit: Optional[str | Path] = None) -> str:
+    """The HF folder an inference engine loads (RL's ``rollout.hf_dir`` = ``explicit``, else ``hf_weights_dir``);
+    a folder without weights is a ValueError naming it and the field to set (vLLM would stop with "Cannot
+    find any model weights")."""
+    if explicit:
+        if not has_hf_weights(explicit):
+            raise ValueError(f"rollout.hf_dir={explicit}: no *.safetensors weights there")
+        return str(explicit)
+    found = hf_weights_dir(hf_dir, ckpt)
+    if found is None:
+        raise ValueError(f"model.hf_dir={hf_dir}: holds no *.safetensors weights (config and tokenizer only"
+                         f"{', nor does the HF folder model.ckpt was converted from' if ckpt else ''}); the rollout "
+                         "engines need them: set rollout.hf_dir=<the HF folder with the weights>")
+    return str(found)

@@ -34,7 +34,10 @@ def _rl(hf_dir, **sections):
 
 # ---------------------------------------------------------------- A1: the rollout folder holds weights
 def test_weightless_rollout_folder_is_refused_and_the_source_is_found(tiny_dir, tmp_path):
-    from rl.config import rollout_hf_dir
+    from glm5_mcore.checkpoint.layout import serving_dir
+
+    def rollout_hf_dir(c):
+        return serving_dir(c.model.hf_dir, c.model.ckpt, c.rollout.hf_dir)
 
     bare = _meta_only(tiny_dir, tmp_path / "hf")
     with pytest.raises(ValueError, match=r"model.hf_dir=.*holds no \*.safetensors weights.*rollout.hf_dir"):
