@@ -302,6 +302,7 @@ class GLM5Config:
             # parallel layout
             tensor_model_parallel_size=p.tp,
             expert_model_parallel_size=p.ep,
+            expert_tensor_parallel_size=p.etp,
             context_parallel_size=p.cp,
             pipeline_model_parallel_size=p.pp,
             sequence_parallel=p.tp > 1,
@@ -320,14 +321,32 @@ class GLM5Config:
         return cfg
 
 
+RECOMPUTE_MODES = (None, "selective", "full")
+
+
+def recompute_overrides(mode) -> dict:
+    """Megatron-Core's recompute fields for ``mode`` (SFT ``train.recompute``, RL ``trainer.recompute``): None /
+    False: none; ``selective``: the core attention (``recompute_modules=["core_attn"]``); ``full`` / True:
+    every layer, uniform, one layer per chunk (a layer keeps only its input)."""
+    if mode in (None, False):
+        return {}
+    if mode == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    if mode in (True, "full"):
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    raise ValueError(f"recompute={mode!r}: one of null, selective, full")
+
+
 @dataclass
 class ParallelConfig:
-    """Model-parallel layout. TP shards heads and FFNs, EP experts, CP the sequence."""
+    """Model-parallel layout. TP shards heads and FFNs, EP experts, CP the sequence, ETP each routed
+    expert's FFN (Megatron's ``expert_tensor_parallel_size``; etp × ep × pp divides the world)."""
 
     tp: int = 1
     ep: int = 1
     cp: int = 1
     pp: int = 1
+    etp: int = 1
     moe_token_dispatcher_type: str | None = None
     """None: "alltoall" on GPU, "allgather" on CPU (the alltoall dispatcher creates a CUDA stream,
     moe/token_dispatcher.py:469)."""
@@ -341,9 +360,12 @@ class ParallelConfig:
         return "alltoall" if torch.cuda.is_available() else "allgather"
 
     def validate(self, model: GLM5Config) -> None:
-        for name in ("tp", "ep", "cp", "pp"):
+        for name in ("tp", "ep", "cp", "pp", "etp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
+        if model.moe_intermediate_size % self.etp:
+            raise ValueError(f"etp: moe_intermediate_size={model.moe_intermediate_size} is not divisible by "
+                             f"etp={self.etp}")
         if model.num_attention_heads % self.tp:
             raise ValueError(f"tp: num_attention_heads={model.num_attention_heads} is not divisible by tp={self.tp}")
         if model.n_routed_experts % self.ep:

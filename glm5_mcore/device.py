@@ -9,6 +9,8 @@ created on the CPU where the device was meant fails on a CPU-only machine as it 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import os
 from typing import Optional
 
 import torch
@@ -34,3 +36,17 @@ def training_device_override(device: torch.device | str):
         yield _override
     finally:
         _override = prev
+
+
+def dist_timeout() -> datetime.timedelta:
+    """The timeout of every process group this project creates: ``GLM5_DIST_TIMEOUT_MINUTES`` (default 30;
+    Megatron-LM's ``--distributed-timeout-minutes``). PyTorch's NCCL default is 10 minutes, which a
+    744B checkpoint's verification or load on a shared file system can outlast."""
+    raw = os.environ.get("GLM5_DIST_TIMEOUT_MINUTES", "30")
+    try:
+        minutes = float(raw)
+    except ValueError:
+        raise ValueError(f"GLM5_DIST_TIMEOUT_MINUTES={raw!r}: a number of minutes") from None
+    if minutes <= 0:
+        raise ValueError(f"GLM5_DIST_TIMEOUT_MINUTES={raw!r}: must be > 0")
+    return datetime.timedelta(minutes=minutes)

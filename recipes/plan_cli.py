@@ -81,7 +81,7 @@ def _job_from_args(args):
             d["data"].setdefault("global_batch_tokens", args.micro_batch_tokens)
         if not d.get("train"):
             d["train"] = {"bf16": True}
-        job = sft_job(plan_config("sft", d), args.world or cluster.num_gpus, etp=args.etp or 1)
+        job = sft_job(plan_config("sft", d), args.world or cluster.num_gpus, etp=args.etp)
     if kind == "rl" and args.micro_batch_tokens:
         job = replace(job, micro_batch_tokens=args.micro_batch_tokens)
     return job, cluster

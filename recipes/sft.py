@@ -26,12 +26,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from transformers import AutoTokenizer
 
-from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.config import GLM5Config, ParallelConfig, recompute_overrides
 from glm5_mcore.data.indexed import check_data, check_tokenizer, is_jsonl, parse_blend, resolve_prefix
 from glm5_mcore.data.sft import PackedBatch
 from glm5_mcore.data.stream import SFTDocuments, SFTStream, is_indexed
 from glm5_mcore.device import training_device
-from glm5_mcore.lora.config import INDEXER
+from glm5_mcore.lora.config import INDEXER, check_expert_tp
 from glm5_mcore.lora.apply import apply_lora
 from glm5_mcore.model.build import build_model
 from glm5_mcore.model.dsa import (check_indexer_learns, indexer_metrics, set_indexer_frozen, set_indexer_warmup,
@@ -85,7 +85,8 @@ def run_settings(cfg: SFTConfig, world: int) -> dict:
         "lora": {"enabled": lo.enabled, "name": lo.name, "rank": lo.rank, "alpha": lo.alpha,
                  "targets": sorted(lo.targets)} if lo.enabled else {"enabled": False},
         "model": model_fingerprint(cfg.model.hf_dir, cfg.model.ckpt),
-        "layout": {"world_size": world, **{k: getattr(cfg.parallel, k) for k in ("tp", "ep", "cp", "pp")}},
+        "layout": {"world_size": world, **{k: getattr(cfg.parallel, k) for k in ("tp", "ep", "cp", "pp")},
+                   **({"etp": cfg.parallel.etp} if cfg.parallel.etp > 1 else {})},
     }
 
 
@@ -100,6 +101,11 @@ def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConf
         raise ValueError(f"parallel.pp={parallel.pp} does not divide num_hidden_layers={glm5.num_hidden_layers}")
     if world % (parallel.tp * parallel.cp * parallel.pp):
         raise ValueError(f"parallel.tp*cp*pp={parallel.tp * parallel.cp * parallel.pp} does not divide the "
+                         f"world size {world}")
+    if cfg.lora.enabled:
+        check_expert_tp(cfg.lora.targets, parallel.etp, "parallel.etp")
+    if world % (parallel.etp * parallel.ep * parallel.pp):
+        raise ValueError(f"parallel.etp*ep*pp={parallel.etp * parallel.ep * parallel.pp} does not divide the "
                          f"world size {world}")
     dp = world // (parallel.tp * parallel.cp * parallel.pp)
     d = cfg.data
@@ -164,7 +170,10 @@ def _forward_step(batch_iter, model):
 
 def step_losses(ddp, batches: list[PackedBatch], forward_only: bool) -> tuple[float, float]:
     """Run (forward+backward or forward) over this rank's micro-batches: (Σ CE, #loss tokens) over DP."""
-    res = forward_backward(ddp, _forward_step, batches, forward_only, max(b.num_tokens for b in batches))
+    # Megatron's schedule takes the sequence length before the CP split (schedules.py divides it by CP to
+    # size the pipeline's P2P buffers); these batches are this CP rank's share (split_for_cp)
+    seq = max(b.num_tokens for b in batches) * ps.get_context_parallel_world_size()
+    res = forward_backward(ddp, _forward_step, batches, forward_only, seq)
     tot = torch.zeros(2, device=training_device())
     for r in res:  # only the last pipeline stage computes the loss
         tot += r["lm"].float()
@@ -206,8 +215,7 @@ def build(cfg: SFTConfig, source: ModelSource, parallel: ParallelConfig):
         overrides.update(moe_aux_loss_coeff=t.moe_aux_loss_coeff, moe_router_load_balancing_type="seq_aux_loss")
     if t.bf16:
         overrides.update(bf16=True, params_dtype=torch.bfloat16)
-    if t.recompute:
-        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    overrides.update(recompute_overrides(t.recompute))
     model = build_model(source.glm5, parallel, **overrides)
     source.load_weights(model)
     if t.indexer_warmup:
@@ -254,7 +262,7 @@ def make_stream(cfg: SFTConfig, docs: SFTDocuments, state: dict, parallel: Paral
     return SFTStream(cfg.data, docs, state, steps=cfg.train.steps, accum=accum,
                      dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(), cp=parallel.cp,
                      cp_rank=ps.get_context_parallel_rank(), multiple=multiple, pad_id=pad_id,
-                     equal_sizes=parallel.ep > 1 and model.config.moe_token_dispatcher_type == "allgather",
+                     equal_sizes=parallel.ep * parallel.etp > 1 and model.config.moe_token_dispatcher_type == "allgather",
                      pipeline=parallel.pp > 1, cache_dir=Path(cfg.train.out) / "data_cache",
                      vocab_size=model.vocab_size)
 

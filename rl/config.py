@@ -8,8 +8,11 @@ Key names follow verl where verl has the concept (``algorithm.adv_estimator``,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
+from glm5_mcore.checkpoint.layout import serving_dir
+from glm5_mcore.lora.config import check_expert_tp
 from glm5_mcore.training.schema import LoRACfg, ModelCfg, PlanCfg, WandbCfg, build
 from glm5_mcore.training.resume import file_fingerprint, model_fingerprint
 
@@ -68,6 +71,9 @@ class RolloutCfg:
     batch_prompts: bool = True
     """All of an actor's prompts in one batched decode (False: one prompt at a time, for benchmarks)."""
     gpus_per_actor: float = 0.0
+    hf_dir: Optional[str] = None
+    """The HF folder with weights the engines serve (and merged pushes read); None: found from ``model``
+    (``glm5_mcore.checkpoint.layout.serving_dir``). A folder without weights is refused."""
     engine_kwargs: dict = field(default_factory=dict)
     multi_turn: MultiTurnCfg = field(default_factory=MultiTurnCfg)
 
@@ -163,6 +169,8 @@ class ActorCfg:
     clip_grad: float = 1.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
+    overlap_grad_reduce: bool = False
+    """Megatron DDP's ``overlap_grad_reduce`` (``glm5_mcore.training.loop.OptimCfg``, SFT's ``optim``)."""
     mtp_loss_scale: float = 0.0
     """> 0: build the MTP block and train it (LoRA on its linears) on the rollout sequences beside the
     PPO loss, so the speculative-decoding draft head follows the policy (as the SFT recipe's
@@ -193,6 +201,11 @@ class TrainerCfg:
     """Context parallelism: each packed micro-batch split over ``cp`` ranks (per-document load-balanced
     chunks, as ``glm5 sft parallel.cp``); tp × cp must divide ``world_size``."""
     gpus_per_rank: float = 0.0
+    """GPUs Ray gives each trainer rank; ``backend=te``, ``bf16`` and ``recompute`` need 1."""
+    etp: int = 1
+    """Expert tensor parallelism (Megatron's ``expert_tensor_parallel_size``); etp × ep divides ``world_size``."""
+    recompute: Optional[str] = None
+    """null, ``selective`` or ``full``: Megatron's activation recompute (``config.recompute_overrides``); GPU only."""
     backend: str = "local"
     """Megatron-Core modules: ``local`` (CPU and GPU) or ``te`` (Transformer Engine, GPU)."""
     bf16: bool = False
@@ -284,7 +297,7 @@ def run_settings(c: RLConfig) -> dict:
         "critic": ({"rank": c.critic.lora.rank, "alpha": c.critic.lora.alpha,
                     "targets": sorted(c.critic.lora.targets)} if c.use_critic else None),
         "model": model_fingerprint(c.model.hf_dir, c.model.ckpt),
-        "layout": {"world_size": t.world_size, "tp": t.tp, "ep": t.ep},
+        "layout": {"world_size": t.world_size, "tp": t.tp, "ep": t.ep, **({"etp": t.etp} if t.etp > 1 else {})},
     }
 
 
@@ -332,6 +345,12 @@ def validate(c: RLConfig) -> None:
         raise ValueError(f"trainer.tp={t.tp} must divide trainer.world_size={t.world_size}")
     if t.world_size % t.ep:
         raise ValueError(f"trainer.ep={t.ep} must divide trainer.world_size={t.world_size}")
+    if t.etp < 1 or t.world_size % (t.etp * t.ep):
+        raise ValueError(f"trainer.etp={t.etp}: etp × ep = {t.etp * t.ep} must divide trainer.world_size="
+                         f"{t.world_size}")
+    check_expert_tp([*c.lora.targets, *c.critic.lora.targets], t.etp, "trainer.etp")
+    if t.recompute not in (None, "selective", "full"):
+        raise ValueError(f"trainer.recompute={t.recompute!r}: null, selective or full")
     if t.cp < 1 or t.world_size % (t.tp * t.cp):
         raise ValueError(f"trainer.cp={t.cp} must be >= 1 with trainer.tp × trainer.cp = {t.tp * max(t.cp, 1)} "
                          f"dividing trainer.world_size={t.world_size}")
@@ -388,8 +407,13 @@ def validate(c: RLConfig) -> None:
         raise ValueError(f"trainer.backend={t.backend!r}: local or te")
     import torch
 
-    if not torch.cuda.is_available():
-        for flag, on in (("trainer.backend=te", t.backend == "te"), ("trainer.bf16", t.bf16)):
-            if on:
-                raise ValueError(f"{flag}: needs CUDA (Transformer Engine / Megatron's bf16 optimizer); "
-                                 "CPU runs are fp32 with local modules")
+    gpu_flags = [f for f, on in (("trainer.backend=te", t.backend == "te"), ("trainer.bf16", t.bf16),
+                                 (f"trainer.recompute={t.recompute}", t.recompute is not None)) if on]
+    if gpu_flags and not t.gpus_per_rank:
+        raise ValueError(f"{gpu_flags[0]}: needs a GPU per trainer rank, and trainer.gpus_per_rank=0 gives the "
+                         "trainer actors none (set trainer.gpus_per_rank=1)")
+    if gpu_flags and not torch.cuda.is_available():
+        raise ValueError(f"{gpu_flags[0]}: needs CUDA (Transformer Engine / Megatron's bf16 optimizer / the CUDA "
+                         "RNG state recompute restores); CPU runs are fp32 with local modules")
+    if c.model.hf_dir and (c.rollout.hf_dir or (Path(c.model.hf_dir) / "config.json").is_file()):
+        serving_dir(c.model.hf_dir, c.model.ckpt, c.rollout.hf_dir)  # no model.hf_dir: the driver names it

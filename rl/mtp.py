@@ -145,12 +145,13 @@ def mtp_speculative_config(config: dict, num_tokens: int, source: str) -> dict:
     return {"method": "mtp", "num_speculative_tokens": int(num_tokens)}
 
 
-def adapter_without_mtp(files: dict, num_hidden_layers: int) -> dict:
+def adapter_without_mtp(files: dict, num_hidden_layers: int, drop_modules: tuple = ()) -> dict:
     """The PEFT payload ``files`` (adapter_config.json / adapter_model.safetensors bytes) without the MTP
     layer's tensors (``model.layers.{>= num_hidden_layers}.*``): for a model that has no MTP module —
     transformers' GLM-5, and vLLM's decoder under a ``LoRARequest`` (vLLM's LoRA never reaches the
-    speculative draft model; the engine merges the MTP layer's adapter into it instead). The same
-    bytes back when there are none."""
+    speculative draft model; the engine merges the MTP layer's adapter into it instead) — and without
+    the tensors of the HF modules named in ``drop_modules`` (e.g. ``self_attn.kv_b_proj``, which the
+    vLLM engine merges instead). The same bytes back when there are none."""
     import re
 
     from safetensors.torch import load, save
@@ -160,7 +161,8 @@ def adapter_without_mtp(files: dict, num_hidden_layers: int) -> dict:
         return files
     tensors = load(files[name])
     layer = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.")
-    keep = {k: v for k, v in tensors.items() if not ((m := layer.search(k)) and int(m.group(1)) >= num_hidden_layers)}
+    keep = {k: v for k, v in tensors.items() if not ((m := layer.search(k)) and int(m.group(1)) >= num_hidden_layers)
+            and not any(f".{d}." in k for d in drop_modules)}
     if len(keep) == len(tensors):
         return files
     return {**files, name: save(keep, metadata={"format": "pt"})}

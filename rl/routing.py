@@ -237,7 +237,9 @@ def index_topk_counts(model, batch, rows: list[int], cp_split=None) -> torch.Ten
     from glm5_mcore.model.dsa import GLM5SparseAttention
 
     layers = [m for m in model.modules() if isinstance(m, GLM5SparseAttention) and m.computes_topk]
-    out = torch.zeros(2, dtype=torch.float64)
+    dev = next((m.last_topk.device for m in layers if m.last_topk is not None), torch.device("cpu"))
+    out = torch.zeros(2, dtype=torch.float64, device=dev)  # counted where the top-k lives: one copy at the end
+    unsplit = cp_split.unsplit_of_padded.to(dev) if cp_split is not None else None
     off = 0
     for i in rows:
         rec = batch.index_topk[i] if batch.index_topk is not None else None
@@ -249,18 +251,20 @@ def index_topk_counts(model, batch, rows: list[int], cp_split=None) -> torch.Ten
             if cp_split is not None:  # the rows this CP rank holds, their local index
                 loc = cp_split.local_of[off + p]
                 here = loc >= 0
+                rows_d = loc[here].to(dev)
+            else:
+                rows_d = (off + p).to(dev)
+            eng_all = torch.from_numpy(keys[here.numpy()].astype(np.int64)).to(dev)  # [m, Li, K], one copy
             for li, layer in enumerate(layers[: keys.shape[1]]):
                 if layer.last_topk is None:  # dense: only possible when no row has more than K keys
                     continue
-                if cp_split is None:
-                    mine = layer.last_topk[0].cpu()[off + p] - off  # [m, K]
-                else:
-                    mine = cp_split.unsplit_of_padded[layer.last_topk[0].cpu()[loc[here]]] - off
-                eng = torch.from_numpy(keys[here.numpy(), li].astype(np.int64))
-                same = (mine.sort(-1).values == eng.sort(-1).values).all(-1)
-                out += torch.tensor([float(same.sum()), float(same.numel())], dtype=torch.float64)
+                got = layer.last_topk[0][rows_d]
+                mine = (got if unsplit is None else unsplit[got]) - off  # [m, K]
+                same = (mine.sort(-1).values == eng_all[:, li].sort(-1).values).all(-1)
+                out[0] += same.sum()
+                out[1] += same.numel()
         off += n_seq
-    return out
+    return out.cpu()
 
 
 def index_metrics(outputs: list[dict]) -> dict:

@@ -33,7 +33,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from transformers import AutoTokenizer
 
 from glm5_mcore.checkpoint.layout import latest_iteration
-from glm5_mcore.config import ParallelConfig
+from glm5_mcore.config import ParallelConfig, recompute_overrides
 from glm5_mcore.device import training_device
 from glm5_mcore.lora.apply import apply_lora, disable_adapters, set_adapter
 from glm5_mcore.lora.peft import export_peft
@@ -64,7 +64,7 @@ class PolicyTrainer:
                               WORLD_SIZE=str(world), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
         self.cfg = cfg
         t = cfg.trainer
-        self.parallel = ParallelConfig(tp=t.tp, ep=t.ep, cp=t.cp)
+        self.parallel = ParallelConfig(tp=t.tp, ep=t.ep, cp=t.cp, etp=t.etp)
         self.source = resolve_model(cfg.model)  # HF folder, our checkpoint or a Megatron-LM / Bridge one
         self.glm5 = self.source.glm5
         # the MTP block: trained with actor.mtp_loss_scale > 0, measured only with actor.mtp_accept
@@ -74,6 +74,7 @@ class PolicyTrainer:
         init_parallel(self.parallel, seed=t.seed)
         self.pad_id = AutoTokenizer.from_pretrained(cfg.model.hf_dir).pad_token_id or 0
         overrides = {"bf16": True, "params_dtype": torch.bfloat16} if t.bf16 else {}
+        overrides.update(recompute_overrides(t.recompute))
         model = build_model(self.glm5, self.parallel, backend=t.backend, mtp_num_layers=mtp,
                             moe_enable_routing_replay=True, **overrides, **overrides_mtp)
         self.source.load_weights(model)
@@ -99,7 +100,8 @@ class PolicyTrainer:
         a = cfg.actor
         self.ddp, self.opt, self.sched = build_trainer(model, OptimCfg(
             lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
-            adam_beta2=a.adam_beta2, decay_style="constant"), t.steps, bf16=t.bf16)
+            adam_beta2=a.adam_beta2, decay_style="constant", overlap_grad_reduce=a.overlap_grad_reduce), t.steps,
+            bf16=t.bf16)
         self.loss = ActorLoss(cfg)
 
     # ------------------------------------------------------------------ helpers

@@ -19,6 +19,7 @@ from typing import Optional
 
 import ray
 
+from glm5_mcore.checkpoint.layout import serving_dir
 from rl.rollout.base import AdapterPayload, Request, Result, SamplingParams
 
 _ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_SILENT": "true",
@@ -154,7 +155,7 @@ class RolloutPool:
         r, t = self.cfg.rollout, self.cfg.trainer
         shared = t.off_policy_steps > 0 and not r.gpus_per_actor and not t.gpus_per_rank
         return RolloutActor.options(num_cpus=1, num_gpus=r.gpus_per_actor, max_concurrency=1).remote(
-            r.engine, self.cfg.model.hf_dir, r.deterministic_topk, dict(r.engine_kwargs), r.multi_turn,
+            r.engine, serving_dir(self.cfg.model.hf_dir, self.cfg.model.ckpt, self.cfg.rollout.hf_dir), r.deterministic_topk, dict(r.engine_kwargs), r.multi_turn,
             self.CPU_NICE if shared else 0)
 
     def sync(self, payload: Optional[AdapterPayload], wait: bool = True) -> None:

@@ -146,6 +146,25 @@ def hf_source_dir(root: str | Path) -> Optional[Path]:
     return Path(json.loads(path.read_text())["hf_dir"])
 
 
+def has_hf_weights(folder: str | Path) -> bool:
+    """``folder`` holds HF weights (``*.safetensors`` shards or their index), not only config + tokenizer."""
+    folder = Path(folder)
+    return (folder / "model.safetensors.index.json").is_file() or any(folder.glob("*.safetensors"))
+
+
+def hf_weights_dir(hf_dir: str | Path, ckpt: Optional[str | Path] = None) -> Optional[Path]:
+    """The HF folder with weights for a model given as ``hf_dir`` (+ ``ckpt``): ``hf_dir`` itself when it
+    holds weights, else the folder its ``source.json`` names (``write_hf_meta``: a converted checkpoint's
+    ``hf/`` has config and tokenizer only), else the one ``ckpt/hf/source.json`` names. None: none has."""
+    candidates = [Path(hf_dir)]
+    src = Path(hf_dir) / "source.json"
+    if src.is_file():
+        candidates.append(Path(json.loads(src.read_text())["hf_dir"]))
+    if ckpt is not None and hf_source_dir(ckpt) is not None:
+        candidates.append(hf_source_dir(ckpt))
+    return next((c for c in candidates if has_hf_weights(c)), None)
+
+
 def adapter_dir(root: str | Path, name: str, iteration: Optional[int] = None) -> Path:
     """``DIR/iter_N/adapters/{name}`` (default: the ``latest`` iteration); errors name the folder."""
     if megatron_lm.is_foreign(root):
@@ -158,3 +177,19 @@ def adapter_dir(root: str | Path, name: str, iteration: Optional[int] = None) ->
             iter_dir(root, it) / "adapters").is_dir() else []
         raise FileNotFoundError(f"{path}: no adapter {name!r} in this checkpoint (have {have})")
     return path
+
+
+def serving_dir(hf_dir: str | Path, ckpt: Optional[str | Path] = None, explicit: Optional[str | Path] = None) -> str:
+    """The HF folder an inference engine loads (RL's ``rollout.hf_dir`` = ``explicit``, else ``hf_weights_dir``);
+    a folder without weights is a ValueError naming it and the field to set (vLLM would stop with "Cannot
+    find any model weights")."""
+    if explicit:
+        if not has_hf_weights(explicit):
+            raise ValueError(f"rollout.hf_dir={explicit}: no *.safetensors weights there")
+        return str(explicit)
+    found = hf_weights_dir(hf_dir, ckpt)
+    if found is None:
+        raise ValueError(f"model.hf_dir={hf_dir}: holds no *.safetensors weights (config and tokenizer only"
+                         f"{', nor does the HF folder model.ckpt was converted from' if ckpt else ''}); the rollout "
+                         "engines need them: set rollout.hf_dir=<the HF folder with the weights>")
+    return str(found)

@@ -128,11 +128,27 @@ def read_manifest(root: str | Path) -> Optional[dict]:
     return m
 
 
+def share(entries: dict, rank: int, world: int) -> list[str]:
+    """Rank ``rank``'s part of the manifest ``entries`` (relative path -> {"size", ...}) when ``world``
+    ranks verify them together: largest file first to the rank with the fewest bytes so far (ties: the
+    lowest rank), so the shares are disjoint, cover every file, and differ by at most one file's size."""
+    load = [0] * world
+    mine = []
+    for rel in sorted(entries, key=lambda r: (-entries[r]["size"], r)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        load[r] += entries[rel]["size"]
+        if r == rank:
+            mine.append(rel)
+    return sorted(mine)
+
+
 def verify(root: str | Path, only: Optional[Iterable[str]] = None, strict: bool = False,
-           threads: int = 4) -> int:
+           threads: int = 4, part: Optional[tuple] = None, report: bool = False):
     """Check ``root``'s files against its manifest: all of them, or those at/under the relative
-    paths ``only``. ``strict`` also refuses files the manifest does not list. Returns the number of
-    files checked; raises ``ChecksumError`` naming the first bad file (missing, size, digest)."""
+    paths ``only``; ``part=(rank, world)``: only this rank's ``share`` of them (the presence and size of
+    every file are still checked). ``strict`` also refuses files the manifest does not list. Returns the
+    number of files checked (``report``: (files, bytes) hashed here); raises ``ChecksumError`` naming
+    the first bad file (missing, size, digest)."""
     root = Path(root)
     m = read_manifest(root)
     if m is None:
@@ -154,24 +170,28 @@ def verify(root: str | Path, only: Optional[Iterable[str]] = None, strict: bool 
         extra = [r for r in _files(root) if wanted(r) and r not in m["files"]]
         if extra:
             raise ChecksumError(f"{root / extra[0]}: not listed in {root / NAME} ({len(extra)} such file(s))")
-    digests = _digests(root, sorted(entries), threads)
-    for rel in sorted(entries):
+    mine = sorted(entries) if part is None else share(entries, *part)
+    digests = _digests(root, mine, threads)
+    for rel in mine:
         if digests[rel] != entries[rel]["digest"]:
             raise ChecksumError(f"{root / rel}: checksum mismatch (the file is corrupt; {root / NAME} "
                                 f"has {entries[rel]['digest']}, the file hashes to {digests[rel]})")
+    if report:
+        return len(mine), sum(entries[r]["size"] for r in mine)
     return len(entries)
 
 
-def verify_under(path: str | Path, levels: int = 3) -> int:
+def verify_under(path: str | Path, levels: int = 3, share: Optional[tuple] = None, report: bool = False):
     """Verify the files at/under ``path`` against the manifest of the nearest enclosing folder
-    (``path`` itself or up to ``levels`` parents). No manifest, or verification switched off: 0."""
+    (``path`` itself or up to ``levels`` parents); ``share=(rank, world)``: this rank's part of them
+    (``verify``'s ``part``). No manifest, or verification switched off: 0 (``report``: (0, 0))."""
     if not verification_enabled():
-        return 0
+        return (0, 0) if report else 0
     path = Path(path).absolute()
     for root in [path, *list(path.parents)[:levels]]:
         if (root / NAME).is_file():
-            return verify(root, [os.path.relpath(path, root).replace(os.sep, "/")])
-    return 0
+            return verify(root, [os.path.relpath(path, root).replace(os.sep, "/")], part=share, report=report)
+    return (0, 0) if report else 0
 
 
 class _Stream:

@@ -58,7 +58,7 @@ class SFTStream:
     """This rank's micro-batches of each step (``step``) and of validation (``valid``).
 
     ``accum`` micro-batches per rank and step, ``dp`` / ``dp_rank`` and ``cp`` / ``cp_rank`` this rank's place,
-    ``multiple`` the token multiple of a pack (TP under sequence parallelism), ``equal_sizes``: EP with the
+    ``multiple`` the token multiple of a pack (TP under sequence parallelism), ``equal_sizes``: EP or ETP with the
     allgather dispatcher, ``pipeline``: PP > 1 (fixed pack shape). ``state`` is the run's (resumed) state;
     ``vocab_size`` > 0: an indexed token id at or beyond it is an error naming the dataset."""
 
@@ -88,12 +88,22 @@ class SFTStream:
                     self.multiple, self.pad_id)
 
     def prepare(self, mine: list[PackedBatch]) -> list[PackedBatch]:
-        """The padding rule (module docstring), then this CP rank's share of each pack."""
+        """The padding rule (module docstring), then this CP rank's share of each pack. With PP > 1 the
+        stages exchange one fixed shape per step, but a share's length depends on its documents (each is
+        padded to 2·cp·m): a pack whose share is shorter than the step's longest gets a masked filler
+        document of cp × the difference (a multiple of 2·cp·m, split without padding), so every share
+        of the step has one length."""
         if self.fixed_tokens:
             mine = [pad_to(b, self.fixed_tokens, self.pad_id) for b in mine]
         elif self.equal_sizes:
             mine = equalize(mine, self.pad_id)
-        return [split_for_cp(b, self.cp, self.cp_rank, self.pad_id, self.multiple) for b in mine]
+        shares = [split_for_cp(b, self.cp, self.cp_rank, self.pad_id, self.multiple) for b in mine]
+        if self.cp == 1 or not self.fixed_tokens or not shares:
+            return shares
+        n = max(x.num_tokens for x in shares)
+        return [x if x.num_tokens == n else
+                split_for_cp(pad_to(b, b.num_tokens + (n - x.num_tokens) * self.cp, self.pad_id), self.cp,
+                             self.cp_rank, self.pad_id, self.multiple) for b, x in zip(mine, shares)]
 
     def step(self, state: dict) -> tuple[list[PackedBatch], int, dict]:
         """(this rank's micro-batches, tokens of the whole step over DP, the state after the step) of the

@@ -70,3 +70,13 @@ def family_of(module_name: str) -> Optional[str]:
     if last in MLA or last in MLP:
         return last
     return None
+
+
+def check_expert_tp(targets, etp: int, field: str) -> None:
+    """Adapters on the routed experts under expert tensor parallelism are refused: their replicated A
+    (fc1) / B (fc2) would need a gradient all-reduce over the expert-TP group, which the adapters'
+    TP handling (the dense TP group) does not do."""
+    experts = sorted(t for t in targets if str(t).startswith("experts."))
+    if etp > 1 and experts:
+        raise ValueError(f"lora.targets: adapters on the routed experts ({', '.join(experts)}) are not supported "
+                         f"with {field}={etp}; drop them or set {field}=1")

@@ -43,7 +43,7 @@ def build_model(glm5: GLM5Config, parallel: Optional[ParallelConfig] = None, bac
     cpu_compat.apply()
     parallel = parallel or ParallelConfig()
     config_overrides.setdefault("transformer_impl", "local" if backend == "local" else "transformer_engine")
-    config_overrides.setdefault("expert_tensor_parallel_size", 1)
+    config_overrides.setdefault("expert_tensor_parallel_size", parallel.etp)
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage() if parallel.pp > 1 else True
     if post_process is None:

@@ -15,6 +15,7 @@ from megatron.core import tensor_parallel
 
 from glm5_mcore import cpu_compat
 from glm5_mcore.config import ParallelConfig
+from glm5_mcore.device import dist_timeout
 
 
 def _free_port() -> int:
@@ -36,15 +37,15 @@ def init_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, timeout=dist_timeout())
     world = dist.get_world_size()
     model_ranks = parallel.tp * parallel.cp * parallel.pp
     if world % model_ranks:
         raise ValueError(f"tp*cp*pp={model_ranks} does not divide the world size {world}")
-    if world % (parallel.ep * parallel.pp):
-        raise ValueError(f"ep*pp={parallel.ep * parallel.pp} does not divide the world size {world}")
+    if world % (parallel.etp * parallel.ep * parallel.pp):
+        raise ValueError(f"etp*ep*pp={parallel.etp * parallel.ep * parallel.pp} does not divide the world size {world}")
     global _LAYOUT
-    layout = (world, parallel.tp, parallel.ep, parallel.cp, parallel.pp)
+    layout = (world, parallel.tp, parallel.ep, parallel.cp, parallel.pp, parallel.etp)
     if ps.model_parallel_is_initialized():
         if layout == _LAYOUT:  # same groups: keep them (re-creating leaks gloo threads)
             seed_parallel(seed)
@@ -56,7 +57,8 @@ def init_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:
         pipeline_model_parallel_size=parallel.pp,
         context_parallel_size=parallel.cp,
         expert_model_parallel_size=parallel.ep,
-        expert_tensor_parallel_size=1,
+        expert_tensor_parallel_size=parallel.etp,
+        distributed_timeout_minutes=max(1, round(dist_timeout().total_seconds() / 60)),
     )
     seed_parallel(seed)
 

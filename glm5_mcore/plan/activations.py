@@ -17,6 +17,9 @@ r = s' · top-k · ETP tokens routed to this rank's experts on average):
 
 With full recompute (Megatron's ``recompute_granularity="full"``, uniform, one layer per chunk) a
 layer keeps only its input (s'·H), and one layer's full set lives again while it is recomputed.
+With selective recompute (``"selective"``, ``recompute_modules=["core_attn"]``) a layer drops the core
+attention's internals (``core_attention_bytes``: the core's inputs and output stay, being saved by the
+projections around it), and one layer's core lives again while it is recomputed.
 Transient, one layer at a time: the DSA indexer's scores of this rank's queries against every key
 of the sequence (4·s·T bytes, fp32) and the MoE dispatch buffers (send + receive, 2·r·H). Under
 1F1B, stage ``i`` of ``pp`` holds ``min(pp - i, micro-batches)`` micro-batches in flight.
@@ -48,6 +51,13 @@ class ActivationBytes:
                 + max(self.indexer_scores, self.dispatch))
 
 
+def core_attention_bytes(m: GLM5Config, L: Layout, tokens: int, b: int) -> int:
+    """What the DSA core attention saves for backward besides its inputs (q, the latent, the top-k
+    indices) and its output [s, h, v]: the fused core's fp32 log-sum-exp, 4·s·h. Selective recompute
+    drops exactly this."""
+    return 4 * (tokens // L.cp) * (m.num_attention_heads // L.tp)
+
+
 def layer_bytes(m: GLM5Config, L: Layout, tokens: int, moe: bool, b: int) -> tuple[int, int]:
     """(attention + MLP bytes saved for backward by one layer, MoE routed tokens r) for ``tokens``."""
     s = tokens // L.cp
@@ -56,7 +66,7 @@ def layer_bytes(m: GLM5Config, L: Layout, tokens: int, moe: bool, b: int) -> tup
     H = m.hidden_size
     att = b * (s_sp * H + s * H + 2 * s * m.q_lora_rank + s * (2 * m.kv_lora_rank + m.qk_rope_head_dim)
                + s * h * (2 * m.qk_head_dim + m.qk_nope_head_dim + m.v_head_dim) + s * h * m.v_head_dim)
-    att += 4 * s * h + 8 * s * min(m.index_topk, s)
+    att += core_attention_bytes(m, L, tokens, b) + 8 * s * min(m.index_topk, s)
     if not moe:
         return att + b * (s * H + 3 * s * (m.intermediate_size // L.tp)), 0
     r = s_sp * m.num_experts_per_tok * L.etp
@@ -67,9 +77,12 @@ def layer_bytes(m: GLM5Config, L: Layout, tokens: int, moe: bool, b: int) -> tup
     return att + mlp, r
 
 
-def stage_activations(m: GLM5Config, L: Layout, stage: int, tokens: int, *, bf16: bool, recompute: bool,
+def stage_activations(m: GLM5Config, L: Layout, stage: int, tokens: int, *, bf16: bool, recompute,
                       mtp: bool, microbatches: int) -> ActivationBytes:
+    """``recompute``: False / None, ``"selective"``, or True / ``"full"`` (``glm5_mcore.config.recompute_overrides``)."""
     b = 2 if bf16 else 4
+    selective = recompute == "selective"
+    recompute = recompute in (True, "full")
     s = tokens // L.cp
     s_sp = s // L.tp if L.tp > 1 else s
     H = m.hidden_size
@@ -81,7 +94,8 @@ def stage_activations(m: GLM5Config, L: Layout, stage: int, tokens: int, *, bf16
     full = sum(x for x, _ in per_layer)
     biggest = max((x for x, _ in per_layer), default=0)
     r = max((y for _, y in per_layer), default=0)
-    saved = len(per_layer) * b * s_sp * H if recompute else full
+    core = core_attention_bytes(m, L, tokens, b) if selective else 0
+    saved = len(per_layer) * b * s_sp * H if recompute else full - len(per_layer) * core
     if stage == 0:
         saved += b * s_sp * H
     if last:
@@ -94,5 +108,5 @@ def stage_activations(m: GLM5Config, L: Layout, stage: int, tokens: int, *, bf16
         in_flight=max(1, min(L.pp - stage, microbatches)),
         indexer_scores=4 * s * tokens if has_indexer else 0,
         dispatch=2 * b * r * H,
-        recompute_layer=biggest if recompute else 0,
+        recompute_layer=biggest if recompute else core,
     )

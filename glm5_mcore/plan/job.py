@@ -42,7 +42,8 @@ class Job:
     micro_batch_tokens: int
     microbatches: int = 1
     bf16: bool = True
-    recompute: bool = False
+    recompute: object = False
+    """False, True / ``"full"`` or ``"selective"`` (``glm5_mcore.config.recompute_overrides``)."""
     distributed_optimizer: Optional[bool] = None
     """None: Megatron's distributed optimizer on when DP > 1 (``training.build_trainer`` on CUDA)."""
     lora: Optional[tuple] = None
@@ -69,28 +70,28 @@ class Job:
         return self.rollout.engines * self.rollout.engine.gpus if self.rollout else 0
 
 
-def sft_job(cfg, world: int, etp: int = 1) -> Job:
+def sft_job(cfg, world: int, etp: Optional[int] = None) -> Job:
     """From an SFT config (``recipes.sft_config.SFTConfig``: its ``parallel``, ``data``, ``train``, ``optim``,
     ``lora`` and ``plan`` sections, typed, so every default is the schema's), run on ``world`` ranks;
-    ``etp``: the expert-TP size to plan for (the recipe itself runs ETP 1)."""
+    ``etp``: the expert-TP size to plan for (None: ``parallel.etp``)."""
     p, t, data, lora = cfg.parallel, cfg.train, cfg.data, cfg.lora
-    layout = Layout(world=world, tp=p.tp, ep=p.ep, etp=etp, pp=p.pp, cp=p.cp)
+    layout = Layout(world=world, tp=p.tp, ep=p.ep, etp=etp or p.etp, pp=p.pp, cp=p.cp)
     dp = max(1, world // (layout.tp * layout.cp * layout.pp))
     accum = max(1, data.global_batch_tokens // (data.micro_batch_tokens * dp))
     return Job(kind="sft", layout=layout, micro_batch_tokens=data.micro_batch_tokens, microbatches=accum,
                bf16=t.bf16, recompute=t.recompute, distributed_optimizer=cfg.optim.distributed,
                lora=(tuple(lora.targets), lora.rank) if lora.enabled else None,
-               freeze_indexer=t.freeze_indexer, mtp=True, cluster=cfg.plan.cluster, fixed=("etp",))
+               freeze_indexer=t.freeze_indexer, mtp=True, cluster=cfg.plan.cluster)
 
 
 def rl_job(cfg) -> Job:
-    """From an RL config (``rl.config.RLConfig``, typed): the trainer (TP × EP × CP, LoRA, MTP only with
+    """From an RL config (``rl.config.RLConfig``, typed): the trainer (TP × EP × ETP × CP, recompute, LoRA, MTP only with
     ``actor.mtp_loss_scale > 0`` or ``actor.mtp_accept``) and the engines."""
     t, a, r = cfg.trainer, cfg.actor, cfg.rollout
-    layout = Layout(world=t.world_size, tp=t.tp, ep=t.ep, cp=t.cp)
+    layout = Layout(world=t.world_size, tp=t.tp, ep=t.ep, etp=t.etp, cp=t.cp)
     engine = EngineSpec.from_engine_kwargs(dict(r.engine_kwargs or {}))
     ro = RolloutJob(engines=r.num_actors, engine=engine, n=r.n, prompt_tokens=cfg.data.max_prompt_tokens,
                     response_tokens=r.max_new_tokens, gpus_per_engine=float(r.gpus_per_actor))
-    return Job(kind="rl", layout=layout, micro_batch_tokens=a.micro_batch_tokens, bf16=t.bf16,
+    return Job(kind="rl", layout=layout, micro_batch_tokens=a.micro_batch_tokens, bf16=t.bf16, recompute=t.recompute or False,
                lora=(tuple(cfg.lora.targets), cfg.lora.rank), freeze_indexer=t.freeze_indexer,
-               mtp=a.mtp_loss_scale > 0 or a.mtp_accept, rollout=ro, cluster=cfg.plan.cluster, fixed=("pp", "etp"))
+               mtp=a.mtp_loss_scale > 0 or a.mtp_accept, rollout=ro, cluster=cfg.plan.cluster, fixed=("pp",))

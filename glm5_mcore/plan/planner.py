@@ -79,8 +79,9 @@ def plan_rank(m: GLM5Config, job: Job, kind: RankKind, capacity: int) -> RankPla
     st = state_bytes(base, lora, bf16=job.bf16, full_ft=job.lora is None, freeze_indexer=job.freeze_indexer,
                      dp_cp=L.dp_cp, expert_dp=L.expert_dp)
     acts = {rc: stage_activations(m, L, kind.stage, job.micro_batch_tokens, bf16=job.bf16, recompute=rc,
-                                  mtp=job.mtp, microbatches=max(job.microbatches, L.pp)) for rc in (False, True)}
-    return RankPlan(kind, st, acts[job.recompute], acts[False], acts[True], job.dist_opt, capacity)
+                                  mtp=job.mtp, microbatches=max(job.microbatches, L.pp))
+            for rc in {False, True, job.recompute or False}}
+    return RankPlan(kind, st, acts[job.recompute or False], acts[False], acts[True], job.dist_opt, capacity)
 
 
 def plan_job(m: GLM5Config, job: Job, cluster: Cluster) -> Plan:

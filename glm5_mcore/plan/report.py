@@ -15,7 +15,7 @@ def format_plan(plan: Plan) -> str:
     lines = [f"{job.kind} job on {plan.cluster.describe()}, {plan.cluster.usable_bytes / GIB:.1f} GiB usable per GPU",
              f"trainer: {L.describe()}; micro-batch {job.micro_batch_tokens} tokens, "
              f"{'bf16' if job.bf16 else 'fp32'}, {'LoRA r=%d' % job.lora[1] if job.lora else 'full fine-tuning'}, "
-             f"recompute {'on' if job.recompute else 'off'}, distributed optimizer {'on' if job.dist_opt else 'off'}",
+             f"recompute {({True: 'full', False: 'off'}.get(job.recompute, job.recompute))}, distributed optimizer {'on' if job.dist_opt else 'off'}",
              ""]
     w = 20
     head = "GiB per GPU".ljust(30) + "".join(f"{r.kind.name[:w]:>{w}}" for r in plan.ranks)

@@ -5,7 +5,7 @@
 - ``forward_backward``: Megatron's own schedule (``get_forward_backward_func``) over a list of
   micro-batches with a caller's ``forward_step`` — gradient accumulation with DDP's no-sync and
   ``finalize_model_grads`` (DP all-reduce) exactly as Megatron training does.
-- ``rng_state`` / ``set_rng_state``: Python / torch / NumPy RNG for bit-exact resume.
+- ``rng_state`` / ``set_rng_state``: Python / torch / NumPy / CUDA / Megatron-tracker RNG for bit-exact resume.
 - ``WandbCfg`` / ``init_wandb``: the W&B run of a recipe (offline unless a project is given).
 - ``MoELoad``: tokens routed to each expert (router hooks) -> the max/mean expert-load metrics.
 """
@@ -35,6 +35,10 @@ class OptimCfg:
     distributed: Optional[bool] = None
     """Megatron's distributed optimizer (states sharded over DP). None: on with CUDA and DP > 1;
     gloo has no reduce-scatter, so CPU runs keep a replicated optimizer."""
+    overlap_grad_reduce: bool = False
+    """Megatron DDP's ``overlap_grad_reduce``: each gradient bucket is reduced (reduce-scattered with the
+    distributed optimizer) as soon as the last micro-batch's backward fills it, overlapping the backward;
+    the schedule's earlier micro-batches run under ``ddp.no_sync``."""
 
 
 def build_trainer(model, o: OptimCfg, total_steps: int, bf16: bool = False, cpu_offload: bool = False):
@@ -52,7 +56,9 @@ def build_trainer(model, o: OptimCfg, total_steps: int, bf16: bool = False, cpu_
     bf16 = bf16 or bool(model.config.bf16)
     # Megatron-LM turns grad_reduce_in_fp32 on for bf16: gradients accumulate and are reduced in fp32
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=bf16), model)
+        use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=bf16, overlap_grad_reduce=o.overlap_grad_reduce), model)
+    if o.overlap_grad_reduce:  # as Megatron-LM's training.py: no reduce before the last micro-batch
+        model.config.no_sync_func = ddp.no_sync
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
         adam_beta2=o.adam_beta2, clip_grad=o.clip_grad, bf16=bf16, optimizer_cpu_offload=cpu_offload,
@@ -66,7 +72,9 @@ def build_trainer(model, o: OptimCfg, total_steps: int, bf16: bool = False, cpu_
 
 
 def forward_backward(ddp, forward_step: Callable, batches: list, forward_only: bool, seq_length: int) -> list:
-    """Megatron's schedule over ``batches`` (one per micro-batch); returns the loss functions' reports."""
+    """Megatron's schedule over ``batches`` (one per micro-batch); returns the loss functions' reports.
+    ``seq_length``: the longest micro-batch's tokens before the CP split (Megatron divides it by CP and,
+    under sequence parallelism, TP to size the pipeline's P2P buffers)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     return get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
@@ -99,17 +107,38 @@ def init_wandb(cfg: WandbCfg, out: str, config: dict):
 
 
 def rng_state() -> dict:
+    """Every RNG a step draws from: Python, torch (CPU), NumPy, the current CUDA device's generator, and
+    Megatron's CUDA RNG tracker (``tensor_parallel.get_cuda_rng_tracker``: the model-parallel and expert
+    streams dropout and recompute use)."""
     import numpy as np
+    from megatron.core import tensor_parallel
 
-    return {"python": random.getstate(), "torch": torch.get_rng_state(), "numpy": np.random.get_state()}
+    out = {"python": random.getstate(), "torch": torch.get_rng_state(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state()
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    if tracker.is_initialized():
+        out["megatron_cuda"] = {k: _copy_rng(v) for k, v in tracker.get_states().items()}
+    return out
 
 
 def set_rng_state(s: dict) -> None:
+    """Restore ``rng_state()`` (a state saved before the CUDA entries existed restores what it has)."""
     import numpy as np
+    from megatron.core import tensor_parallel
 
     random.setstate(s["python"])
     torch.set_rng_state(s["torch"])
     np.random.set_state(s["numpy"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state(s["cuda"])
+    if "megatron_cuda" in s:
+        tensor_parallel.get_cuda_rng_tracker().set_states({k: _copy_rng(v) for k, v in s["megatron_cuda"].items()})
+
+
+def _copy_rng(state):
+    """A copy of one tracker state: a ByteTensor, or a ``torch.Generator`` with cudagraph-safe RNG."""
+    return state.clone() if torch.is_tensor(state) else state.clone_state()
 
 
 class MoELoad:

@@ -40,6 +40,22 @@ from rl.rollout.base import AdapterPayload, Request, Result, RolloutEngine, Samp
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+MLA_UP_KV = "self_attn.kv_b_proj"
+"""The HF module of Megatron's ``linear_kv_up_proj``. vLLM's MLA never applies a LoRA adapter on it:
+decode multiplies by ``W_UK_T`` / ``W_UV``, split once from the base weight in
+``MLAAttention.process_weights_after_loading`` (``mla_attention.py:1220-1327``), so in LoRA mode the
+engine merges this module into the served weights (an in-place reload re-runs that split)."""
+
+
+def is_mla_up_kv(hf_name: str) -> bool:
+    return f".{MLA_UP_KV}." in hf_name
+
+
+def default_push_threads() -> int:
+    """CPU threads a merged push uses: the cores this process may run on, at most 32 (Ray actors run
+    with ``OMP_NUM_THREADS=1``, which would leave the merge and the FP8 re-quantisation on one core)."""
+    return max(1, min(32, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -72,7 +88,7 @@ def is_mtp_tensor(hf_name: str, num_hidden_layers: int) -> bool:
 
 @torch.no_grad()
 def iter_merged_weights(hf_dir: str | Path, adapter_dir: Optional[str | Path], also: tuple = (),
-                        max_bytes: int = 2 << 30, part: str = "decoder"):
+                        max_bytes: int = 2 << 30, part: str = "decoder", merged=None):
     """HF name → tensor for vLLM's checkpoint-format loader, in dicts of whole decoder layers, at most
     ``max_bytes`` each unless one layer is larger: ``W + scale·B·A`` for every HF tensor the PEFT
     adapter in ``adapter_dir`` touches (GLU halves and per-expert names split as the one name table
@@ -81,7 +97,8 @@ def iter_merged_weights(hf_dir: str | Path, adapter_dir: Optional[str | Path], a
     modules these land in (``vllm_module_tensors``). Each comes in the dtype the folder stores it; an
     FP8-stored weight comes as e4m3 + ``weight_scale_inv`` blocks. ``part``: "decoder" (the served model),
     "mtp" (only the MTP layer's tensors, ``model.layers.{num_hidden_layers}.*``, for vLLM's MTP draft
-    model: the adapter's MTP-layer modules merged the same way) or "all". Host memory is about one chunk."""
+    model: the adapter's MTP-layer modules merged the same way) or "all"; ``merged`` (HF name -> bool):
+    only those of the adapter's tensors are merged (the rest stay base). Host memory is about one chunk."""
     from glm5_mcore.config import GLM5Config
     from glm5_mcore.checkpoint.hf_io import HFCheckpoint
     from glm5_mcore.checkpoint.hf_names import hf_source
@@ -98,7 +115,7 @@ def iter_merged_weights(hf_dir: str | Path, adapter_dir: Optional[str | Path], a
     for module in (state.modules() if state else []):
         src = hf_source(module + ".weight", L)
         for i, h in enumerate(src.names):
-            if keep(h):
+            if keep(h) and (merged is None or merged(h)):
                 deltas[h] = (module, i if src.is_glu else -1)
     names = {n for h in (*deltas, *(h for h in also if keep(h)))
              for n in vllm_module_tensors(h, glm5.n_routed_experts)}
@@ -214,8 +231,12 @@ class VLLMRolloutEngine(RolloutEngine):
     reload), ``return_routes`` (R3: vLLM's ``enable_return_routed_experts``, which in vLLM 0.32 needs model
     runner V2 and prefix caching, so GPU only; each ``Result.routes`` is then uint8 [tokens, moe_layers,
     top_k]), ``mtp_draft_tokens`` (> 0: speculative decoding, that many tokens drafted per step by the
-    checkpoint's MTP layer — vLLM's ``speculative_config`` ``method="mtp"``), anything else goes to
-    ``vllm.LLM``.
+    checkpoint's MTP layer — vLLM's ``speculative_config`` ``method="mtp"``), ``push_threads`` (CPU threads
+    of a merged push; default ``default_push_threads``), anything else goes to ``vllm.LLM``.
+
+    LoRA mode (``merge=False``) sends the adapter as a ``LoRARequest`` except for ``linear_kv_up_proj``
+    (``MLA_UP_KV``), which vLLM's MLA would silently ignore: that module is merged and reloaded as in
+    merged mode. Every reload drops vLLM's prefix cache (``vllm_server.Server.reload``).
 
     The draft head follows the trained one: vLLM builds the MTP layer as a separate draft model that
     neither ``reload_weights`` (the decoder's loader skips ``model.layers.{num_hidden_layers}.*``) nor a
@@ -227,7 +248,8 @@ class VLLMRolloutEngine(RolloutEngine):
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, merge: bool = False, max_lora_rank: int = 64,
                  dtype: str = "bfloat16", gpu_memory_utilization: float = 0.8, tensor_parallel_size: int = 1,
                  vllm_python: Optional[str] = None, dense_mla: bool = False, device: Optional[str] = None,
-                 push_bytes: int = 2 << 30, return_routes: bool = False, mtp_draft_tokens: int = 0, **kwargs):
+                 push_bytes: int = 2 << 30, return_routes: bool = False, mtp_draft_tokens: int = 0,
+                 push_threads: Optional[int] = None, **kwargs):
         super().__init__(hf_dir, deterministic_topk)
         config = json.loads((Path(hf_dir) / "config.json").read_text())
         if dense_mla:
@@ -242,6 +264,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
         self.route_dtype = route_dtype(int(config.get("n_routed_experts") or config.get("num_local_experts") or 256))
         self.push_bytes = push_bytes
+        self.push_threads = int(push_threads or default_push_threads())
         self.num_hidden_layers = int(config["num_hidden_layers"])
         self.drafts = bool(mtp_draft_tokens)
         self.device = device
@@ -292,11 +315,14 @@ class VLLMRolloutEngine(RolloutEngine):
             self._push(iter_merged_weights(self.hf_dir, path, tuple(self._pushed), self.push_bytes, part))
             shutil.rmtree(path, ignore_errors=True)
             return
-        if self.drafts:  # vLLM's LoRA does not reach the draft model: its adapter goes in merged
-            self._push(iter_merged_weights(self.hf_dir, path, tuple(self._pushed), self.push_bytes, "mtp"))
+        # merged even in LoRA mode: the MTP layer (vLLM's LoRA does not reach the draft model) and the MLA
+        # up-projection (vLLM's MLA never applies its LoRA); restores whatever an earlier push changed
+        L = self.num_hidden_layers
+        self._push(iter_merged_weights(self.hf_dir, path, tuple(self._pushed), self.push_bytes, "all",
+                                       merged=lambda h: self.drafts if is_mtp_tensor(h, L) else is_mla_up_kv(h)))
         from rl.mtp import adapter_without_mtp
 
-        for name, data in adapter_without_mtp(payload.files, self.num_hidden_layers).items():
+        for name, data in adapter_without_mtp(payload.files, L, drop_modules=(MLA_UP_KV,)).items():
             (path / name).write_bytes(data)
         self.lora = (f"policy_v{payload.version}", payload.version + 1, str(path))
 
@@ -306,6 +332,14 @@ class VLLMRolloutEngine(RolloutEngine):
         tensor pushed before goes back to base. Remembers what now differs from base."""
         from safetensors.torch import save_file
 
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.push_threads)
+        try:
+            self._push_chunks(chunks, save_file)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _push_chunks(self, chunks, save_file) -> None:
         if chunks == {}:  # base model again: every pushed tensor from the base shards
             chunks = iter_merged_weights(self.hf_dir, None, tuple(self._pushed), self.push_bytes, "all")
         pushed = set()

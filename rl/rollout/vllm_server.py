@@ -81,8 +81,13 @@ def _reload_from_file(worker, path: str) -> int:
 
 
 def _draft_model(worker):
-    """The speculative-decoding draft model of a vLLM worker (``model_runner.drafter.model``)."""
-    model = getattr(getattr(worker.model_runner, "drafter", None), "model", None)
+    """The speculative-decoding draft model of a vLLM worker: ``model_runner.get_draft_model()``, which
+    both of vLLM 0.32's runners have — V1 (``gpu_model_runner.py:3122``, ``self.drafter``; the CPU build's)
+    and Model Runner V2 (``gpu/model_runner.py:562``, ``self.speculator``; CUDA's default, and what
+    ``enable_return_routed_experts`` requires). A runner without it: V1's ``drafter.model``."""
+    runner = worker.model_runner
+    get = getattr(runner, "get_draft_model", None)
+    model = get() if get is not None else getattr(getattr(runner, "drafter", None), "model", None)
     if model is None:
         raise RuntimeError("this vLLM engine has no draft model (speculative_config method 'mtp' not set)")
     return model
@@ -169,12 +174,25 @@ class Server:
         return results
 
     def reload(self, path: str) -> int:
-        """Reload the tensors of the safetensors file ``path`` (HF names) on every worker."""
-        return sum(self.llm.collective_rpc(_reload_from_file, kwargs={"path": path}))
+        """Reload the tensors of the safetensors file ``path`` (HF names) on every worker, then drop the
+        prefix cache: an in-place reload resets only the LoRA / encoder caches (``gpu/model_runner.py:568``)
+        and block hashes change only for LoRA requests, so cached KV (and R3 routes) of the old weights
+        would be served for any prompt seen before."""
+        n = sum(self.llm.collective_rpc(_reload_from_file, kwargs={"path": path}))
+        self.reset_prefix_cache()
+        return n
 
     def reload_draft(self, path: str) -> int:
-        """Reload the MTP-layer tensors of the safetensors file ``path`` (HF names) into the draft model."""
-        return sum(self.llm.collective_rpc(_reload_draft_from_file, kwargs={"path": path}))
+        """Reload the MTP-layer tensors of the safetensors file ``path`` (HF names) into the draft model
+        (and drop the prefix cache, as ``reload``)."""
+        n = sum(self.llm.collective_rpc(_reload_draft_from_file, kwargs={"path": path}))
+        self.reset_prefix_cache()
+        return n
+
+    def reset_prefix_cache(self) -> None:
+        """``LLM.reset_prefix_cache()``; a refusal (requests still hold blocks) is an error, not stale KV."""
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM refused reset_prefix_cache() after a weight reload (blocks still in use)")
 
     def draft_weights(self, names: Optional[list] = None) -> dict:
         """The draft model's parameters on the first worker (vLLM names → numpy arrays)."""

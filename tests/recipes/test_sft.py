@@ -7,7 +7,7 @@ import torch
 
 from glm5_mcore.data.sft import DataError, pack, read_jsonl
 
-from tests.support.launch import glm5
+from tests.support.launch import glm5, last_json
 from tests.support.sft_setup import reverse_task, sft_cfg, tokenizer
 
 
@@ -198,3 +198,44 @@ def test_token_logprob_gradients_match_autograd():
     g1 = torch.autograd.grad((lp * 1.3 + h * 0.7).sum(), x)[0]
     g2 = torch.autograd.grad((ref_lp * 1.3 + ref_h * 0.7).sum(), x)[0]
     assert (g1 - g2).abs().max() <= 1e-5
+
+
+def _losses(args, nproc, out) -> list:
+    """The per-step losses ``glm5 sft ARGS`` prints, on ``nproc`` gloo ranks."""
+    return last_json(glm5("sft", *args, f"train.out={out}", nproc=nproc).stdout)["losses"]
+
+
+@pytest.mark.slow
+def test_pp2_cp2_on_four_ranks_gives_one_rank_losses(tiny_dir, tmp_path):
+    """Issue 28 A4: with PP > 1 Megatron's schedule sizes the P2P buffers from ``seq_length // cp``, so
+    the recipe must pass the sequence length before the CP split (it passed the split one: a hang or a
+    shape error between the stages)."""
+    args = [f"model.hf_dir={tiny_dir}", f"data.train={reverse_task(tmp_path / 't.jsonl', 64, 0)}",
+            "data.micro_batch_tokens=128", "data.global_batch_tokens=256", "data.max_tokens=64", "train.steps=2",
+            "optim.optimizer=sgd", "optim.lr=0.1", "optim.decay_style=constant", "wandb.mode=disabled",
+            "train.progress=false", "lora.rank=4"]
+    ref = _losses(args, 1, tmp_path / "one")
+    got = _losses(args + ["parallel.pp=2", "parallel.cp=2"], 4, tmp_path / "pp2cp2")
+    assert len(ref) == 2 and max(abs(a - b) / b for a, b in zip(got, ref)) <= 1e-6, (got, ref)
+
+
+@pytest.mark.slow
+def test_etp2_gives_one_rank_losses(tiny_dir, tmp_path):
+    """Issue 28 item 2: ``parallel.etp=2`` (Megatron's expert tensor parallelism: each routed expert's FFN
+    split over two ranks; the allgather dispatcher then needs equal micro-batch sizes over the ranks)
+    gives one rank's losses; adapters on the routed experts are refused under ETP."""
+    args = [f"model.hf_dir={tiny_dir}", f"data.train={reverse_task(tmp_path / 't.jsonl', 64, 0)}",
+            "data.micro_batch_tokens=128", "data.global_batch_tokens=256", "data.max_tokens=64", "train.steps=2",
+            "optim.optimizer=sgd", "optim.lr=0.1", "optim.decay_style=constant", "wandb.mode=disabled",
+            "train.progress=false", "lora.rank=4", "lora.targets=[linear_q_up_proj,linear_kv_up_proj,linear_fc1]"]
+    ref = _losses(args, 1, tmp_path / "one")
+    got = _losses(args + ["parallel.etp=2"], 2, tmp_path / "etp2")
+    assert len(ref) == 2 and max(abs(a - b) / b for a, b in zip(got, ref)) <= 1e-6, (got, ref)
+    from recipes.sft import SFTConfig, validate
+
+    from glm5_mcore.config import GLM5Config
+
+    cfg = SFTConfig.from_dict({"model": {"hf_dir": tiny_dir}, "data": {"train": str(tmp_path / "t.jsonl")},
+                               "parallel": {"etp": 2}, "lora": {"targets": ["linear_q_up_proj", "experts.linear_fc1"]}})
+    with pytest.raises(ValueError, match=r"lora.targets: adapters on the routed experts .* not supported with parallel.etp=2"):
+        validate(cfg, GLM5Config.from_hf_dir(tiny_dir), 2)

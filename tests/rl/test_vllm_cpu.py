@@ -347,3 +347,46 @@ def test_tool_episodes_on_the_vllm_engine(tiny576, tmp_path):
                                                                        "episode_obs_tokens")}))
     assert (m & after).sum() >= 4
     assert FIGURES["episode_vs_trainer_max_abs"] <= 1e-4, FIGURES  # vLLM-CPU fp32 kernels: ~1e-5 (see README)
+
+
+def test_push_after_generation_reaches_cached_prompts_and_the_mla_up_projection(tiny576):
+    """Issue 28 B1 + B2, end to end on vLLM-CPU: prompts longer than a KV block are generated with the base
+    weights (``enable_prefix_caching`` asked for, as ``return_routes`` does on GPU); then an adapter on
+    ``linear_kv_up_proj`` alone (vLLM's ``kv_b_proj``: MLA decode reads it through ``W_UK_T`` / ``W_UV``) is
+    pushed, the reload followed by ``reset_prefix_cache``, and the same prompts are generated again: their
+    log-probs are the trainer's under that adapter and differ from the base's. vLLM-CPU switches prefix
+    caching off for MLA (``platforms/cpu.py:523``), so stale cached KV cannot show here, and merged mode
+    was right before: this run passes on the old code too; the defects themselves are caught by
+    ``tests/gpu/test_gpu_path.py`` (``test_every_reload_resets_the_prefix_cache``,
+    ``test_lora_mode_merges_the_mla_up_projection``). vLLM-CPU has no LoRA mode (Triton)."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from rl.config import RLConfig
+    from rl.rollout.base import Request, SamplingParams, sample_seed
+    from rl.rollout.vllm_engine import VLLMRolloutEngine
+    from rl.tasks import toy_prompts
+    from rl.trainer import PolicyTrainer
+
+    cfg = RLConfig.from_dict({"model": {"hf_dir": tiny576}, "wandb": {"mode": "disabled"},
+                              "rollout": {"temperature": T}, "lora": {"targets": ["linear_kv_up_proj"]}})
+    trainer = PolicyTrainer(cfg)
+    tok = AutoTokenizer.from_pretrained(tiny576)
+    prompts = [dataclasses.replace(p, ids=(p.ids * 60)[:160]) for p in toy_prompts(tok, 2, seed=5)]
+    reqs = [Request((p.index, k), p.ids, sample_seed(4, 0, p.index, k)) for p in prompts for k in range(2)]
+    params = SamplingParams(T, 1.0, MAX_NEW, ())
+    engine = VLLMRolloutEngine(tiny576, **{**engine_kwargs(), "enable_prefix_caching": True})
+    try:
+        base = engine.generate(reqs, params)
+        _perturb(trainer, 21, scale=0.3)
+        engine.load_adapter(trainer.export_adapter(1))
+        pushed = engine.generate(reqs, params)
+    finally:
+        engine.close()
+    figures = {"pushed_vs_trainer_max_abs": _trainer_diff(trainer, prompts, pushed),
+               "pushed_vs_base_max_abs": max(abs(a - b) for x, y in zip(pushed, base)
+                                             for a, b in zip(x.logprobs, y.logprobs))}
+    print("\nvllm-cpu prefix cache + kv_b_proj:", json.dumps({k: round(v, 7) for k, v in figures.items()}))
+    assert figures["pushed_vs_trainer_max_abs"] <= 1e-4, figures
+    assert figures["pushed_vs_base_max_abs"] > 1e-2, figures
