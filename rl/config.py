@@ -20,9 +20,14 @@ AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-me
 @dataclass
 class DataCfg:
     train: Optional[str] = "toy"
-    """A JSONL file of rows {"prompt": str | "messages": [...], "ground_truth": ..., "data_source": ...},
-    or ``toy`` (the built-in task a tiny random GLM-5 can learn, ``rl.tasks``)."""
+    """A prompt set: jsonl, parquet or an HF ``datasets`` folder (``save_to_disk``), with verl's columns
+    (``prompt`` chat messages, ``data_source``, ``reward_model.ground_truth``, ``extra_info``) or
+    ``prompt`` / ``messages`` / ``ground_truth`` (``rl.datasets``); or ``toy`` / ``toy_tool`` (the built-in
+    tasks a tiny random GLM-5 can learn, ``rl.tasks``)."""
     val: Optional[str] = "toy"
+    columns: dict = field(default_factory=dict)
+    """Other column names: field → column, e.g. ``{prompt: question, ground_truth: reward_model.answer}``
+    (fields: prompt, ground_truth, data_source, extra_info; a dotted column reaches into a struct)."""
     prompts_per_step: int = 16
     """verl's ``data.train_batch_size``: prompts per step (each sampled ``rollout.n`` times)."""
     val_prompts: int = 32
@@ -85,10 +90,20 @@ class OverlongBufferCfg:
 @dataclass
 class RewardCfg:
     fn: str = "rl.rewards.toy_residue"
-    """Dotted path: ``fn(data_source, solution_str, ground_truth, extra_info) -> float`` (verl's
-    ``compute_score`` signature), or with ``batched`` lists in, a list of floats out."""
+    """Dotted path or verl's ``/path/file.py:compute_score``: ``fn(data_source, solution_str, ground_truth,
+    extra_info) -> float`` (verl's ``compute_score`` signature), or with ``batched`` lists in, a list of
+    floats out; or a built-in name: ``math`` (math-verify), ``exact_match``, ``math_answer``."""
     batched: bool = False
     kwargs: dict = field(default_factory=dict)
+    num_workers: int = 2
+    """Worker processes scoring the samples (``rl.proc_pool``: per-sample timeout, crash isolation);
+    0: in the driver, without either."""
+    timeout_s: float = 30.0
+    """Wall seconds per sample (per chunk with ``batched``); past it the worker is killed."""
+    timeout_score: float = 0.0
+    """The score of a sample whose call timed out (counted in ``reward/timeouts``)."""
+    error_score: float = 0.0
+    """The score of a sample whose call raised or crashed its process (counted in ``reward/errors``)."""
     overlong_buffer: OverlongBufferCfg = field(default_factory=OverlongBufferCfg)
 
 
@@ -367,6 +382,15 @@ def validate(c: RLConfig) -> None:
         raise ValueError(f"algorithm.filter_groups.metric={fg.metric!r}: score or seq_reward")
     if fg.enable and r.n < 2:
         raise ValueError("algorithm.filter_groups.enable: needs rollout.n >= 2 (a group of one is always uniform)")
+    rw = c.reward
+    if rw.num_workers < 0 or rw.timeout_s <= 0:
+        raise ValueError(f"reward.num_workers={rw.num_workers} must be >= 0 and reward.timeout_s={rw.timeout_s} > 0")
+    from rl.rewards import RewardError, load_fn
+
+    try:
+        load_fn(rw.fn)
+    except RewardError as e:
+        raise ValueError(str(e)) from None
     if ob.enable and not 0 < ob.len <= r.max_new_tokens:
         raise ValueError(f"reward.overlong_buffer.len={ob.len}: must be in [1, rollout.max_new_tokens="
                          f"{r.max_new_tokens}] when enabled")

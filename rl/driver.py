@@ -19,7 +19,7 @@ import torch
 from rl import algos, shaping
 from rl.batch import RolloutBatch
 from rl.config import RLConfig
-from rl.rewards import load_fn, score_batch
+from rl.rewards import RewardScorer
 from rl.overlap import StepSource
 from rl.routing import index_metrics, router_metrics
 from rl.rollout.base import Request, SamplingParams, sample_seed
@@ -60,14 +60,30 @@ def fill_log_probs(batch: RolloutBatch, outputs: list[dict]) -> None:
 
 
 class Rewards:
+    """The samples' rewards (``rl.rewards.RewardScorer``); ``metrics`` sums ``reward/timeouts`` and
+    ``reward/errors`` since the last ``take_metrics``, ``events`` names the failed samples."""
+
     def __init__(self, cfg: RLConfig, tokenizer):
-        self.fn, self.name, self.cfg, self.tok = load_fn(cfg.reward.fn), cfg.reward.fn, cfg.reward, tokenizer
+        self.scorer, self.tok = RewardScorer(cfg.reward), tokenizer
+        self.metrics = {"reward/timeouts": 0.0, "reward/errors": 0.0}
+        self.events: list[str] = []
 
     def __call__(self, prompts, results, n: int) -> torch.Tensor:
         rows = [p for p in prompts for _ in range(n)]
         text = [self.tok.decode(r.response_ids, skip_special_tokens=True) for r in results]
-        return torch.tensor(score_batch(self.fn, self.name, self.cfg.batched, [p.data_source for p in rows], text,
-                                        [p.ground_truth for p in rows], [p.extra for p in rows], self.cfg.kwargs))
+        scores, counts, events = self.scorer.score([p.data_source for p in rows], text,
+                                                   [p.ground_truth for p in rows], [p.extra for p in rows])
+        for k, v in counts.items():
+            self.metrics[k] += v
+        self.events += events
+        return torch.tensor(scores)
+
+    def take_metrics(self) -> dict:
+        out, self.metrics = self.metrics, {k: 0.0 for k in self.metrics}
+        return out
+
+    def close(self) -> None:
+        self.scorer.close()
 
 
 def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
@@ -89,9 +105,9 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
     tok = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
     d = cfg.data
     train = load_prompts(d.train, tok, chat_template=d.chat_template, max_tokens=d.max_prompt_tokens,
-                         toy_size=d.toy_size, seed=d.seed)
+                         toy_size=d.toy_size, seed=d.seed, columns=d.columns)
     val = load_prompts(d.val, tok, chat_template=d.chat_template, max_tokens=d.max_prompt_tokens,
-                       toy_size=d.val_prompts, seed=d.seed + 1)[: d.val_prompts]
+                       toy_size=d.val_prompts, seed=d.seed + 1, columns=d.columns)[: d.val_prompts]
     rewards = Rewards(cfg, tok)
     settings = run_settings(cfg)
     claim_run_dir(cfg.trainer.out, "rl", [cfg.model.hf_dir, cfg.model.ckpt, d.train, d.val])
@@ -161,6 +177,7 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
             for why in metrics.pop("skip_reasons", []):
                 log.note(f"step {state['step']}: update skipped ({why})")
             events, rollouts.events = rollouts.events, []  # a gather in flight may add more
+            events, rewards.events = events + rewards.events, []
             for event in events:
                 log.note(f"step {state['step']}: {event}")
             metrics["rollout/actor_restarts"] = float(rollouts.restarts)
@@ -185,6 +202,7 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
                 break
     finally:
         source.close()
+        rewards.close()
         log.close()
         rollouts.shutdown()
         trainers.shutdown()
