@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from glm5_mcore.training.schema import LoRACfg, ModelCfg, PlanCfg, WandbCfg, build
+from rl.proc_pool import resolve
+from rl.rewards import fn_path
 
 ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "gae")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -45,8 +47,15 @@ class MultiTurnCfg:
     ``observation_role`` and the episode continues, up to ``max_assistant_turns``."""
     enable: bool = False
     env: str = "rl.envs.toy_lookup_env"
-    """Dotted path: ``env(prompt: str, episode: str) -> str | None`` (the texts decoded with special
-    tokens; None ends the episode)."""
+    """Dotted path (or ``file.py:function``): ``env(prompt: str, episode: str, **env_kwargs) -> str | None``
+    (the texts decoded with special tokens; None ends the episode); ``rl.code_env.python_tool`` runs the
+    turn's tool call in the Python sandbox (``rl.sandbox``)."""
+    env_kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of ``env`` (``rl.code_env.python_tool``: the sandbox limits)."""
+    tool_workers: int = 2
+    """Worker processes running ``env`` per rollout actor (``rl.proc_pool``); 0: in the actor, no timeout."""
+    tool_timeout_s: float = 60.0
+    """Wall seconds per env call; past it the call is stopped and the observation says so."""
     tool_call_stop_tokens: list = field(default_factory=list)
     """Token ids or token strings (e.g. GLM's ``<|observation|>``) that end a turn with a tool call."""
     max_assistant_turns: int = 2
@@ -385,23 +394,21 @@ def validate(c: RLConfig) -> None:
     rw = c.reward
     if rw.num_workers < 0 or rw.timeout_s <= 0:
         raise ValueError(f"reward.num_workers={rw.num_workers} must be >= 0 and reward.timeout_s={rw.timeout_s} > 0")
-    from rl.rewards import RewardError, load_fn
-
-    try:
-        load_fn(rw.fn)
-    except RewardError as e:
-        raise ValueError(str(e)) from None
+    resolve(fn_path(rw.fn), "reward.fn")
     if ob.enable and not 0 < ob.len <= r.max_new_tokens:
         raise ValueError(f"reward.overlong_buffer.len={ob.len}: must be in [1, rollout.max_new_tokens="
                          f"{r.max_new_tokens}] when enabled")
     _check_importable(r.engine, "rollout.engine")
     mt = r.multi_turn
     if mt.enable:
-        _check_importable(mt.env, "rollout.multi_turn.env")
+        resolve(mt.env, "rollout.multi_turn.env")
         if not mt.tool_call_stop_tokens:
             raise ValueError("rollout.multi_turn.tool_call_stop_tokens: needs at least one token when enabled")
         if mt.max_assistant_turns < 1 or mt.max_tool_response_length < 1:
             raise ValueError("rollout.multi_turn.max_assistant_turns and max_tool_response_length must be >= 1")
+        if mt.tool_workers < 0 or mt.tool_timeout_s <= 0:
+            raise ValueError(f"rollout.multi_turn.tool_workers={mt.tool_workers} must be >= 0 and "
+                             f"tool_timeout_s={mt.tool_timeout_s} > 0")
     if a.router_replay and r.engine.endswith("VLLMRolloutEngine") and not r.engine_kwargs.get("return_routes"):
         raise ValueError("algorithm.router_replay=true with the vLLM engine needs rollout.engine_kwargs.return_routes="
                          "true (vLLM's enable_return_routed_experts)")

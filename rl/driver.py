@@ -19,6 +19,7 @@ import torch
 from rl import algos, shaping
 from rl.batch import RolloutBatch
 from rl.config import RLConfig
+from rl.episodes import tool_metrics
 from rl.rewards import RewardScorer
 from rl.overlap import StepSource
 from rl.routing import index_metrics, router_metrics
@@ -182,6 +183,7 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
                 log.note(f"step {state['step']}: {event}")
             metrics["rollout/actor_restarts"] = float(rollouts.restarts)
             metrics["rollout/samples"] = float(len({(res.round, res.key) for res in got.results}))
+            metrics.update(tool_metrics(got.results))
             gen_tokens = float(batch.response_mask.sum())
             train_tokens = gen_tokens + sum(len(p) for p in batch.prompts)
             timing["timing_s/step"] = time.perf_counter() - t_step
