@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
+from glm5_mcore.training.resume import claim_run_dir, guard_resume
+from glm5_mcore.training.run_log import RunLogger
 from rl import algos, shaping
 from rl.batch import RolloutBatch
-from rl.config import RLConfig
+from rl.config import RLConfig, run_settings
 from rl.episodes import tool_metrics
+from rl.logger import CONSOLE_KEYS
 from rl.rewards import RewardScorer
 from rl.overlap import StepSource
 from rl.routing import index_metrics, router_metrics
@@ -93,12 +98,7 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
     job's config there)."""
     from transformers import AutoTokenizer
 
-    from glm5_mcore.training.resume import claim_run_dir, guard_resume
-    from rl.config import run_settings
-    from rl.logger import RLLogger
     from rl.workers import RolloutPool, TrainerGroup, start_ray
-
-    from pathlib import Path
 
     if not (Path(cfg.model.hf_dir) / "config.json").is_file():
         raise FileNotFoundError(f"model.hf_dir={cfg.model.hf_dir}: no config.json there (a tiny one: "
@@ -109,7 +109,6 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
                          toy_size=d.toy_size, seed=d.seed, columns=d.columns)
     val = load_prompts(d.val, tok, chat_template=d.chat_template, max_tokens=d.max_prompt_tokens,
                        toy_size=d.val_prompts, seed=d.seed + 1, columns=d.columns)[: d.val_prompts]
-    rewards = Rewards(cfg, tok)
     settings = run_settings(cfg)
     claim_run_dir(cfg.trainer.out, "rl", [cfg.model.hf_dir, cfg.model.ckpt, d.train, d.val])
     if cfg.trainer.resume:  # refuse changed settings before Ray starts
@@ -119,6 +118,7 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
     r = cfg.rollout
     sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens,
                               tuple(r.stop_token_ids if r.stop_token_ids is not None else [tok.eos_token_id]))
+    rewards = Rewards(cfg, tok)  # its worker processes start after every refusal above
     start_ray(cfg.ray.address, cfg.ray.num_cpus)
     trainers, rollouts = TrainerGroup(cfg), RolloutPool(cfg)
     state = (trainers.first("restore", cfg.trainer.out) if cfg.trainer.resume else None) or {
@@ -127,7 +127,8 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
     resume_payload = state.pop("rollout_adapter", None)
     kl_ctrl = algos.kl_controller(cfg)
     kl_ctrl.value = state["kl_coef"]
-    log = RLLogger(cfg, state["step"])
+    log = RunLogger(cfg.wandb, cfg.trainer.out, asdict(cfg), steps=cfg.trainer.steps, start_step=state["step"],
+                    progress=cfg.trainer.progress, desc="rl", console_keys=CONSOLE_KEYS)
     if state["step"]:
         log.note(f"resuming {cfg.trainer.out} at step {state['step']} (trainer.resume=false starts over)")
     vals: list[tuple[int, float]] = []

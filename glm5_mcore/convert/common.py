@@ -36,7 +36,8 @@ from typing import Optional
 import torch
 
 from glm5_mcore.checkpoint.atomic import check_output, output_dir, publish_file
-from glm5_mcore.checkpoint.layout import HF_META_FILES, check_finite, iter_dir, write_hf_meta
+from glm5_mcore.checkpoint.layout import HF_META_FILES, iter_dir, write_hf_meta
+from glm5_mcore.checkpoint.checks import check_finite
 from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.convert.dcp_pieces import load_pieces
 from glm5_mcore.convert.dcp_read import DirectReader, load_sharded
@@ -78,7 +79,8 @@ def meta_model(glm5: GLM5Config, dtype: torch.dtype):
     import megatron.core.transformer.multi_token_prediction  # noqa: F401
 
     import glm5_mcore.model.layer_spec  # noqa: F401
-    from glm5_mcore.model.build import build_model, init_parallel
+    from glm5_mcore.model.build import build_model
+    from glm5_mcore.model.parallel import init_parallel
 
     # Everything is imported above: a module imported inside the meta context would create its
     # module-level tensors (e.g. MTPLossAutoScaler.main_loss_backward_scale) on the meta device.
@@ -312,7 +314,7 @@ class _GroupLoader:
                 return views
             return load_sharded(sharded, self.reader)
         except (Exception, CheckpointException) as e:
-            from glm5_mcore.checkpoint.layout import short_error
+            from glm5_mcore.checkpoint.checks import short_error
 
             raise ValueError(f"{self.path}: could not load {label} ({short_error(e)})") from None
 

@@ -346,9 +346,9 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, adapter_name: str = "def
         for n, p in model.named_parameters():
             if ".lora." not in f".{n}":
                 p.requires_grad_(False)
-    from glm5_mcore.model.build import _rank_offsets
+    from glm5_mcore.model.parallel import rank_offsets
 
-    *_, layer_offset, expert_offset = _rank_offsets(model)
+    *_, layer_offset, expert_offset = rank_offsets(model)
     n_added = 0
     for name, mod in list(model.named_modules()):
         fam = family_of(name)

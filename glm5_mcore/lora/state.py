@@ -140,9 +140,9 @@ def load_adapter_state(model, state: AdapterState, name: str, trainable: bool = 
     """Install ``state`` as adapter ``name`` on this rank's modules (any layout). Every module of
     the state must exist in the model (experts and layers of other EP/PP ranks are skipped).
     Returns #modules installed here."""
-    from glm5_mcore.model.build import _rank_offsets
+    from glm5_mcore.model.parallel import rank_offsets
 
-    *_, layer_offset, expert_offset = _rank_offsets(model)
+    *_, layer_offset, expert_offset = rank_offsets(model)
     n, seen = 0, set()
     for local_name, mod in list(model.named_modules()):
         fam = family_of(local_name)
@@ -169,3 +169,21 @@ def load_adapter_state(model, state: AdapterState, name: str, trainable: bool = 
     if whole and unseen:
         raise ValueError(f"adapter {name!r}: {len(unseen)} module(s) not in this model, e.g. {unseen[:3]}")
     return n
+
+
+def load_into(model, state: AdapterState, name: str, where: str | Path, optional_prefixes: tuple = ()) -> None:
+    """Load ``state``'s full tensors into the adapter ``name`` already attached to this rank's modules
+    (a resume: same targets, any layout). A module the state lacks is an error naming ``where`` unless
+    its name starts with one of ``optional_prefixes`` (an RL run's MTP block, measured but not trained)."""
+    for _, _, lora in lora_layers(model):
+        if name not in lora.A:
+            continue
+        if lora.module_name not in state.A:
+            if optional_prefixes and lora.module_name.startswith(optional_prefixes):
+                continue
+            raise ValueError(f"{where}: no adapter for {lora.module_name} (saved with other lora.targets?)")
+        try:
+            lora.load_full_(name, state.A[lora.module_name], state.B[lora.module_name])
+        except RuntimeError as e:  # another rank: a size mismatch
+            raise ValueError(f"{where}: adapter {lora.module_name} does not fit this run "
+                             f"({' '.join(str(e).split())[:160]})") from None

@@ -144,8 +144,10 @@ def test_converted_checkpoint_matches_transformers_tp2_ep2(converted):
 
 @pytest.mark.slow
 def test_saved_at_tp2_ep2_loads_at_tp1(tiny_both_dir, tmp_path, single_rank):
-    from glm5_mcore.checkpoint.layout import latest_iteration, load_model, model_dir
-    from glm5_mcore.model.build import build_model, forward_logits, load_hf_weights
+    from glm5_mcore.checkpoint.layout import latest_iteration, model_dir
+    from glm5_mcore.checkpoint.dist import load_model
+    from glm5_mcore.model.build import build_model, forward_logits
+    from glm5_mcore.checkpoint.hf_load import load_hf_weights
 
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
@@ -206,7 +208,8 @@ def test_fp8_dequant_partial_blocks():
 
 
 def test_fp8_checkpoint_imports_dequantized(tiny_dir, tmp_path, single_rank):
-    from glm5_mcore.checkpoint.layout import load_model, model_dir
+    from glm5_mcore.checkpoint.dist import load_model
+    from glm5_mcore.checkpoint.layout import model_dir
     from glm5_mcore.convert.common import hf_to_mcore
     from glm5_mcore.model.build import build_model
 

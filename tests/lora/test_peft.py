@@ -40,8 +40,9 @@ def _peft_model(hf_dir, adapter_dir):
 @pytest.fixture(scope="module")
 def lora_ckpt(tiny_share_dir, tmp_path_factory):
     """A checkpoint (base + adapter 'sft') of the IndexShare tiny model with every family adapted."""
-    from glm5_mcore.checkpoint.layout import save_checkpoint, write_hf_meta
-    from glm5_mcore.model.build import init_parallel
+    from glm5_mcore.training.checkpointing import save_checkpoint
+    from glm5_mcore.checkpoint.layout import write_hf_meta
+    from glm5_mcore.model.parallel import init_parallel
 
     init_parallel(ParallelConfig())
     cfg = LoRAConfig(rank=4, alpha=8, targets=ALL, init="random", rank_overrides={"linear_kv_up_proj": 2})
