@@ -301,7 +301,8 @@ def run_settings(c: RLConfig) -> dict:
     d, t = c.data, c.trainer
     return {
         "data": {"train": file_fingerprint(d.train), "val": file_fingerprint(d.val), "toy_size": d.toy_size,
-                 "prompts_per_step": d.prompts_per_step, "seed": d.seed},
+                 "prompts_per_step": d.prompts_per_step, "seed": d.seed,
+                 **({"columns": dict(d.columns)} if d.columns else {})},  # other columns: other prompts
         "rollout": {"n": c.rollout.n},
         "actor": {"ppo_mini_batch_size": c.actor.ppo_mini_batch_size,
                   **({"mtp": True} if c.actor.mtp_loss_scale > 0 else {})},  # MTP adapters exist or not
