@@ -65,29 +65,31 @@ def resolve(path: str, field: str = "reward.fn") -> Callable:
 
 
 def _serve(conn, path: str, field: str, kwargs: dict) -> None:
-    """Worker loop: (tid, args) in, (tid, ok, value | message) out, until the pipe closes."""
+    """Worker loop: a chunk [(tid, args), ...] in, one (tid, ok, value | message) out per call as it
+    finishes, until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver's Ctrl-C is the driver's
     try:
-        fn = resolve(path, field)
+        fn, load_error = resolve(path, field), ""
     except ValueError as e:
         fn, load_error = None, str(e)
     while True:
         try:
-            tid, args = conn.recv()
+            chunk = conn.recv()
         except (EOFError, OSError):
             return
-        if fn is None:
-            conn.send((tid, False, load_error))
-            continue
-        try:
-            value = fn(*args, **kwargs)
-        except BaseException as e:  # a user's function: its failure is this call's outcome
-            conn.send((tid, False, f"{type(e).__name__}: {e}"))
-            continue
-        try:
-            conn.send((tid, True, value))
-        except Exception as e:
-            conn.send((tid, False, f"returned a value that cannot be sent back ({type(e).__name__}: {e})"))
+        for tid, args in chunk:
+            if fn is None:
+                conn.send((tid, False, load_error))
+                continue
+            try:
+                value = fn(*args, **kwargs)
+            except BaseException as e:  # a user's function: its failure is this call's outcome
+                conn.send((tid, False, f"{type(e).__name__}: {e}"))
+                continue
+            try:
+                conn.send((tid, True, value))
+            except Exception as e:
+                conn.send((tid, False, f"returned a value that cannot be sent back ({type(e).__name__}: {e})"))
 
 
 def _death(code: Optional[int]) -> str:
@@ -106,7 +108,8 @@ class _Worker:
                                 name=f"glm5-{field}")
         self.proc.start()
         child.close()
-        self.task: Optional[tuple[int, float]] = None  # (tid, deadline)
+        self.task: Optional[deque] = None  # the tids of the chunk in flight, in order
+        self.deadline = 0.0
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -118,6 +121,9 @@ class _Worker:
 class ProcessPool:
     """``workers`` processes calling ``path`` (``resolve``) with ``kwargs``; ``map`` runs a list of
     argument tuples and returns one ``Outcome`` per call, in order."""
+
+    CHUNK = 16
+    """Most calls sent to a worker at once (fewer when the batch is small, so all workers get work)."""
 
     def __init__(self, path: str, workers: int, timeout_s: float, kwargs: Optional[dict] = None,
                  field: str = "reward.fn"):
@@ -134,44 +140,54 @@ class ProcessPool:
         return _Worker(self._ctx, self.path, self.field, self.kwargs)
 
     def map(self, calls: list[tuple]) -> list[Outcome]:
+        """One ``Outcome`` per call, in order. Calls go to the workers in chunks (a worker runs its chunk
+        without waiting for the driver between calls); each call has its own ``timeout_s`` from the end of
+        the one before it. A call that times out or kills its worker gets that outcome, the rest of its
+        chunk goes back to the queue, and the worker is replaced."""
         out: list[Optional[Outcome]] = [None] * len(calls)
         todo = deque(range(len(calls)))
+        size = max(1, min(self.CHUNK, len(calls) // (4 * len(self._workers))))
         while todo or any(w.task for w in self._workers):
-            now = time.monotonic()
             for w in self._workers:
-                if w.task is None and todo:
-                    tid = todo.popleft()
+                if not w.task and todo:
+                    tids = [todo.popleft() for _ in range(min(size, len(todo)))]
                     try:
-                        w.conn.send((tid, calls[tid]))
-                    except Exception as e:  # arguments that cannot be pickled
-                        out[tid] = Outcome("error", message=f"arguments cannot be sent ({type(e).__name__}: {e})")
+                        w.conn.send([(t, calls[t]) for t in tids])
+                    except Exception as e:  # arguments that cannot be pickled: each on its own
+                        if len(tids) > 1:
+                            todo.extendleft(reversed(tids))
+                            size = 1
+                        else:
+                            out[tids[0]] = Outcome("error", message=f"arguments cannot be sent ({type(e).__name__}: {e})")
                         continue
-                    w.task = (tid, now + self.timeout_s)
+                    w.task, w.deadline = deque(tids), time.monotonic() + self.timeout_s
             busy = [w for w in self._workers if w.task]
             if not busy:
                 continue
-            left = min(w.task[1] for w in busy) - time.monotonic()
+            left = min(w.deadline for w in busy) - time.monotonic()
             ready = set(wait([w.conn for w in busy] + [w.proc.sentinel for w in busy], max(left, 0)))
             for i, w in enumerate(self._workers):
-                if w.task is None:
+                if not w.task:
                     continue
-                tid, deadline = w.task
+                failed = None
                 if w.conn in ready:
                     try:
-                        rtid, ok, payload = w.conn.recv()
+                        while w.task and w.conn.poll():
+                            tid, ok, payload = w.conn.recv()
+                            w.task.popleft()
+                            out[tid] = Outcome("ok", payload) if ok else Outcome("error", message=str(payload))
+                            w.deadline = time.monotonic() + self.timeout_s
                     except (EOFError, OSError):
                         w.proc.join(5)
-                        out[tid] = Outcome("crash", message=_death(w.proc.exitcode))
-                        self._replace(i)
-                        continue
-                    out[rtid] = Outcome("ok", payload) if ok else Outcome("error", message=str(payload))
-                    w.task = None
+                        failed = Outcome("crash", message=_death(w.proc.exitcode))
                 elif w.proc.sentinel in ready:
                     w.proc.join(5)
-                    out[tid] = Outcome("crash", message=_death(w.proc.exitcode))
-                    self._replace(i)
-                elif time.monotonic() >= deadline:
-                    out[tid] = Outcome("timeout", message=f"no result after {self.timeout_s:g} s")
+                    failed = Outcome("crash", message=_death(w.proc.exitcode))
+                elif time.monotonic() >= w.deadline:
+                    failed = Outcome("timeout", message=f"no result after {self.timeout_s:g} s")
+                if failed is not None and w.task:
+                    out[w.task.popleft()] = failed
+                    todo.extendleft(reversed(w.task))
                     self._replace(i)
         return out  # type: ignore[return-value]
 

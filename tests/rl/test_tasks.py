@@ -155,6 +155,12 @@ def test_reward_pool_hang_crash_raise_cost_one_sample_each(tmp_path):
         assert "sample 4" in events[2] and "KeyError" in events[2]
         again, counts, _ = scorer.score(["d"] * 2, ["4", "5"], [4, 4], [{"bonus": 0.0}] * 2)  # workers replaced
         assert again == [1.0, 0.0] and counts == {"reward/timeouts": 0.0, "reward/errors": 0.0}
+        # a batch sent in chunks: the calls after a hang or a crash in the same chunk still run
+        many = ["4" if i % 3 else "5" for i in range(40)]
+        many[6], many[23] = "hang", "segv"
+        scores, counts, _ = scorer.score(["d"] * 40, many, [4] * 40, [{"bonus": 0.0}] * 40)
+        want = [{"4": 1.0, "5": 0.0, "hang": -1.0, "segv": -2.0}[m] for m in many]
+        assert scores == want and counts == {"reward/timeouts": 1.0, "reward/errors": 1.0}
     finally:
         scorer.close()
 
