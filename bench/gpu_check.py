@@ -103,7 +103,8 @@ def main() -> None:
         with assert_collectives_on(dev, seen, bad):
             # 1. the model on the device, and the optimizer over it
             with _check(checks, "1_model_on_device") as c:
-                from glm5_mcore.lora.apply import LoRAConfig, apply_lora
+                from glm5_mcore.lora.config import LoRAConfig
+                from glm5_mcore.lora.apply import apply_lora
                 from glm5_mcore.model.build import build_model
                 from glm5_mcore.checkpoint.hf_load import load_hf_weights
                 from glm5_mcore.training.loop import OptimCfg, build_trainer

@@ -31,7 +31,8 @@ from glm5_mcore.data.indexed import check_data, is_jsonl, parse_blend, resolve_p
 from glm5_mcore.data.sft import PackedBatch
 from glm5_mcore.data.stream import SFTDocuments, SFTStream, is_indexed
 from glm5_mcore.device import training_device
-from glm5_mcore.lora.apply import INDEXER, apply_lora
+from glm5_mcore.lora.config import INDEXER
+from glm5_mcore.lora.apply import apply_lora
 from glm5_mcore.model.build import build_model
 from glm5_mcore.model.dsa import (check_indexer_learns, indexer_metrics, set_indexer_frozen, set_indexer_warmup,
                                   set_recall_probe)

@@ -61,7 +61,8 @@ def build_rank(model: GLM5Config, layout: Layout, rank: int, *, mtp: bool = True
     without MTP layers (as the RL trainer does); ``lora=(targets, rank)`` applies adapters as the
     recipes do (base frozen); otherwise the indexer is frozen as in full fine-tuning."""
     from glm5_mcore.model.dsa import set_indexer_frozen
-    from glm5_mcore.lora.apply import LoRAConfig, apply_lora
+    from glm5_mcore.lora.config import LoRAConfig
+    from glm5_mcore.lora.apply import apply_lora
     from glm5_mcore.model.build import build_model
 
     _import_megatron()

@@ -3,7 +3,6 @@ declares one), bf16 tensors stored under ``"dtype": "float32"``, and FP8 exports
 block format."""
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -12,6 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from glm5_mcore.checkpoint.hf_io import HFCheckpoint, SafetensorsFile, dequantize_fp8_blocks
+
+from tests.support.launch import glm5
 
 
 def _stored(hf_dir) -> dict:
@@ -58,7 +59,8 @@ def test_saved_folder_passes_parity_with_a_notice(saved_dir, single_rank, capfd)
 
 
 def test_saved_folder_round_trips_byte_for_byte(saved_dir, tmp_path):
-    from glm5_mcore.convert.common import hf_to_mcore, mcore_to_hf
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
+    from glm5_mcore.convert.mcore_to_hf import mcore_to_hf
 
     ck = hf_to_mcore(saved_dir, tmp_path / "ck", progress=False)
     back = mcore_to_hf(ck, tmp_path / "back", progress=False)
@@ -70,7 +72,8 @@ def test_saved_folder_round_trips_byte_for_byte(saved_dir, tmp_path):
 
 def test_bf16_stored_under_fp32_config_round_trips_to_bf16(saved_dir, tmp_path):
     """Tensors stored bf16 (router fp32) while config.json says float32: they come back bf16, not fp32."""
-    from glm5_mcore.convert.common import hf_to_mcore, mcore_to_hf
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
+    from glm5_mcore.convert.mcore_to_hf import mcore_to_hf
 
     src = HFCheckpoint(saved_dir)
     d = tmp_path / "bf16"
@@ -90,13 +93,14 @@ def test_bf16_stored_under_fp32_config_round_trips_to_bf16(saved_dir, tmp_path):
     assert {v[0] for v in fp32.values()} == {torch.float32}
 
 
+@pytest.mark.slow
 def test_fp8_export_reimports_to_its_dequantized_values(saved_dir, tmp_path):
     """FP8 export: e4m3 + 128x128 fp32 weight_scale_inv on the projections, the rest kept; import of the
     export is exactly q·s, within e4m3's bound of the source; exporting that import again is byte-identical."""
     import subprocess
     import sys
 
-    from glm5_mcore.convert.common import hf_to_mcore
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
     from glm5_mcore.checkpoint.fp8 import is_quantized
 
     # widths past one 128 block (partial edge blocks): hidden 192, intermediate 160
@@ -108,13 +112,7 @@ def test_fp8_export_reimports_to_its_dequantized_values(saved_dir, tmp_path):
     src = write_hf_checkpoint(cfg, {k: v.bfloat16() if not k.endswith(("mlp.gate.weight", "e_score_correction_bias"))
                                     else v for k, v in random_hf_state_dict(cfg, 5).items()}, tmp_path / "src")
     ck = hf_to_mcore(src, tmp_path / "ck", progress=False)
-    env_py = [sys.executable, "-m", "recipes.main", "convert", "mcore-to-hf", "--no-progress"]
-    env = {k: v for k, v in os.environ.items()  # the pytest process holds its own process group
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    r = subprocess.run(env_py + ["--ckpt", str(ck), "--out", str(tmp_path / "fp8"), "--dtype", "fp8"],
-                       capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr
+    glm5("convert", "mcore-to-hf", "--no-progress", "--ckpt", ck, "--out", tmp_path / "fp8", "--dtype", "fp8", timeout=300)
     fp8 = Path(tmp_path / "fp8")
     qc = json.loads((fp8 / "config.json").read_text())["quantization_config"]
     assert qc == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -139,7 +137,7 @@ def test_fp8_export_reimports_to_its_dequantized_values(saved_dir, tmp_path):
             assert torch.equal(got.get(name), source.get(name)), name
     assert n_q > 0 and stored["model.layers.0.mlp.gate_proj.weight_scale_inv"][1] == (2, 2)  # 160x192: partial blocks
     # import ∘ export: the FP8 folder converts and exports back byte-identically (scales and bytes)
-    from glm5_mcore.convert.common import mcore_to_hf
+    from glm5_mcore.convert.mcore_to_hf import mcore_to_hf
 
     mcore_to_hf(hf_to_mcore(fp8, tmp_path / "ck8", progress=False), tmp_path / "fp8b", progress=False)
     assert _stored(tmp_path / "fp8b") == stored
@@ -165,7 +163,7 @@ def _sft_cfg(hf_dir, tmp_path, **over):
 def test_saved_folder_fine_tunes_without_mtp_or_with_a_fresh_one(saved_dir, tmp_path):
     """model.mtp=auto: no MTP block, no MTP loss, the export holds the tensors read; model.mtp=init: a
     fresh MTP layer (Megatron-Core's init) is trained and exported as model.layers.{L}.*."""
-    from glm5_mcore.convert.common import mcore_to_hf
+    from glm5_mcore.convert.mcore_to_hf import mcore_to_hf
     from recipes.sft import run
 
     L = json.loads((Path(saved_dir) / "config.json").read_text())["num_hidden_layers"]
@@ -184,6 +182,7 @@ def test_saved_folder_fine_tunes_without_mtp_or_with_a_fresh_one(saved_dir, tmp_
     assert f"model.layers.{L}.eh_proj.weight" in mtp and len(mtp) == len(back.keys()) - len(HFCheckpoint(saved_dir).keys())
 
 
+@pytest.mark.slow
 def test_saved_folder_lora_exports_and_is_an_rl_base(saved_dir, tmp_path):
     """Converted, then a LoRA run from the checkpoint (adapters only in its own folder; the base weights
     found through the recorded base checkpoint): exports as PEFT and
@@ -198,19 +197,13 @@ def test_saved_folder_lora_exports_and_is_an_rl_base(saved_dir, tmp_path):
     from rl.rollout.hf_engine import HFRolloutEngine
     from rl.trainer import PolicyTrainer
 
-    from glm5_mcore.convert.common import hf_to_mcore
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
 
     ck = hf_to_mcore(saved_dir, tmp_path / "base", progress=False)
     run(_sft_cfg(saved_dir, tmp_path, model={"hf_dir": None, "ckpt": str(ck)}, lora={"enabled": True, "rank": 4},
                  train={"resume": False}))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    cli = [sys.executable, "-m", "recipes.main", "lora", "export", "--ckpt", str(tmp_path / "run"), "--no-progress"]
     for extra, out in (([], "peft"), (["--merged"], "merged")):
-        r = subprocess.run(cli + extra + ["--out", str(tmp_path / out)], env=env, capture_output=True, text=True,
-                           timeout=300)
-        assert r.returncode == 0, r.stderr
+        glm5("lora", "export", "--ckpt", tmp_path / "run", "--no-progress", *extra, "--out", tmp_path / out, timeout=300)
     assert (tmp_path / "peft" / "adapter_model.safetensors").is_file()
     assert sorted(HFCheckpoint(tmp_path / "merged").keys()) == sorted(HFCheckpoint(saved_dir).keys())
 
@@ -232,22 +225,18 @@ def test_saved_folder_lora_exports_and_is_an_rl_base(saved_dir, tmp_path):
     assert float(diff.max()) <= 1e-5, float(diff.max())
 
 
+@pytest.mark.slow
 def test_bad_dtype_record_and_mtp_mode_name_the_problem(saved_dir, tmp_path):
     """A corrupt hf/dtypes.json: exit 2 naming the file, no output folder; model.mtp=bogus names the field."""
     import subprocess
     import sys
 
-    from glm5_mcore.convert.common import hf_to_mcore
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
     from recipes.sft import run
 
     ck = hf_to_mcore(saved_dir, tmp_path / "ck", progress=False)
     (ck / "hf" / "dtypes.json").write_text("{not json")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    r = subprocess.run([sys.executable, "-m", "recipes.main", "convert", "mcore-to-hf", "--ckpt", str(ck),
-                        "--out", str(tmp_path / "out"), "--no-progress"], env=env, capture_output=True, text=True,
-                       timeout=300)
+    r = glm5("convert", "mcore-to-hf", "--ckpt", ck, "--out", tmp_path / "out", "--no-progress", ok=False, timeout=300)
     assert r.returncode == 2 and f"error: {ck / 'hf' / 'dtypes.json'}: not a dtype record" in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match="model.mtp: expected auto, init or off"):
