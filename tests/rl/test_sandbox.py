@@ -28,6 +28,7 @@ def _nobody_processes() -> int:
     return n
 
 
+@pytest.mark.slow  # starts sandboxed interpreters / worker processes
 def test_sandbox_cpu_memory_and_fork_bomb_limits():
     t0 = time.perf_counter()
     r = run_python("while True: pass", SandboxLimits(cpu_s=1, wall_s=30))
@@ -47,6 +48,7 @@ def test_sandbox_cpu_memory_and_fork_bomb_limits():
     assert (r.status, r.stdout) == ("ok", "45\n")
 
 
+@pytest.mark.slow  # starts sandboxed interpreters / worker processes
 def test_sandbox_no_network_and_no_writes_outside_its_folder(tmp_path):
     r = run_python("import socket\ns = socket.socket()\ns.settimeout(2)\ns.connect(('127.0.0.1', 22))\nprint('up')")
     if not r.isolated_network:
@@ -91,6 +93,7 @@ def test_tool_calls_parse_from_glm5_and_json_formats():
             parse_tool_calls(bad)
 
 
+@pytest.mark.slow  # starts sandboxed interpreters / worker processes
 def test_python_tool_observations_say_what_went_wrong():
     call = "<tool_call>python<arg_key>code</arg_key><arg_value>{}</arg_value></tool_call>"
     assert python_tool("", call.format("print(6 * 7)")) == "42"
@@ -167,6 +170,7 @@ def _episode(tiny_dir, tmp_path, env, max_positions=512, turns=("w5", "w7"), **o
     return tok, prompt, res, text
 
 
+@pytest.mark.slow  # starts sandboxed interpreters / worker processes
 def test_a_tool_that_never_returns_is_stopped_and_the_episode_goes_on(tiny_dir, tmp_path):
     t0 = time.perf_counter()
     tok, _, res, text = _episode(tiny_dir, tmp_path, "hang", tool_timeout_s=2.0)
@@ -182,7 +186,8 @@ def test_a_tool_that_raises_is_an_observation_naming_the_env(tiny_dir, tmp_path)
 
 
 def test_a_cut_observation_keeps_its_assistant_header(tiny_dir, tmp_path):
-    tok, _, res, _ = _episode(tiny_dir, tmp_path, "flood", turns=("w5", "w5", "w8"), max_tool_response_length=6)
+    tok, _, res, _ = _episode(tiny_dir, tmp_path, "flood", turns=("w5", "w5", "w8"), max_tool_response_length=6,
+                            tool_workers=0)
     k = res.mask.index(0)
     obs = tok.convert_ids_to_tokens(res.response_ids[k: k + 6])
     assert obs[0] == "<|observation|>" and obs[-1] == "<|assistant|>" and obs[1:-1] == ["w9"] * 4, obs
@@ -191,7 +196,7 @@ def test_a_cut_observation_keeps_its_assistant_header(tiny_dir, tmp_path):
 
 def test_an_observation_longer_than_the_context_is_cut_to_fit(tiny_dir, tmp_path):
     tok, prompt, res, _ = _episode(tiny_dir, tmp_path, "flood", max_positions=40, turns=("w5", "w5", "w8"),
-                                  max_tool_response_length=10 ** 6)
+                                  max_tool_response_length=10 ** 6, tool_workers=0)
     assert len(prompt) + len(res.response_ids) <= 40
     toks = tok.convert_ids_to_tokens(res.response_ids)
     assert toks.count("<|assistant|>") >= 1 and res.tool_stats["cut"] >= 1

@@ -141,6 +141,7 @@ USER_FNS = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # worker processes
 def test_reward_pool_hang_crash_raise_cost_one_sample_each(tmp_path):
     (tmp_path / "my_reward.py").write_text(USER_FNS)
     cfg = RewardCfg(fn=f"{tmp_path / 'my_reward.py'}:compute_score", num_workers=2, timeout_s=3.0,
@@ -185,6 +186,7 @@ def _answer_strings():
     return out
 
 
+@pytest.mark.slow  # worker processes
 def test_math_verifier_scores_as_verls_math_verify(tmp_path):
     from verl.utils.reward_score.math_verify import compute_score as verl_math_verify
 
