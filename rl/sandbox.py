@@ -11,7 +11,9 @@ PYTHONPATH, no current folder on ``sys.path``; the code comes on stdin) with:
   mount and PID namespaces: no network interface but loopback, which is down (a connect fails), ``/tmp``,
   ``/var/tmp`` and ``/dev/shm`` are empty private tmpfs (writes there vanish with the call), and when the
   call ends every process it started dies with the namespace (a fork bomb is contained). As root the
-  code runs as ``nobody``, so ``RLIMIT_NPROC`` holds and the host's files are not writable;
+  code runs as ``nobody``, so ``RLIMIT_NPROC`` holds and a write outside its folder fails wherever the
+  permissions deny it to ``nobody`` (the world-writable temp folders are the private tmpfs above; a
+  folder elsewhere made world-writable by hand would be writable);
 - a wall timeout (the whole process tree is killed), and stdout / stderr kept up to ``max_output_bytes``
   each (the rest is read and dropped, so a flood cannot fill the driver's memory).
 
