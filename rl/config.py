@@ -23,10 +23,8 @@ AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-me
 @dataclass
 class DataCfg:
     train: Optional[str] = "toy"
-    """A prompt set: jsonl, parquet or an HF ``datasets`` folder (``save_to_disk``), with verl's columns
-    (``prompt`` chat messages, ``data_source``, ``reward_model.ground_truth``, ``extra_info``) or
-    ``prompt`` / ``messages`` / ``ground_truth`` (``rl.datasets``); or ``toy`` / ``toy_tool`` (the built-in
-    tasks a tiny random GLM-5 can learn, ``rl.tasks``)."""
+    """A jsonl, parquet or HF ``datasets`` folder with verl's columns (``rl.datasets``), or ``toy`` /
+    ``toy_tool`` (the built-in tasks a tiny random GLM-5 can learn, ``rl.tasks``)."""
     val: Optional[str] = "toy"
     columns: dict = field(default_factory=dict)
     """Other column names: field → column, e.g. ``{prompt: question, ground_truth: reward_model.answer}``
@@ -48,15 +46,13 @@ class MultiTurnCfg:
     ``observation_role`` and the episode continues, up to ``max_assistant_turns``."""
     enable: bool = False
     env: str = "rl.envs.toy_lookup_env"
-    """Dotted path (or ``file.py:function``): ``env(prompt: str, episode: str, **env_kwargs) -> str | None``
-    (the texts decoded with special tokens; None ends the episode); ``rl.code_env.python_tool`` runs the
-    turn's tool call in the Python sandbox (``rl.sandbox``)."""
-    env_kwargs: dict = field(default_factory=dict)
-    """Keyword arguments of ``env`` (``rl.code_env.python_tool``: the sandbox limits)."""
+    """``module.fn`` / ``file.py:fn``: ``env(prompt, episode, **env_kwargs) -> str | None`` (texts decoded with
+    special tokens; None ends the episode); ``rl.code_env.python_tool``: the Python sandbox."""
+    env_kwargs: dict = field(default_factory=dict)  # of env (rl.code_env.python_tool: the sandbox limits)
     tool_workers: int = 2
-    """Worker processes running ``env`` per rollout actor (``rl.proc_pool``); 0: in the actor, no timeout."""
     tool_timeout_s: float = 60.0
-    """Wall seconds per env call; past it the call is stopped and the observation says so."""
+    """``env`` runs in ``tool_workers`` processes per rollout actor (``rl.proc_pool``; 0: in the actor, no
+    timeout); a call past ``tool_timeout_s`` wall seconds is stopped and the observation says so."""
     tool_call_stop_tokens: list = field(default_factory=list)
     """Token ids or token strings (e.g. GLM's ``<|observation|>``) that end a turn with a tool call."""
     max_assistant_turns: int = 2
@@ -106,14 +102,12 @@ class RewardCfg:
     batched: bool = False
     kwargs: dict = field(default_factory=dict)
     num_workers: int = 2
-    """Worker processes scoring the samples (``rl.proc_pool``: per-sample timeout, crash isolation);
-    0: in the driver, without either."""
     timeout_s: float = 30.0
-    """Wall seconds per sample (per chunk with ``batched``); past it the worker is killed."""
+    """``num_workers`` processes score the samples (``rl.proc_pool``; 0: in the driver, no isolation), a
+    sample (a chunk with ``batched``) past ``timeout_s`` wall seconds is stopped."""
     timeout_score: float = 0.0
-    """The score of a sample whose call timed out (counted in ``reward/timeouts``)."""
     error_score: float = 0.0
-    """The score of a sample whose call raised or crashed its process (counted in ``reward/errors``)."""
+    """The scores of a sample whose call timed out / raised or crashed (``reward/timeouts``, ``reward/errors``)."""
     overlong_buffer: OverlongBufferCfg = field(default_factory=OverlongBufferCfg)
 
 
@@ -391,10 +385,9 @@ def validate(c: RLConfig) -> None:
         raise ValueError(f"algorithm.filter_groups.metric={fg.metric!r}: score or seq_reward")
     if fg.enable and r.n < 2:
         raise ValueError("algorithm.filter_groups.enable: needs rollout.n >= 2 (a group of one is always uniform)")
-    rw = c.reward
-    if rw.num_workers < 0 or rw.timeout_s <= 0:
-        raise ValueError(f"reward.num_workers={rw.num_workers} must be >= 0 and reward.timeout_s={rw.timeout_s} > 0")
-    resolve(fn_path(rw.fn), "reward.fn")
+    if c.reward.num_workers < 0 or c.reward.timeout_s <= 0:
+        raise ValueError(f"reward.num_workers={c.reward.num_workers} must be >= 0, reward.timeout_s > 0")
+    resolve(fn_path(c.reward.fn), "reward.fn")
     if ob.enable and not 0 < ob.len <= r.max_new_tokens:
         raise ValueError(f"reward.overlong_buffer.len={ob.len}: must be in [1, rollout.max_new_tokens="
                          f"{r.max_new_tokens}] when enabled")
