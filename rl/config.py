@@ -15,6 +15,8 @@ from glm5_mcore.checkpoint.layout import serving_dir
 from glm5_mcore.lora.config import check_expert_tp
 from glm5_mcore.training.schema import LoRACfg, ModelCfg, PlanCfg, WandbCfg, build
 from glm5_mcore.training.resume import file_fingerprint, model_fingerprint
+from rl.proc_pool import resolve
+from rl.rewards import fn_path
 
 ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "gae")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -24,9 +26,12 @@ AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-me
 @dataclass
 class DataCfg:
     train: Optional[str] = "toy"
-    """A JSONL file of rows {"prompt": str | "messages": [...], "ground_truth": ..., "data_source": ...},
-    or ``toy`` (the built-in task a tiny random GLM-5 can learn, ``rl.tasks``)."""
+    """A jsonl, parquet or HF ``datasets`` folder with verl's columns (``rl.datasets``), or ``toy`` /
+    ``toy_tool`` (the built-in tasks a tiny random GLM-5 can learn, ``rl.tasks``)."""
     val: Optional[str] = "toy"
+    columns: dict = field(default_factory=dict)
+    """Other column names: field → column, e.g. ``{prompt: question, ground_truth: reward_model.answer}``
+    (fields: prompt, ground_truth, data_source, extra_info; a dotted column reaches into a struct)."""
     prompts_per_step: int = 16
     """verl's ``data.train_batch_size``: prompts per step (each sampled ``rollout.n`` times)."""
     val_prompts: int = 32
@@ -44,8 +49,13 @@ class MultiTurnCfg:
     ``observation_role`` and the episode continues, up to ``max_assistant_turns``."""
     enable: bool = False
     env: str = "rl.envs.toy_lookup_env"
-    """Dotted path: ``env(prompt: str, episode: str) -> str | None`` (the texts decoded with special
-    tokens; None ends the episode)."""
+    """``module.fn`` / ``file.py:fn``: ``env(prompt, episode, **env_kwargs) -> str | None`` (texts decoded with
+    special tokens; None ends the episode); ``rl.code_env.python_tool``: the Python sandbox."""
+    env_kwargs: dict = field(default_factory=dict)  # of env (rl.code_env.python_tool: the sandbox limits)
+    tool_workers: int = 2
+    tool_timeout_s: float = 60.0
+    """``env`` runs in ``tool_workers`` processes per rollout actor (``rl.proc_pool``; 0: in the actor, no
+    timeout); a call past ``tool_timeout_s`` wall seconds is stopped and the observation says so."""
     tool_call_stop_tokens: list = field(default_factory=list)
     """Token ids or token strings (e.g. GLM's ``<|observation|>``) that end a turn with a tool call."""
     max_assistant_turns: int = 2
@@ -92,10 +102,18 @@ class OverlongBufferCfg:
 @dataclass
 class RewardCfg:
     fn: str = "rl.rewards.toy_residue"
-    """Dotted path: ``fn(data_source, solution_str, ground_truth, extra_info) -> float`` (verl's
-    ``compute_score`` signature), or with ``batched`` lists in, a list of floats out."""
+    """Dotted path or verl's ``/path/file.py:compute_score``: ``fn(data_source, solution_str, ground_truth,
+    extra_info) -> float`` (verl's ``compute_score`` signature), or with ``batched`` lists in, a list of
+    floats out; or a built-in name: ``math`` (math-verify), ``exact_match``, ``math_answer``."""
     batched: bool = False
     kwargs: dict = field(default_factory=dict)
+    num_workers: int = 2
+    timeout_s: float = 30.0
+    """``num_workers`` processes score the samples (``rl.proc_pool``; 0: in the driver, no isolation), a
+    sample (a chunk with ``batched``) past ``timeout_s`` wall seconds is stopped."""
+    timeout_score: float = 0.0
+    error_score: float = 0.0
+    """The scores of a sample whose call timed out / raised or crashed (``reward/timeouts``, ``reward/errors``)."""
     overlong_buffer: OverlongBufferCfg = field(default_factory=OverlongBufferCfg)
 
 
@@ -289,7 +307,8 @@ def run_settings(c: RLConfig) -> dict:
     d, t = c.data, c.trainer
     return {
         "data": {"train": file_fingerprint(d.train), "val": file_fingerprint(d.val), "toy_size": d.toy_size,
-                 "prompts_per_step": d.prompts_per_step, "seed": d.seed},
+                 "prompts_per_step": d.prompts_per_step, "seed": d.seed,
+                 **({"columns": dict(d.columns)} if d.columns else {})},  # other columns: other prompts
         "rollout": {"n": c.rollout.n},
         "actor": {"ppo_mini_batch_size": c.actor.ppo_mini_batch_size,
                   **({"mtp": True} if c.actor.mtp_loss_scale > 0 else {})},  # MTP adapters exist or not
@@ -385,17 +404,23 @@ def validate(c: RLConfig) -> None:
         raise ValueError(f"algorithm.filter_groups.metric={fg.metric!r}: score or seq_reward")
     if fg.enable and r.n < 2:
         raise ValueError("algorithm.filter_groups.enable: needs rollout.n >= 2 (a group of one is always uniform)")
+    if c.reward.num_workers < 0 or c.reward.timeout_s <= 0:
+        raise ValueError(f"reward.num_workers={c.reward.num_workers} must be >= 0, reward.timeout_s > 0")
+    resolve(fn_path(c.reward.fn), "reward.fn")
     if ob.enable and not 0 < ob.len <= r.max_new_tokens:
         raise ValueError(f"reward.overlong_buffer.len={ob.len}: must be in [1, rollout.max_new_tokens="
                          f"{r.max_new_tokens}] when enabled")
     _check_importable(r.engine, "rollout.engine")
     mt = r.multi_turn
     if mt.enable:
-        _check_importable(mt.env, "rollout.multi_turn.env")
+        resolve(mt.env, "rollout.multi_turn.env")
         if not mt.tool_call_stop_tokens:
             raise ValueError("rollout.multi_turn.tool_call_stop_tokens: needs at least one token when enabled")
         if mt.max_assistant_turns < 1 or mt.max_tool_response_length < 1:
             raise ValueError("rollout.multi_turn.max_assistant_turns and max_tool_response_length must be >= 1")
+        if mt.tool_workers < 0 or mt.tool_timeout_s <= 0:
+            raise ValueError(f"rollout.multi_turn.tool_workers={mt.tool_workers} must be >= 0 and "
+                             f"tool_timeout_s={mt.tool_timeout_s} > 0")
     if a.router_replay and r.engine.endswith("VLLMRolloutEngine") and not r.engine_kwargs.get("return_routes"):
         raise ValueError("algorithm.router_replay=true with the vLLM engine needs rollout.engine_kwargs.return_routes="
                          "true (vLLM's enable_return_routed_experts)")

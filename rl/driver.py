@@ -24,8 +24,9 @@ from glm5_mcore.training.run_log import RunLogger
 from rl import algos, shaping
 from rl.batch import RolloutBatch
 from rl.config import RLConfig, run_settings
+from rl.episodes import tool_metrics
 from rl.logger import CONSOLE_KEYS
-from rl.rewards import load_fn, score_batch
+from rl.rewards import RewardScorer
 from rl.overlap import StepSource
 from rl.routing import index_metrics, router_metrics
 from rl.rollout.base import Request, SamplingParams, sample_seed
@@ -66,14 +67,30 @@ def fill_log_probs(batch: RolloutBatch, outputs: list[dict]) -> None:
 
 
 class Rewards:
+    """The samples' rewards (``rl.rewards.RewardScorer``); ``metrics`` sums ``reward/timeouts`` and
+    ``reward/errors`` since the last ``take_metrics``, ``events`` names the failed samples."""
+
     def __init__(self, cfg: RLConfig, tokenizer):
-        self.fn, self.name, self.cfg, self.tok = load_fn(cfg.reward.fn), cfg.reward.fn, cfg.reward, tokenizer
+        self.scorer, self.tok = RewardScorer(cfg.reward), tokenizer
+        self.metrics = {"reward/timeouts": 0.0, "reward/errors": 0.0}
+        self.events: list[str] = []
 
     def __call__(self, prompts, results, n: int) -> torch.Tensor:
         rows = [p for p in prompts for _ in range(n)]
         text = [self.tok.decode(r.response_ids, skip_special_tokens=True) for r in results]
-        return torch.tensor(score_batch(self.fn, self.name, self.cfg.batched, [p.data_source for p in rows], text,
-                                        [p.ground_truth for p in rows], [p.extra for p in rows], self.cfg.kwargs))
+        scores, counts, events = self.scorer.score([p.data_source for p in rows], text,
+                                                   [p.ground_truth for p in rows], [p.extra for p in rows])
+        for k, v in counts.items():
+            self.metrics[k] += v
+        self.events += events
+        return torch.tensor(scores)
+
+    def take_metrics(self) -> dict:
+        out, self.metrics = self.metrics, {k: 0.0 for k in self.metrics}
+        return out
+
+    def close(self) -> None:
+        self.scorer.close()
 
 
 def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
@@ -90,10 +107,9 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
     tok = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
     d = cfg.data
     train = load_prompts(d.train, tok, chat_template=d.chat_template, max_tokens=d.max_prompt_tokens,
-                         toy_size=d.toy_size, seed=d.seed)
+                         toy_size=d.toy_size, seed=d.seed, columns=d.columns)
     val = load_prompts(d.val, tok, chat_template=d.chat_template, max_tokens=d.max_prompt_tokens,
-                       toy_size=d.val_prompts, seed=d.seed + 1)[: d.val_prompts]
-    rewards = Rewards(cfg, tok)
+                       toy_size=d.val_prompts, seed=d.seed + 1, columns=d.columns)[: d.val_prompts]
     settings = run_settings(cfg)
     claim_run_dir(cfg.trainer.out, "rl", [cfg.model.hf_dir, cfg.model.ckpt, d.train, d.val])
     if cfg.trainer.resume:  # refuse changed settings before Ray starts
@@ -105,6 +121,7 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
     r = cfg.rollout
     sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens,
                               tuple(r.stop_token_ids if r.stop_token_ids is not None else [tok.eos_token_id]))
+    rewards = Rewards(cfg, tok)  # its worker processes start after every refusal above
     start_ray(cfg.ray.address, cfg.ray.num_cpus)
     trainers, rollouts = TrainerGroup(cfg), RolloutPool(cfg)
     state = (trainers.first("restore", cfg.trainer.out) if cfg.trainer.resume else None) or {
@@ -170,10 +187,12 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
             for why in metrics.pop("skip_reasons", []):
                 log.note(f"step {state['step']}: update skipped ({why})")
             events, rollouts.events = rollouts.events, []  # a gather in flight may add more
+            events, rewards.events = events + rewards.events, []
             for event in events:
                 log.note(f"step {state['step']}: {event}")
             metrics["rollout/actor_restarts"] = float(rollouts.restarts)
             metrics["rollout/samples"] = float(len({(res.round, res.key) for res in got.results}))
+            metrics.update(tool_metrics(got.results))
             gen_tokens = float(batch.response_mask.sum())
             train_tokens = gen_tokens + sum(len(p) for p in batch.prompts)
             timing["timing_s/step"] = time.perf_counter() - t_step
@@ -195,6 +214,7 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
             save()
     finally:
         source.close()
+        rewards.close()
         log.close()
         rollouts.shutdown()
         trainers.shutdown()

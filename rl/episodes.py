@@ -10,6 +10,14 @@ after the prompt: ``response_ids``, ``logprobs`` (0 on observation tokens) and `
 the policy, 0 = observation), so the trainer scores exactly the ids the engine produced and consumed,
 and observation tokens carry no loss, no IcePop weight and no KL (``batch.response_mask``).
 
+The environment runs in ``tool_workers`` worker processes (``rl.proc_pool``) with a wall timeout per call
+(``tool_timeout_s``): a call that hangs, raises or crashes becomes an observation that says so and names
+the env, never an exception in the rollout actor. An observation is cut to ``max_tool_response_length``
+tokens inside its message (the role header and the assistant generation prompt after it are kept), and
+to what the context leaves: prompt + episode + observation + the next turn's ``max_new_tokens`` stay
+within the engine's ``max_positions``; when not even the empty message fits, the episode ends there.
+``Result.tool_stats`` counts calls, errors, timeouts, cut and dropped observations (``tool/*`` metrics).
+
 Randomness: turn t of a request samples with ``sample_seed(request.seed, t, 0, 0)`` (turn 0 uses the
 request's own seed), so a redone episode is the same episode.
 """
@@ -17,18 +25,59 @@ request's own seed), so a redone episode is the same episode.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-from typing import Callable
+from typing import Callable, Optional
 
+from rl.proc_pool import Outcome, ProcessPool, resolve
 from rl.rollout.base import Request, Result, SamplingParams, sample_seed
+
+FIELD = "rollout.multi_turn.env"
+TOOL_STATS = ("calls", "errors", "timeouts", "cut", "dropped")
 
 
 def load_env(path: str) -> Callable:
-    mod, _, name = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(mod), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"rollout.multi_turn.env={path!r}: cannot import ({e})") from None
+    return resolve(path, FIELD)
+
+
+class ToolRunner:
+    """``rollout.multi_turn.env`` over a batch of calls: in ``tool_workers`` processes with
+    ``tool_timeout_s`` per call, or in this process (``tool_workers=0``, or a plain function: no timeout,
+    but a raise is still an observation). ``__call__`` returns (observation text or None, status)."""
+
+    def __init__(self, name: str, pool: Optional[ProcessPool] = None, fn: Optional[Callable] = None,
+                 kwargs: Optional[dict] = None):
+        self.name, self.pool, self.fn, self.kwargs = name, pool, fn, dict(kwargs or {})
+
+    @classmethod
+    def from_config(cls, mt) -> "ToolRunner":
+        if mt.tool_workers:
+            return cls(mt.env, ProcessPool(mt.env, mt.tool_workers, mt.tool_timeout_s, mt.env_kwargs, FIELD))
+        return cls(mt.env, fn=load_env(mt.env), kwargs=mt.env_kwargs)
+
+    def __call__(self, calls: list[tuple[str, str]]) -> list[tuple[Optional[str], str]]:
+        if self.pool is not None:
+            outs = self.pool.map(calls)
+        else:
+            outs = []
+            for args in calls:
+                try:
+                    outs.append(Outcome("ok", self.fn(*args, **self.kwargs)))
+                except Exception as e:  # the env's failure is this call's observation
+                    outs.append(Outcome("error", message=f"{type(e).__name__}: {e}"))
+        res = []
+        for o in outs:
+            if o.ok:
+                res.append((None if o.value is None else str(o.value), "ok"))
+            elif o.status == "timeout":
+                res.append((f"error: the tool ({FIELD}={self.name}) did not return within "
+                            f"{self.pool.timeout_s:g} s; the call was stopped", "timeouts"))
+            else:
+                what = "raised" if o.status == "error" else "crashed:"
+                res.append((f"error: the tool ({FIELD}={self.name}) {what} {o.message}", "errors"))
+        return res
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
 
 
 def tool_token_ids(tokenizer, tokens: list) -> set[int]:
@@ -65,18 +114,41 @@ def observation_ids(tokenizer, text: str, role: str, prev_id: int) -> list[int]:
     return ids
 
 
-def run_episodes(engine, tokenizer, env: Callable, requests: list[Request], params: SamplingParams, mt,
-                 batched: bool = True) -> list[Result]:
-    """Every request as an episode (see the module docstring); results in request order."""
+def fit_observation(tokenizer, text: str, role: str, prev_id: int, budget: int) -> tuple[Optional[list[int]], bool]:
+    """(ids, cut): ``observation_ids`` within ``budget`` tokens, cutting the content and keeping the
+    message's header and the generation prompt after it; (None, True) when not even the empty message
+    fits."""
+    ids = observation_ids(tokenizer, text, role, prev_id)
+    if len(ids) <= budget:
+        return ids, False
+    shell = observation_ids(tokenizer, "", role, prev_id)
+    if len(shell) > budget:
+        return None, True
+    h = 0
+    while h < min(len(ids), len(shell)) and ids[h] == shell[h]:
+        h += 1
+    tail = shell[h:]
+    if ids[len(ids) - len(tail):] != tail:
+        raise ValueError(f"chat template: the {role!r} message's closing ids do not follow its content")
+    return ids[: h + budget - len(shell)] + tail, True
+
+
+def run_episodes(engine, tokenizer, env: Callable | ToolRunner, requests: list[Request], params: SamplingParams,
+                 mt, batched: bool = True) -> list[Result]:
+    """Every request as an episode (see the module docstring); results in request order. ``env``: a
+    ``ToolRunner`` or a plain function (called in this process)."""
+    runner = env if isinstance(env, ToolRunner) else ToolRunner(getattr(env, "__qualname__", str(env)), fn=env)
     tool = tool_token_ids(tokenizer, mt.tool_call_stop_tokens)
     turn_params = dataclasses.replace(params, stop_token_ids=tuple(params.stop_token_ids) + tuple(sorted(tool)))
-    ep = {r.key: {"ids": [], "lps": [], "mask": [], "reason": "length"} for r in requests}
+    context = getattr(engine, "max_positions", None)
+    ep = {r.key: {"ids": [], "lps": [], "mask": [], "reason": "length", "stats": dict.fromkeys(TOOL_STATS, 0)}
+          for r in requests}
     live = list(requests)
     for turn in range(mt.max_assistant_turns):
         reqs = [Request(r.key, list(r.prompt_ids) + ep[r.key]["ids"],
                         r.seed if turn == 0 else sample_seed(r.seed, turn, 0, 0)) for r in live]
         outs = engine.generate(reqs, turn_params, batched)
-        nxt = []
+        calling = []
         for r, out in zip(live, outs):
             e = ep[r.key]
             e["ids"] += out.response_ids
@@ -84,22 +156,41 @@ def run_episodes(engine, tokenizer, env: Callable, requests: list[Request], para
             e["mask"] += [1] * len(out.response_ids)
             e["reason"] = out.finish_reason
             called = out.finish_reason == "stop" and out.response_ids and out.response_ids[-1] in tool
-            if not called or turn == mt.max_assistant_turns - 1:
+            if called and turn < mt.max_assistant_turns - 1:
+                calling.append(r)
+        obs = runner([(tokenizer.decode(r.prompt_ids), tokenizer.decode(ep[r.key]["ids"])) for r in calling])
+        nxt = []
+        for r, (text, status) in zip(calling, obs):
+            e = ep[r.key]
+            e["stats"]["calls"] += 1
+            if status != "ok":
+                e["stats"][status] += 1
+            if text is None:
                 continue
-            obs = env(tokenizer.decode(r.prompt_ids), tokenizer.decode(e["ids"]))
-            if obs is None:
+            budget = mt.max_tool_response_length
+            if context is not None:  # room for the observation and the next turn
+                budget = min(budget, context - len(r.prompt_ids) - len(e["ids"]) - params.max_new_tokens)
+            ids, cut = fit_observation(tokenizer, text, mt.observation_role, e["ids"][-1], budget)
+            e["stats"]["cut"] += int(cut and ids is not None)
+            if ids is None:  # the context is full: the episode ends at this call
+                e["stats"]["dropped"] += 1
                 continue
-            ids = observation_ids(tokenizer, str(obs), mt.observation_role, e["ids"][-1])
-            head = ids[: mt.max_tool_response_length]
-            e["ids"] += head
-            e["lps"] += [0.0] * len(head)
-            e["mask"] += [0] * len(head)
+            e["ids"] += ids
+            e["lps"] += [0.0] * len(ids)
+            e["mask"] += [0] * len(ids)
             nxt.append(r)
         live = nxt
         if not live:
             break
-    return [Result(r.key, ep[r.key]["ids"], ep[r.key]["lps"], ep[r.key]["reason"], mask=ep[r.key]["mask"])
-            for r in requests]
+    return [Result(r.key, ep[r.key]["ids"], ep[r.key]["lps"], ep[r.key]["reason"], mask=ep[r.key]["mask"],
+                   tool_stats=ep[r.key]["stats"]) for r in requests]
+
+
+def tool_metrics(results: list[Result]) -> dict:
+    """``tool/calls``, ``tool/errors``, ``tool/timeouts``, ``tool/cut``, ``tool/dropped`` summed over the
+    batch's episodes (empty when none ran)."""
+    stats = [r.tool_stats for r in results if getattr(r, "tool_stats", None)]
+    return {f"tool/{k}": float(sum(s[k] for s in stats)) for k in TOOL_STATS} if stats else {}
 
 
 def apply_masks(batch, results: list[Result]) -> None:

@@ -169,6 +169,8 @@ class StepSource:
                 break
         prompts, results, raw, shaped, metrics = filt.take()
         metrics.update(shape_m)
+        if hasattr(self.rewards, "take_metrics"):  # rl.driver.Rewards (tests pass a plain function)
+            metrics.update(self.rewards.take_metrics())
         ver = torch.tensor([versions[(r.round, r.key)] for r in results], dtype=torch.float32)
         stale = step - ver
         t0 = time.perf_counter()

@@ -5,34 +5,47 @@ float`` (or a dict with a ``score`` key); with ``reward.batched`` the same argum
 list of floats back. ``score_batch`` turns a bad output (None, NaN/inf, not a number, a list of the
 wrong length) into a ``RewardError`` naming the function.
 
-Built in: ``exact_match``, ``math_answer`` (last ``\\boxed{}`` or last number, compared as numbers
-when both parse, fractions included) and ``toy_residue`` (the toy task of ``rl.tasks``).
+Built in (``reward.fn`` may name them without a module): ``math`` (``math_verify_score``: math-verify,
+as verl's ``math_verify`` scorer; ``\\boxed{}`` and GSM8K ``####`` answers), ``exact_match``,
+``math_answer`` (last ``\\boxed{}`` or last number, compared as numbers when both parse, fractions
+included) and ``toy_residue`` (the toy task of ``rl.tasks``). ``reward.fn`` may also be verl's
+``/path/to/file.py:compute_score``.
+
+``RewardScorer`` runs the function in ``reward.num_workers`` worker processes (``rl.proc_pool``): a sample
+whose call times out (``reward.timeout_s``), raises or kills its process scores ``reward.timeout_score`` /
+``reward.error_score`` and is counted (``reward/timeouts``, ``reward/errors``) and named in the run's log;
+the run goes on. ``reward.num_workers=0`` calls it in the driver (no isolation: a raise stops the run).
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 from fractions import Fraction
 from typing import Any, Callable, Optional
+
+from rl.proc_pool import ProcessPool, resolve
+
+BUILTIN = {"math": "rl.rewards.math_verify_score", "exact_match": "rl.rewards.exact_match",
+           "math_answer": "rl.rewards.math_answer", "toy_residue": "rl.rewards.toy_residue"}
+"""Short names of the built-in rewards (``reward.fn=math``)."""
+MAX_EVENTS = 3
+"""Failed samples named in the log per kind and scoring call (the rest are counted)."""
 
 
 class RewardError(ValueError):
     pass
 
 
+def fn_path(name: str) -> str:
+    return BUILTIN.get(name, name)
+
+
 def load_fn(path: str) -> Callable:
-    mod, _, name = path.rpartition(".")
-    if not mod:
-        raise RewardError(f"reward.fn={path!r}: expected a dotted path module.function")
     try:
-        fn = getattr(importlib.import_module(mod), name)
-    except (ImportError, AttributeError) as e:
-        raise RewardError(f"reward.fn={path!r}: cannot import ({e})") from None
-    if not callable(fn):
-        raise RewardError(f"reward.fn={path!r} is not callable")
-    return fn
+        return resolve(fn_path(path), "reward.fn")
+    except ValueError as e:
+        raise RewardError(str(e)) from None
 
 
 def _as_score(v: Any, name: str, i: int) -> float:
@@ -56,13 +69,7 @@ def score_batch(fn: Callable, name: str, batched: bool, data_sources: list, solu
             out = fn(data_sources, solutions, ground_truths, extras, **kwargs)
         except Exception as e:  # a user's function: name it, not a traceback
             raise RewardError(f"reward function {name} (batched) raised {type(e).__name__}: {e}") from None
-        if not isinstance(out, (list, tuple)) and not hasattr(out, "tolist"):
-            raise RewardError(f"reward function {name} (batched) returned {type(out).__name__}; expected a list")
-        out = list(out.tolist() if hasattr(out, "tolist") else out)
-        if len(out) != len(solutions):
-            raise RewardError(f"reward function {name} (batched) returned {len(out)} scores for "
-                              f"{len(solutions)} samples")
-        return [_as_score(v, name, i) for i, v in enumerate(out)]
+        return [_as_score(v, name, i) for i, v in enumerate(_batched_values(out, name, len(solutions)))]
     scores = []
     for i, (d, s, g, e) in enumerate(zip(data_sources, solutions, ground_truths, extras)):
         try:
@@ -72,6 +79,65 @@ def score_batch(fn: Callable, name: str, batched: bool, data_sources: list, solu
                               f"(data_source {d!r}, response {s[:80]!r})") from None
         scores.append(_as_score(v, name, i))
     return scores
+
+
+class RewardScorer:
+    """``reward.fn`` over samples, in worker processes (see the module docstring)."""
+
+    def __init__(self, cfg):
+        self.cfg, self.name = cfg, cfg.fn
+        self.fn = load_fn(cfg.fn)
+        self.pool = (ProcessPool(fn_path(cfg.fn), cfg.num_workers, cfg.timeout_s, cfg.kwargs, "reward.fn")
+                     if cfg.num_workers else None)
+
+    def score(self, data_sources: list, solutions: list[str], ground_truths: list,
+              extras: list) -> tuple[list[float], dict, list[str]]:
+        """(scores, {"reward/timeouts", "reward/errors"}, events naming the failed samples)."""
+        n, c = len(solutions), self.cfg
+        if self.pool is None:
+            return score_batch(self.fn, self.name, c.batched, data_sources, solutions, ground_truths, extras,
+                               c.kwargs), {"reward/timeouts": 0.0, "reward/errors": 0.0}, []
+        if c.batched:
+            k = max(1, min(c.num_workers, n))
+            chunks = [range(i * n // k, (i + 1) * n // k) for i in range(k)]
+            calls = [tuple([a[j] for j in ch] for a in (data_sources, solutions, ground_truths, extras))
+                     for ch in chunks]
+        else:
+            chunks = [range(i, i + 1) for i in range(n)]
+            calls = list(zip(data_sources, solutions, ground_truths, extras))
+        scores: list[float] = [0.0] * n
+        counts, events = {"timeout": 0, "error": 0}, []
+        for ch, out in zip(chunks, self.pool.map(calls)):
+            if out.ok:
+                vals = _batched_values(out.value, self.name, len(ch)) if c.batched else [out.value]
+                for j, v in zip(ch, vals):
+                    scores[j] = _as_score(v, self.name, j)
+                continue
+            kind = "timeout" if out.status == "timeout" else "error"
+            for j in ch:
+                scores[j] = c.timeout_score if kind == "timeout" else c.error_score
+                counts[kind] += 1
+                if counts[kind] <= MAX_EVENTS:
+                    what = {"timeout": "timed out", "error": "raised", "crash": "crashed"}[out.status]
+                    events.append(f"reward: {self.name} {what} on sample {j} (data_source {data_sources[j]!r}): "
+                                  f"{out.message}; scored {scores[j]:g}")
+        for kind in counts:
+            if counts[kind] > MAX_EVENTS:
+                events.append(f"reward: {counts[kind] - MAX_EVENTS} more samples with a {kind}")
+        return scores, {"reward/timeouts": float(counts["timeout"]), "reward/errors": float(counts["error"])}, events
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+
+def _batched_values(out: Any, name: str, n: int) -> list:
+    if not isinstance(out, (list, tuple)) and not hasattr(out, "tolist"):
+        raise RewardError(f"reward function {name} (batched) returned {type(out).__name__}; expected a list")
+    out = list(out.tolist() if hasattr(out, "tolist") else out)
+    if len(out) != n:
+        raise RewardError(f"reward function {name} (batched) returned {len(out)} scores for {n} samples")
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -132,3 +198,26 @@ def toy_residue(data_source, solution_str: str, ground_truth, extra_info=None) -
     if not words or not re.fullmatch(r"w\d+", words[0]):
         return 0.0
     return float(int(words[0][1:]) % m == int(ground_truth))
+
+
+GSM8K_ANSWER = re.compile(r"####\s*(-?[0-9.,]+)")
+
+
+def math_verify_score(data_source, solution_str: str, ground_truth, extra_info=None) -> float:
+    """1.0 when math-verify finds the response's answer equal to the ground truth, else 0.0: the
+    extraction and comparison of verl's ``verl.utils.reward_score.math_verify`` (gold as ``\\boxed{gt}``
+    through LaTeX extraction; the response through expression then LaTeX extraction; any gold/pred pair
+    verifying), run in this process (signal-based timeouts need the main thread: ``rl.proc_pool`` gives
+    every worker one). A GSM8K ground truth ``"... #### 72"`` is cut to its final number first."""
+    from math_verify.grader import verify
+    from math_verify.parser import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    gt = str(ground_truth)
+    m = GSM8K_ANSWER.findall(gt)
+    if m:
+        gt = m[-1].replace(",", "").rstrip(".")
+    gold = parse("\\boxed{" + gt + "}", (LatexExtractionConfig(),))
+    pred = parse(solution_str, (ExprExtractionConfig(), LatexExtractionConfig()))
+    if not gold or not pred:
+        return 0.0
+    return max(1.0 if any(verify(g, p) for g in gold) else 0.0 for p in pred)

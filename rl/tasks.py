@@ -1,4 +1,4 @@
-"""Prompt sets for RL: a JSONL file, or the built-in toy task.
+"""Prompt sets for RL: a jsonl / parquet / HF datasets folder (``rl.datasets``), or the built-in toy task.
 
 The toy task (``data.train=toy``) is one a tiny random GLM-5 can learn on CPU in minutes and whose
 right answer depends on the prompt: the prompt is three random words ``w{b} w{c} w{a}``; a response
@@ -17,13 +17,9 @@ from typing import Any, Optional
 import torch
 
 from glm5_mcore.data.order import epoch_order
-from glm5_mcore.data.jsonl import decode_json_line
+from rl.datasets import PromptDataError, iter_rows, render_prompt, row_fields
 
 TOY_SOURCE = "glm5_toy_residue"
-
-
-class PromptDataError(ValueError):
-    """A bad prompt row; the message names file:line and the field."""
 
 
 @dataclass
@@ -54,55 +50,35 @@ def toy_prompts(tokenizer, size: int, seed: int, modulus: int = 2, keys: int = 8
     return out
 
 
-def read_prompts(path: str | Path, tokenizer, chat_template: bool, max_tokens: int) -> list[Prompt]:
-    """Rows ``{"prompt": str}`` or ``{"messages": [...]}`` plus optional ``ground_truth`` (or
-    ``answer``), ``data_source`` and ``extra_info``; errors name file:line and the field."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: prompt file not found")
+def read_prompts(path: str | Path, tokenizer, chat_template: bool, max_tokens: int,
+                 columns: Optional[dict] = None) -> list[Prompt]:
+    """The rows of a jsonl / parquet / HF ``datasets`` folder (``rl.datasets``: verl's columns as they are,
+    ``columns`` for other names); errors name the file, row and column."""
     out = []
-    with path.open("rb") as f:
-        for n, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{n}"
-            row = decode_json_line(raw, where, PromptDataError)
-            if not isinstance(row, dict):
-                raise PromptDataError(f"{where}: expected a JSON object")
-            if "messages" in row:
-                msgs = row["messages"]
-                if not isinstance(msgs, list) or not all(isinstance(m, dict) and "content" in m for m in msgs):
-                    raise PromptDataError(f"{where}: field 'messages' must be a list of {{role, content}}")
-                text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            elif isinstance(row.get("prompt"), str):
-                text = row["prompt"]
-                if chat_template:
-                    text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                         add_generation_prompt=True)
-            else:
-                raise PromptDataError(f"{where}: needs a string field 'prompt' or a list 'messages'")
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            if not ids:
-                raise PromptDataError(f"{where}: the prompt tokenizes to nothing")
-            if len(ids) > max_tokens:
-                raise PromptDataError(f"{where}: prompt has {len(ids)} tokens > data.max_prompt_tokens={max_tokens}")
-            extra = row.get("extra_info") or {}
-            out.append(Prompt(len(out), ids, text, row.get("ground_truth", row.get("answer")),
-                              str(row.get("data_source", path.stem)), extra))
+    for where, row in iter_rows(path):
+        f = row_fields(row, where, columns or {})
+        text = render_prompt(tokenizer, f["prompt"], chat_template, where)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise PromptDataError(f"{where}: the prompt tokenizes to nothing")
+        if len(ids) > max_tokens:
+            raise PromptDataError(f"{where}: prompt has {len(ids)} tokens > data.max_prompt_tokens={max_tokens}")
+        out.append(Prompt(len(out), ids, text, f["ground_truth"], str(f["data_source"] or Path(path).stem),
+                          f["extra_info"]))
     if not out:
         raise PromptDataError(f"{path}: no prompts")
     return out
 
 
 def load_prompts(spec: Optional[str], tokenizer, *, chat_template: bool, max_tokens: int, toy_size: int,
-                 seed: int) -> list[Prompt]:
+                 seed: int, columns: Optional[dict] = None) -> list[Prompt]:
     if spec is None:
         return []
     if spec == "toy":
         return toy_prompts(tokenizer, toy_size, seed)
     if spec == "toy_tool":
         return toy_tool_prompts(tokenizer, toy_size, seed)
-    return read_prompts(spec, tokenizer, chat_template, max_tokens)
+    return read_prompts(spec, tokenizer, chat_template, max_tokens, columns)
 
 
 def next_prompts(prompts: list[Prompt], count: int, seed: int, pos: dict) -> list[Prompt]:

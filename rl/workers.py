@@ -116,10 +116,10 @@ class RolloutActor:
         if self.multi_turn is not None:
             from transformers import AutoTokenizer
 
-            from rl.episodes import load_env
+            from rl.episodes import ToolRunner
 
             self.tok = AutoTokenizer.from_pretrained(hf_dir)
-            self.env = load_env(multi_turn.env)
+            self.env = ToolRunner.from_config(multi_turn)
 
     def load_adapter(self, payload: Optional[AdapterPayload]) -> bool:
         self.engine.load_adapter(payload)

@@ -45,6 +45,8 @@ class Result:
     (every token it processed; ``rl.routing``), or None when the engine does not report them."""
     index_topk: Optional[tuple] = None
     """DSA: (positions int32 [m], selected keys int32 [m, indexer_layers, index_topk]) of sampled query rows."""
+    tool_stats: Optional[dict] = None
+    """Tool episodes: counts of calls, errors, timeouts, cut and dropped observations (``rl.episodes``)."""
 
 
 @dataclass

@@ -1,0 +1,108 @@
+"""Reward throughput and sandbox cost (issue 31), measured side by side in one run.
+
+1. ``reward.fn=math`` (math-verify) on a batch of ``--samples`` generated answer strings (``\\boxed{}`` and
+   GSM8K ``####`` forms, right and wrong): samples/s scored in the driver (``reward.num_workers=0``, this
+   thread) vs in the process pool (``--workers`` processes, ``rl.proc_pool``; started and warmed before
+   timing), the same strings in ABAB order, best of ``--repeats``; the pool's scores must equal the
+   driver's. Target: the pool at least as fast as the driver with >= 2 free cores (it buys isolation
+   and signal timeouts at no cost); on a loaded machine the ratio says what the cores allowed.
+2. The sandbox (``rl.sandbox.run_python``): median and p90 ms of ``--calls`` calls of ``print(1)``, and of
+   the code tool end to end (``rl.code_env.python_tool``: parse the GLM-5 tool call, run, describe).
+
+Usage: .venv/bin/python bench/rl_tasks.py [--samples 1000] [--workers 2] [--repeats 2] [--calls 20]
+Ends with one JSON line of figures and targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def answer_strings(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    """(response, ground truth) pairs: boxed / #### / prose answers, ~half right."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        gt = rng.choice([str(rng.randint(-50, 500)), f"\\frac{{{rng.randint(1, 9)}}}{{{rng.randint(2, 9)}}}",
+                         f"{rng.randint(0, 99)}.5"])
+        pred = gt if rng.random() < 0.5 else str(rng.randint(-50, 500))
+        form = i % 4
+        text = [f"Step by step ... so the answer is \\boxed{{{pred}}}.", f"We compute it.\n#### {pred}",
+                f"The final answer is ${pred}$", f"First 3, then 4, finally {pred}"][form]
+        out.append((text, gt))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--samples", type=int, default=1000)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--calls", type=int, default=20)
+    a = p.parse_args()
+
+    from rl.code_env import python_tool
+    from rl.config import RewardCfg
+    from rl.rewards import RewardScorer
+    from rl.sandbox import namespace_prefix, run_python
+
+    pairs = answer_strings(a.samples)
+    args = (["openai/gsm8k"] * len(pairs), [s for s, _ in pairs], [g for _, g in pairs], [{}] * len(pairs))
+    inline = RewardScorer(RewardCfg(fn="math", num_workers=0))
+    pool = RewardScorer(RewardCfg(fn="math", num_workers=a.workers, timeout_s=60))
+    inline.score(*(x[:20] for x in args))  # imports math-verify here
+    pool.score(*(x[:4 * a.workers] for x in args))  # every worker started and warm
+    times = {"inline": [], "pool": []}
+    scores = {}
+    load0 = os.getloadavg()
+    try:
+        for _ in range(a.repeats):
+            for name, sc in (("inline", inline), ("pool", pool)):
+                t0 = time.perf_counter()
+                scores[name], counts, _ = sc.score(*args)
+                times[name].append(time.perf_counter() - t0)
+    finally:
+        pool.close()
+    load1 = os.getloadavg()
+    assert scores["pool"] == scores["inline"], "the pool scored differently from the driver"
+    rate = {k: len(pairs) / min(v) for k, v in times.items()}
+    ratio = rate["pool"] / rate["inline"]
+    print(f"reward.fn=math on {len(pairs)} samples ({sum(scores['pool']):.0f} right), best of {a.repeats}, "
+          f"{os.cpu_count()} cores, load {load0[0]:.2f} -> {load1[0]:.2f}:")
+    print(f"  in the driver      {rate['inline']:8.1f} samples/s")
+    print(f"  pool of {a.workers} workers  {rate['pool']:8.1f} samples/s  ({ratio:.2f}x)")
+
+    call = "<tool_call>python<arg_key>code</arg_key><arg_value>print(sum(range(10)))</arg_value></tool_call>"
+    raw, tool = [], []
+    for _ in range(a.calls):
+        t0 = time.perf_counter()
+        r = run_python("print(1)")
+        raw.append((time.perf_counter() - t0) * 1e3)
+        assert r.status == "ok" and r.stdout == "1\n", r
+        t0 = time.perf_counter()
+        assert python_tool("", call) == "45"
+        tool.append((time.perf_counter() - t0) * 1e3)
+    q = lambda v, f: sorted(v)[min(len(v) - 1, int(f * len(v)))]  # noqa: E731
+    ns = "namespaces" if namespace_prefix() else "no namespaces (network not isolated)"
+    print(f"sandbox ({ns}), {a.calls} calls: run_python median {statistics.median(raw):.0f} ms "
+          f"(p90 {q(raw, 0.9):.0f}); code tool median {statistics.median(tool):.0f} ms (p90 {q(tool, 0.9):.0f})")
+    print(json.dumps({
+        "reward_samples": len(pairs), "reward_inline_samples_per_s": round(rate["inline"], 1),
+        "reward_pool_samples_per_s": round(rate["pool"], 1), "reward_pool_workers": a.workers,
+        "reward_pool_vs_inline": round(ratio, 3), "sandbox_call_median_ms": round(statistics.median(raw), 1),
+        "sandbox_call_p90_ms": round(q(raw, 0.9), 1), "code_tool_call_median_ms": round(statistics.median(tool), 1),
+        "sandbox_namespaces": bool(namespace_prefix()), "cores": os.cpu_count(),
+        "loadavg": [round(load0[0], 2), round(load1[0], 2)],
+        "targets": {"reward_pool_vs_inline_ge": 1.0, "sandbox_call_median_ms_le": 500},
+        "pass": ratio >= 1.0 and statistics.median(raw) <= 500}))
+
+
+if __name__ == "__main__":
+    main()
