@@ -33,6 +33,7 @@ from glm5_mcore.device import training_device
 from rl.algos import ActorLoss
 from rl.batch import RolloutBatch
 from rl.config import RLConfig
+from rl.offload import TrainerOffload
 
 
 class ValueHead(torch.nn.Module):
@@ -175,6 +176,8 @@ class PolicyTrainer:
             lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
             adam_beta2=a.adam_beta2, decay_style="constant"), t.steps, bf16=t.bf16)
         self.loss = ActorLoss(cfg)
+        co = cfg.rollout.colocate
+        self.offloader = TrainerOffload(self.ddp, self.opt, model, co.offload_weights) if co.enable else None
 
     # ------------------------------------------------------------------ helpers
     def _capture_hidden(self, _mod, args):
@@ -400,6 +403,15 @@ class PolicyTrainer:
         if flag[1]:
             return False, "non-finite gradient"
         return True, ""
+
+    # ------------------------------------------------------------------ colocation (rl.colocate)
+    def offload_memory(self) -> dict:
+        """Hand what only the passes need to host memory for the colocated engine's generation phase
+        (``rl.offload``)."""
+        return self.offloader.offload()
+
+    def restore_memory(self) -> dict:
+        return self.offloader.restore()
 
     # ------------------------------------------------------------------ weights, checkpoints
     def export_adapter(self, version: int, include_mtp: Optional[bool] = None):

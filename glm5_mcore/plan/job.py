@@ -32,6 +32,10 @@ class RolloutJob:
     response_tokens: int
     gpus_per_engine: float = 0.0
     """What Ray reserves per engine actor (``rollout.gpus_per_actor``)."""
+    colocate: bool = False
+    """The engines time-share the trainer's GPUs (``rollout.colocate.enable``): no GPUs of their own."""
+    offload_weights: bool = False
+    sleep_level: int = 1
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,9 @@ class Job:
 
     @property
     def rollout_gpus(self) -> int:
-        return self.rollout.engines * self.rollout.engine.gpus if self.rollout else 0
+        if not self.rollout or self.rollout.colocate:
+            return 0
+        return self.rollout.engines * self.rollout.engine.gpus
 
 
 def sft_job(d: dict, world: int) -> Job:
@@ -94,11 +100,16 @@ def rl_job(d: dict) -> Job:
     layout = Layout(world=int(t.get("world_size", 1)), tp=int(t.get("tp", 1)), ep=int(t.get("ep", 1)),
                     cp=int(t.get("cp", 1)))
     lora = d.get("lora") or {}
-    engine = EngineSpec.from_engine_kwargs(dict(r.get("engine_kwargs") or {}))
+    kw = dict(r.get("engine_kwargs") or {})
+    engine = EngineSpec.from_engine_kwargs(kw)
+    co = r.get("colocate") or {}
+    level = co.get("sleep_level")
     ro = RolloutJob(engines=int(r.get("num_actors", 1)), engine=engine, n=int(r.get("n", 8)),
                     prompt_tokens=int(data.get("max_prompt_tokens", 512)),
                     response_tokens=int(r.get("max_new_tokens", 8)),
-                    gpus_per_engine=float(r.get("gpus_per_actor", 0.0)))
+                    gpus_per_engine=float(r.get("gpus_per_actor", 0.0)), colocate=bool(co.get("enable", False)),
+                    offload_weights=bool(co.get("offload_weights", False)),
+                    sleep_level=int(level) if level is not None else (2 if kw.get("merge") else 1))
     return Job(kind="rl", layout=layout, micro_batch_tokens=int(a.get("micro_batch_tokens", 4096)),
                bf16=bool(t.get("bf16", False)), lora=(tuple(lora.get("targets", DEFAULT_TARGETS)), int(lora.get("rank", 16))),
                freeze_indexer=bool(t.get("freeze_indexer", True)),

@@ -227,7 +227,8 @@ class VLLMRolloutEngine(RolloutEngine):
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, merge: bool = False, max_lora_rank: int = 64,
                  dtype: str = "bfloat16", gpu_memory_utilization: float = 0.8, tensor_parallel_size: int = 1,
                  vllm_python: Optional[str] = None, dense_mla: bool = False, device: Optional[str] = None,
-                 push_bytes: int = 2 << 30, return_routes: bool = False, mtp_draft_tokens: int = 0, **kwargs):
+                 push_bytes: int = 2 << 30, return_routes: bool = False, mtp_draft_tokens: int = 0,
+                 sleep_mode: bool = False, **kwargs):
         super().__init__(hf_dir, deterministic_topk)
         config = json.loads((Path(hf_dir) / "config.json").read_text())
         if dense_mla:
@@ -247,11 +248,15 @@ class VLLMRolloutEngine(RolloutEngine):
         self.device = device
         self.lora: Optional[tuple] = None
         self._pushed: set[str] = set()
+        self.sleep_mode = sleep_mode and device != "cpu"  # cpu_compat.VLLM_CPU_NO_SLEEP
+        self._discarded = False  # a level-2 sleep: the next push brings every weight back
         env: dict = {}
         llm = dict(model=str(hf_dir), dtype=dtype, enable_lora=not merge, tensor_parallel_size=tensor_parallel_size,
                    logprobs_mode="processed_logprobs", enable_prefix_caching=False)
         if return_routes:
             llm.update(enable_return_routed_experts=True, enable_prefix_caching=True)
+        if self.sleep_mode:  # colocated with the trainer (rl.colocate)
+            llm["enable_sleep_mode"] = True
         if not merge:
             llm["max_lora_rank"] = max_lora_rank
         if device == "cpu":
@@ -277,7 +282,45 @@ class VLLMRolloutEngine(RolloutEngine):
             self.server = _LocalServer(Server(llm, dense_mla=dense_mla))
         self._dir = tempfile.mkdtemp(prefix="glm5_vllm_")  # adapters and merged files, this engine's own
 
+    # ------------------------------------------------------------------ colocation (rl.colocate)
+    def sleep(self, level: int) -> str:
+        """vLLM's ``LLM.sleep(level)``: 1 = weights to host memory, KV cache dropped; 2 = both dropped, so
+        the next ``load_adapter`` pushes every weight (base or merged) back. A logged no-op on vLLM-CPU."""
+        from rl.rollout.base import check_sleep_level
+
+        check_sleep_level(level)
+        if level == 2:
+            self._discarded = True
+        if not self.sleep_mode:
+            from glm5_mcore.cpu_compat import VLLM_CPU_NO_SLEEP
+
+            return f"VLLMRolloutEngine.sleep(level={level}): no-op ({VLLM_CPU_NO_SLEEP})"
+        self.server.call("sleep", level)
+        return f"VLLMRolloutEngine.sleep(level={level})"
+
+    def wake_up(self, tags: tuple = ("weights", "kv_cache")) -> str:
+        from rl.rollout.base import check_wake_tags
+
+        check_wake_tags(tags)
+        if not self.sleep_mode:
+            return f"VLLMRolloutEngine.wake_up(tags={list(tags)}): no-op (vLLM-CPU has no sleep mode)"
+        self.server.call("wake_up", list(tags))
+        return f"VLLMRolloutEngine.wake_up(tags={list(tags)})"
+
+    def _all_weights(self) -> tuple:
+        """Every HF tensor the served model loads (after a level-2 sleep all of them come back)."""
+        from glm5_mcore.checkpoint.hf_io import HFCheckpoint
+
+        return tuple(h for h in HFCheckpoint(self.hf_dir).keys()
+                     if not h.endswith("_scale_inv") and (self.drafts or not is_mtp_tensor(h, self.num_hidden_layers)))
+
+    # ------------------------------------------------------------------ weights
     def load_adapter(self, payload: Optional[AdapterPayload]) -> None:
+        if self._discarded:  # level-2 sleep: the base of every tensor first, then this push as usual
+            self._discarded = False
+            self._pushed = set(self._all_weights())
+            if not self.merge:  # a LoRARequest serves on the base: reload it (merged: the push below does)
+                self._push({})
         if payload is None or not payload.files:
             self.lora = None
             if self._pushed:

@@ -190,6 +190,13 @@ class Server:
                 out["accepted_tokens"] = int(m.value)
         return out
 
+    def sleep(self, level: int) -> None:
+        """``LLM.sleep(level)`` (the engine started with ``enable_sleep_mode``): colocated runs."""
+        self.llm.sleep(level=level)
+
+    def wake_up(self, tags: list) -> None:
+        self.llm.wake_up(tags=list(tags))
+
     def ping(self) -> str:
         import vllm
 
