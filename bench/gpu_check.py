@@ -16,7 +16,7 @@ then the bf16 log-prob figure and what only NCCL can show).
 
 Without CUDA the checks run on the CPU, where 1-3 are vacuous (everything is on the CPU): the JSON says
 so (``"device": "cpu"``). ``--stand-in`` runs them on the test suite's stand-in accelerator
-(``tests/fake_device.py``: tensors on ``meta`` with CPU values), which does catch device bugs on CPU.
+(``tests/support/fake_device.py``: tensors on ``meta`` with CPU values), which does catch device bugs on CPU.
 
 Usage: .venv/bin/python bench/gpu_check.py [--hf-dir DIR] [--stand-in]
        torchrun --nproc_per_node 2 bench/gpu_check.py          (2 GPUs: DP 2 and the NCCL-only check)
@@ -165,7 +165,7 @@ def main() -> None:
         # 4. bf16 log-probs: fp32 output layer vs bf16 logits, against a float64 projection
         with _check(checks, "4_bf16_logprobs") as c:
             if not bf16:
-                c.update(ok=True, skipped="bf16 needs CUDA here (tests/test_bf16_logprobs.py covers it on CPU)")
+                c.update(ok=True, skipped="bf16 needs CUDA here (tests/model/test_bf16_logprobs.py covers it on CPU)")
             else:
                 from glm5_mcore.model.mtp_loss import fp32_output_layer, token_logprobs
 

@@ -1,5 +1,5 @@
 """Device bugs caught on CPU: the model, the SFT and RL data paths and their losses run on a stand-in
-accelerator (``tests/fake_device.py``: tensors on ``meta`` holding CPU values), where a tensor made
+accelerator (``tests/support/fake_device.py``: tensors on ``meta`` holding CPU values), where a tensor made
 on the CPU inside them fails as it would on CUDA; collectives must get training-device tensors."""
 
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fake_device import fake_device, host
+from tests.support.fake_device import fake_device, host
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.lora.apply import FAMILIES, LoRAConfig
@@ -127,9 +127,9 @@ def test_collectives_of_sft_rl_and_parity_get_training_device_tensors(tiny_dir, 
                                 "response": f"w{i} w{i + 1} w{i + 2}"}) + "\n")
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent))
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(Path(__file__).parent / "device_collectives_check.py"), tiny_dir, str(data), str(tmp_path / "sft")]
+           str(Path(__file__).resolve().parent / "workers" / "device_collectives_check.py"), tiny_dir, str(data), str(tmp_path / "sft")]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
