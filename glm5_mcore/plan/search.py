@@ -97,7 +97,7 @@ class RLLayout:
 def search_rl(m: GLM5Config, job: Job, cluster: Cluster, limit: int = 8) -> list[RLLayout]:
     """Feasible RL layouts on ``cluster`` (at most its GPUs), colocated and separate, fewest GPUs first
     (then colocated before separate, then the emptiest fullest GPU, then the fewest bytes offloaded). Separate: a trainer layout of
-    ``search_layouts`` plus ``job.rollout.engines`` of the smallest engine that fits; colocated: a trainer
+    ``search_layouts`` plus one smallest engine that fits; colocated: a trainer
     layout whose ranks also hold a sleeping engine, tiled by the engine (``plan.colocate``) that fits
     the generation phase beside what the trainer keeps resident."""
     ro = job.rollout
@@ -107,9 +107,9 @@ def search_rl(m: GLM5Config, job: Job, cluster: Cluster, limit: int = 8) -> list
     engine = smallest_engine(m, cluster, ro.n, ro.prompt_tokens, ro.response_tokens, ro.engine)
     if engine is not None:
         for p in search_layouts(m, job, cluster, limit=limit):
-            gpus = p.job.layout.world + ro.engines * engine.spec.gpus
+            gpus = p.job.layout.world + engine.spec.gpus  # one engine: the fewest GPUs (more: throughput)
             used = engine.weights + ACTIVATION_RESERVE + engine.kv_budget
-            found.append(RLLayout("separate", p, engine.spec, ro.engines, gpus, max(p.worst.total, used)))
+            found.append(RLLayout("separate", p, engine.spec, 1, gpus, max(p.worst.total, used)))
     step = cluster.gpus_per_node
     big = Cluster(cluster.gpu, cluster.gpu_mem_gib, nodes=10 ** 6, gpus_per_node=step, reserve_gib=cluster.reserve_gib)
     colocated = 0
