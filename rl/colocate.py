@@ -72,8 +72,9 @@ class Colocation:
             self._call("engines.wake_up(weights)", lambda: self.rollouts.wake_up(("weights",)))
             if self.pending is not None:
                 payload, = self.pending
-                self._call("engines.push", lambda: self.rollouts.sync(payload) or
-                           {"version": getattr(payload, "version", None), "bytes": getattr(payload, "nbytes", 0)})
+                self._call("engines.push", lambda: {"version": getattr(payload, "version", None),
+                                                    "bytes": getattr(payload, "nbytes", 0),
+                                                    "engines": self.rollouts.sync(payload)})
                 self.pending = None
             self._call("engines.wake_up(kv_cache)", lambda: self.rollouts.wake_up(("kv_cache",)))
             t0 = time.perf_counter()

@@ -110,6 +110,7 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
     rollouts = RolloutPool(cfg, trainers.pg if r.colocate.enable else None)
     coloc = Colocation(cfg, trainers, rollouts) if r.colocate.enable else None
     phase = coloc.phase if coloc is not None else (lambda what="generate": nullcontext())  # rl.colocate
+    placement = {"trainer": trainers.nodes(), "engines": rollouts.nodes()}  # Ray node ids, rank / actor order
     state = (trainers.first("restore", cfg.trainer.out) if cfg.trainer.resume else None) or {
         "step": 0, "epoch": 0, "cursor": 0, "kl_coef": cfg.algorithm.kl_ctrl.kl_coef}
     state["settings"] = settings
@@ -200,4 +201,4 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
         rollouts.shutdown()
         trainers.shutdown()
     return {"history": log.history, "val": vals, "state": state,
-            "colocate": coloc.trace if coloc is not None else None}
+            "colocate": coloc.trace if coloc is not None else None, "placement": placement}

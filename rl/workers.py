@@ -132,9 +132,9 @@ class RolloutActor:
             self.tok = AutoTokenizer.from_pretrained(hf_dir)
             self.env = load_env(multi_turn.env)
 
-    def load_adapter(self, payload: Optional[AdapterPayload]) -> bool:
+    def load_adapter(self, payload: Optional[AdapterPayload]) -> dict:
         self.engine.load_adapter(payload)
-        return True
+        return self.engine.last_push()
 
     def sleep(self, level: int) -> str:
         return self.engine.sleep(level)
@@ -184,6 +184,7 @@ class RolloutPool:
             f = r.colocate.engine_fraction
             if r.engine.endswith("VLLMRolloutEngine"):
                 kwargs.setdefault("sleep_mode", True)
+                kwargs.setdefault("weight_transport", "handles")  # same GPU: CUDA IPC, no file (rl.weight_sync)
             opts = dict(num_cpus=f, num_gpus=t.gpus_per_rank * f, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=i * (t.world_size // r.num_actors)))
         else:
@@ -203,16 +204,17 @@ class RolloutPool:
     def nodes(self) -> list[str]:
         return [n for _, n in self._each(lambda a: a.node_id.remote())]
 
-    def sync(self, payload: Optional[AdapterPayload], wait: bool = True) -> None:
+    def sync(self, payload: Optional[AdapterPayload], wait: bool = True) -> list:
         """Push the adapter to every actor (kept for actors started later). ``wait=False`` queues the load
         behind each actor's in-flight generation (actor calls run in order) and returns at once: the
-        one-step-off-policy path, where the engines are still generating with the previous adapter."""
+        one-step-off-policy path, where the engines are still generating with the previous adapter.
+        Returns what each engine reported of the push (``RolloutEngine.last_push``; [] without waiting)."""
         self.payload = payload
         data = ray.put(payload) if len(self.actors) > 1 else payload  # one copy in the object store
         if wait:
-            self._each(lambda a: a.load_adapter.remote(data))
-        else:
-            self.loading = [a.load_adapter.remote(data) for a in self.actors]
+            return [got for _, got in self._each(lambda a: a.load_adapter.remote(data))]
+        self.loading = [a.load_adapter.remote(data) for a in self.actors]
+        return []
 
     def _each(self, fn):
         out = []

@@ -96,6 +96,10 @@ class RolloutEngine(ABC):
     def load_adapter(self, payload: Optional[AdapterPayload]) -> None:
         ...
 
+    def last_push(self) -> dict:
+        """How the last ``load_adapter`` reached the engine ({} when there is nothing to say)."""
+        return {}
+
     def sleep(self, level: int) -> str:
         """Free this engine's accelerator memory until ``wake_up``; returns a one-line account."""
         check_sleep_level(level)

