@@ -89,3 +89,17 @@ def test_colocated_plan_names_what_does_not_fit():
     text = " | ".join(plan.problems)
     assert "must tile the trainer's 32 GPUs" in text
     assert "colocated generation phase needs" in text and "offload_weights=true" in text
+
+
+def test_gate_refuses_a_colocated_layout_and_names_the_fewest_that_fit():
+    from glm5_mcore.config import glm5_744b
+    from glm5_mcore.plan.cluster import cluster_from
+    from glm5_mcore.plan.gate import check_job
+    from glm5_mcore.plan.job import rl_job
+
+    d = _compose("rl/glm5_744b_h100_colocate", "rollout.colocate.offload_weights=false")
+    with pytest.raises(ValueError) as e:
+        check_job(glm5_744b(), rl_job(d), cluster_from("h100:4"))
+    msg = str(e.value)
+    assert "colocated generation phase needs" in msg and "fewest GPUs that fit on this cluster:" in msg
+    assert "32 GPUs  colocated" in msg and "offload weights" in msg
