@@ -324,8 +324,17 @@ class VLLMRolloutEngine(RolloutEngine):
         """Every HF tensor the served model loads (after a level-2 sleep all of them come back)."""
         from glm5_mcore.checkpoint.hf_io import HFCheckpoint
 
-        return tuple(h for h in HFCheckpoint(self.hf_dir).keys()
-                     if not h.endswith("_scale_inv") and (self.drafts or not is_mtp_tensor(h, self.num_hidden_layers)))
+        out = []
+        for h in HFCheckpoint(self.hf_dir).keys():
+            if h.endswith("_scale_inv") or (not self.drafts and is_mtp_tensor(h, self.num_hidden_layers)):
+                continue
+            fused = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", h)
+            if fused:  # transformers' fused expert tensors: the per-expert names vLLM's loader takes
+                kinds = ("down_proj",) if fused.group(2) == "down_proj" else ("gate_proj", "up_proj")
+                out += [f"{fused.group(1)}.{e}.{k}.weight" for e in range(self.n_experts) for k in kinds]
+            else:
+                out.append(h)
+        return tuple(out)
 
     # ------------------------------------------------------------------ weights
     def load_adapter(self, payload: Optional[AdapterPayload]) -> None:
