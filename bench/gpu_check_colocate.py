@@ -140,7 +140,7 @@ def stage(ctx: dict) -> dict:
             during = device_memory()
         t_gen = time.perf_counter() - t0
         batch = make_batch(prompts, results, 2)
-        batch.scores = torch.tensor([float(len(r.response_ids) % 2) for r in results])
+        batch.scores = torch.tensor([float(r.response_ids[0] % 2) for r in results])  # a GRPO signal
         fill_log_probs(batch, [trainer.compute_log_probs(batch)])
         algos.rollout_correction(cfg, batch)
         algos.compute_advantages(cfg, batch, 0.0)
