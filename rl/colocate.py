@@ -2,7 +2,8 @@
 
 The engines' actors sit in the trainer's placement-group bundles (``rl.workers``, Ray's fractional
 resources), vLLM is started with sleep mode, and every generation phase of the driver
-(``rl.driver.run``: a step's samples, and held-out evaluation) runs this sequence, top to bottom:
+(``rl.driver.run``: a step's samples, and held-out evaluation) runs this sequence, top to bottom (after
+``Colocation.start``: the engines started on memory the trainer lent out, then put to sleep):
 
 1. the trainer offloads what only its passes need: gradient buffers, optimizer state, and the frozen
    base weights where ``rollout.colocate.offload_weights`` says (``rl.offload``, Megatron-Core's own
@@ -50,6 +51,26 @@ class Colocation:
         self.pending: Optional[tuple] = None
         self.trace: list[dict] = []
         self.phases = 0
+
+    @classmethod
+    def start(cls, cfg, trainers, make_pool, note=None) -> "Colocation":
+        """Start the engines (``make_pool()``: a ``RolloutPool`` in the trainer's bundles) on GPUs the trainer
+        has lent out (vLLM sizes its KV cache from the free memory it finds), then put them to sleep: the
+        trace's phase -1. verl and slime start theirs the same way."""
+        self = cls(cfg, trainers, None, note)
+        self.phases = -1
+        self._call("trainer.offload_memory", lambda: trainers.call("offload_memory"))
+        def start_pool() -> dict:
+            self.rollouts = make_pool()
+            return {"nodes": self.rollouts.nodes()}  # answered once every engine's constructor has run
+
+        try:
+            self._call("engines.start", start_pool)
+            self._call(f"engines.sleep(level={self.level})", lambda: self.rollouts.sleep(self.level))
+        finally:
+            self._call("trainer.restore_memory", lambda: trainers.call("restore_memory"))
+            self.phases = 0
+        return self
 
     def push(self, payload: Optional[AdapterPayload]) -> None:
         """Hold ``payload`` for the next wake-up (the engines are asleep between phases)."""

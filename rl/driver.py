@@ -107,8 +107,8 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
                               tuple(r.stop_token_ids if r.stop_token_ids is not None else [tok.eos_token_id]))
     start_ray(cfg.ray.address, cfg.ray.num_cpus)
     trainers = TrainerGroup(cfg)
-    rollouts = RolloutPool(cfg, trainers.pg if r.colocate.enable else None)
-    coloc = Colocation(cfg, trainers, rollouts) if r.colocate.enable else None
+    coloc = Colocation.start(cfg, trainers, lambda: RolloutPool(cfg, trainers.pg)) if r.colocate.enable else None
+    rollouts = coloc.rollouts if coloc is not None else RolloutPool(cfg)
     phase = coloc.phase if coloc is not None else (lambda what="generate": nullcontext())  # rl.colocate
     placement = {"trainer": trainers.nodes(), "engines": rollouts.nodes()}  # Ray node ids, rank / actor order
     state = (trainers.first("restore", cfg.trainer.out) if cfg.trainer.resume else None) or {

@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 PHASE = ["trainer.offload_memory", "engines.wake_up(weights)", "engines.push", "engines.wake_up(kv_cache)",
          "engines.generate", "engines.sleep(level=1)", "trainer.restore_memory"]
+START = ["trainer.offload_memory", "engines.start", "engines.sleep(level=1)", "trainer.restore_memory"]
 
 
 def rl_cfg(tiny_dir, out, **sections):
@@ -68,8 +69,9 @@ def test_colocated_sequence_and_same_losses_as_separate(tiny_dir, tmp_path, ray_
     co = run(rl_cfg(tiny_dir, tmp_path / "co", rollout={"colocate": {"enable": True, "offload_weights": True}}))
     trace = co["colocate"]
     phases = sorted({e["phase"] for e in trace})
-    assert phases == [0, 1]  # one generation phase per step
-    for p in phases:
+    assert phases == [-1, 0, 1]  # the engines' start, then one generation phase per step
+    assert [e["call"] for e in trace if e["phase"] == -1] == START
+    for p in phases[1:]:
         assert [e["call"] for e in trace if e["phase"] == p] == PHASE
     first = trace[0]["out"][0]
     assert first["what"] == ["grad_buffers", "optimizer", "frozen_weights"]

@@ -380,14 +380,15 @@ def test_tool_episodes_on_the_vllm_engine(tiny576, tmp_path):
 @pytest.mark.slow
 def test_colocated_vllm_matches_separate(tiny576, tmp_path):
     """vLLM-CPU colocated with the trainer under Ray (engine_fraction 0.5 of the trainer's bundle): per step
-    offload → wake(weights) → push → wake(kv_cache) → generate → sleep(2) → restore (merged pushes: level 2,
+    offload → wake(weights) → push → wake(kv_cache) → generate → sleep(2) → restore, after a start that
+    ends in sleep(2) (merged pushes: level 2,
     so every push brings all weights back, through ``rl.weight_sync`` buckets of the shared-file stand-in),
     and the same log-probs and losses as the separate-engine run on the same seeds."""
     import ray
 
     from rl.config import RLConfig
     from rl.driver import run
-    from tests.rl.test_colocate import PHASE, same_history
+    from tests.rl.test_colocate import PHASE, START, same_history
 
     def cfg(out, colocate):
         return RLConfig.from_dict({
@@ -412,13 +413,14 @@ def test_colocated_vllm_matches_separate(tiny576, tmp_path):
     worst = same_history(sep["history"], co["history"])
     print("\nvllm-cpu colocated:", json.dumps({"history_max_abs_diff": worst, "buckets": [len(p["buckets"]) for p in pushes],
                                               "push_bytes": [p["bytes"] for p in pushes]}))
+    assert [e["call"] for e in trace if e["phase"] == -1] == [c.replace("level=1", "level=2") for c in START]
     for p in (0, 1):
         assert [e["call"] for e in trace if e["phase"] == p] == [c.replace("level=1", "level=2") for c in PHASE]
     sleeps = [m for e in trace if e["call"].startswith("engines.sleep") for m in e["out"]]
     assert all("no-op (vLLM-CPU has no sleep mode" in m for m in sleeps)
     assert all(p["transport"] == "handles" and len(p["buckets"]) > 1 for p in pushes)
     has_embed = [any("embed_tokens" in n for b in p["buckets"] for n in b) for p in pushes]
-    assert has_embed == [False, True]  # the first push: the adapted modules; after a level-2 sleep: every weight
+    assert has_embed == [True, True]  # after each level-2 sleep (the first right after the start): every weight
     for m in co["history"]:
         assert m["rollout_corr/logprob_abs_diff_max"] <= 1e-4, m
     assert worst == 0.0
