@@ -80,7 +80,7 @@ def main() -> None:
     from fake_device import assert_collectives_on, fake_device
     from glm5_mcore.config import GLM5Config, ParallelConfig
     from glm5_mcore.device import training_device
-    from glm5_mcore.model.build import init_parallel
+    from glm5_mcore.model.parallel import init_parallel
 
     cuda = torch.cuda.is_available()
     if a.stand_in and cuda:
@@ -103,8 +103,10 @@ def main() -> None:
         with assert_collectives_on(dev, seen, bad):
             # 1. the model on the device, and the optimizer over it
             with _check(checks, "1_model_on_device") as c:
-                from glm5_mcore.lora.apply import LoRAConfig, apply_lora
-                from glm5_mcore.model.build import build_model, load_hf_weights
+                from glm5_mcore.lora.config import LoRAConfig
+                from glm5_mcore.lora.apply import apply_lora
+                from glm5_mcore.model.build import build_model
+                from glm5_mcore.checkpoint.hf_load import load_hf_weights
                 from glm5_mcore.training.loop import OptimCfg, build_trainer
 
                 over = {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}

@@ -14,7 +14,7 @@ import torch
 from tests.support.fake_device import fake_device, host
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
-from glm5_mcore.lora.apply import FAMILIES, LoRAConfig
+from glm5_mcore.lora.config import FAMILIES, LoRAConfig
 
 
 def _docs(hf_dir, tmp_path):
@@ -34,7 +34,8 @@ def _sft_loss_and_grads(hf_dir, batch):
     every family, MTP, DSA, THD) and its loss function; (loss, n, {param: grad}) as CPU values."""
     from glm5_mcore.device import training_device
     from glm5_mcore.lora.apply import apply_lora
-    from glm5_mcore.model.build import build_model, load_hf_weights
+    from glm5_mcore.model.build import build_model
+    from glm5_mcore.checkpoint.hf_load import load_hf_weights
     from glm5_mcore.model.mtp_loss import mtp_depth_losses
     from recipes.sft import _forward_step
 

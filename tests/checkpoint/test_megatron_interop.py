@@ -81,7 +81,8 @@ def test_layout_resolution_and_bad_tracker(foreign, tmp_path):
 def test_training_loader_gets_the_source_weights(foreign, tiny_mtp_dir, flavour, single_rank, capsys):
     """``load_model`` (SFT/RL ``model.ckpt``, parity ``--ckpt``): their non-tensor state is left out, the
     bf16 router upcast; every parameter equals the one saved."""
-    from glm5_mcore.checkpoint.layout import load_model, model_dir
+    from glm5_mcore.checkpoint.dist import load_model
+    from glm5_mcore.checkpoint.layout import model_dir
     from glm5_mcore.config import GLM5Config
     from glm5_mcore.checkpoint.megatron_lm import glm5_config
     from glm5_mcore.model.build import build_model
@@ -245,8 +246,9 @@ def bridge_lora(foreign, tiny_mtp_dir):
     dense / shared-expert fc1 as CanonicalLoRA gate/up halves."""
     from glm5_mcore.lora.state import gather_adapter
     from glm5_mcore.config import ParallelConfig
-    from glm5_mcore.lora.apply import FAMILIES, LoRAConfig, apply_lora
-    from glm5_mcore.model.build import init_parallel
+    from glm5_mcore.lora.config import FAMILIES, LoRAConfig
+    from glm5_mcore.lora.apply import apply_lora
+    from glm5_mcore.model.parallel import init_parallel
     from tests.support.helpers import hf_model
     from tests.support.megatron_layout import write_bridge_peft
 
@@ -376,8 +378,9 @@ def test_export_megatron_round_trip(tiny_mtp_dir, tmp_path, capsys, single_rank)
     """Ours -> their layout (tracker, iter_N = the distributed checkpoint, run_config.yaml, tokenizer/),
     which our foreign-layout loaders read back bit for bit; a second export into it is allowed,
     anything else there is refused untouched."""
-    from glm5_mcore.checkpoint.layout import load_model, model_dir
-    from glm5_mcore.convert.common import hf_to_mcore
+    from glm5_mcore.checkpoint.dist import load_model
+    from glm5_mcore.checkpoint.layout import model_dir
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
     from glm5_mcore.checkpoint.megatron_lm import glm5_config, model_path
     from glm5_mcore.model.build import build_model
     from glm5_mcore.config import GLM5Config
@@ -414,10 +417,12 @@ def test_export_megatron_merges_a_lora_result(tiny_dir, tmp_path, single_rank):
     """A LoRA SFT result exported with --merge-adapter: the Megatron folder computes what the base
     plus the adapter computes."""
     from glm5_mcore.lora.state import load_adapter_state, read_adapter_state
-    from glm5_mcore.checkpoint.layout import adapter_dir, load_model, model_dir
+    from glm5_mcore.checkpoint.layout import adapter_dir, model_dir
+    from glm5_mcore.checkpoint.dist import load_model
     from glm5_mcore.config import GLM5Config
     from glm5_mcore.checkpoint.megatron_lm import glm5_config
-    from glm5_mcore.model.build import build_model, forward_logits, load_hf_weights
+    from glm5_mcore.model.build import build_model, forward_logits
+    from glm5_mcore.checkpoint.hf_load import load_hf_weights
     from recipes.sft import run
     from tests.recipes.test_sft import _cfg
 

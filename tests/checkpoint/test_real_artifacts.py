@@ -58,7 +58,8 @@ def test_saved_folder_passes_parity_with_a_notice(saved_dir, single_rank, capfd)
 
 
 def test_saved_folder_round_trips_byte_for_byte(saved_dir, tmp_path):
-    from glm5_mcore.convert.common import hf_to_mcore, mcore_to_hf
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
+    from glm5_mcore.convert.mcore_to_hf import mcore_to_hf
 
     ck = hf_to_mcore(saved_dir, tmp_path / "ck", progress=False)
     back = mcore_to_hf(ck, tmp_path / "back", progress=False)
@@ -70,7 +71,8 @@ def test_saved_folder_round_trips_byte_for_byte(saved_dir, tmp_path):
 
 def test_bf16_stored_under_fp32_config_round_trips_to_bf16(saved_dir, tmp_path):
     """Tensors stored bf16 (router fp32) while config.json says float32: they come back bf16, not fp32."""
-    from glm5_mcore.convert.common import hf_to_mcore, mcore_to_hf
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
+    from glm5_mcore.convert.mcore_to_hf import mcore_to_hf
 
     src = HFCheckpoint(saved_dir)
     d = tmp_path / "bf16"
@@ -96,7 +98,7 @@ def test_fp8_export_reimports_to_its_dequantized_values(saved_dir, tmp_path):
     import subprocess
     import sys
 
-    from glm5_mcore.convert.common import hf_to_mcore
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
     from glm5_mcore.checkpoint.fp8 import is_quantized
 
     # widths past one 128 block (partial edge blocks): hidden 192, intermediate 160
@@ -139,7 +141,7 @@ def test_fp8_export_reimports_to_its_dequantized_values(saved_dir, tmp_path):
             assert torch.equal(got.get(name), source.get(name)), name
     assert n_q > 0 and stored["model.layers.0.mlp.gate_proj.weight_scale_inv"][1] == (2, 2)  # 160x192: partial blocks
     # import ∘ export: the FP8 folder converts and exports back byte-identically (scales and bytes)
-    from glm5_mcore.convert.common import mcore_to_hf
+    from glm5_mcore.convert.mcore_to_hf import mcore_to_hf
 
     mcore_to_hf(hf_to_mcore(fp8, tmp_path / "ck8", progress=False), tmp_path / "fp8b", progress=False)
     assert _stored(tmp_path / "fp8b") == stored
@@ -165,7 +167,7 @@ def _sft_cfg(hf_dir, tmp_path, **over):
 def test_saved_folder_fine_tunes_without_mtp_or_with_a_fresh_one(saved_dir, tmp_path):
     """model.mtp=auto: no MTP block, no MTP loss, the export holds the tensors read; model.mtp=init: a
     fresh MTP layer (Megatron-Core's init) is trained and exported as model.layers.{L}.*."""
-    from glm5_mcore.convert.common import mcore_to_hf
+    from glm5_mcore.convert.mcore_to_hf import mcore_to_hf
     from recipes.sft import run
 
     L = json.loads((Path(saved_dir) / "config.json").read_text())["num_hidden_layers"]
@@ -198,7 +200,7 @@ def test_saved_folder_lora_exports_and_is_an_rl_base(saved_dir, tmp_path):
     from rl.rollout.hf_engine import HFRolloutEngine
     from rl.trainer import PolicyTrainer
 
-    from glm5_mcore.convert.common import hf_to_mcore
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
 
     ck = hf_to_mcore(saved_dir, tmp_path / "base", progress=False)
     run(_sft_cfg(saved_dir, tmp_path, model={"hf_dir": None, "ckpt": str(ck)}, lora={"enabled": True, "rank": 4},
@@ -237,7 +239,7 @@ def test_bad_dtype_record_and_mtp_mode_name_the_problem(saved_dir, tmp_path):
     import subprocess
     import sys
 
-    from glm5_mcore.convert.common import hf_to_mcore
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
     from recipes.sft import run
 
     ck = hf_to_mcore(saved_dir, tmp_path / "ck", progress=False)

@@ -65,7 +65,7 @@ def tiny_both_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def converted(tiny_both_dir, tmp_path_factory):
-    from glm5_mcore.convert.common import hf_to_mcore
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
 
     return hf_to_mcore(tiny_both_dir, tmp_path_factory.mktemp("mc") / "ckpt", progress=False)
 
@@ -74,7 +74,8 @@ def converted(tiny_both_dir, tmp_path_factory):
 # lossless round trips
 # --------------------------------------------------------------------------------------------------
 def _round_trip_equal(src_dir, tmp_path, reference=None, **kw):
-    from glm5_mcore.convert.common import hf_to_mcore, mcore_to_hf
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
+    from glm5_mcore.convert.mcore_to_hf import mcore_to_hf
 
     ck = hf_to_mcore(src_dir, tmp_path / "mc", progress=False, **kw)
     back = mcore_to_hf(ck, tmp_path / "hf", max_shard_size="200KB", progress=False)
@@ -144,8 +145,10 @@ def test_converted_checkpoint_matches_transformers_tp2_ep2(converted):
 
 @pytest.mark.slow
 def test_saved_at_tp2_ep2_loads_at_tp1(tiny_both_dir, tmp_path, single_rank):
-    from glm5_mcore.checkpoint.layout import latest_iteration, load_model, model_dir
-    from glm5_mcore.model.build import build_model, forward_logits, load_hf_weights
+    from glm5_mcore.checkpoint.layout import latest_iteration, model_dir
+    from glm5_mcore.checkpoint.dist import load_model
+    from glm5_mcore.model.build import build_model, forward_logits
+    from glm5_mcore.checkpoint.hf_load import load_hf_weights
 
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
@@ -163,7 +166,7 @@ def test_saved_at_tp2_ep2_loads_at_tp1(tiny_both_dir, tmp_path, single_rank):
         a, b = forward_logits(ref.eval(), ids), forward_logits(got.eval(), ids)
     assert torch.equal(a, b), float((a - b).abs().max())
     # the same TP2/EP2-chunked checkpoint (Megatron's own save: largest items first) exported to HF
-    from glm5_mcore.convert.common import mcore_to_hf
+    from glm5_mcore.convert.mcore_to_hf import mcore_to_hf
     from glm5_mcore.checkpoint.hf_io import HFCheckpoint
 
     src, back = HFCheckpoint(tiny_both_dir), HFCheckpoint(mcore_to_hf(out, tmp_path / "hf_back", progress=False))
@@ -206,8 +209,9 @@ def test_fp8_dequant_partial_blocks():
 
 
 def test_fp8_checkpoint_imports_dequantized(tiny_dir, tmp_path, single_rank):
-    from glm5_mcore.checkpoint.layout import load_model, model_dir
-    from glm5_mcore.convert.common import hf_to_mcore
+    from glm5_mcore.checkpoint.dist import load_model
+    from glm5_mcore.checkpoint.layout import model_dir
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
     from glm5_mcore.model.build import build_model
 
     src = _all_tensors(tiny_dir)
@@ -290,7 +294,7 @@ def _corrupt_cases(tiny_dir, tmp_path):
 
 
 def test_bad_hf_input_is_named_and_previous_output_survives(tiny_dir, tmp_path):
-    from glm5_mcore.convert.common import hf_to_mcore
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
 
     out = tmp_path / "out"
     hf_to_mcore(tiny_dir, out, progress=False)
@@ -305,7 +309,7 @@ def test_bad_hf_input_is_named_and_previous_output_survives(tiny_dir, tmp_path):
 
 
 def test_bad_mcore_input_is_named_and_previous_output_survives(converted, tmp_path):
-    from glm5_mcore.convert.common import mcore_to_hf
+    from glm5_mcore.convert.mcore_to_hf import mcore_to_hf
 
     out = mcore_to_hf(converted, tmp_path / "hf", progress=False)
     before = _tree_hash(out)

@@ -19,31 +19,34 @@ def test_slice_units_keep_order_and_budget():
 
 
 def test_layers_3x_the_shard_round_trip_bit_exact_in_slices(tmp_path):
-    from glm5_mcore.convert import common as convert
+    from glm5_mcore.config import GLM5Config
+    from glm5_mcore.convert import mcore_to_hf as convert  # the module: mcore_to_hf and its GroupLoader
+    from glm5_mcore.convert.common import meta_model
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
     from glm5_mcore.checkpoint.hf_io import HFCheckpoint
     from glm5_mcore.tiny import write_tiny
 
     src = write_tiny(tmp_path / "hf", mtp=True)
-    ck = convert.hf_to_mcore(src, tmp_path / "mc", progress=False)
+    ck = hf_to_mcore(src, tmp_path / "mc", progress=False)
     shard = 48 * 1024
     seen = []
-    stream = convert._GroupLoader.stream
+    stream = convert.GroupLoader.stream
 
     def spy(self, units, ahead=True):
         seen.extend(units)
         return stream(self, units, ahead)
 
-    convert._GroupLoader.stream = spy
+    convert.GroupLoader.stream = spy
     try:
         back = convert.mcore_to_hf(ck, tmp_path / "back", max_shard_size=shard, progress=False)
     finally:
-        convert._GroupLoader.stream = stream
+        convert.GroupLoader.stream = stream
     a, b = HFCheckpoint(src), HFCheckpoint(back)
     assert sorted(a.keys()) == sorted(b.keys())
     for k in a.keys():
         x, y = a.get(k), b.get(k)
         assert x.dtype == y.dtype and torch.equal(x, y), k
-    model = convert.meta_model(convert.GLM5Config.from_hf_dir(src), torch.float32)
+    model = meta_model(GLM5Config.from_hf_dir(src), torch.float32)
     layer = sum(t.numel() * 4 for n, t in model.state_dict(keep_vars=True).items()
                 if n.startswith("decoder.layers.1.") and not n.endswith("_extra_state"))
     assert layer >= 3 * shard  # the MoE layer is at least 3 output shards

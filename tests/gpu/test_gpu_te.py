@@ -25,7 +25,9 @@ TF32_RTOL = 4e-3
 
 def test_te_spec_matches_local_spec(tiny_dir, monkeypatch):
     from glm5_mcore.device import training_device
-    from glm5_mcore.model.build import build_model, forward_logits, init_parallel, load_hf_weights
+    from glm5_mcore.model.build import build_model, forward_logits
+    from glm5_mcore.model.parallel import init_parallel
+    from glm5_mcore.checkpoint.hf_load import load_hf_weights
     from glm5_mcore.parity import load_input_ids
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from glm5_mcore.lora.apply import (FAMILIES, INDEXER, LoRAConfig, adapter_parameters, apply_lora, disable_adapters,
-                             lora_layers, merge, set_adapter, unmerge)
+from glm5_mcore.lora.config import FAMILIES, INDEXER, LoRAConfig
+from glm5_mcore.lora.apply import (adapter_parameters, apply_lora, disable_adapters, lora_layers, merge, set_adapter, unmerge)
 from glm5_mcore.model.build import forward_logits
 from glm5_mcore.parity import load_input_ids
 from tests.support.helpers import hf_model

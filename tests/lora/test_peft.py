@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from glm5_mcore.config import ParallelConfig
-from glm5_mcore.lora.apply import EXPERTS, INDEXER, MLA, MLP, LoRAConfig, apply_lora
+from glm5_mcore.lora.config import EXPERTS, INDEXER, MLA, MLP, LoRAConfig
+from glm5_mcore.lora.apply import apply_lora
 from glm5_mcore.model.build import forward_logits
 from glm5_mcore.parity import load_input_ids
 from tests.support.helpers import hf_model
@@ -40,8 +41,9 @@ def _peft_model(hf_dir, adapter_dir):
 @pytest.fixture(scope="module")
 def lora_ckpt(tiny_share_dir, tmp_path_factory):
     """A checkpoint (base + adapter 'sft') of the IndexShare tiny model with every family adapted."""
-    from glm5_mcore.checkpoint.layout import save_checkpoint, write_hf_meta
-    from glm5_mcore.model.build import init_parallel
+    from glm5_mcore.training.checkpointing import save_checkpoint
+    from glm5_mcore.checkpoint.layout import write_hf_meta
+    from glm5_mcore.model.parallel import init_parallel
 
     init_parallel(ParallelConfig())
     cfg = LoRAConfig(rank=4, alpha=8, targets=ALL, init="random", rank_overrides={"linear_kv_up_proj": 2})
@@ -56,7 +58,7 @@ def lora_ckpt(tiny_share_dir, tmp_path_factory):
 
 
 def test_export_loads_in_peft_with_no_missing_keys_and_matches(lora_ckpt, tiny_share_dir, tmp_path):
-    from glm5_mcore.lora.peft import export_checkpoint_adapter
+    from glm5_mcore.convert.lora_export import export_checkpoint_adapter
 
     root, ids, ours = lora_ckpt
     out = export_checkpoint_adapter(root, tmp_path / "peft", "sft", progress=False)
@@ -74,7 +76,7 @@ def test_export_loads_in_peft_with_no_missing_keys_and_matches(lora_ckpt, tiny_s
 def test_merged_export_matches(lora_ckpt, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from glm5_mcore.lora.peft import export_checkpoint_adapter
+    from glm5_mcore.convert.lora_export import export_checkpoint_adapter
 
     root, ids, ours = lora_ckpt
     out = export_checkpoint_adapter(root, tmp_path / "merged", "sft", merged=True, progress=False)

@@ -10,8 +10,10 @@ def test_bf16_log_probs_are_within_fp32_rounding_of_an_fp32_projection(tiny_dir,
     """A bf16 model's log-probs against float64 log_softmax of the same final hidden state through the
     same output weight: within fp32 rounding with the fp32 output layer; off by the bf16 rounding of
     the logits without it (today's path)."""
-    from glm5_mcore.lora.apply import LoRAConfig, apply_lora
-    from glm5_mcore.model.build import build_model, load_hf_weights, packed_seq_params_from_lengths
+    from glm5_mcore.lora.config import LoRAConfig
+    from glm5_mcore.lora.apply import apply_lora
+    from glm5_mcore.model.build import build_model, packed_seq_params_from_lengths
+    from glm5_mcore.checkpoint.hf_load import load_hf_weights
     from glm5_mcore.model.mtp_loss import fp32_output_layer, token_logprobs
 
     glm5 = GLM5Config.from_hf_dir(tiny_dir)

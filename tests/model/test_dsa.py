@@ -96,8 +96,10 @@ def test_absorbed_sparse_attention_equals_expanded_keys_values():
 def test_model_absorbed_path_matches_unabsorbed_and_takes_kv_up_lora(tiny_dir, single_rank):
     from glm5_mcore.config import GLM5Config, ParallelConfig
     from glm5_mcore.model.dsa import GLM5SparseAttention
-    from glm5_mcore.lora.apply import LoRAConfig, apply_lora
-    from glm5_mcore.model.build import build_model, forward_logits, load_hf_weights
+    from glm5_mcore.lora.config import LoRAConfig
+    from glm5_mcore.lora.apply import apply_lora
+    from glm5_mcore.model.build import build_model, forward_logits
+    from glm5_mcore.checkpoint.hf_load import load_hf_weights
 
     glm5 = GLM5Config.from_hf_dir(tiny_dir)
     m = build_model(glm5, ParallelConfig())

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
-from glm5_mcore.model.build import build_model, forward_logits, load_hf_weights, packed_seq_params_from_lengths
+from glm5_mcore.model.build import build_model, forward_logits, packed_seq_params_from_lengths
+from glm5_mcore.checkpoint.hf_load import load_hf_weights
 from glm5_mcore.parity import load_input_ids, run_parity
 
 SEQ = 32  # > index_topk = 8, so the indexer really drops keys

@@ -83,7 +83,8 @@ def test_bad_rows_name_file_and_line_or_are_skipped(tiny_dir, tmp_path):
 
 def test_thd_packed_losses_equal_unpacked_and_documents_are_independent(tiny_mtp_dir, tmp_path, single_rank):
     from glm5_mcore.config import GLM5Config, ParallelConfig
-    from glm5_mcore.model.build import build_model, load_hf_weights
+    from glm5_mcore.model.build import build_model
+    from glm5_mcore.checkpoint.hf_load import load_hf_weights
 
     tok = _tok(tiny_mtp_dir)
     docs = read_jsonl(_reverse_task(tmp_path / "d.jsonl", 3, 5, lengths=(8, 14)), tok, 64)
@@ -141,7 +142,10 @@ def test_resume_continues_with_identical_losses(tiny_dir, tmp_path):
     cfg = dict(lora={"enabled": True, "rank": 4}, train={"steps": 3, "save_every": 3, "eval_every": 0,
                                                          "out": str(tmp_path / "b" / "run")})
     run(_cfg(tiny_dir, tmp_path / "b", **cfg))  # "killed" after step 3's checkpoint
-    assert (tmp_path / "b" / "run" / "iter_0000003" / "adapters" / "default").is_dir()
+    adapter = tmp_path / "b" / "run" / "iter_0000003" / "adapters" / "default"
+    assert adapter.is_dir()
+    saved = json.loads((adapter / "adapter_config.json").read_text())["config"]  # LoRACfg.to_lora_config(seed)
+    assert saved["seed"] == 1234 and saved["rank"] == 4, saved  # train.seed: the adapters' init seed
     with open(tmp_path / "b" / "run" / "metrics.jsonl", "a") as f:  # step 4 logged, then killed before a save
         f.write(json.dumps({"step": 4, "loss": 99.0}) + "\n")
     cfg["train"]["steps"] = 6
@@ -204,7 +208,8 @@ def test_mtp_loss_equals_hand_written_reference_and_reaches_mtp_grads(tiny_mtp_d
     import torch.nn.functional as F
 
     from glm5_mcore.config import GLM5Config, ParallelConfig
-    from glm5_mcore.model.build import build_model, load_hf_weights
+    from glm5_mcore.model.build import build_model
+    from glm5_mcore.checkpoint.hf_load import load_hf_weights
     from glm5_mcore.model.mtp_loss import mtp_depth_losses
 
     tok = _tok(tiny_mtp_dir)

@@ -26,7 +26,7 @@ def _cfg(tiny_dir, **over):
 def episodes(tiny_dir):
     from transformers import AutoTokenizer
 
-    from rl.envs import toy_tool_prompts
+    from rl.tasks import toy_tool_prompts
     from rl.rollout.hf_engine import HFRolloutEngine
     from rl.trainer import PolicyTrainer
     from tests.rl.test_trainer import _perturb

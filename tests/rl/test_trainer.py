@@ -76,7 +76,8 @@ def test_trainer_and_engine_logprobs_agree(setup):
 def test_reference_logprobs_are_the_base_model(setup, tiny_dir):
     """Adapters disabled on the policy model == a separate model built without any adapter, exactly."""
     from glm5_mcore.config import GLM5Config
-    from glm5_mcore.model.build import build_model, load_hf_weights
+    from glm5_mcore.model.build import build_model
+    from glm5_mcore.checkpoint.hf_load import load_hf_weights
     from glm5_mcore.model.mtp_loss import token_logprobs
 
     cfg, trainer, engine, tok = setup

@@ -307,7 +307,7 @@ def test_tool_episodes_on_the_vllm_engine(tiny576, tmp_path):
     from recipes.cli import compose
     from rl.config import RLConfig
     from rl.driver import fill_log_probs, make_batch
-    from rl.envs import toy_tool_prompts
+    from rl.tasks import toy_tool_prompts
     from rl.episodes import load_env, observation_ids, run_episodes, tool_token_ids
     from rl.rollout.base import Request, SamplingParams, sample_seed
     from rl.rollout.vllm_engine import VLLMRolloutEngine

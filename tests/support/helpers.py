@@ -3,7 +3,9 @@
 import torch
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
-from glm5_mcore.model.build import build_model, init_parallel, load_hf_weights
+from glm5_mcore.model.build import build_model
+from glm5_mcore.model.parallel import init_parallel
+from glm5_mcore.checkpoint.hf_load import load_hf_weights
 
 
 def hf_model(hf_dir, parallel=None, **overrides):

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from glm5_mcore.checkpoint.layout import HF_META_FILES, base_sharded_state_dict
+from glm5_mcore.checkpoint.layout import HF_META_FILES
+from glm5_mcore.checkpoint.dist import base_sharded_state_dict
 from glm5_mcore.checkpoint.megatron_lm import RUN_CONFIG, TRACKER
 
 

@@ -68,7 +68,7 @@ def main(hf_dir: str, data: str, out: str) -> None:
     torch.set_num_threads(1)
     from glm5_mcore import kernels
     from glm5_mcore.config import ParallelConfig
-    from glm5_mcore.model.build import init_parallel
+    from glm5_mcore.model.parallel import init_parallel
 
     init_parallel(ParallelConfig())
     seen, bad = [], []

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.checkpoint.hf_io import HFCheckpoint
-from glm5_mcore.model.build import mcore_to_hf_sources
+from glm5_mcore.checkpoint.hf_load import mcore_to_hf_sources
 from glm5_mcore.parity import load_input_ids, megatron_forward
 
 

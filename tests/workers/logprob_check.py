@@ -7,7 +7,9 @@ import torch
 import torch.distributed as dist
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
-from glm5_mcore.model.build import build_model, forward_logits, init_parallel, load_hf_weights
+from glm5_mcore.model.build import build_model, forward_logits
+from glm5_mcore.model.parallel import init_parallel
+from glm5_mcore.checkpoint.hf_load import load_hf_weights
 from glm5_mcore.model.mtp_loss import model_token_logprobs
 
 

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from glm5_mcore.config import ParallelConfig
-from glm5_mcore.lora.apply import EXPERTS, MLA, MLP, LoRAConfig, apply_lora
+from glm5_mcore.lora.config import EXPERTS, MLA, MLP, LoRAConfig
+from glm5_mcore.lora.apply import apply_lora
 from glm5_mcore.parity import load_input_ids
 from tests.support.helpers import hf_model, megatron_steps
 

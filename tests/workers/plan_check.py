@@ -6,7 +6,7 @@ import json
 import sys
 
 from glm5_mcore.config import glm5_744b
-from glm5_mcore.lora.apply import DEFAULT_TARGETS
+from glm5_mcore.lora.config import DEFAULT_TARGETS
 from glm5_mcore.plan import fake_rank
 from glm5_mcore.plan.layout import Layout
 from glm5_mcore.plan.memory import state_bytes

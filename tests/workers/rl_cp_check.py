@@ -50,7 +50,7 @@ def run(trainer, cfg, batch) -> dict:
     checked = mismatched = 0
     for f in range(0, len(maps), len(routers)):
         mb = mbs[f // per_mb]
-        routes, v = trainer.routing._slice(mb.routes), trainer.routing._slice(mb.routes_valid)  # this TP rank's
+        routes, v = trainer.routing.tp_slice(mb.routes), trainer.routing.tp_slice(mb.routes_valid)  # this TP rank's
         for j, rmap in enumerate(maps[f: f + len(routers)]):
             eng = torch.zeros_like(rmap).scatter_(1, routes[:, j], True)
             checked += int(v.sum())
