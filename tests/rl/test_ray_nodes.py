@@ -1,5 +1,6 @@
 """Two Ray "nodes" on this machine (``ray start --head`` + ``ray start --address`` with resources of its
-own, loopback only): the RL job's trainer ranks spread over both as the placement group says (one
+own, every node at 127.0.0.1; Ray's driver resolves a 127.0.0.1 bootstrap address to this machine's own
+interface address, services.py:799): the RL job's trainer ranks spread over both as the placement group says (one
 ``torch.distributed`` group across the nodes), engines colocated in their rank's bundle or, separate,
 wherever Ray has room. The test stops exactly the Ray processes it started (their process groups)."""
 
@@ -47,7 +48,9 @@ def two_nodes(tmp_path):
 
     ray.shutdown()
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RAY_DEDUP_LOGS": "0"}
+    # no token auth: the driver of this test is the cluster's only client (Ray 2.60's `ray start` turns it on)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RAY_DEDUP_LOGS": "0",
+           "RAY_AUTH_MODE": "disabled"}
     common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--num-gpus", "0", "--block",
               "--disable-usage-stats"]
     procs = [subprocess.Popen([RAY, "start", "--head", "--port", str(port), "--include-dashboard", "false",
