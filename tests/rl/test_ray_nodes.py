@@ -7,8 +7,10 @@ wherever Ray has room. The test stops exactly the Ray processes it started (thei
 import os
 import signal
 import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,7 +55,11 @@ def two_nodes(tmp_path):
            "RAY_AUTH_MODE": "disabled"}
     common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--num-gpus", "0", "--block",
               "--disable-usage-stats"]
+    # its own temp dir: `ray start --head` records itself there (ray_current_cluster), where a plain
+    # ray.init() of another job on this machine would otherwise find and join it
+    temp = tempfile.mkdtemp(prefix="rn", dir="/tmp")
     procs = [subprocess.Popen([RAY, "start", "--head", "--port", str(port), "--include-dashboard", "false",
+                               "--temp-dir", temp,
                                "--resources", '{"node_a": 1}', *common], env=env, start_new_session=True,
                               stdout=subprocess.DEVNULL, stderr=open(tmp_path / "head.log", "w"))]
     address = f"127.0.0.1:{port}"
@@ -74,10 +80,13 @@ def two_nodes(tmp_path):
         nodes = {next(k for k in n["Resources"] if k.startswith("node_")): n["NodeID"] for n in ray.nodes() if n["Alive"]}
         ray.shutdown()
         assert sorted(nodes) == ["node_a", "node_b"], (tmp_path / "worker.log").read_text()[-2000:]
+        assert not os.path.exists("/tmp/ray/ray_current_cluster") or f":{port}" not in open(
+            "/tmp/ray/ray_current_cluster").read()  # nobody else's ray.init() finds this cluster
         yield address, nodes
     finally:
         ray.shutdown()
         _stop(procs)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.mark.slow
