@@ -398,16 +398,17 @@ class VLLMRolloutEngine(RolloutEngine):
             self.sync_log.append({"buckets": [b["names"] for b in buckets], "bytes": sum(b["bytes"] for b in buckets)})
 
     def _send_buckets(self, method: str, part: dict) -> list[dict]:
-        """``part`` to vLLM as ``rl.weight_sync`` buckets of whole vLLM modules (an FP8 weight with its
-        scales), each handed over as a CUDA IPC handle on GPUs (the bucket built on the engine's GPU) or
+        """``part`` to vLLM as ``rl.weight_sync`` buckets of whole decoder layers (at most ``push_bytes``
+        unless one layer is larger: the granularity the file path reloads), each handed over as a CUDA IPC handle on GPUs (the bucket built on the engine's GPU) or
         the shared-file stand-in on the CPU."""
         from rl import weight_sync
 
         cuda = torch.cuda.is_available() and self.device != "cpu"
         codec = weight_sync.codec("cuda_ipc" if cuda else "shared_file")
 
-        def group_of(h: str) -> str:
-            return vllm_module_tensors(h.removesuffix("_scale_inv"), self.n_experts)[0]
+        def group_of(h: str) -> str:  # whole decoder layers, as the file path's chunks (iter_merged_weights):
+            m = _LAYER.match(h)         # vLLM's MoE gate (weight + e_score_correction_bias) and MLA modules
+            return f"model.layers.{m.group(1)}" if m else h  # rebuild from what one reload brings
 
         return weight_sync.send([part], self.push_bytes, codec,
                                 lambda handle, metas: self.server.call(method + "_handle", handle, metas, codec.name),
