@@ -12,8 +12,9 @@ GIB = 1 << 30
 
 def _compose(name, *overrides):
     from recipes.cli import compose
+    from recipes.plan_cli import plan_config
 
-    return compose(name, list(overrides), require_all=False)
+    return plan_config("rl", compose(name, list(overrides), require_all=False))
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def shipped():
 
     d = _compose("rl/glm5_744b_h100_colocate")
     job = rl_job(d)
-    return job, plan_job(glm5_744b(), job, cluster_from(d["plan"]["cluster"]))
+    return job, plan_job(glm5_744b(), job, cluster_from(d.plan.cluster))
 
 
 def test_phases_by_hand(shipped):
