@@ -286,3 +286,22 @@ def vllm_cpu_env() -> dict:
     imports torch + vLLM again, ~20 s on two cores)."""
     return {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+VLLM_CPU_NO_SLEEP = ("vLLM-CPU has no sleep mode (vllm/platforms/interface.py:231 is_sleep_mode_available: CUDA, "
+                     "ROCm, XPU; config/model.py:655 refuses enable_sleep_mode elsewhere)")
+"""Why ``VLLMRolloutEngine(device="cpu")`` serves ``sleep`` / ``wake_up`` as logged no-ops: colocated runs on
+the CPU still call them in order (``rl.colocate``), and a level-2 sleep still makes the next push bring every
+weight back, so that path runs on CPU too."""
+
+
+def optimizer_offload(optimizer, restore: bool) -> bool:
+    """Megatron-Core's ``MegatronOptimizer.offload_to_cpu`` / ``restore_from_cpu`` (optimizer.py:555 / :575),
+    or nothing on a CPU-only run: ``restore_from_cpu`` calls ``.cuda()`` on every tensor that is not on CUDA,
+    which on the CPU is all of them (and the state is in host memory already). Returns whether it ran."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    (optimizer.restore_from_cpu if restore else optimizer.offload_to_cpu)()
+    return True

@@ -101,7 +101,15 @@ def run(args) -> int:
     plan = plan_job(model, job, cluster)
     print(format_plan(plan))
     out = {"plan": plan.as_dict()}
-    if args.search:
+    if args.search and job.rollout is not None:  # RL: colocated and separate placements
+        from glm5_mcore.plan.report import format_rl_row
+        from glm5_mcore.plan.search import search_rl
+
+        found = search_rl(model, job, cluster)
+        print(f"\nfeasible RL layouts on {cluster.describe()}, fewest GPUs first (colocated and separate):")
+        print("\n".join(format_rl_row(x) for x in found) or "  none on this cluster")
+        out["search"] = [x.as_dict() for x in found]
+    elif args.search:
         found = search_layouts(model, job, cluster)
         print("\nfeasible trainer layouts, fewest GPUs first:")
         print("\n".join(format_layout_row(p) for p in found) or "  none up to 64 nodes")

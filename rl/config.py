@@ -65,6 +65,25 @@ class MultiTurnCfg:
 
 
 @dataclass
+class ColocateCfg:
+    """Trainer and engines time-share the same GPUs (``rl.colocate``; verl's and slime's default): each
+    engine actor sits in the trainer's placement-group bundles with a fraction of their GPU and CPU, and
+    every step runs offload trainer → wake weights → push → wake KV cache → generate → sleep → restore
+    trainer → the trainer's passes."""
+    enable: bool = False
+    engine_fraction: float = 0.5
+    """The share of each bundle's GPU (and CPU) the engine actor reserves; the trainer rank takes the rest
+    (Ray's fractional resources: both see the same device)."""
+    sleep_level: Optional[int] = None
+    """vLLM's ``LLM.sleep(level)``; None: 1 with a LoRARequest adapter (the base never changes: it waits in
+    host memory), 2 with merged pushes (the weights change every step: discarded, the push brings them
+    all back)."""
+    offload_weights: bool = False
+    """Also move the trainer's frozen base weights to host memory during generation (``glm5 plan`` says
+    when the generation phase needs their memory)."""
+
+
+@dataclass
 class RolloutCfg:
     engine: str = "rl.rollout.hf_engine.HFRolloutEngine"
     """Dotted path of a ``rl.rollout.base.RolloutEngine``; ``rl.rollout.vllm_engine.VLLMRolloutEngine`` on GPU."""
@@ -86,6 +105,7 @@ class RolloutCfg:
     (``glm5_mcore.checkpoint.layout.serving_dir``). A folder without weights is refused."""
     engine_kwargs: dict = field(default_factory=dict)
     multi_turn: MultiTurnCfg = field(default_factory=MultiTurnCfg)
+    colocate: ColocateCfg = field(default_factory=ColocateCfg)
 
 
 @dataclass
@@ -251,6 +271,9 @@ class RayCfg:
     address: Optional[str] = None
     """None: start Ray locally; "auto" or "ray://host:10001": join that cluster."""
     num_cpus: Optional[int] = None
+    placement_strategy: str = "PACK"
+    """The trainer's placement group (Ray's ``PACK``, ``SPREAD``, ``STRICT_PACK``, ``STRICT_SPREAD``);
+    colocated engines live in its bundles."""
 
 
 @dataclass
@@ -424,6 +447,24 @@ def validate(c: RLConfig) -> None:
     if a.router_replay and r.engine.endswith("VLLMRolloutEngine") and not r.engine_kwargs.get("return_routes"):
         raise ValueError("algorithm.router_replay=true with the vLLM engine needs rollout.engine_kwargs.return_routes="
                          "true (vLLM's enable_return_routed_experts)")
+    if c.ray.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+        raise ValueError(f"ray.placement_strategy={c.ray.placement_strategy!r}: PACK, SPREAD, STRICT_PACK or "
+                         "STRICT_SPREAD")
+    co = r.colocate
+    if co.enable:
+        if t.off_policy_steps:
+            raise ValueError("rollout.colocate.enable=true with trainer.off_policy_steps=1: colocated engines and "
+                             "trainer share the GPUs, so they cannot overlap (set trainer.off_policy_steps=0)")
+        if t.world_size % r.num_actors:
+            raise ValueError(f"rollout.colocate.enable=true: rollout.num_actors={r.num_actors} must divide "
+                             f"trainer.world_size={t.world_size} (each engine spans world_size / num_actors bundles)")
+        if not 0 < co.engine_fraction < 1:
+            raise ValueError(f"rollout.colocate.engine_fraction={co.engine_fraction}: must be in (0, 1)")
+        if co.sleep_level not in (None, 1, 2):
+            raise ValueError(f"rollout.colocate.sleep_level={co.sleep_level!r}: 1, 2 or null (by push kind)")
+        if r.gpus_per_actor:
+            raise ValueError("rollout.gpus_per_actor: colocated engines take rollout.colocate.engine_fraction of "
+                             "the trainer's bundles instead (set it to 0)")
     if not t.freeze_indexer:
         raise ValueError("trainer.freeze_indexer=false: the RL trainer keeps the DSA indexer frozen (no indexer "
                          "loss reaches it here, so it would not learn); train it in the SFT sparse stage "

@@ -3,7 +3,9 @@ rollout token ids + log-probs → rewards, DAPO dynamic sampling → the padded 
 ``trainer.off_policy_steps=1`` all of that for the next step runs in a background thread, started here,
 while this thread drives the trainer, ``rl.overlap``) → old / reference log-probs
 (and values) on the trainer → rollout correction (IcePop) → advantages → policy update → push the
-adapter to the rollout engines.
+adapter to the rollout engines. With ``rollout.colocate.enable`` each generation phase is one
+``rl.colocate.Colocation.phase`` (trainer offload → wake → push → generate → sleep → restore) and the
+adapter push waits for it.
 
 ``run(cfg)`` takes a plain ``RLConfig`` (Hydra stops at the entry point, ``recipes.cli``).
 """
@@ -11,7 +13,7 @@ adapter to the rollout engines.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
@@ -23,6 +25,7 @@ from glm5_mcore.training.resume import claim_run_dir, guard_resume
 from glm5_mcore.training.run_log import RunLogger
 from rl import algos, shaping
 from rl.batch import RolloutBatch
+from rl.colocate import Colocation
 from rl.config import RLConfig, run_settings
 from rl.episodes import tool_metrics
 from rl.logger import CONSOLE_KEYS
@@ -123,7 +126,11 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
                               tuple(r.stop_token_ids if r.stop_token_ids is not None else [tok.eos_token_id]))
     rewards = Rewards(cfg, tok)  # its worker processes start after every refusal above
     start_ray(cfg.ray.address, cfg.ray.num_cpus)
-    trainers, rollouts = TrainerGroup(cfg), RolloutPool(cfg)
+    trainers = TrainerGroup(cfg)
+    coloc = Colocation.start(cfg, trainers, lambda: RolloutPool(cfg, trainers.pg)) if r.colocate.enable else None
+    rollouts = coloc.rollouts if coloc is not None else RolloutPool(cfg)
+    phase = coloc.phase if coloc is not None else (lambda what="generate": nullcontext())  # rl.colocate
+    placement = {"trainer": trainers.nodes(), "engines": rollouts.nodes()}  # Ray node ids, rank / actor order
     state = (trainers.first("restore", cfg.trainer.out) if cfg.trainer.resume else None) or {
         "step": 0, "epoch": 0, "cursor": 0, "kl_coef": cfg.algorithm.kl_ctrl.kl_coef}
     state["settings"] = settings
@@ -142,6 +149,7 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
         return batch, (shaping.mask_truncated(batch, results) if cfg.algorithm.mask_truncated_responses else {})
 
     source = StepSource(cfg, train, rollouts, sampling, rewards, state, resume_payload, build=build)
+    push = coloc.push if coloc is not None else source.push  # colocated: held for the next wake-up
 
     def save() -> None:
         trainers.call("save", cfg.trainer.out, state["step"], dict(state), rollout_adapter=source.inflight_payload)
@@ -151,17 +159,21 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
         source.settle()  # the engines free, with the newest adapter
         reqs = [Request((p.index, 0), p.ids, sample_seed(cfg.trainer.seed + 1, state["step"], p.index, 0))
                 for p in val]
-        return float(rewards(val, rollouts.generate(reqs, sampling), 1).mean())
+        with phase("evaluate"):
+            return float(rewards(val, rollouts.generate(reqs, sampling), 1).mean())
 
     try:
-        rollouts.sync(trainers.first("export_adapter", state["step"]))
+        (coloc.push if coloc is not None else rollouts.sync)(trainers.first("export_adapter", state["step"]))
         if val and cfg.trainer.eval_every and state["step"] == 0:
             vals.append((0, evaluate()))
             log.log_eval(0, {"val/reward": vals[-1][1]})
             log.note(f"step 0: held-out reward {vals[-1][1]:.3f}")
         while state["step"] < cfg.trainer.steps:
             step, timing, t_step = state["step"], {}, time.perf_counter()
-            got = source.take(step, state)
+            with phase():
+                got = source.take(step, state)
+            if coloc is not None:
+                got.metrics.update(coloc.metrics(coloc.phases - 1))
             timing["timing_s/gen"] = got.metrics.pop("timing_s/gen")
             batch, trunc = got.batch
             batch.scores = got.scores
@@ -180,7 +192,7 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
             state["step"] += 1
             with _timer(timing, "weight_sync"):
                 payload = trainers.first("export_adapter", state["step"])
-                source.push(payload)
+                push(payload)
             if cfg.algorithm.use_kl_in_reward:
                 kl_ctrl.update(metrics.get("actor/reward_kl_penalty", 0.0), batch.size)
                 state["kl_coef"] = kl_ctrl.value
@@ -218,4 +230,5 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
         log.close()
         rollouts.shutdown()
         trainers.shutdown()
-    return {"history": log.history, "val": vals, "state": state}
+    return {"history": log.history, "val": vals, "state": state,
+            "colocate": coloc.trace if coloc is not None else None, "placement": placement}

@@ -48,6 +48,7 @@ from glm5_mcore.training.model_source import resolve_model
 from rl.algos import ActorLoss
 from rl.batch import RolloutBatch
 from rl.config import RLConfig
+from rl.offload import TrainerOffload
 from rl.cp import RLContextParallel
 from rl.critic import ValueHead
 from rl.micro_batch import PackedMicroBatch, pack_micro_batches
@@ -103,6 +104,8 @@ class PolicyTrainer:
             adam_beta2=a.adam_beta2, decay_style="constant", overlap_grad_reduce=a.overlap_grad_reduce), t.steps,
             bf16=t.bf16)
         self.loss = ActorLoss(cfg)
+        co = cfg.rollout.colocate
+        self.offloader = TrainerOffload(self.ddp, self.opt, model, co.offload_weights) if co.enable else None
 
     # ------------------------------------------------------------------ helpers
     def _capture_hidden(self, _mod, args):
@@ -295,6 +298,15 @@ class PolicyTrainer:
         if flag[1]:
             return False, "non-finite gradient"
         return True, ""
+
+    # ------------------------------------------------------------------ colocation (rl.colocate)
+    def offload_memory(self) -> dict:
+        """Hand what only the passes need to host memory for the colocated engine's generation phase
+        (``rl.offload``)."""
+        return self.offloader.offload()
+
+    def restore_memory(self) -> dict:
+        return self.offloader.restore()
 
     # ------------------------------------------------------------------ weights, checkpoints
     def export_adapter(self, version: int, include_mtp: Optional[bool] = None):

@@ -68,6 +68,13 @@ class TrainerActor:
     def call(self, method: str, *args, **kwargs):
         return getattr(self.trainer, method)(*args, **kwargs)
 
+    def node_id(self) -> str:
+        return node_id()
+
+
+def node_id() -> str:
+    return ray.get_runtime_context().get_node_id()
+
 
 class TrainerGroup:
     def __init__(self, cfg):
@@ -76,10 +83,11 @@ class TrainerGroup:
 
         t = cfg.trainer
         bundle = {"CPU": 1, **({"GPU": t.gpus_per_rank} if t.gpus_per_rank else {})}
-        self.pg = placement_group([dict(bundle) for _ in range(t.world_size)], strategy="PACK")
+        self.pg = placement_group([dict(bundle) for _ in range(t.world_size)], strategy=cfg.ray.placement_strategy)
         ray.get(self.pg.ready())
+        share = 1.0 - cfg.rollout.colocate.engine_fraction if cfg.rollout.colocate.enable else 1.0
         self.actors = [TrainerActor.options(
-            num_cpus=1, num_gpus=t.gpus_per_rank,
+            num_cpus=share, num_gpus=t.gpus_per_rank * share,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r)).remote()
             for r in range(t.world_size)]
         addr, port = ray.get(self.actors[0].node_address.remote())
@@ -95,6 +103,10 @@ class TrainerGroup:
     def first(self, method: str, *args, **kwargs):
         res = [a.call.remote(method, *args, **kwargs) for a in self.actors]
         return ray.get(res)[0]
+
+    def nodes(self) -> list[str]:
+        """The Ray node id of each rank (rank order)."""
+        return ray.get([a.node_id.remote() for a in self.actors])
 
     def shutdown(self) -> None:
         for a in self.actors:
@@ -121,9 +133,18 @@ class RolloutActor:
             self.tok = AutoTokenizer.from_pretrained(hf_dir)
             self.env = ToolRunner.from_config(multi_turn)
 
-    def load_adapter(self, payload: Optional[AdapterPayload]) -> bool:
+    def load_adapter(self, payload: Optional[AdapterPayload]) -> dict:
         self.engine.load_adapter(payload)
-        return True
+        return self.engine.last_push()
+
+    def sleep(self, level: int) -> str:
+        return self.engine.sleep(level)
+
+    def wake_up(self, tags: tuple) -> str:
+        return self.engine.wake_up(tuple(tags))
+
+    def node_id(self) -> str:
+        return node_id()
 
     def generate(self, requests: list[Request], params: SamplingParams, batched: bool) -> list[Result]:
         from rl.routing import stash_routes  # routes by ObjectRef (R3)
@@ -143,31 +164,59 @@ class RolloutPool:
     end at 19): the trainer is the chain every step waits for, and the scheduler stays work-conserving,
     so generation still takes every cycle the trainer leaves."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, placement_group=None):
+        """``placement_group``: the trainer's (``TrainerGroup.pg``) for colocated engines: engine ``i``
+        takes ``rollout.colocate.engine_fraction`` of bundle ``i · world_size / num_actors`` (the first of
+        the trainer ranks it time-shares GPUs with)."""
         self.cfg = cfg
+        self.pg = placement_group
         self.payload: Optional[AdapterPayload] = None
         self.restarts = 0
         self.events: list[str] = []
         self.loading: list = []
-        self.actors = [self._new() for _ in range(cfg.rollout.num_actors)]
+        self.actors = [self._new(i) for i in range(cfg.rollout.num_actors)]
 
-    def _new(self):
+    def _new(self, i: int):
         r, t = self.cfg.rollout, self.cfg.trainer
+        kwargs = dict(r.engine_kwargs)
+        if self.pg is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            f = r.colocate.engine_fraction
+            if r.engine.endswith("VLLMRolloutEngine"):
+                kwargs.setdefault("sleep_mode", True)
+                kwargs.setdefault("weight_transport", "handles")  # same GPU: CUDA IPC, no file (rl.weight_sync)
+            opts = dict(num_cpus=f, num_gpus=t.gpus_per_rank * f, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=i * (t.world_size // r.num_actors)))
+        else:
+            opts = dict(num_cpus=1, num_gpus=r.gpus_per_actor)
         shared = t.off_policy_steps > 0 and not r.gpus_per_actor and not t.gpus_per_rank
-        return RolloutActor.options(num_cpus=1, num_gpus=r.gpus_per_actor, max_concurrency=1).remote(
-            r.engine, serving_dir(self.cfg.model.hf_dir, self.cfg.model.ckpt, self.cfg.rollout.hf_dir), r.deterministic_topk, dict(r.engine_kwargs), r.multi_turn,
+        return RolloutActor.options(max_concurrency=1, **opts).remote(
+            r.engine, serving_dir(self.cfg.model.hf_dir, self.cfg.model.ckpt, self.cfg.rollout.hf_dir),
+            r.deterministic_topk, kwargs, r.multi_turn,
             self.CPU_NICE if shared else 0)
 
-    def sync(self, payload: Optional[AdapterPayload], wait: bool = True) -> None:
+    def sleep(self, level: int) -> list[str]:
+        """Every engine's ``sleep(level)``; what each reported (an actor that died is replaced)."""
+        return [msg for _, msg in self._each(lambda a: a.sleep.remote(level))]
+
+    def wake_up(self, tags: tuple) -> list[str]:
+        return [msg for _, msg in self._each(lambda a: a.wake_up.remote(tuple(tags)))]
+
+    def nodes(self) -> list[str]:
+        return [n for _, n in self._each(lambda a: a.node_id.remote())]
+
+    def sync(self, payload: Optional[AdapterPayload], wait: bool = True) -> list:
         """Push the adapter to every actor (kept for actors started later). ``wait=False`` queues the load
         behind each actor's in-flight generation (actor calls run in order) and returns at once: the
-        one-step-off-policy path, where the engines are still generating with the previous adapter."""
+        one-step-off-policy path, where the engines are still generating with the previous adapter.
+        Returns what each engine reported of the push (``RolloutEngine.last_push``; [] without waiting)."""
         self.payload = payload
         data = ray.put(payload) if len(self.actors) > 1 else payload  # one copy in the object store
         if wait:
-            self._each(lambda a: a.load_adapter.remote(data))
-        else:
-            self.loading = [a.load_adapter.remote(data) for a in self.actors]
+            return [got for _, got in self._each(lambda a: a.load_adapter.remote(data))]
+        self.loading = [a.load_adapter.remote(data) for a in self.actors]
+        return []
 
     def _each(self, fn):
         out = []
@@ -190,7 +239,7 @@ class RolloutPool:
             ray.kill(self.actors[i])
         except Exception:
             pass
-        self.actors[i] = self._new()
+        self.actors[i] = self._new(i)
         ray.get(self.actors[i].load_adapter.remote(self.payload if payload is False else payload))
         self.events.append(f"rollout actor {i} died ({type(err).__name__}); restarted{note}")
 

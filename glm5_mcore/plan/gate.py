@@ -44,7 +44,7 @@ def check_job(m: GLM5Config, job: Job, cluster: Cluster, check: bool = True) -> 
                          f"({s.params / 1e9:.1f}B parameters, {s.expert_params / 1e9:.1f}B routed experts), "
                          f"activations {r.act.peak / GIB:.1f} GiB")
     lines += [f"  {p}" for p in plan.problems if not p.startswith("trainer")]
-    if any(not r.fits for r in plan.ranks):
+    if any(not r.fits for r in plan.ranks) and not (job.rollout is not None and job.rollout.colocate):
         near = nearest_layout(m, job, cluster)
         if near is not None:
             L = near.job.layout
@@ -55,7 +55,13 @@ def check_job(m: GLM5Config, job: Job, cluster: Cluster, check: bool = True) -> 
             lines.append(f"  no trainer layout the recipe can run fits up to 64 nodes (activations alone "
                          f"{act / GIB:.1f} GiB at {job.micro_batch_tokens} tokens per micro-batch): lower the "
                          "micro-batch tokens or turn on recompute")
-    if plan.engine is not None and not plan.engine.fits:
+    if job.rollout is not None and job.rollout.colocate:
+        from glm5_mcore.plan.report import format_rl_row
+        from glm5_mcore.plan.search import search_rl
+
+        found = search_rl(m, job, cluster, limit=1)
+        lines.append("  fewest GPUs that fit on this cluster:" + (format_rl_row(found[0])[1:] if found else " none"))
+    elif plan.engine is not None and not plan.engine.fits:
         ro = job.rollout
         e = smallest_engine(m, cluster, ro.n, ro.prompt_tokens, ro.response_tokens, ro.engine)
         if e is not None:

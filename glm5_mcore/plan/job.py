@@ -32,6 +32,10 @@ class RolloutJob:
     response_tokens: int
     gpus_per_engine: float = 0.0
     """What Ray reserves per engine actor (``rollout.gpus_per_actor``)."""
+    colocate: bool = False
+    """The engines time-share the trainer's GPUs (``rollout.colocate.enable``): no GPUs of their own."""
+    offload_weights: bool = False
+    sleep_level: int = 1
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,9 @@ class Job:
 
     @property
     def rollout_gpus(self) -> int:
-        return self.rollout.engines * self.rollout.engine.gpus if self.rollout else 0
+        if not self.rollout or self.rollout.colocate:
+            return 0
+        return self.rollout.engines * self.rollout.engine.gpus
 
 
 def sft_job(cfg, world: int, etp: Optional[int] = None) -> Job:
@@ -89,9 +95,14 @@ def rl_job(cfg) -> Job:
     ``actor.mtp_loss_scale > 0`` or ``actor.mtp_accept``) and the engines."""
     t, a, r = cfg.trainer, cfg.actor, cfg.rollout
     layout = Layout(world=t.world_size, tp=t.tp, ep=t.ep, etp=t.etp, cp=t.cp)
-    engine = EngineSpec.from_engine_kwargs(dict(r.engine_kwargs or {}))
+    kw = dict(r.engine_kwargs or {})
+    engine = EngineSpec.from_engine_kwargs(kw)
+    co = r.colocate
+    level = co.sleep_level if co.sleep_level is not None else (2 if kw.get("merge") else 1)
     ro = RolloutJob(engines=r.num_actors, engine=engine, n=r.n, prompt_tokens=cfg.data.max_prompt_tokens,
-                    response_tokens=r.max_new_tokens, gpus_per_engine=float(r.gpus_per_actor))
-    return Job(kind="rl", layout=layout, micro_batch_tokens=a.micro_batch_tokens, bf16=t.bf16, recompute=t.recompute or False,
+                    response_tokens=r.max_new_tokens, gpus_per_engine=float(r.gpus_per_actor),
+                    colocate=co.enable, offload_weights=co.offload_weights, sleep_level=int(level))
+    return Job(kind="rl", layout=layout, micro_batch_tokens=a.micro_batch_tokens, bf16=t.bf16,
+               recompute=t.recompute or False,
                lora=(tuple(cfg.lora.targets), cfg.lora.rank), freeze_indexer=t.freeze_indexer,
                mtp=a.mtp_loss_scale > 0 or a.mtp_accept, rollout=ro, cluster=cfg.plan.cluster, fixed=("pp",))

@@ -8,6 +8,7 @@ from typing import Optional
 from glm5_mcore.config import GLM5Config
 from glm5_mcore.plan.activations import ActivationBytes, stage_activations
 from glm5_mcore.plan.cluster import GIB, Cluster
+from glm5_mcore.plan.colocate import PhasePlan, engine_plan_of, plan_phases
 from glm5_mcore.plan.job import Job
 from glm5_mcore.plan.layout import RankKind, rank_kinds
 from glm5_mcore.plan.memory import StateBytes, state_bytes
@@ -54,6 +55,8 @@ class Plan:
     ranks: list
     engine: Optional[EnginePlan] = None
     problems: list = field(default_factory=list)
+    phases: Optional[PhasePlan] = None
+    """Colocated RL: the training and generation phases of one GPU (``plan.colocate``)."""
 
     @property
     def fits(self) -> bool:
@@ -68,7 +71,10 @@ class Plan:
              "gpus": self.job.trainer_gpus + self.job.rollout_gpus, "ranks": [r.as_dict() for r in self.ranks],
              "problems": self.problems}
         if self.engine is not None:
-            d["rollout_engine"] = dict(self.engine.as_dict(), engines=self.job.rollout.engines)
+            d["rollout_engine"] = dict(self.engine.as_dict(), engines=self.job.rollout.engines,
+                                       colocated=self.job.rollout.colocate)
+        if self.phases is not None:
+            d["colocated_per_gpu"] = self.phases.as_dict()
         return d
 
 
@@ -95,7 +101,25 @@ def plan_job(m: GLM5Config, job: Job, cluster: Cluster) -> Plan:
             plan.problems.append(f"trainer {r.kind.name} (rank {r.kind.rank}) needs {r.total / GIB:.1f} GiB "
                                  f"(weights {(r.state.weights + r.state.buffers) / 1e9:.1f} GB), "
                                  f"{cluster.gpu} has {r.capacity / GIB:.1f} GiB usable")
-    if job.rollout is not None:
+    if job.rollout is not None and job.rollout.colocate:
+        ro = job.rollout
+        plan.phases = plan_phases(m, plan.worst, ro.engine, cluster, ro.n, ro.prompt_tokens, ro.response_tokens,
+                                  ro.offload_weights, ro.sleep_level)
+        plan.engine = engine_plan_of(m, plan.phases, ro.engine, ro.n)
+        if ro.engines * ro.engine.gpus != L.world:
+            plan.problems.append(f"colocated: {ro.engines} engine(s) x {ro.engine.gpus} GPUs must tile the trainer's "
+                                 f"{L.world} GPUs (rollout.num_actors x tensor x data parallel)")
+        p = plan.phases
+        if p.training > p.capacity:
+            plan.problems.append(f"colocated training phase needs {p.training / GIB:.1f} GiB per GPU (trainer "
+                                 f"{p.trainer_total / GIB:.1f} + sleeping engine), {p.capacity / GIB:.1f} usable")
+        if p.generation > p.capacity or p.kv_budget < p.kv_group:
+            plan.problems.append(f"colocated generation phase needs {p.generation / GIB:.1f} GiB per GPU (engine "
+                                 f"weights {p.engine_weights / GIB:.1f} + KV for a group {p.kv_group / GIB:.1f} + "
+                                 f"trainer resident {p.trainer_resident / GIB:.1f}), {p.capacity / GIB:.1f} usable"
+                                 + ("" if p.offload_weights else "; rollout.colocate.offload_weights=true moves "
+                                    "the frozen base weights to host memory for it"))
+    elif job.rollout is not None:
         ro = job.rollout
         plan.engine = plan_engine(m, ro.engine, cluster, ro.n, ro.prompt_tokens, ro.response_tokens)
         if ro.gpus_per_engine and ro.gpus_per_engine != ro.engine.gpus:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from glm5_mcore.plan.cluster import GIB
+from glm5_mcore.plan.colocate import ENGINE_ASLEEP, ENGINE_CONTEXT, PCIE_GBPS
+from glm5_mcore.plan.rollout import ACTIVATION_RESERVE
 from glm5_mcore.plan.planner import Plan
 
 
@@ -43,7 +45,9 @@ def format_plan(plan: Plan) -> str:
     row("TOTAL (this job)", lambda r: _g(r.total).strip())
     row("capacity", lambda r: _g(r.capacity).strip())
     row("fits", lambda r: "yes" if r.fits else "NO")
-    if plan.engine is not None:
+    if plan.phases is not None:
+        lines += [""] + format_phases(plan)
+    elif plan.engine is not None:
         e, ro = plan.engine, job.rollout
         s = e.spec
         lines += ["", f"rollout: {ro.engines} engine(s) x {s.gpus} GPUs (vLLM tensor_parallel_size={s.tp}, "
@@ -70,3 +74,48 @@ def format_layout_row(p: Plan) -> str:
     L, r = p.job.layout, p.worst
     return (f"  {L.world:5d} GPUs  TP {L.tp} EP {L.ep} ETP {L.etp} PP {L.pp} CP {L.cp} DP {L.dp}: "
             f"fullest rank {r.total / GIB:.1f} GiB ({r.kind.name})")
+
+
+def format_phases(plan: Plan) -> list[str]:
+    """The colocated per-GPU table: training phase vs generation phase."""
+    p, ro = plan.phases, plan.job.rollout
+    e = ro.engine
+    w = 18
+    out = [f"colocated: {ro.engines} engine(s) x {e.gpus} GPUs on the trainer's GPUs (vLLM tensor_parallel_size={e.tp}, "
+           f"data_parallel_size={e.dp}, enable_expert_parallel={e.expert_parallel}, weights {'FP8' if e.fp8 else 'bf16'}, "
+           f"gpu_memory_utilization={e.gpu_memory_utilization:g}), sleep level {p.sleep_level}",
+           "GiB per GPU".ljust(34) + "training phase".rjust(w) + "generation phase".rjust(w),
+           "-" * (34 + 2 * w)]
+
+    def row(label, a, b):
+        f = lambda x: x if isinstance(x, str) else f"{x / GIB:.2f}"  # noqa: E731
+        out.append(label.ljust(34) + f(a).rjust(w) + f(b).rjust(w))
+
+    row("trainer weights + buffers", p.trainer_weights, p.trainer_resident)
+    row("trainer grads + optimizer + acts", p.trainer_total - p.trainer_weights, 0)
+    row("engine weights", 0, p.engine_weights)
+    row("engine KV cache (its budget)", 0, p.kv_budget)
+    row("  one group of n sequences", "-", p.kv_group)
+    row("engine asleep / reserve + context", ENGINE_ASLEEP, ACTIVATION_RESERVE + ENGINE_CONTEXT)
+    row("TOTAL", p.training, p.generation)
+    row("capacity", p.capacity, p.capacity)
+    out.append(f"per GPU: {p.per_gpu / GIB:.2f} GiB of {p.capacity / GIB:.2f} "
+               f"({'fits' if p.fits else 'DOES NOT FIT'}); {p.sequences} sequences of "
+               f"{ro.prompt_tokens}+{ro.response_tokens} tokens at once; offload "
+               f"({'grads, optimizer, frozen weights' if p.offload_weights else 'grads, optimizer'}; engine sleep "
+               f"level {p.sleep_level}) moves {p.move_bytes / GIB:.1f} GiB per GPU per step: "
+               f"{p.move_seconds:.1f} s at {PCIE_GBPS:g} GB/s")
+    return out
+
+
+def format_rl_row(x) -> str:
+    """One ``search.RLLayout``."""
+    L, e = x.trainer.job.layout, x.engine
+    head = (f"  {x.gpus:5d} GPUs  {x.mode:9s}  trainer TP {L.tp} EP {L.ep} CP {L.cp} DP {L.dp}; {x.engines} engine(s) "
+            f"TP {e.tp} DP {e.dp}{' FP8' if e.fp8 else ''}: fullest GPU {x.per_gpu / GIB:.1f} GiB")
+    if x.phases is not None:
+        p = x.phases
+        head += (f" (training {p.training / GIB:.1f} / generation {p.generation / GIB:.1f}, "
+                 f"gpu_memory_utilization={e.gpu_memory_utilization:g}, "
+                 f"{'offload weights, ' if p.offload_weights else ''}{p.move_seconds:.1f} s offload per step)")
+    return head

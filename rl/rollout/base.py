@@ -9,9 +9,12 @@ a restart, a resume, or on another actor — gives the same sample.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Optional
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,9 +72,19 @@ def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> i
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
 
 
+SLEEP_LEVELS = (1, 2)
+"""vLLM's: 1 = weights to host memory, KV cache discarded; 2 = weights and KV cache discarded (the next
+push must bring every weight back)."""
+WAKE_TAGS = ("weights", "kv_cache")
+
+
 class RolloutEngine(ABC):
     """One engine per rollout actor. ``hf_dir`` is the base HF checkpoint; the adapter arrives
-    through ``load_adapter``."""
+    through ``load_adapter``.
+
+    Colocated with the trainer (``rl.colocate``) the engine also ``sleep``s between generation phases
+    and ``wake_up``s before them (vLLM's ``LLM.sleep(level)`` / ``LLM.wake_up(tags)``). The defaults
+    here are logged no-ops returning what they did, for an engine that holds nothing worth freeing."""
 
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, **kwargs):
         self.hf_dir = hf_dir
@@ -84,3 +97,32 @@ class RolloutEngine(ABC):
     @abstractmethod
     def load_adapter(self, payload: Optional[AdapterPayload]) -> None:
         ...
+
+    def last_push(self) -> dict:
+        """How the last ``load_adapter`` reached the engine ({} when there is nothing to say)."""
+        return {}
+
+    def sleep(self, level: int) -> str:
+        """Free this engine's accelerator memory until ``wake_up``; returns a one-line account."""
+        check_sleep_level(level)
+        msg = f"{type(self).__name__}.sleep(level={level}): no-op (nothing to free)"
+        log.info(msg)
+        return msg
+
+    def wake_up(self, tags: tuple = WAKE_TAGS) -> str:
+        """Bring back what ``sleep`` freed, ``tags`` of ``WAKE_TAGS`` (weights first, then the KV cache)."""
+        check_wake_tags(tags)
+        msg = f"{type(self).__name__}.wake_up(tags={list(tags)}): no-op (nothing was freed)"
+        log.info(msg)
+        return msg
+
+
+def check_sleep_level(level: int) -> None:
+    if level not in SLEEP_LEVELS:
+        raise ValueError(f"sleep level {level!r}: one of {SLEEP_LEVELS}")
+
+
+def check_wake_tags(tags) -> None:
+    bad = [t for t in tags if t not in WAKE_TAGS]
+    if bad or not tags:
+        raise ValueError(f"wake_up tags {list(tags)!r}: a non-empty subset of {WAKE_TAGS}")

@@ -18,7 +18,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from rl.rollout.base import AdapterPayload, Request, Result, RolloutEngine, SamplingParams
+from rl.offload import HostCopy, device_memory
+from rl.rollout.base import (AdapterPayload, Request, Result, RolloutEngine, SamplingParams, check_sleep_level,
+                             check_wake_tags)
 
 
 def _deterministic_indexer_class():
@@ -91,6 +93,7 @@ class HFRolloutEngine(RolloutEngine):
         self.index_rows = HFIndexRecorder(self.model, index_row_stride)  # DSA top-k of sampled query rows
         self.peft = None
         self.adapter_version: Optional[int] = None
+        self._asleep: Optional[HostCopy] = None
 
     # ------------------------------------------------------------------ weights
     def load_adapter(self, payload: Optional[AdapterPayload]) -> None:
@@ -119,6 +122,32 @@ class HFRolloutEngine(RolloutEngine):
             if getattr(res, "unexpected_keys", None):
                 raise ValueError(f"adapter v{payload.version}: unexpected keys {res.unexpected_keys[:3]}")
         self.adapter_version = payload.version
+
+    # ------------------------------------------------------------------ colocation (rl.colocate)
+    def sleep(self, level: int) -> str:
+        """On CUDA: every weight (base and adapter) to pinned host memory (``rl.offload.HostCopy``); this
+        engine keeps no KV cache between calls, and level 2 is served as level 1 (no path reloads the base
+        from disk here). On the CPU: the base class's logged no-op."""
+        check_sleep_level(level)
+        if self.device.type != "cuda":
+            return super().sleep(level)
+        if self._asleep is None:
+            self._asleep = HostCopy([*self.model.parameters(), *self.model.buffers()])
+            moved = self._asleep.offload()
+            torch.cuda.empty_cache()
+        else:
+            moved = 0
+        return f"HFRolloutEngine.sleep(level={level}): {moved / 2 ** 20:.1f} MiB to host, {device_memory()}"
+
+    def wake_up(self, tags: tuple = ("weights", "kv_cache")) -> str:
+        check_wake_tags(tags)
+        if self.device.type != "cuda":
+            return super().wake_up(tags)
+        moved = 0
+        if "weights" in tags and self._asleep is not None:
+            moved = self._asleep.restore()
+            self._asleep = None
+        return f"HFRolloutEngine.wake_up(tags={list(tags)}): {moved / 2 ** 20:.1f} MiB back, {device_memory()}"
 
     @property
     def _net(self):

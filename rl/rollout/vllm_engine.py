@@ -228,7 +228,8 @@ class VLLMRolloutEngine(RolloutEngine):
     ``vllm_python`` (run vLLM under that interpreter), ``device="cpu"`` (vLLM's CPU build:
     ``cpu_compat.vllm_cpu_llm_kwargs``), ``dense_mla`` (serve without the DSA indexer: only while
     ``index_topk`` >= ``max_model_len``, where DSA selects every key), ``push_bytes`` (merged tensors per
-    reload), ``return_routes`` (R3: vLLM's ``enable_return_routed_experts``, which in vLLM 0.32 needs model
+    reload), ``sleep_mode`` (vLLM's, for colocated engines), ``weight_transport`` ("file": safetensors files,
+    separate engines; "handles": ``rl.weight_sync`` buckets, CUDA IPC on GPUs, colocated engines), ``return_routes`` (R3: vLLM's ``enable_return_routed_experts``, which in vLLM 0.32 needs model
     runner V2 and prefix caching, so GPU only; each ``Result.routes`` is then uint8 [tokens, moe_layers,
     top_k]), ``mtp_draft_tokens`` (> 0: speculative decoding, that many tokens drafted per step by the
     checkpoint's MTP layer — vLLM's ``speculative_config`` ``method="mtp"``), ``push_threads`` (CPU threads
@@ -249,7 +250,8 @@ class VLLMRolloutEngine(RolloutEngine):
                  dtype: str = "bfloat16", gpu_memory_utilization: float = 0.8, tensor_parallel_size: int = 1,
                  vllm_python: Optional[str] = None, dense_mla: bool = False, device: Optional[str] = None,
                  push_bytes: int = 2 << 30, return_routes: bool = False, mtp_draft_tokens: int = 0,
-                 push_threads: Optional[int] = None, **kwargs):
+                 push_threads: Optional[int] = None, sleep_mode: bool = False, weight_transport: str = "file",
+                 **kwargs):
         super().__init__(hf_dir, deterministic_topk)
         config = json.loads((Path(hf_dir) / "config.json").read_text())
         if dense_mla:
@@ -270,11 +272,21 @@ class VLLMRolloutEngine(RolloutEngine):
         self.device = device
         self.lora: Optional[tuple] = None
         self._pushed: set[str] = set()
+        self.sleep_mode = sleep_mode and device != "cpu"  # cpu_compat.VLLM_CPU_NO_SLEEP
+        if weight_transport not in ("file", "handles"):
+            raise ValueError(f"weight_transport={weight_transport!r}: file (separate engines) or handles "
+                             "(colocated: rl.weight_sync buckets, CUDA IPC on GPUs)")
+        self.transport = weight_transport
+        self.n_experts = int(config.get("n_routed_experts") or 1)
+        self.sync_log: list[dict] = []  # per push: buckets and bytes (handles transport)
+        self._discarded = False  # a level-2 sleep: the next push brings every weight back
         env: dict = {}
         llm = dict(model=str(hf_dir), dtype=dtype, enable_lora=not merge, tensor_parallel_size=tensor_parallel_size,
                    logprobs_mode="processed_logprobs", enable_prefix_caching=False)
         if return_routes:
             llm.update(enable_return_routed_experts=True, enable_prefix_caching=True)
+        if self.sleep_mode:  # colocated with the trainer (rl.colocate)
+            llm["enable_sleep_mode"] = True
         if not merge:
             llm["max_lora_rank"] = max_lora_rank
         if device == "cpu":
@@ -300,7 +312,60 @@ class VLLMRolloutEngine(RolloutEngine):
             self.server = _LocalServer(Server(llm, dense_mla=dense_mla))
         self._dir = tempfile.mkdtemp(prefix="glm5_vllm_")  # adapters and merged files, this engine's own
 
+    # ------------------------------------------------------------------ colocation (rl.colocate)
+    def sleep(self, level: int) -> str:
+        """vLLM's ``LLM.sleep(level)``: 1 = weights to host memory, KV cache dropped; 2 = both dropped, so
+        the next ``load_adapter`` pushes every weight (base or merged) back. A logged no-op on vLLM-CPU."""
+        from rl.rollout.base import check_sleep_level
+
+        check_sleep_level(level)
+        if level == 2:
+            self._discarded = True
+        if not self.sleep_mode:
+            from glm5_mcore.cpu_compat import VLLM_CPU_NO_SLEEP
+
+            return f"VLLMRolloutEngine.sleep(level={level}): no-op ({VLLM_CPU_NO_SLEEP})"
+        self.server.call("sleep", level)
+        return f"VLLMRolloutEngine.sleep(level={level})"
+
+    def wake_up(self, tags: tuple = ("weights", "kv_cache")) -> str:
+        from rl.rollout.base import check_wake_tags
+
+        check_wake_tags(tags)
+        if not self.sleep_mode:
+            return f"VLLMRolloutEngine.wake_up(tags={list(tags)}): no-op (vLLM-CPU has no sleep mode)"
+        self.server.call("wake_up", list(tags))
+        return f"VLLMRolloutEngine.wake_up(tags={list(tags)})"
+
+    def last_push(self) -> dict:
+        """{"transport", "buckets": [[HF names] per bucket], "bytes"} of the last push (handles transport)."""
+        if self.transport != "handles" or not self.sync_log:
+            return {"transport": self.transport}
+        return {"transport": self.transport, **self.sync_log[-1]}
+
+    def _all_weights(self) -> tuple:
+        """Every HF tensor the served model loads (after a level-2 sleep all of them come back)."""
+        from glm5_mcore.checkpoint.hf_io import HFCheckpoint
+
+        out = []
+        for h in HFCheckpoint(self.hf_dir).keys():
+            if h.endswith("_scale_inv") or (not self.drafts and is_mtp_tensor(h, self.num_hidden_layers)):
+                continue
+            fused = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", h)
+            if fused:  # transformers' fused expert tensors: the per-expert names vLLM's loader takes
+                kinds = ("down_proj",) if fused.group(2) == "down_proj" else ("gate_proj", "up_proj")
+                out += [f"{fused.group(1)}.{e}.{k}.weight" for e in range(self.n_experts) for k in kinds]
+            else:
+                out.append(h)
+        return tuple(out)
+
+    # ------------------------------------------------------------------ weights
     def load_adapter(self, payload: Optional[AdapterPayload]) -> None:
+        if self._discarded:  # level-2 sleep: the base of every tensor first, then this push as usual
+            self._discarded = False
+            self._pushed = set(self._all_weights())
+            if not self.merge:  # a LoRARequest serves on the base: reload it (merged: the push below does)
+                self._push({})
         if payload is None or not payload.files:
             self.lora = None
             if self._pushed:
@@ -344,11 +409,15 @@ class VLLMRolloutEngine(RolloutEngine):
             chunks = iter_merged_weights(self.hf_dir, None, tuple(self._pushed), self.push_bytes, "all")
         pushed = set()
         file = Path(self._dir) / "merged.safetensors"
+        buckets: list = []
         for weights in chunks:
             draft = {h: w for h, w in weights.items() if is_mtp_tensor(h, self.num_hidden_layers)}
             for method, part in (("reload", {h: w for h, w in weights.items() if h not in draft}),
                                  ("reload_draft", draft)):
                 if not part:
+                    continue
+                if self.transport == "handles":
+                    buckets += self._send_buckets(method, part)
                     continue
                 save_file(part, str(file))
                 try:
@@ -359,6 +428,25 @@ class VLLMRolloutEngine(RolloutEngine):
             pushed |= names
             self._pushed |= names  # a failure mid-way still restores these with the next push
         self._pushed = pushed
+        if self.transport == "handles":
+            self.sync_log.append({"buckets": [b["names"] for b in buckets], "bytes": sum(b["bytes"] for b in buckets)})
+
+    def _send_buckets(self, method: str, part: dict) -> list[dict]:
+        """``part`` to vLLM as ``rl.weight_sync`` buckets of whole decoder layers (at most ``push_bytes``
+        unless one layer is larger: the granularity the file path reloads), each handed over as a CUDA IPC handle on GPUs (the bucket built on the engine's GPU) or
+        the shared-file stand-in on the CPU."""
+        from rl import weight_sync
+
+        cuda = torch.cuda.is_available() and self.device != "cpu"
+        codec = weight_sync.codec("cuda_ipc" if cuda else "shared_file")
+
+        def group_of(h: str) -> str:  # whole decoder layers, as the file path's chunks (iter_merged_weights):
+            m = _LAYER.match(h)         # vLLM's MoE gate (weight + e_score_correction_bias) and MLA modules
+            return f"model.layers.{m.group(1)}" if m else h  # rebuild from what one reload brings
+
+        return weight_sync.send([part], self.push_bytes, codec,
+                                lambda handle, metas: self.server.call(method + "_handle", handle, metas, codec.name),
+                                group_of, torch.device("cuda", torch.cuda.current_device()) if cuda else None)
 
     def generate(self, requests: list[Request], params: SamplingParams, batched: bool = True) -> list[Result]:
         if params.top_p < 1.0:

