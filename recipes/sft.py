@@ -339,8 +339,8 @@ def run(cfg: SFTConfig, record: Optional[Callable[[], None]] = None) -> dict:
     from transformers import AutoTokenizer
 
     from glm5_mcore.checkpoint.layout import load_model, model_dir
-    from glm5_mcore.model.dsa import (check_indexer_learns, indexer_metrics, set_indexer_frozen, set_indexer_warmup,
-                                set_recall_probe)
+    from glm5_mcore.model.indexer_stages import (check_indexer_learns, indexer_metrics, set_indexer_frozen,
+                                              set_indexer_warmup, set_recall_probe)
     from glm5_mcore.lora.apply import apply_lora
     from glm5_mcore.model.build import build_model, init_parallel, load_hf_weights
     from glm5_mcore.model.mtp_loss import mtp_depth_losses

@@ -104,7 +104,7 @@ class PolicyTrainer:
     def __init__(self, cfg: RLConfig, rank: int = 0, world: int = 1, master_addr: Optional[str] = None,
                  master_port: Optional[int] = None):
         from glm5_mcore.config import GLM5Config, ParallelConfig
-        from glm5_mcore.model.dsa import check_indexer_learns
+        from glm5_mcore.model.indexer_stages import check_indexer_learns
         from glm5_mcore.lora.apply import LoRAConfig, apply_lora, set_adapter
         from glm5_mcore.model.build import build_model, init_parallel, load_hf_weights
         from glm5_mcore.training.loop import MoELoad, OptimCfg, build_trainer

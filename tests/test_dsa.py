@@ -2,7 +2,7 @@
 
 import torch
 
-from glm5_mcore.model.dsa import compute_index_topk, deterministic_topk, sparse_attention
+from glm5_mcore.model.sparse_attention import compute_index_topk, deterministic_topk, sparse_attention
 
 
 def test_deterministic_topk_breaks_ties_to_lower_index():
@@ -72,7 +72,7 @@ def test_topk_respects_causal_and_document_bounds():
 
 
 def test_absorbed_sparse_attention_equals_expanded_keys_values():
-    from glm5_mcore.model.dsa import absorbed_sparse_attention, sparse_attention
+    from glm5_mcore.model.sparse_attention import absorbed_sparse_attention, sparse_attention
 
     g = torch.Generator().manual_seed(0)
     S, b, n, dn, dr, dv, dc, K = 24, 2, 3, 8, 4, 6, 10, 5
@@ -133,7 +133,7 @@ def test_model_absorbed_path_matches_unabsorbed_and_takes_kv_up_lora(tiny_dir, s
 
 
 def test_dense_attention_per_document_equals_masked():
-    from glm5_mcore.model.dsa import dense_attention
+    from glm5_mcore.model.sparse_attention import dense_attention
 
     g = torch.Generator().manual_seed(1)
     S, b, n, h = 20, 1, 2, 8

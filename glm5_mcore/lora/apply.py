@@ -334,7 +334,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, adapter_name: str = "def
     default; no grads, hence no optimizer state). Indexer adapters train only with the indexer loss
     (the LM loss does not reach the indexer), so targeting the indexer while it is frozen is an error.
     """
-    from glm5_mcore.model.dsa import set_indexer_frozen
+    from glm5_mcore.model.indexer_stages import set_indexer_frozen
 
     cfg.validate()
     wants_indexer = any(t in INDEXER for t in cfg.targets)

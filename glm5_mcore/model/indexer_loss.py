@@ -70,7 +70,7 @@ def compute_sparse_attention_target(query_SbnH: torch.Tensor, key_TbnH: torch.Te
 def compute_sparse_attention_target_latent(q_RnD: torch.Tensor, lat_TD: torch.Tensor, topk_bSK: torch.Tensor,
                                            scale: float, tp_group=None) -> torch.Tensor:
     """``compute_sparse_attention_target`` in the absorbed MLA form: q·k = q_abs·lat (see
-    ``dsa.absorbed_sparse_attention``), so each query's selected latent rows are gathered once for all
+    ``sparse_attention.absorbed_sparse_attention``), so each query's selected latent rows are gathered once for all
     heads ([C, K, D], n times less than per-head keys). q [b·S, n, D], lat [b·T, D] → [b, S, K]."""
     b, S, K = topk_bSK.shape
     R, n, D = q_RnD.shape

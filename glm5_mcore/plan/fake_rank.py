@@ -62,7 +62,7 @@ def build_rank(model: GLM5Config, layout: Layout, rank: int, *, mtp: bool = True
     """The ``GPTModel`` of global ``rank`` in ``layout`` on the meta device. ``mtp=False`` builds it
     without MTP layers (as the RL trainer does); ``lora=(targets, rank)`` applies adapters as the
     recipes do (base frozen); otherwise the indexer is frozen as in full fine-tuning."""
-    from glm5_mcore.model.dsa import set_indexer_frozen
+    from glm5_mcore.model.indexer_stages import set_indexer_frozen
     from glm5_mcore.lora.apply import LoRAConfig, apply_lora
     from glm5_mcore.model.build import build_model
 
