@@ -387,7 +387,7 @@ def run(cfg: SFTConfig, record: Optional[Callable[[], None]] = None) -> dict:
 
         if foreign_ckpt.is_foreign(cfg.model.ckpt):  # Megatron-LM / Bridge: config checked, MTP as stored
             glm5 = foreign_ckpt.glm5_config(cfg.model.ckpt, glm5)
-    model = build_model(glm5, parallel, **overrides)
+    model = build_model(glm5, parallel, dsa_kernel_backend=cfg.model.dsa_kernel_backend, **overrides)
     if cfg.model.ckpt:
         load_model(model, model_dir(cfg.model.ckpt))
     else:

@@ -133,6 +133,7 @@ class PolicyTrainer:
         self.pad_id = AutoTokenizer.from_pretrained(cfg.model.hf_dir).pad_token_id or 0
         overrides = {"bf16": True, "params_dtype": torch.bfloat16} if t.bf16 else {}
         model = build_model(self.glm5, self.parallel, backend=t.backend, mtp_num_layers=mtp,
+                            dsa_kernel_backend=cfg.model.dsa_kernel_backend,
                             moe_enable_routing_replay=True, **overrides, **overrides_mtp)
         if cfg.model.ckpt:
             from glm5_mcore.checkpoint.layout import load_model, model_dir

@@ -85,7 +85,7 @@ def test_absorbed_sparse_attention_equals_expanded_keys_values():
     kv = torch.einsum("tbc,oc->tbo", c, w).view(S, b, n, dn + dv)
     key = torch.cat([kv[..., :dn], kr[:, :, None].expand(-1, -1, n, -1)], -1)
     ref = sparse_attention(q, key, kv[..., dn:], topk, 0.3)
-    got = absorbed_sparse_attention(q, kr, c, w, topk, 0.3, dn, dv)
+    got = absorbed_sparse_attention(q, torch.cat([c, kr], -1), w, topk, 0.3, dn, dv)
     assert (got - ref).abs().max() <= 1e-5
     gr = torch.autograd.grad(ref.square().sum(), (q, c, kr, w))
     gg = torch.autograd.grad(got.square().sum(), (q, c, kr, w))

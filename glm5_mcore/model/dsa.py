@@ -25,17 +25,19 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-from megatron.core.transformer.experimental_attention_variant import dsa_layout, dsa_masking
-from megatron.core.transformer.experimental_attention_variant.dsa import DSAttentionSubmodules
+from megatron.core.transformer.experimental_attention_variant import dsa_indexer_loss, dsa_layout, dsa_masking
+from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler, DSAttentionSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.utils import get_pg_size
 
 
-from glm5_mcore.model.indexer_loss import (compute_sparse_attention_target, compute_sparse_attention_target_latent,
-                                     compute_sparse_indexer_loss, compute_topk_recall, indexer_trainable)
-from glm5_mcore.model.sparse_attention import (absorbed_sparse_attention, allowed_keys, compute_index_topk,
-                                               dense_attention, deterministic_topk, sparse_attention)
+from glm5_mcore.model import dsa_backend
+from glm5_mcore.model.indexer_loss import (DenseIndexerKL, compute_sparse_attention_target,
+                                           compute_sparse_attention_target_latent, compute_sparse_indexer_loss,
+                                           compute_topk_recall, indexer_trainable)
+from glm5_mcore.model.sparse_attention import (CHUNK_BYTES, absorbed_query, compute_index_topk, dense_attention,
+                                               latent_attention, sparse_attention)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -77,9 +79,13 @@ class GLM5SparseAttention(MegatronModule):
                              "warm-up stage (set_indexer_warmup)")
         self.recall_rows = 128  # query rows per forward sampled for the top-k recall metric
         self.probe_recall = False  # measure the recall in training forwards without the loss too
-        self._absorbed_inputs: list = []  # [absorbed query, latent] of this forward, for the loss target
         self.indexer_stats = [0.0, 0, 0.0, 0]  # Σ KL, #rows, Σ recall, #rows since indexer_metrics read them
         self._kv_up: list = []  # [the parent MLA's linear_kv_up_proj], set by link_absorbed_mla
+        self.fused = dsa_backend.active(config)  # Megatron-Core's fused kernels (config.dsa_kernel_backend)
+        if self.fused:
+            dsa_backend.check(config, get_pg_size(pg_collection.tp),
+                              trains_indexer=computes_topk and (config.dsa_indexer_loss_coeff or 0.0) > 0)
+            dsa_backend.notice(config)
 
     def _positions(self, sq: int, device, packed_seq_params: Optional[PackedSeqParams]):
         """Each query's index in the (CP-gathered) key order and its document's first key."""
@@ -107,55 +113,73 @@ class GLM5SparseAttention(MegatronModule):
                 packed_seq_params: Optional[PackedSeqParams] = None, position_ids=None,
                 attention_bias=None, up_v_weight=None):
         """query [S,b,n,h] (or THD [t,n,h]), key [S,b,n,h], value [S,b,n,hv], x [S',b,H],
-        qr [S',b,r_q] (S' = S/TP under sequence parallel). Returns [S, b, n·hv] (THD: [t, n·hv])."""
+        qr [S',b,r_q] (S' = S/TP under sequence parallel). Returns [S, b, n·hv] (THD: [t, n·hv]).
+
+        No host read of a device tensor (no ``.item()``, ``int()``, ``bool()``, ``nonzero``): every
+        branch depends on shapes and settings only. Under context parallelism the absorbed core
+        all-gathers the 576-wide latent row (kv latent ⊕ rope key), not per-head keys and values."""
         thd = query.dim() == 3
         if thd:
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         sq = query.shape[0]
         q_pos, doc_start, reorder = self._positions(sq, query.device, packed_seq_params)
-        key = self._gather_cp(key, reorder)
-        value = self._gather_cp(value, reorder)
-        skv = key.shape[0]
+        natural = reorder is None  # no CP: query i sits at key position i
+        plain_causal = natural and packed_seq_params is None
+        skv = sq * get_pg_size(self.pg_collection.cp) if reorder is not None else key.shape[0]
+        latent, self._latent = self._latent, None
 
         if self.warmup_coeff > 0 and self.computes_topk and self.training:
-            self._latent = None  # dense attention here: the stashed latent is not used
-            out = dense_attention(query, key, value, q_pos, doc_start, self.softmax_scale)
+            key, value = self._gather_cp(key, reorder), self._gather_cp(value, reorder)
+            out = dense_attention(query, key, value, q_pos, doc_start, self.softmax_scale, plain_causal)
             out = self._warmup_indexer_loss(out, query, key, x, qr, packed_seq_params, reorder, q_pos, doc_start)
             return out.squeeze(1) if thd else out
+        absorbed = bool(self._kv_up) and latent is not None and self.index_topk < skv
+        if absorbed:  # the absorbed query and the shared latent rows [T, b, 576], gathered once over CP
+            q_cat, lat, w = self._absorbed_inputs(query, key, latent, reorder)
+        else:
+            key, value = self._gather_cp(key, reorder), self._gather_cp(value, reorder)
         learn = self.sparse_loss_active()
-        if learn:  # sparse stage: the indexer's outputs keep their graph (its inputs are detached)
-            q_i, k_i, w_i = self.indexer.forward_before_topk(x.detach(), qr.detach(), packed_seq_params)
-            k_i = self._gather_cp(k_i, reorder)
-            selected = compute_index_topk(q_i.detach(), k_i.detach(), w_i.detach(), self.index_topk, q_pos,
-                                          doc_start)
-            topk = None if self.index_topk >= skv else selected
-        elif self.index_topk >= skv:
-            topk = None
-        elif self.computes_topk:
-            with torch.no_grad():
+        loss = None
+        if self.computes_topk and (learn or self.index_topk < skv):
+            grad = torch.enable_grad() if learn else torch.no_grad()
+            with grad:  # sparse stage: the indexer's outputs keep their graph (its inputs are detached)
                 q_i, k_i, w_i = self.indexer.forward_before_topk(x.detach(), qr.detach(), packed_seq_params)
                 k_i = self._gather_cp(k_i, reorder)
-                topk = compute_index_topk(q_i, k_i, w_i, self.index_topk, q_pos, doc_start)
+            topk, loss = self._select(q_i, k_i, w_i, q_pos, doc_start, natural, learn,
+                                      (q_cat, lat) if absorbed else None, packed_seq_params)
+        elif self.computes_topk:
+            topk = None
         else:
             if not self._topk_source:
                 raise RuntimeError(f"layer {self.layer_number}: IndexShare layer not linked to a full layer")
             topk = self._topk_source[0].last_topk
+        selected = topk
+        if self.index_topk >= skv:
+            topk = None
         self.last_topk = topk
 
-        latent, self._latent = self._latent, None
         if topk is None:
-            out = dense_attention(query, key, value, q_pos, doc_start, self.softmax_scale)
-        elif self._kv_up and latent is not None:
-            out = self._absorbed(query, key, latent, topk, reorder, value.shape[-1])
+            out = dense_attention(query, key, value, q_pos, doc_start, self.softmax_scale, plain_causal)
+        elif absorbed:
+            out = latent_attention(q_cat, lat, w, topk, self.softmax_scale, self.config.qk_head_dim,
+                                   self.config.v_head_dim, dsa_backend.fused_core(self.config) if self.fused else None)
+            v_out = value.shape[-1]
+            if v_out > self.config.v_head_dim:  # MLA padded the value heads (THD) and trims the padding from our output
+                S, b, n = query.shape[:3]
+                out = F.pad(out.view(S, b, n, -1), [0, v_out - self.config.v_head_dim]).view(S, b, n * v_out)
         else:
             out = sparse_attention(query, key, value, topk, self.softmax_scale)
-        if learn:
-            out = self._sparse_indexer_loss(out, query, key, q_i, w_i, k_i, selected, q_pos, doc_start,
-                                            packed_seq_params)
-        elif self.probe_recall and self.training and self.computes_topk and topk is not None:
-            self._add_stats(0.0, 0, *compute_topk_recall(query.detach(), key.detach(), topk, q_pos, doc_start,
-                                                         self.softmax_scale, self.pg_collection.tp,
-                                                         self.recall_rows))
+        probe = self.probe_recall and self.training and self.computes_topk and selected is not None
+        if learn and loss is None:
+            loss = self._sparse_indexer_loss(query, key, q_i, w_i, k_i, selected,
+                                             (q_cat, lat) if absorbed else None, packed_seq_params)
+        if learn or probe:
+            qq, kk = (q_cat.detach(), lat.detach().unsqueeze(2)) if absorbed else (query.detach(), key.detach())
+            recall, n = compute_topk_recall(qq, kk, selected, q_pos, doc_start, self.softmax_scale,
+                                            self.pg_collection.tp, self.recall_rows)
+            self._add_stats(0.0, 0, recall, n)
+        if loss is not None:
+            out = DSAIndexerLossAutoScaler.apply(out, loss)
         return out.squeeze(1) if thd else out
 
     def sparse_loss_active(self) -> bool:
@@ -164,32 +188,58 @@ class GLM5SparseAttention(MegatronModule):
         return (self.computes_topk and self.training and self.warmup_coeff == 0 and torch.is_grad_enabled()
                 and (self.config.dsa_indexer_loss_coeff or 0.0) > 0 and indexer_trainable(self.indexer))
 
-    def _sparse_indexer_loss(self, out, query, key, q_i, w_i, k_i, selected, q_pos, doc_start, packed_seq_params):
+    def _select(self, q_i, k_i, w_i, q_pos, doc_start, natural, learn, absorbed, packed_seq_params):
+        """(top-k [b, S, K], the fused backend's sparse-stage loss or None). On the fused path
+        Megatron-Core's hooks score and select (and, in the sparse stage with the absorbed core, add the
+        KL); elsewhere ``compute_index_topk``."""
+        if self.fused:
+            coeff = float(self.config.dsa_indexer_loss_coeff or 0.0)
+            if learn and absorbed is not None:
+                q_cat, lat = absorbed
+                res = dsa_backend.fused_topk_with_loss(
+                    self.config, q_i, k_i, w_i, self.index_topk, doc_start, q_pos + 1, CHUNK_BYTES, q_cat,
+                    lat.unsqueeze(2), self.softmax_scale, coeff, self.pg_collection, self._valid_rows(q_i,
+                                                                                                    packed_seq_params))
+                if res is not None:
+                    topk, loss = res
+                    b, S = topk.shape[:2]
+                    per_token = bool(getattr(self.config, "calculate_per_token_loss", False))
+                    self._add_stats(loss.detach() / coeff * (1 if per_token else b * S), b * S, 0.0, 0)
+                    return topk, loss
+            with torch.no_grad():
+                topk = dsa_backend.fused_topk(self.config, q_i, k_i, w_i, self.index_topk, doc_start, q_pos + 1,
+                                              CHUNK_BYTES)
+            if topk is not None:
+                return topk, None
+        return compute_index_topk(q_i.detach(), k_i.detach(), w_i.detach(), self.index_topk, q_pos, doc_start,
+                                  natural), None
+
+    def _valid_rows(self, q_i, packed_seq_params):
+        return dsa_masking.extract_query_valid_rows_from_packed_seq_params(  # padding rows, if marked
+            packed_seq_params, b=q_i.shape[1], sq=q_i.shape[0], device=q_i.device)
+
+    def _sparse_indexer_loss(self, query, key, q_i, w_i, k_i, selected, absorbed, packed_seq_params):
         """Sparse stage (DeepSeek-V3.2 / GLM-5): Megatron-Core's sparse KL between the main
         attention over each query's selected keys (heads summed) and the indexer's scores there,
-        attached to ``out`` with its autoscaler; only the indexer's outputs carry grads (the MLA query
-        and key are detached). Adds to ``indexer_stats`` (Σ KL, rows, Σ recall, rows)."""
-        from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
-
+        returned for ``DSAIndexerLossAutoScaler``; only the indexer's outputs carry grads (the MLA query
+        and key are detached). Adds (Σ KL, rows) to ``indexer_stats``."""
         tp = self.pg_collection.tp
-        if self._absorbed_inputs:  # the sparse core ran absorbed: score the shared latent rows once for all heads
-            (q_abs, lat), self._absorbed_inputs = self._absorbed_inputs, []
-            target = compute_sparse_attention_target_latent(q_abs, lat, selected, self.softmax_scale, tp)
+        if absorbed is not None:  # the sparse core ran absorbed: score the shared latent rows once for all heads
+            q_cat, lat = absorbed
+            b, S = selected.shape[:2]
+            target = compute_sparse_attention_target_latent(q_cat.transpose(0, 1).reshape(b * S, *q_cat.shape[2:]),
+                                                            lat.transpose(0, 1).reshape(-1, lat.shape[-1]),
+                                                            selected, self.softmax_scale, tp)
         else:
             target = compute_sparse_attention_target(query.detach(), key.detach(), selected, self.softmax_scale, tp)
-        b, S = selected.shape[:2]
-        valid_rows = dsa_masking.extract_query_valid_rows_from_packed_seq_params(  # padding rows, if marked
-            packed_seq_params, b=b, sq=S, device=selected.device)
         loss, kl_sum, rows = compute_sparse_indexer_loss(
             q_i, w_i, k_i, selected, target, float(self.config.dsa_indexer_loss_coeff),
-            bool(getattr(self.config, "calculate_per_token_loss", False)), valid_rows)
-        recall, n = compute_topk_recall(query.detach(), key.detach(), selected, q_pos, doc_start,
-                                        self.softmax_scale, tp, self.recall_rows)
-        self._add_stats(kl_sum, rows, recall, n)
-        return DSAIndexerLossAutoScaler.apply(out, loss)
+            bool(getattr(self.config, "calculate_per_token_loss", False)), self._valid_rows(q_i, packed_seq_params))
+        self._add_stats(kl_sum, rows, 0.0, 0)
+        return loss
 
-    def _add_stats(self, kl_sum, rows: int, recall_sum, recall_rows: int) -> None:
-        """Sums may be 0-dim tensors (no device sync here; ``indexer_metrics`` reads them once a step)."""
+    def _add_stats(self, kl_sum, rows, recall_sum, recall_rows) -> None:
+        """Sums and counts may be 0-dim tensors (no device sync here; ``indexer_metrics`` reads them once a step)."""
         st = self.indexer_stats
         st[0] += kl_sum
         st[1] += rows
@@ -197,65 +247,41 @@ class GLM5SparseAttention(MegatronModule):
         st[3] += recall_rows
 
     def _warmup_indexer_loss(self, out, query, key, x, qr, packed_seq_params, reorder, q_pos, doc_start):
-        """Indexer warm-up (DeepSeek-V3.2 dense stage): Megatron-Core's KL loss between the head-summed
-        dense attention distribution and the indexer's, attached to ``out`` with its autoscaler so
-        only the indexer gets gradients (its inputs are detached). Records the top-k recall of the
-        dense attention mass (``indexer_stats``)."""
-        from megatron.core.transformer.experimental_attention_variant.dsa import (
-            DSAIndexerLossAutoScaler, compute_dsa_indexer_loss)
-
+        """Indexer warm-up (DeepSeek-V3.2 dense stage): Megatron-Core's dense KL loss between the
+        head-summed attention distribution and the indexer's, chunked by query rows
+        (``DenseIndexerKL``: never a [T, T] tensor), attached to ``out`` with its autoscaler so only the
+        indexer gets gradients (its inputs are detached). Records the top-k recall of the dense
+        attention mass (``indexer_stats``)."""
         q_i, k_i, w_i = self.indexer.forward_before_topk(x.detach(), qr.detach(), packed_seq_params)
         k_i = self._gather_cp(k_i, reorder)
-        relu = torch.relu(torch.einsum("sbnd,tbd->bsnt", q_i.float(), k_i.float()))
-        scores = torch.einsum("sbn,bsnt->bst", w_i.float(), relu)  # [b, S, T]
-        T = k_i.shape[0]
-        key_pos = torch.arange(T, device=scores.device)
-        allowed = allowed_keys(key_pos, q_pos, doc_start)  # [S, T]
-        K = min(self.index_topk, T)
-        with torch.no_grad():
-            topk = torch.stack([deterministic_topk(scores[bi].masked_fill(~allowed, float("-inf")), K)
-                                for bi in range(scores.shape[0])])
-        loss = compute_dsa_indexer_loss(
-            scores, topk.clamp(min=0), query.float(), key.float(), self.softmax_scale, self.warmup_coeff,
-            sparse_loss=False, pg_collection=self.pg_collection,
-            varlen_starts=doc_start, varlen_ends=q_pos + 1, key_positions=key_pos,
-            calculate_per_token_loss=bool(getattr(self.config, "calculate_per_token_loss", False)))
-        with torch.no_grad():  # recall: dense attention mass (summed over heads) inside the top-k set
-            att = torch.einsum("sbnh,tbnh->bnst", query.float(), key.float()) * self.softmax_scale
-            att = att.masked_fill(~allowed, float("-inf")).softmax(-1).sum(1)
-            att = att / att.sum(-1, keepdim=True)
-            mass = att.gather(-1, topk.clamp(min=0)).masked_fill(topk < 0, 0.0).sum(-1)  # [b, S]
-            rows = allowed.sum(-1) > K  # rows where the top-k is a real choice
+        kl_sum, mass, rows = DenseIndexerKL.apply(q_i, w_i, k_i, query.detach(), key.detach(), q_pos, doc_start,
+                                                  self.softmax_scale, self.index_topk, self.pg_collection.tp)
+        b, S = q_i.shape[1], q_i.shape[0]
         per_token = bool(getattr(self.config, "calculate_per_token_loss", False))
-        n_rows = topk.shape[0] * topk.shape[1]
-        kl_sum = loss.detach() / self.warmup_coeff * (1 if per_token else n_rows)
-        self._add_stats(kl_sum, n_rows, mass[:, rows].sum(), int(rows.sum()) * mass.shape[0])
+        loss = self.warmup_coeff * dsa_indexer_loss.reduce_indexer_kl_sum(
+            kl_sum, num_rows=b * S, calculate_per_token_loss=per_token)
+        self._add_stats(kl_sum.detach(), b * S, mass, rows)
         return DSAIndexerLossAutoScaler.apply(out, loss)
 
-    def _absorbed(self, query, key, latent, topk, reorder, v_out: int):
-        """Sparse attention over the shared latent (see ``absorbed_sparse_attention``); the kv_up
-        weight includes an active LoRA adapter's delta, as the unabsorbed path would apply it."""
-        from megatron.core.utils import get_pg_size as _size
-
+    def _absorbed_inputs(self, query, key, latent, reorder):
+        """(absorbed query [S, b, n, 576], latent rows [T, b, 576] gathered over SP and CP, kv_up weight):
+        the kv_up weight includes an active LoRA adapter's delta, as the unabsorbed path would apply it.
+        Only the 576-wide latent ⊕ rope key travels over CP (not the n·(192 + 256)-wide keys and values)."""
         cfg = self.config
         dn, dv = cfg.qk_head_dim, cfg.v_head_dim
         if latent.dim() == 2:  # THD
             latent = latent.unsqueeze(1)
-        if cfg.sequence_parallel and _size(self.pg_collection.tp) > 1:
+        if cfg.sequence_parallel and get_pg_size(self.pg_collection.tp) > 1:
             latent = gather_from_sequence_parallel_region(latent, group=self.pg_collection.tp)
-        latent = self._gather_cp(latent, reorder)
+        lat = torch.cat([latent, key[:, :, 0, dn:].to(latent.dtype)], dim=-1)  # [S, b, dc + dr]
+        lat = self._gather_cp(lat, reorder)
         kv_up = self._kv_up[0]
         w = kv_up.weight
         lora = getattr(kv_up, "lora", None)
         adapter = lora.applied() if lora is not None else None
         if adapter is not None:
             w = w + lora.local_delta_weight(adapter).to(w.dtype)
-        out = absorbed_sparse_attention(query, key[:, :, 0, dn:], latent, w, topk, self.softmax_scale, dn, dv,
-                                        stash=self._absorbed_inputs if self.sparse_loss_active() else None)
-        if v_out > dv:  # MLA padded the value heads (THD) and trims the padding from our output
-            S, b, n = query.shape[:3]
-            out = F.pad(out.view(S, b, n, dv), [0, v_out - dv]).view(S, b, n * v_out)
-        return out
+        return absorbed_query(query, w, dn, dv), lat, w
 
 
 def link_index_share(modules) -> None:

@@ -16,14 +16,23 @@ Legend: S query rows, T key rows, b batch, n heads, h head dim, K top-k, C query
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
+
+import os
 
 import torch
 import torch.nn.functional as F
 
 from glm5_mcore import kernels
 
-_SCORE_ELEMS_PER_CHUNK = 1 << 22
+CHUNK_BYTES = int(os.environ.get("GLM5_DSA_CHUNK_MB", "1024")) << 20
+"""Working-memory budget of one query chunk of the PyTorch paths (indexer scoring, sparse core,
+loss targets): rows per chunk = budget / bytes per row (``GLM5_DSA_CHUNK_MB``, default 1 GiB)."""
+
+
+def chunk_rows(bytes_per_row: int, budget: int | None = None) -> int:
+    """Query rows per chunk so one chunk's transients stay within ``budget`` (``CHUNK_BYTES``)."""
+    return max(1, (CHUNK_BYTES if budget is None else budget) // max(1, bytes_per_row))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -32,33 +41,26 @@ _SCORE_ELEMS_PER_CHUNK = 1 << 22
 def deterministic_topk(scores_CT: torch.Tensor, k: int) -> torch.Tensor:
     """Top-k indices along the last dim with ties broken towards the lower index.
 
-    ``torch.topk`` leaves tie order to the kernel, which only matters in rows where the k-th largest
-    value is tied beyond the set (more than k entries >= it): those rows are rebuilt from the k-th
-    value — every entry above it, then entries equal to it in index order until k are taken. Same
-    set as a stable descending sort (training and rollout engines agree); other rows keep
-    ``topk``'s set. Chosen indices come back in ascending order, then -1 for each ``-inf`` entry
-    topk had to take (fewer than k finite scores). CPU tensors go through the fused selection
-    kernel (``glm5_mcore.kernels``, same sets).
+    The set is that of a stable descending sort: every entry above the k-th largest value, then
+    entries equal to it in index order until k are taken (training and rollout engines agree; a
+    plain ``torch.topk`` leaves the tie order to the kernel). Chosen indices come back ascending,
+    then -1 for each ``-inf`` entry that had to be taken (fewer than k finite scores). No host read:
+    the chosen mask is compacted with a cumsum + scatter, so on an accelerator nothing syncs. CPU
+    tensors go through the fused selection kernel (``glm5_mcore.kernels``, same sets).
     """
+    lead, L = scores_CT.shape[:-1], scores_CT.shape[-1]
     if kernels.use_for(scores_CT):
-        lead, L = scores_CT.shape[:-1], scores_CT.shape[-1]
         flat = scores_CT.reshape(-1, L)
-        R = flat.shape[0]
-        lo = torch.zeros(R, dtype=torch.int64)
+        lo = torch.zeros(flat.shape[0], dtype=torch.int64)
         return kernels.topk_rows(flat, lo, lo + L, k).view(*lead, k)
-    vals, idx = torch.topk(scores_CT, k, dim=-1, sorted=False)
-    kth = vals.amin(-1, keepdim=True)
-    idx = idx.sort(-1).values
-    tied = (scores_CT >= kth).sum(-1) > k
-    if bool(tied.any()):
-        rows = tied.nonzero(as_tuple=True)
-        sub, sub_kth = scores_CT[rows], kth[rows]
-        above, eq = sub > sub_kth, sub == sub_kth
-        chosen = above | (eq & (eq.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
-        idx[rows] = chosen.nonzero()[:, -1].view(-1, k)
-    L = scores_CT.shape[-1]
-    idx = idx.masked_fill(scores_CT.gather(-1, idx) == float("-inf"), L).sort(-1).values
-    return idx.masked_fill(idx == L, -1)
+    kth = torch.topk(scores_CT, k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    above, eq = scores_CT > kth, scores_CT == kth
+    chosen = above | (eq & (eq.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
+    chosen &= scores_CT > float("-inf")
+    slot = torch.where(chosen, chosen.cumsum(-1) - 1, k)  # rank among the chosen, k = discard
+    out = torch.full((*lead, k + 1), -1, dtype=torch.int64, device=scores_CT.device)
+    pos = torch.arange(L, device=scores_CT.device).expand_as(slot)
+    return out.scatter_(-1, slot, pos)[..., :k]
 
 
 def allowed_keys(key_pos_T: torch.Tensor, q_pos_S: torch.Tensor, doc_start_S: torch.Tensor) -> torch.Tensor:
@@ -73,6 +75,7 @@ def compute_index_topk(
     topk: int,
     q_pos_S: torch.Tensor,
     doc_start_S: torch.Tensor,
+    natural: bool = False,
 ) -> torch.Tensor:
     """Indexer top-k: I[t,u] = Σ_h w[t,h]·ReLU(q[t,h]·k[u]) over keys doc_start(t) ≤ u ≤ pos(t).
 
@@ -81,9 +84,12 @@ def compute_index_topk(
         k_TbD: indexer keys in global key order, [T, b, dI].
         w_Sbn: head weights, already scaled by nI^-0.5·dI^-0.5, [S, b, nI].
         q_pos_S / doc_start_S: each query's key-order position and its document's first key, [S].
+        natural: ``q_pos_S`` is ``arange(S)`` (no context parallelism), known on the host: each
+            chunk then scores only the keys up to its last row.
     Returns:
         int64 [b, S, K], K = min(topk, T): each row's keys ascending, then -1 where fewer than K
-        keys are allowed. On CPU the fused kernel scores and selects one row at a time.
+        keys are allowed. On CPU the fused kernel scores and selects one row at a time; elsewhere
+        query chunks sized by ``CHUNK_BYTES``, with no host read.
     """
     S, b = q_SbnD.shape[:2]
     T = k_TbD.shape[0]
@@ -91,103 +97,83 @@ def compute_index_topk(
     if kernels.use_for(q_SbnD, k_TbD):
         return torch.stack([kernels.indexer_topk(q_SbnD[:, bi], k_TbD[:, bi], w_Sbn[:, bi], doc_start_S, q_pos_S + 1, K)
                             for bi in range(b)])
+    nI = q_SbnD.shape[2]
     key_pos_T = torch.arange(T, device=q_SbnD.device)
-    rows = max(1, _SCORE_ELEMS_PER_CHUNK // max(1, T * q_SbnD.shape[2]))
+    rows = chunk_rows(T * (4 * nI + 40))  # fp32 head scores, the row scores, the top-k's masks and ranks
     out = torch.full((b, S, K), -1, dtype=torch.int64, device=q_SbnD.device)
     kf = k_TbD.float()
     for s0 in range(0, S, rows):
         s1 = min(S, s0 + rows)
-        # only the keys some query of the chunk may see: causal (and document) bounds
-        lo, hi = int(doc_start_S[s0:s1].min()), int(q_pos_S[s0:s1].max()) + 1
-        kk = min(K, hi - lo)
-        # keys every query of the chunk may see need no mask: only the bands [lo, max doc start)
-        # and (min position, hi) get one
-        left = int(doc_start_S[s0:s1].max()) - lo
-        right = int(q_pos_S[s0:s1].min()) + 1 - lo
-        bands = [(0, left), (max(left, right), hi - lo)]
-        masks = [(a, ~allowed_keys(key_pos_T[lo + a: lo + z], q_pos_S[s0:s1], doc_start_S[s0:s1]))
-                 for a, z in bands if z > a]
+        hi = min(T, s1) if natural else T  # natural order: no query of the chunk sees a key past s1
+        kk = min(K, hi)
+        blocked = ~allowed_keys(key_pos_T[:hi], q_pos_S[s0:s1], doc_start_S[s0:s1])
         for bi in range(b):
-            qc = q_SbnD[s0:s1, bi].float()
-            scores = torch.einsum("cnd,td->cnt", qc, kf[lo:hi, bi]).relu_()
+            scores = torch.einsum("cnd,td->cnt", q_SbnD[s0:s1, bi].float(), kf[:hi, bi]).relu_()
             scores = torch.bmm(w_Sbn[s0:s1, bi].float().unsqueeze(1), scores).squeeze(1)
-            for a, m in masks:
-                scores[:, a: a + m.shape[1]].masked_fill_(m, float("-inf"))
-            idx = deterministic_topk(scores, kk)
-            out[bi, s0:s1, :kk] = torch.where(idx >= 0, idx + lo, -1)
+            out[bi, s0:s1, :kk] = deterministic_topk(scores.masked_fill_(blocked, float("-inf")), kk)
     return out
 
 
 # --------------------------------------------------------------------------------------------------
 # Sparse attention core
 # --------------------------------------------------------------------------------------------------
-def _chunk_rows(K: int, n: int) -> int:
-    return max(1, _SCORE_ELEMS_PER_CHUNK // (8 * max(1, K * n)))
-
-
-def _latent_chunk_rows(K: int, D: int) -> int:
-    """Query rows per chunk of the latent core: the gathered [C, K, D] block stays ~4M floats."""
-    return max(1, _SCORE_ELEMS_PER_CHUNK // max(1, K * D))
-
-
 class SparseMLAAttention(torch.autograd.Function):
     """softmax(q·k_sel·scale)·v_sel over each query's selected keys, O(S·K) memory.
 
     Head-major inputs: q [n, S, h], k [n, T, h], v [n, T, hv], idx [S, K] (int64 into T, -1 = not
-    selected). Per query chunk the selected keys are gathered once as [n, C, K, h] and scored with
-    batched matmuls in fp32; backward recomputes the chunk's probabilities from the saved
-    log-sum-exp [n, S] and scatters key/value grads with ``index_add_``.
+    selected). Per query chunk (``CHUNK_BYTES``) the selected keys are gathered once as [n, C, K, h]
+    and scored with batched matmuls in fp32; backward recomputes the chunk's probabilities from the
+    saved log-sum-exp [n, S] and scatters key/value grads with ``index_add_``. Saved: the inputs,
+    the output in the inputs' dtype and the fp32 log-sum-exp.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, idx, scale):
-        n, S, _ = q.shape
-        out = torch.empty(n, S, v.shape[-1], dtype=torch.float32, device=q.device)
+        n, S, h = q.shape
+        K, hv = idx.shape[1], v.shape[-1]
+        out = torch.empty(n, S, hv, dtype=v.dtype, device=q.device)
         lse = torch.empty(n, S, dtype=torch.float32, device=q.device)
-        kf, vf = k.float(), v.float()
-        rows = _chunk_rows(idx.shape[1], n)
+        rows = chunk_rows(4 * n * K * (h + hv + 3))
         for s0 in range(0, S, rows):
             s1 = min(S, s0 + rows)
             valid = idx[s0:s1] >= 0
             sel = idx[s0:s1].clamp(min=0)
-            logits = torch.matmul(q[:, s0:s1, None].float(), kf[:, sel].transpose(-1, -2)).squeeze(2)
+            logits = torch.matmul(q[:, s0:s1, None].float(), k[:, sel].float().transpose(-1, -2)).squeeze(2)
             logits = logits.mul_(scale).masked_fill_(~valid, float("-inf"))
             lse_c = torch.logsumexp(logits, dim=-1)
             p = torch.exp(logits - lse_c[..., None])
-            out[:, s0:s1] = torch.matmul(p[:, :, None], vf[:, sel]).squeeze(2)
+            out[:, s0:s1] = torch.matmul(p[:, :, None], v[:, sel].float()).squeeze(2)
             lse[:, s0:s1] = lse_c
         ctx.save_for_backward(q, k, v, idx, out, lse)
         ctx.scale = scale
-        return out.to(v.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, idx, out, lse = ctx.saved_tensors
         scale = ctx.scale
         n, S, h = q.shape
-        hv = v.shape[-1]
-        kf, vf = k.float(), v.float()
-        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        K, hv = idx.shape[1], v.shape[-1]
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-        dout = dout.float()
-        delta = (dout * out).sum(-1)
-        rows = _chunk_rows(idx.shape[1], n)
+        rows = chunk_rows(4 * n * K * (2 * h + 2 * hv + 5))
         for s0 in range(0, S, rows):
             s1 = min(S, s0 + rows)
             valid = idx[s0:s1] >= 0
             sel = idx[s0:s1].clamp(min=0)
-            kg, vg = kf[:, sel], vf[:, sel]
-            qc, do = q[:, s0:s1, None].float(), dout[:, s0:s1, None]
+            kg, vg = k[:, sel].float(), v[:, sel].float()
+            qc, do = q[:, s0:s1, None].float(), dout[:, s0:s1, None].float()
+            delta = (do.squeeze(2) * out[:, s0:s1].float()).sum(-1)
             logits = torch.matmul(qc, kg.transpose(-1, -2)).squeeze(2).mul_(scale)
             p = torch.exp(logits - lse[:, s0:s1, None]).masked_fill_(~valid, 0.0)
             dp = torch.matmul(do, vg.transpose(-1, -2)).squeeze(2)
-            ds = p * (dp - delta[:, s0:s1, None]) * scale
+            ds = p * (dp - delta[..., None]) * scale
             dq[:, s0:s1] = torch.matmul(ds[:, :, None], kg).squeeze(2)
             flat = sel.reshape(-1)
             dk.index_add_(1, flat, (ds[..., None] * qc).reshape(n, -1, h))
             dv.index_add_(1, flat, (p[..., None] * do).reshape(n, -1, hv))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def _flat_topk(topk_bSK: torch.Tensor, T: int) -> torch.Tensor:
@@ -216,11 +202,13 @@ class SparseLatentAttention(torch.autograd.Function):
     """Absorbed-MLA sparse attention: every head attends over the selected rows of one shared latent.
 
     q [S, n, D] (absorbed query: q_nope·W_uk ⊕ q_rope), lat [T, D] (kv latent ⊕ rope key), idx [S, K]
-    (-1 = not selected) → out [S, n, dc], the attention-weighted latent (its first ``dc`` dims).
-    Per query chunk the selected latent rows are gathered once for all heads as [C, K, D] — n times
-    less gathered memory than per-head keys and values — and scored with batched matmuls in fp32;
-    backward recomputes the probabilities from the saved log-sum-exp [S, n]. On CPU the fused
-    kernel (``glm5_mcore.kernels``) does the same per query, reading latent rows in place.
+    (-1 = not selected) → out [S, n, dc], the attention-weighted latent (its first ``dc`` dims), in
+    ``lat``'s dtype. Per query chunk (``CHUNK_BYTES``) the selected latent rows are gathered once for
+    all heads as [C, K, D] — n times less gathered memory than per-head keys and values — and scored
+    with batched matmuls in fp32; backward recomputes the probabilities from the saved log-sum-exp
+    [S, n]. Saved, as by the fused SparseMLA kernels: q, lat, idx, out (in lat's dtype: it is also
+    the next einsum's saved input, one storage) and the fp32 lse. On CPU the fused kernel
+    (``glm5_mcore.kernels``) does the same per query, reading latent rows in place.
     """
 
     @staticmethod
@@ -229,24 +217,24 @@ class SparseLatentAttention(torch.autograd.Function):
         K = idx.shape[1]
         ctx.scale, ctx.dc = scale, dc
         if kernels.use_for(q, lat):
-            out, lse = kernels.sparse_latent_fwd(q, lat, idx, scale, dc)
+            out32, lse = kernels.sparse_latent_fwd(q, lat, idx, scale, dc)
+            out = out32.to(lat.dtype)
             ctx.save_for_backward(q, lat, idx, out, lse)
-            return out.to(lat.dtype)
-        out = torch.empty(S, n, dc, dtype=torch.float32, device=q.device)
+            return out
+        out = torch.empty(S, n, dc, dtype=lat.dtype, device=q.device)
         lse = torch.empty(S, n, dtype=torch.float32, device=q.device)
-        latf = lat.float()
-        rows = _latent_chunk_rows(K, D)
+        rows = chunk_rows(4 * K * (D + 3 * n))
         for s0 in range(0, S, rows):
             s1 = min(S, s0 + rows)
             valid = (idx[s0:s1] >= 0)[:, None, :]
-            lg = latf[idx[s0:s1].clamp(min=0)]  # [C, K, D]
+            lg = lat[idx[s0:s1].clamp(min=0)].float()  # [C, K, D]
             logits = torch.bmm(q[s0:s1].float(), lg.transpose(1, 2)).mul_(scale).masked_fill_(~valid, float("-inf"))
             lse_c = torch.logsumexp(logits, dim=-1)
             p = torch.exp(logits - lse_c[..., None])
             out[s0:s1] = torch.bmm(p, lg[..., :dc])
             lse[s0:s1] = lse_c
         ctx.save_for_backward(q, lat, idx, out, lse)
-        return out.to(lat.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
@@ -257,61 +245,83 @@ class SparseLatentAttention(torch.autograd.Function):
         if kernels.use_for(q, lat):
             dq, dlat = kernels.sparse_latent_bwd(q, lat, idx, out, lse, dout, scale, dc)
             return dq.to(q.dtype), dlat.to(lat.dtype), None, None, None
-        latf = lat.float()
-        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dlat = torch.zeros(lat.shape, dtype=torch.float32, device=q.device)
-        dout = dout.float()
-        delta = (dout * out).sum(-1)  # [S, n]
-        rows = _latent_chunk_rows(K, D)
+        rows = chunk_rows(4 * K * (2 * D + 5 * n))
         for s0 in range(0, S, rows):
             s1 = min(S, s0 + rows)
             valid = (idx[s0:s1] >= 0)[:, None, :]
             sel = idx[s0:s1].clamp(min=0)
-            lg = latf[sel]
-            qc = q[s0:s1].float()
+            lg = lat[sel].float()
+            qc, do = q[s0:s1].float(), dout[s0:s1].float()
+            delta = (do * out[s0:s1].float()).sum(-1)  # [C, n]
             logits = torch.bmm(qc, lg.transpose(1, 2)).mul_(scale)
             p = torch.exp(logits - lse[s0:s1, :, None]).masked_fill_(~valid, 0.0)  # [C, n, K]
-            dp = torch.bmm(dout[s0:s1], lg[..., :dc].transpose(1, 2))
-            ds = p * (dp - delta[s0:s1, :, None]) * scale
+            dp = torch.bmm(do, lg[..., :dc].transpose(1, 2))
+            ds = p * (dp - delta[..., None]) * scale
             dq[s0:s1] = torch.bmm(ds, lg)
             dlg = torch.bmm(ds.transpose(1, 2), qc)  # [C, K, D]
-            dlg[..., :dc] += torch.bmm(p.transpose(1, 2), dout[s0:s1])
+            dlg[..., :dc] += torch.bmm(p.transpose(1, 2), do)
             dlat.index_add_(0, sel.reshape(-1), dlg.reshape(-1, D))
-        return dq.to(q.dtype), dlat.to(lat.dtype), None, None, None
+        return dq, dlat.to(lat.dtype), None, None, None
 
 
-def absorbed_sparse_attention(q_SbnH, k_rope_Tbr, c_Tbc, w_kv_up, topk_bSK, scale, dn, dv,
-                              stash: Optional[list] = None):
-    """Sparse MLA in the absorbed form. q [S, b, n, dn+dr], k_rope [T, b, dr], latent c [T, b, dc],
-    ``w_kv_up`` [n·(dn+dv), dc] (per head: dn key rows then dv value rows) → [S, b, n·dv].
-
-    q·k = (q_nope·W_uk)·c + q_rope·k_rope and Σ p·v = W_uv·(Σ p·c): the same function as attention over
-    the expanded per-head keys and values. ``stash`` gets the detached absorbed query [b·S, n, D] and
-    latent [b·T, D] (the sparse indexer loss's target reads them)."""
-    S, b, n, _ = q_SbnH.shape
-    T, dc = c_Tbc.shape[0], c_Tbc.shape[-1]
+def absorbed_query(q_SbnH: torch.Tensor, w_kv_up: torch.Tensor, dn: int, dv: int) -> torch.Tensor:
+    """The absorbed query q_nope·W_uk ⊕ q_rope: q [S, b, n, dn+dr], ``w_kv_up`` [n·(dn+dv), dc] (per
+    head: dn key rows then dv value rows) → [S, b, n, dc+dr] (a view of a [b, S, n, D] tensor)."""
+    n, dc = q_SbnH.shape[2], w_kv_up.shape[-1]
     w = w_kv_up.view(n, dn + dv, dc)
     q_abs = torch.einsum("sbnd,ndc->bsnc", q_SbnH[..., :dn], w[:, :dn])
-    q_cat = torch.cat([q_abs, q_SbnH[..., dn:].transpose(0, 1)], dim=-1).reshape(b * S, n, -1)
-    lat = torch.cat([c_Tbc, k_rope_Tbr.to(c_Tbc.dtype)], dim=-1).transpose(0, 1).reshape(b * T, -1)
-    idx = _flat_topk(topk_bSK, T)
-    if stash is not None:
-        stash[:] = [q_cat.detach(), lat.detach()]
-    o = SparseLatentAttention.apply(q_cat.contiguous(), lat.contiguous(), idx, scale, dc)  # [b*S, n, dc]
+    return torch.cat([q_abs, q_SbnH[..., dn:].transpose(0, 1).to(q_abs.dtype)], dim=-1).transpose(0, 1)
+
+
+def latent_attention(q_cat_SbnD, lat_TbD, w_kv_up, topk_bSK, scale, dn, dv, fused: Optional[Callable] = None):
+    """Sparse attention of the absorbed query [S, b, n, D] over the shared latent rows [T, b, D] (the
+    normalised kv latent ⊕ the rope key: the 576-wide row MLA caches), then W_uv → [S, b, n·dv].
+
+    ``fused`` (Megatron-Core's ``run_fused_absorbed_sparse_attention`` bound to its config, see
+    ``dsa_backend.fused_core``) takes query [S, b, n, D], key [T, b, 1, D], topk [b, S, K], scale, dc
+    and returns [S, b, n, dc] (None: declined); without it, or when it declines,
+    ``SparseLatentAttention`` computes the same function."""
+    S, b, n, D = q_cat_SbnD.shape
+    T, dc = lat_TbD.shape[0], w_kv_up.shape[-1]
+    w = w_kv_up.view(n, dn + dv, dc)
+    o = fused(q_cat_SbnD, lat_TbD.unsqueeze(2), topk_bSK, scale, dc) if fused is not None else None
+    if o is not None:
+        o = o.transpose(0, 1).reshape(b * S, n, dc)
+    else:
+        o = SparseLatentAttention.apply(q_cat_SbnD.transpose(0, 1).reshape(b * S, n, D).contiguous(),
+                                        lat_TbD.transpose(0, 1).reshape(b * T, D).contiguous(),
+                                        _flat_topk(topk_bSK, T), scale, dc)  # [b*S, n, dc]
     out = torch.einsum("xnc,nvc->xnv", o, w[:, dn:])  # [b*S, n, dv]
     return out.reshape(b, S, n * dv).transpose(0, 1).contiguous()
 
 
-def dense_attention(q_SbnH, k_TbnH, v_TbnV, q_pos_S, doc_start_S, scale):
+def absorbed_sparse_attention(q_SbnH, lat_TbD, w_kv_up, topk_bSK, scale, dn, dv, fused: Optional[Callable] = None):
+    """Sparse MLA in the absorbed form. q [S, b, n, dn+dr], lat [T, b, dc+dr], ``w_kv_up``
+    [n·(dn+dv), dc] → [S, b, n·dv].
+
+    q·k = (q_nope·W_uk)·c + q_rope·k_rope and Σ p·v = W_uv·(Σ p·c): the same function as attention over
+    the expanded per-head keys and values (``absorbed_query`` then ``latent_attention``)."""
+    return latent_attention(absorbed_query(q_SbnH, w_kv_up, dn, dv), lat_TbD, w_kv_up, topk_bSK, scale, dn, dv,
+                            fused)
+
+
+def dense_attention(q_SbnH, k_TbnH, v_TbnV, q_pos_S, doc_start_S, scale, plain_causal: bool = False):
     """Plain causal (and document-bounded) attention; what DSA reduces to when K ≥ T.
 
-    Packed documents without context parallelism run one causal SDPA per document (Σ Lᵢ² work);
-    otherwise one SDPA with an explicit [S, T] causal + document mask."""
+    ``plain_causal`` (known on the host: one unpacked sequence, no context parallelism): one causal
+    SDPA. On the CPU (host reads are free) packed documents in natural order run one causal SDPA per
+    document (Σ Lᵢ² work). Otherwise one SDPA with an explicit [S, T] causal + document mask, which
+    reads nothing back from an accelerator."""
     S, b, n, _ = q_SbnH.shape
     T = k_TbnH.shape[0]
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q_SbnH, k_TbnH, v_TbnV))
-    natural = S == T and bool((q_pos_S == torch.arange(S, device=q.device)).all())
-    if natural and not bool(doc_start_S.any()):
+    natural = docs = None
+    if not plain_causal and q.device.type == "cpu":
+        natural = S == T and bool((q_pos_S == torch.arange(S, device=q.device)).all())
+        docs = bool(doc_start_S.any())
+    if plain_causal or (natural and not docs):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     elif natural:
         starts = torch.unique_consecutive(doc_start_S).tolist() + [S]
