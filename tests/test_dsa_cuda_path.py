@@ -2,6 +2,8 @@
 device, the sync-free top-k and the chunked warm-up equal their references, the CP gather carries only the
 latent, and the bytes saved for backward equal the planner's line."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -77,3 +79,66 @@ def test_dsa_layer_forward_backward_reads_nothing_back_from_the_device(tiny_dir,
     assert host(x.grad).abs().sum() > 0 and core.last_topk is not None or stage == "warmup"
     ours = [r for r in reads.reads if not r[1].startswith(MEGATRON_THD_ROPE)]
     assert not ours, f"{len(ours)} host reads: {ours[:8]}"
+
+
+def _core_saved_bytes(T, n, K, fake: bool, m, seed=0):
+    """Unique storages the absorbed DSA core keeps for backward (``saved_tensors_hooks``, bf16): the
+    MLA's query [T, 1, n, dn+dr], the latent row [T, 1, 576] and kv_up weight come in as the layer
+    gives them; the weight (a parameter) is not counted."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from glm5_mcore import kernels
+    from glm5_mcore.model.sparse_attention import absorbed_query, latent_attention
+
+    dn, dr, dv, dc = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+    saved = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        saved.setdefault(StorageWeakRef(st), st.nbytes())
+        return t
+
+    ctx = FakeTensorMode() if fake else contextlib.nullcontext()
+    g = torch.Generator().manual_seed(seed)
+    with ctx:
+        bf = dict(dtype=torch.bfloat16)
+        if fake:
+            query, lat = torch.empty(T, 1, n, dn + dr, **bf), torch.empty(T, 1, dc + dr, **bf)
+            w = torch.empty(n * (dn + dv), dc, **bf)
+            topk = torch.empty(1, T, K, dtype=torch.int64)
+        else:
+            query, lat = torch.randn(T, 1, n, dn + dr, generator=g).to(**bf), torch.randn(T, 1, dc + dr, generator=g).to(**bf)
+            w = (0.1 * torch.randn(n * (dn + dv), dc, generator=g)).to(**bf)
+            topk = torch.sort(torch.randint(0, T, (1, T, K), generator=g), -1).values
+        query.requires_grad_(), lat.requires_grad_()
+        w = torch.nn.Parameter(w)
+        wid = StorageWeakRef(w.untyped_storage())
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), kernels.disabled():
+            out = latent_attention(absorbed_query(query, w, dn, dv), lat, w, topk, 0.1, dn, dv)
+    saved.pop(wid, None)
+    return sum(saved.values()), out
+
+
+@pytest.mark.parametrize("T,tp,fake", [(1024, 8, False), (32768, 8, True), (131072, 8, True), (32768, 1, True)])
+def test_saved_bytes_per_token_per_head_equal_the_planner(T, tp, fake, monkeypatch):
+    """Issue 28 C1: what the core saves for backward (bf16) equals the planner's DSA line within 10 %:
+    real tensors at 1K tokens, fake tensors at full width (64 heads / TP, 576-wide latent, top-k 2048)
+    at 32K and 128K. The old line (s·h·v + 4·s·h + 8·s·K: a fused kernel's) was 7x under."""
+    from glm5_mcore.config import glm5_744b
+    from glm5_mcore.plan.activations import dsa_core_bytes
+    from glm5_mcore.plan.layout import Layout
+
+    if fake:  # what is saved does not depend on the chunking: one chunk keeps the fake run to seconds
+        monkeypatch.setattr("glm5_mcore.model.sparse_attention.CHUNK_BYTES", 1 << 50)
+    m = glm5_744b()
+    n = m.num_attention_heads // tp
+    K = m.index_topk if fake else 256
+    got, _ = _core_saved_bytes(T, n, K, fake, m)
+    L = Layout(world=tp, tp=tp)
+    m.index_topk = K
+    want = dsa_core_bytes(m, L, T, 2, fused=False) + 2 * T * n * m.qk_head_dim  # + the query (planner: "q")
+    per_head = (got - 2 * T * (m.kv_lora_rank + m.qk_rope_head_dim) - 8 * T * K) / (T * n)
+    print(f"T={T} TP={tp}: saved {got / 2**30:.2f} GiB, planner {want / 2**30:.2f} GiB, "
+          f"{per_head:.0f} B per token per local head besides the latent rows and indices")
+    assert abs(got - want) <= 0.10 * want, (got, want)

@@ -133,7 +133,7 @@ class SparseMLAAttention(torch.autograd.Function):
         K, hv = idx.shape[1], v.shape[-1]
         out = torch.empty(n, S, hv, dtype=v.dtype, device=q.device)
         lse = torch.empty(n, S, dtype=torch.float32, device=q.device)
-        rows = chunk_rows(4 * n * K * (h + hv + 3))
+        rows = chunk_rows(n * K * (6 * (h + hv) + 12))
         for s0 in range(0, S, rows):
             s1 = min(S, s0 + rows)
             valid = idx[s0:s1] >= 0
@@ -157,7 +157,7 @@ class SparseMLAAttention(torch.autograd.Function):
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-        rows = chunk_rows(4 * n * K * (2 * h + 2 * hv + 5))
+        rows = chunk_rows(n * K * (14 * (h + hv) + 20))
         for s0 in range(0, S, rows):
             s1 = min(S, s0 + rows)
             valid = idx[s0:s1] >= 0
@@ -223,7 +223,7 @@ class SparseLatentAttention(torch.autograd.Function):
             return out
         out = torch.empty(S, n, dc, dtype=lat.dtype, device=q.device)
         lse = torch.empty(S, n, dtype=torch.float32, device=q.device)
-        rows = chunk_rows(4 * K * (D + 3 * n))
+        rows = chunk_rows(K * (6 * D + 12 * n))  # the gathered rows (+ fp32 copy), fp32 logits / probabilities
         for s0 in range(0, S, rows):
             s1 = min(S, s0 + rows)
             valid = (idx[s0:s1] >= 0)[:, None, :]
@@ -247,7 +247,7 @@ class SparseLatentAttention(torch.autograd.Function):
             return dq.to(q.dtype), dlat.to(lat.dtype), None, None, None
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dlat = torch.zeros(lat.shape, dtype=torch.float32, device=q.device)
-        rows = chunk_rows(4 * K * (2 * D + 5 * n))
+        rows = chunk_rows(K * (14 * D + 20 * n))  # gathered rows (+ fp32), their grads (+ flat copy), p / dp / ds
         for s0 in range(0, S, rows):
             s1 = min(S, s0 + rows)
             valid = (idx[s0:s1] >= 0)[:, None, :]
