@@ -7,7 +7,8 @@ r = s' · top-k · ETP tokens routed to this rank's experts on average):
     attention  s'·H (norm input) + s·H (gathered input of the replicated down projections)
                + 2·s·q_lora + s·(2·kv_lora + rope)          latents and their norms
                + s·h·qk_head + s·h·v                        q (rope applied), the core's output (proj input)
-               + DSA core (``dsa_core_bytes``): the absorbed sparse core, as the code saves it
+               + DSA core (``core_attention_bytes``): the absorbed sparse core, as the code saves it
+               + 8·s·topk bytes                              selected key indices (int64)
     MoE        2·s'·H + 4·3·s'·E bytes (router logits, scores, probs, fp32)
                + r·(2·H + 3·M/ETP) + 4·r bytes               permuted tokens, fc1, act, fc2 out, probs
                + s·H + 3·s·S/TP                              shared expert
@@ -51,23 +52,24 @@ class ActivationBytes:
                 + max(self.indexer_scores, self.dispatch))
 
 
-def dsa_core_bytes(m: GLM5Config, L: Layout, tokens: int, b: int, fused: bool = True) -> int:
-    """Bytes one DSA layer's absorbed sparse core keeps for backward (``sparse_attention.latent_attention``;
-    the query and the output it shares with the MLA are in ``layer_bytes``), with D = kv_lora + rope:
+def core_attention_bytes(m: GLM5Config, L: Layout, tokens: int, b: int, fused: bool = True) -> int:
+    """What one DSA layer's absorbed sparse core (``sparse_attention.latent_attention``) keeps for backward
+    besides its inputs (q, the latent, the int64 top-k) and its output, with D = kv_lora + rope (selective
+    recompute drops exactly this):
 
         s·h'·(b·D + b·kv_lora + 4)   the absorbed query, the attention-weighted latent, the fp32 log-sum-exp
         + b·T·D                      the latent rows of the whole (CP-gathered) sequence
-        + 8·s·K (+ 4·s·K fused)      the int64 top-k (+ the int32 copy the fused kernel keeps)
+        (+ 4·s·K fused)              the int32 top-k copy the fused kernel keeps
 
-    h' = local heads, padded to 16 on the fused path (plus the unpadded b·s·h·kv_lora output copy then)."""
+    h' = local heads, padded to 16 on the fused path (plus the unpadded b·s·h·kv_lora output copy then).
+    Measured with ``saved_tensors_hooks`` in bf16: tests/model/test_dsa_cuda_path.py."""
     s = tokens // L.cp
     h = m.num_attention_heads // L.tp
     D, dc = m.kv_lora_rank + m.qk_rope_head_dim, m.kv_lora_rank
-    K = min(m.index_topk, tokens)
     hk = max(h, SPARSE_MLA_MIN_HEADS) if fused else h
-    out = s * hk * (b * D + b * dc + 4) + b * tokens * D + (12 if fused else 8) * s * K
-    if fused and hk != h:
-        out += b * s * h * dc
+    out = s * hk * (b * D + b * dc + 4) + b * tokens * D
+    if fused:
+        out += 4 * s * min(m.index_topk, tokens) + (b * s * h * dc if hk != h else 0)
     return out
 
 
@@ -84,7 +86,7 @@ def layer_bytes(m: GLM5Config, L: Layout, tokens: int, moe: bool, b: int, fused_
     H = m.hidden_size
     att = b * (s_sp * H + s * H + 2 * s * m.q_lora_rank + s * (2 * m.kv_lora_rank + m.qk_rope_head_dim)
                + s * h * m.qk_head_dim + s * h * m.v_head_dim)
-    att += dsa_core_bytes(m, L, tokens, b, fused_dsa)
+    att += core_attention_bytes(m, L, tokens, b, fused_dsa) + 8 * s * min(m.index_topk, tokens)
     if not moe:
         return att + b * (s * H + 3 * s * (m.intermediate_size // L.tp)), 0
     r = s_sp * m.num_experts_per_tok * L.etp

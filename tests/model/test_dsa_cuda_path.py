@@ -127,7 +127,7 @@ def test_saved_bytes_per_token_per_head_equal_the_planner(T, tp, fake, monkeypat
     real tensors at 1K tokens, fake tensors at full width (64 heads / TP, 576-wide latent, top-k 2048)
     at 32K and 128K. The old line (s·h·v + 4·s·h + 8·s·K: a fused kernel's) was 7x under."""
     from glm5_mcore.config import glm5_744b
-    from glm5_mcore.plan.activations import dsa_core_bytes
+    from glm5_mcore.plan.activations import core_attention_bytes
     from glm5_mcore.plan.layout import Layout
 
     if fake:  # what is saved does not depend on the chunking: one chunk keeps the fake run to seconds
@@ -138,7 +138,7 @@ def test_saved_bytes_per_token_per_head_equal_the_planner(T, tp, fake, monkeypat
     got, _ = _core_saved_bytes(T, n, K, fake, m)
     L = Layout(world=tp, tp=tp)
     m.index_topk = K
-    want = dsa_core_bytes(m, L, T, 2, fused=False) + 2 * T * n * m.qk_head_dim  # + the query (planner: "q")
+    want = core_attention_bytes(m, L, T, 2, fused=False) + 8 * T * K + 2 * T * n * m.qk_head_dim  # + top-k, q
     per_head = (got - 2 * T * (m.kv_lora_rank + m.qk_rope_head_dim) - 8 * T * K) / (T * n)
     print(f"T={T} TP={tp}: saved {got / 2**30:.2f} GiB, planner {want / 2**30:.2f} GiB, "
           f"{per_head:.0f} B per token per local head besides the latent rows and indices")
