@@ -103,10 +103,10 @@ def notice(config) -> None:
 
 
 def canonical_topk(idx_bSK: torch.Tensor, T: int) -> torch.Tensor:
-    """A fused top-k ([b, S, K], any int dtype, unordered, -1 anywhere) in the contract's order:
-    int64, each row ascending, then -1. No host read."""
-    idx = idx_bSK.to(torch.int64)
-    idx = torch.where(idx < 0, T, idx).sort(-1).values
+    """A fused top-k ([b, S, K], int32, unordered, -1 anywhere) in the contract's order: each row
+    ascending, then -1. Kept int32: the fused core reads it as is (no int64 copy of [S, K] per layer).
+    No host read."""
+    idx = torch.where(idx_bSK < 0, T, idx_bSK).sort(-1).values
     return idx.masked_fill_(idx == T, -1)
 
 
@@ -116,7 +116,7 @@ def block_rows(T: int, budget: int) -> int:
 
 
 def fused_topk(config, q_SbnD, k_TbD, w_Sbn, topk: int, starts_S, ends_S, budget: int) -> Optional[torch.Tensor]:
-    """``run_fused_qk_topk`` on bf16 inputs: int64 [b, S, K] in the contract's order, None if declined."""
+    """``run_fused_qk_topk`` on bf16 inputs: int32 [b, S, K] in the contract's order, None if declined."""
     res = dsa_kernels.run_fused_qk_topk(config, q_SbnD.to(torch.bfloat16), k_TbD.to(torch.bfloat16), w_Sbn, topk,
                                         starts_S.to(torch.int32), ends_S.to(torch.int32),
                                         block_rows(k_TbD.shape[0], budget), use_relu=config.dsa_indexer_scoring_relu)

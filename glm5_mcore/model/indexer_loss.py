@@ -295,7 +295,7 @@ def compute_topk_recall(query_SbnH: torch.Tensor, key_TbnH: torch.Tensor, topk_b
             qr = query_SbnH[r, bi].float()
             logits = (torch.einsum("cnh,th->cnt", qr, kf[:, 0]) if shared else torch.einsum("cnh,tnh->cnt", qr, kf))
             p = (logits * scale).masked_fill(~allowed[:, None], float("-inf")).softmax(-1).sum(1)  # [C, T]
-            sel = topk_bSK[bi, r]
+            sel = topk_bSK[bi, r].long()
             mass[bi, c0: c0 + r.numel()] = p.gather(-1, sel.clamp(min=0)).masked_fill(sel < 0, 0.0).sum(-1)
     heads = n
     if tp_group is not None and dist.get_world_size(tp_group) > 1:

@@ -8,7 +8,7 @@ r = s' · top-k · ETP tokens routed to this rank's experts on average):
                + 2·s·q_lora + s·(2·kv_lora + rope)          latents and their norms
                + s·h·qk_head + s·h·v                        q (rope applied), the core's output (proj input)
                + DSA core (``core_attention_bytes``): the absorbed sparse core, as the code saves it
-               + 8·s·topk bytes                              selected key indices (int64)
+               + 8·s·topk bytes                              selected key indices (int64; the fused path's int32: 4·s·topk)
     MoE        2·s'·H + 4·3·s'·E bytes (router logits, scores, probs, fp32)
                + r·(2·H + 3·M/ETP) + 4·r bytes               permuted tokens, fc1, act, fc2 out, probs
                + s·H + 3·s·S/TP                              shared expert
@@ -59,7 +59,6 @@ def core_attention_bytes(m: GLM5Config, L: Layout, tokens: int, b: int, fused: b
 
         s·h'·(b·D + b·kv_lora + 4)   the absorbed query, the attention-weighted latent, the fp32 log-sum-exp
         + b·T·D                      the latent rows of the whole (CP-gathered) sequence
-        (+ 4·s·K fused)              the int32 top-k copy the fused kernel keeps
 
     h' = local heads, padded to 16 on the fused path (plus the unpadded b·s·h·kv_lora output copy then).
     Measured with ``saved_tensors_hooks`` in bf16: tests/model/test_dsa_cuda_path.py."""
@@ -68,8 +67,8 @@ def core_attention_bytes(m: GLM5Config, L: Layout, tokens: int, b: int, fused: b
     D, dc = m.kv_lora_rank + m.qk_rope_head_dim, m.kv_lora_rank
     hk = max(h, SPARSE_MLA_MIN_HEADS) if fused else h
     out = s * hk * (b * D + b * dc + 4) + b * tokens * D
-    if fused:
-        out += 4 * s * min(m.index_topk, tokens) + (b * s * h * dc if hk != h else 0)
+    if fused and hk != h:
+        out += b * s * h * dc
     return out
 
 
@@ -86,7 +85,7 @@ def layer_bytes(m: GLM5Config, L: Layout, tokens: int, moe: bool, b: int, fused_
     H = m.hidden_size
     att = b * (s_sp * H + s * H + 2 * s * m.q_lora_rank + s * (2 * m.kv_lora_rank + m.qk_rope_head_dim)
                + s * h * m.qk_head_dim + s * h * m.v_head_dim)
-    att += core_attention_bytes(m, L, tokens, b, fused_dsa) + 8 * s * min(m.index_topk, tokens)
+    att += core_attention_bytes(m, L, tokens, b, fused_dsa) + (4 if fused_dsa else 8) * s * min(m.index_topk, tokens)
     if not moe:
         return att + b * (s * H + 3 * s * (m.intermediate_size // L.tp)), 0
     r = s_sp * m.num_experts_per_tok * L.etp
