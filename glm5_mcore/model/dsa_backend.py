@@ -42,17 +42,42 @@ CONTRACT_NOTICE = (
 _noticed: set = set()
 
 
+PACKAGES = {"tilelang": ("tilelang",), "cudnn": ("flash_mla", "cudnn")}
+"""What each backend imports (Megatron-Core's ``utils._validate_dsa_kernel_backend_dependencies`` checks the same
+when the config is built, without naming our setting)."""
+
+
+def missing_packages(backend: str) -> list[str]:
+    out = []
+    for mod in PACKAGES.get(backend, ()):
+        try:
+            __import__(mod)
+        except ImportError:
+            out.append(mod)
+    return out
+
+
 def resolve(name: str, device: torch.device | str) -> str:
-    """The backend Megatron-Core's config gets: ``auto`` → ``tilelang`` on CUDA, ``none`` elsewhere.
-    ValueError (one line naming the setting) for an unknown name or a fused backend off CUDA."""
+    """The backend Megatron-Core's config gets: ``auto`` → ``tilelang`` on CUDA when TileLang is installed
+    (else ``none``, with a warning), ``none`` elsewhere. ValueError (one line naming the setting) for an
+    unknown name, a fused backend off CUDA, or its packages missing."""
     device = torch.device(device)
     if name not in BACKENDS:
         raise ValueError(f"{SETTING}: {name!r} is not one of {', '.join(BACKENDS)}")
     if name == "auto":
-        return "tilelang" if device.type == "cuda" else "none"
+        if device.type != "cuda":
+            return "none"
+        if missing_packages("tilelang"):
+            warnings.warn(f"{SETTING}=auto: TileLang is not installed (pip install 'glm5-mcore[gpu]'), so DSA "
+                          "runs the PyTorch path on CUDA, far slower than the fused kernels", stacklevel=2)
+            return "none"
+        return "tilelang"
     if name != "none" and device.type != "cuda":
         raise ValueError(f"{SETTING}={name}: fused DSA kernels run on CUDA only, the training device is "
                          f"{device.type}; use auto or none")
+    if missing_packages(name):
+        raise ValueError(f"{SETTING}={name}: missing {', '.join(missing_packages(name))} (tilelang: pip install "
+                         "'glm5-mcore[gpu]'; cudnn: flash_mla and nvidia-cudnn-frontend[cutedsl]); or use none")
     return name
 
 
@@ -84,12 +109,8 @@ def check(config, tp: int, trains_indexer: bool = False, package_check: bool = T
     n_i = config.dsa_indexer_n_heads
     if trains_indexer and (n_i > 64 or n_i % 8):
         problems.append(f"index_n_heads {n_i}: the fused indexer backward takes a multiple of 8 up to 64")
-    if package_check and not problems:
-        module = "tilelang" if backend == "tilelang" else "cudnn"
-        try:
-            __import__(module)
-        except ImportError:
-            problems.append(f"the {module} package is not installed (pip install 'glm5-mcore[gpu]')")
+    if package_check and not problems and missing_packages(backend):
+        problems.append(f"missing {', '.join(missing_packages(backend))} (pip install 'glm5-mcore[gpu]')")
     if problems:
         raise ValueError(f"{SETTING}={backend}: " + "; ".join(problems) + " (set it to none for the PyTorch path)")
 

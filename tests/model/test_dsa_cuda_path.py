@@ -61,14 +61,13 @@ def test_dsa_layer_forward_backward_reads_nothing_back_from_the_device(tiny_dir,
         S, H = 40, m.config.hidden_size
         x = torch.randn(S, 1, H, generator=torch.Generator().manual_seed(0)).to(dev).requires_grad_()
         psp = _thd(S, [12, 20, 8], dev)
-        rope = m.rotary_pos_emb(S, packed_seq=True) if hasattr(m, "rotary_pos_emb") else None
         hooks = []
         try:
             with count_host_reads() as reads:  # the DSA core's forward (indexer included) and the layer's backward
                 reads.active = False
                 hooks = [core.register_forward_pre_hook(lambda *_: setattr(reads, "active", True)),
                          core.register_forward_hook(lambda *_: setattr(reads, "active", False))]
-                out, _ = attn(x, None, rotary_pos_emb=rope, packed_seq_params=psp)
+                out, _ = attn(x, None, packed_seq_params=psp)  # MLA builds its own RoPE
                 reads.active = True
                 DSAIndexerLossAutoScaler.set_loss_scale(torch.ones((), device=dev))  # as Megatron's schedule does
                 out.square().sum().backward()
@@ -322,3 +321,74 @@ def test_sync_free_topk_keeps_the_tie_rule_and_minus_inf_rows():
     assert deterministic_topk(torch.tensor([[1.0, 2.0, 2.0, 2.0, float("-inf")]]), 4).tolist() == [[0, 1, 2, 3]]
     with kernels.disabled():
         assert deterministic_topk(torch.tensor([[2.0, 2.0, float("-inf"), 2.0]]), 4).tolist() == [[0, 1, 3, -1]]
+
+
+def test_fused_backend_constraints_refused_with_one_line_naming_the_setting():
+    """Issue 29 item 1: the fused kernels' constraints (bf16, top-k % 64, heads per rank, 512 + 64 latent,
+    indexer heads for its backward) checked before any work, one line naming model.dsa_kernel_backend."""
+    from types import SimpleNamespace
+
+    from glm5_mcore.model import dsa_backend
+
+    ok = SimpleNamespace(dsa_kernel_backend="tilelang", num_attention_heads=64, params_dtype=torch.bfloat16,
+                         dsa_indexer_topk=2048, kv_lora_rank=512, qk_pos_emb_head_dim=64, dsa_indexer_n_heads=32)
+    for tp in (1, 2, 4, 8):
+        dsa_backend.check(ok, tp=tp, trains_indexer=True, package_check=False)
+    bad = dict(params_dtype=torch.float32, dsa_indexer_topk=1000, num_attention_heads=48 * 8, kv_lora_rank=256,
+               dsa_indexer_n_heads=12)
+    for field, value in bad.items():
+        cfg = SimpleNamespace(**{**vars(ok), field: value})
+        with pytest.raises(ValueError) as e:
+            dsa_backend.check(cfg, tp=8, trains_indexer=True, package_check=False)
+        assert str(e.value).startswith("model.dsa_kernel_backend=tilelang: ") and "\n" not in str(e.value), field
+    with pytest.raises(ValueError, match="model.dsa_kernel_backend=tilelang: fused DSA kernels run on CUDA only"):
+        dsa_backend.resolve("tilelang", "cpu")
+    assert dsa_backend.resolve("auto", "cpu") == "none" and dsa_backend.resolve("auto", "meta") == "none"
+
+
+def test_fused_hooks_plumbing_equals_the_pytorch_core(tiny_dir, single_rank, monkeypatch):
+    """The fused path's adapters (``dsa_backend``: bounds, the top-k put in the contract's order from an
+    unordered int32 result with -1 anywhere, the absorbed query/latent layouts, the W_uv einsum) run on
+    the CPU with Megatron-Core's hooks answered by its own naive references (the functions its fused
+    kernels are tested against): the layer equals the PyTorch path, forward and backward."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import (_unfused_absorbed_dsa_fn,
+                                                                              fused_qk_topk_naive)
+
+    from glm5_mcore.model import dsa_backend
+
+    m, attn = _attention_layer(tiny_dir, None)
+    core = attn.core_attention
+    S = 40
+    psp = _thd(S, [12, 20, 8], "cpu")
+    calls = []
+
+    def qk_topk(config, q, k, weights, index_topk, starts, ends, block_size, use_relu=True, **kw):
+        _, idx = fused_qk_topk_naive(q.float(), k.float(), weights, index_topk, varlen_starts=starts.long(),
+                                     varlen_ends=ends.long(), key_positions=torch.arange(k.shape[0]), use_relu=use_relu)
+        perm = torch.randperm(idx.shape[-1], generator=torch.Generator().manual_seed(len(calls)))
+        calls.append("topk")
+        return idx[..., perm].to(torch.int32), None  # unordered, -1 anywhere: as TileLang returns it
+
+    def absorbed(config, query, key, topk_indices, softmax_scale, v_channels, topk_length=None):
+        calls.append("core")
+        pos = torch.arange(query.shape[0])
+        starts = torch.tensor([0] * 12 + [12] * 20 + [32] * 8)
+        return _unfused_absorbed_dsa_fn(query, key, topk_indices.long(), softmax_scale, v_channels,
+                                        varlen_starts=starts, varlen_ends=pos + 1, key_positions=pos)
+
+    monkeypatch.setattr(dsa_backend.dsa_kernels, "run_fused_qk_topk", qk_topk)
+    monkeypatch.setattr(dsa_backend.dsa_kernels, "run_fused_absorbed_sparse_attention", absorbed)
+    x0 = torch.randn(S, 1, m.config.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    def run(fused):
+        core.fused = fused
+        x = x0.clone().requires_grad_()
+        out, _ = attn(x, None, packed_seq_params=psp)  # MLA builds its own RoPE
+        out.square().sum().backward()
+        return out.detach(), x.grad, core.last_topk.clone()
+
+    ref_out, ref_g, ref_topk = run(False)
+    out, g, topk = run(True)
+    assert calls == ["topk", "core"]
+    assert torch.equal(topk.long(), ref_topk)  # no ties in this case: the same sets, in the same order
+    assert (out - ref_out).abs().max() <= 1e-5 and (g - ref_g).abs().max() <= 1e-5
