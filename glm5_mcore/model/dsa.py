@@ -32,7 +32,8 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.utils import get_pg_size
 
 
-from glm5_mcore.model import dsa_backend
+from glm5_mcore.model.dsa_backend import active as fused_active, check as check_fused
+from glm5_mcore.model.dsa_backend import fused_core, fused_topk, fused_topk_with_loss, notice as fused_notice
 from glm5_mcore.model.indexer_loss import (DenseIndexerKL, compute_sparse_attention_target,
                                            compute_sparse_attention_target_latent, compute_sparse_indexer_loss,
                                            compute_topk_recall, indexer_trainable)
@@ -81,11 +82,11 @@ class GLM5SparseAttention(MegatronModule):
         self.probe_recall = False  # measure the recall in training forwards without the loss too
         self.indexer_stats = [0.0, 0, 0.0, 0]  # Σ KL, #rows, Σ recall, #rows since indexer_metrics read them
         self._kv_up: list = []  # [the parent MLA's linear_kv_up_proj], set by link_absorbed_mla
-        self.fused = dsa_backend.active(config)  # Megatron-Core's fused kernels (config.dsa_kernel_backend)
+        self.fused = fused_active(config)  # Megatron-Core's fused kernels (config.dsa_kernel_backend)
         if self.fused:
-            dsa_backend.check(config, get_pg_size(pg_collection.tp),
-                              trains_indexer=computes_topk and (config.dsa_indexer_loss_coeff or 0.0) > 0)
-            dsa_backend.notice(config)
+            check_fused(config, get_pg_size(pg_collection.tp),
+                        trains_indexer=computes_topk and (config.dsa_indexer_loss_coeff or 0.0) > 0)
+            fused_notice(config)
 
     def _positions(self, sq: int, device, packed_seq_params: Optional[PackedSeqParams]):
         """Each query's index in the (CP-gathered) key order and its document's first key."""
@@ -162,7 +163,7 @@ class GLM5SparseAttention(MegatronModule):
             out = dense_attention(query, key, value, q_pos, doc_start, self.softmax_scale, plain_causal)
         elif absorbed:
             out = latent_attention(q_cat, lat, w, topk, self.softmax_scale, self.config.qk_head_dim,
-                                   self.config.v_head_dim, dsa_backend.fused_core(self.config) if self.fused else None)
+                                   self.config.v_head_dim, fused_core(self.config) if self.fused else None)
             v_out = value.shape[-1]
             if v_out > self.config.v_head_dim:  # MLA padded the value heads (THD) and trims the padding from our output
                 S, b, n = query.shape[:3]
@@ -196,7 +197,7 @@ class GLM5SparseAttention(MegatronModule):
             coeff = float(self.config.dsa_indexer_loss_coeff or 0.0)
             if learn and absorbed is not None:
                 q_cat, lat = absorbed
-                res = dsa_backend.fused_topk_with_loss(
+                res = fused_topk_with_loss(
                     self.config, q_i, k_i, w_i, self.index_topk, doc_start, q_pos + 1, CHUNK_BYTES, q_cat,
                     lat.unsqueeze(2), self.softmax_scale, coeff, self.pg_collection, self._valid_rows(q_i,
                                                                                                     packed_seq_params))
@@ -207,7 +208,7 @@ class GLM5SparseAttention(MegatronModule):
                     self._add_stats(loss.detach() / coeff * (1 if per_token else b * S), b * S, 0.0, 0)
                     return topk, loss
             with torch.no_grad():
-                topk = dsa_backend.fused_topk(self.config, q_i, k_i, w_i, self.index_topk, doc_start, q_pos + 1,
+                topk = fused_topk(self.config, q_i, k_i, w_i, self.index_topk, doc_start, q_pos + 1,
                                               CHUNK_BYTES)
             if topk is not None:
                 return topk, None

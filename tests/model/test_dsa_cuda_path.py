@@ -62,6 +62,8 @@ def test_dsa_layer_forward_backward_reads_nothing_back_from_the_device(tiny_dir,
         x = torch.randn(S, 1, H, generator=torch.Generator().manual_seed(0)).to(dev).requires_grad_()
         psp = _thd(S, [12, 20, 8], dev)
         hooks = []
+        DSAIndexerLossAutoScaler.main_loss_backward_scale = None  # the schedule sets a device scale (an earlier
+        DSAIndexerLossAutoScaler.set_loss_scale(torch.ones((), device=dev))  # CPU test may have left a CPU one)
         try:
             with count_host_reads() as reads:  # the DSA core's forward (indexer included) and the layer's backward
                 reads.active = False
@@ -69,7 +71,6 @@ def test_dsa_layer_forward_backward_reads_nothing_back_from_the_device(tiny_dir,
                          core.register_forward_hook(lambda *_: setattr(reads, "active", False))]
                 out, _ = attn(x, None, packed_seq_params=psp)  # MLA builds its own RoPE
                 reads.active = True
-                DSAIndexerLossAutoScaler.set_loss_scale(torch.ones((), device=dev))  # as Megatron's schedule does
                 out.square().sum().backward()
         finally:
             for h in hooks:
