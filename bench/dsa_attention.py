@@ -8,7 +8,8 @@ its own process so peak RSS is its own. The ideal speed-up counts FLOPs of the w
 (projections, attention over the kept keys, and the indexer's own T² scoring). "sparse+loss" is the
 sparse layer in the sparse training stage (trainable indexer, Megatron-Core's sparse KL indexer loss over
 the selected keys + the top-k recall on 128 rows): its time and memory over plain "sparse" is the cost of
-the indexer keeping on learning.
+the indexer keeping on learning. Beside them, of the sparse core on the device (PyTorch) path: the host
+syncs per layer (ops that read a device value back) and the bytes kept for backward per token per head.
 
 Usage: .venv/bin/python bench/dsa_attention.py [--seqs 2048 4096 8192] [--reps 2]
 """
@@ -88,6 +89,7 @@ def run_one(impl: str, T: int, reps: int) -> dict:
             out.sum().backward()
 
     step()  # warm-up
+    extra = core_figures(attn, lambda: attn(xs, None)[0], T) if impl == "sparse" else {}
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times = []
     for _ in range(reps):
@@ -95,7 +97,47 @@ def run_one(impl: str, T: int, reps: int) -> dict:
         step()
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"impl": impl, "T": T, "time_s": min(times), "peak_rss_mib": peak / 1024, "rss_growth_mib": (peak - base) / 1024}
+    return {"impl": impl, "T": T, "time_s": min(times), "peak_rss_mib": peak / 1024, "rss_growth_mib": (peak - base) / 1024,
+            **extra}
+
+
+def core_figures(attn, forward, T: int) -> dict:
+    """Of the DSA core on the device (PyTorch) path, one forward + backward: the ops that read a device value
+    back to the host (on CUDA each is a sync; ``tests/support/host_reads.SYNC_OPS``) and the bytes it keeps
+    for backward per token per local head (unique storages, ``saved_tensors_hooks``; the latent rows and
+    top-k shared by all heads excluded)."""
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from glm5_mcore import kernels
+    from tests.support.host_reads import SYNC_OPS
+
+    core = attn.core_attention
+    syncs, saved, on = [0], {}, [False]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if on[0] and func in SYNC_OPS:
+                syncs[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    def pack(x):
+        if on[0] and x.dim() >= 2 and (x.shape[-1] == NH or x.dim() >= 3 and x.shape[-2] == NH):  # per-head, kept by the core
+            saved.setdefault(StorageWeakRef(x.untyped_storage()), x.untyped_storage().nbytes())
+        return x
+
+    hooks = [core.register_forward_pre_hook(lambda *_: on.__setitem__(0, True)),
+             core.register_forward_hook(lambda *_: on.__setitem__(0, False))]
+    try:
+        with kernels.disabled(), Count(), torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            out = forward()
+            on[0] = True  # the whole backward
+            out.sum().backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    return {"host_syncs_per_layer": syncs[0], "saved_bytes_per_token_per_head_fp32": sum(saved.values()) / (T * NH)}
 
 
 def main() -> None:
@@ -126,14 +168,17 @@ def main() -> None:
                "peak_rss_mib": {k: v["peak_rss_mib"] for k, v in res.items()},
                "mem_ratio_sparse_vs_hf": res["sparse"]["peak_rss_mib"] / res["hf"]["peak_rss_mib"],
                "indexer_loss_time_ratio": res["sparse+loss"]["time_s"] / res["sparse"]["time_s"],
-               "indexer_loss_mem_ratio": res["sparse+loss"]["peak_rss_mib"] / res["sparse"]["peak_rss_mib"]}
+               "indexer_loss_mem_ratio": res["sparse+loss"]["peak_rss_mib"] / res["sparse"]["peak_rss_mib"],
+               "host_syncs_per_layer": res["sparse"]["host_syncs_per_layer"],
+               "saved_bytes_per_token_per_head_fp32": res["sparse"]["saved_bytes_per_token_per_head_fp32"]}
         out["rows"].append(row)
         print(f"T={T:5d}  sparse {row['sparse_s']:.3f}s  dense {row['dense_s']:.3f}s  hf {row['hf_s']:.3f}s  "
               f"speed-up vs dense {speed:.2f}x (ideal {ideal:.2f}x, {speed / ideal:.0%})  vs hf "
               f"{row['speedup_vs_hf']:.2f}x  peak RSS MiB sparse/dense/hf "
               f"{row['peak_rss_mib']['sparse']:.0f}/{row['peak_rss_mib']['dense']:.0f}/{row['peak_rss_mib']['hf']:.0f}  "
               f"sparse+indexer loss {res['sparse+loss']['time_s']:.3f}s ({row['indexer_loss_time_ratio']:.2f}x time, "
-              f"{row['indexer_loss_mem_ratio']:.2f}x RSS)", flush=True)
+              f"{row['indexer_loss_mem_ratio']:.2f}x RSS)  device path: {row['host_syncs_per_layer']} host syncs per "
+              f"layer, {row['saved_bytes_per_token_per_head_fp32']:.0f} B saved per token per head (fp32)", flush=True)
     last = out["rows"][-1]
     out["fraction_of_ideal_at_max_T"] = last["fraction_of_ideal"]
     out["pass"] = last["T"] == 8192 and last["fraction_of_ideal"] >= 0.8

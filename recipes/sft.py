@@ -34,8 +34,8 @@ from glm5_mcore.device import training_device
 from glm5_mcore.lora.config import INDEXER, check_expert_tp
 from glm5_mcore.lora.apply import apply_lora
 from glm5_mcore.model.build import build_model
-from glm5_mcore.model.dsa import (check_indexer_learns, indexer_metrics, set_indexer_frozen, set_indexer_warmup,
-                                  set_recall_probe)
+from glm5_mcore.model.indexer_stages import (check_indexer_learns, indexer_metrics, set_indexer_frozen,
+                                              set_indexer_warmup, set_recall_probe)
 from glm5_mcore.model.mtp_loss import mtp_depth_losses
 from glm5_mcore.model.parallel import init_parallel
 from glm5_mcore.training.checkpointing import SaveSchedule, refuse_restart_over, restore_run, save_run
@@ -216,7 +216,7 @@ def build(cfg: SFTConfig, source: ModelSource, parallel: ParallelConfig):
     if t.bf16:
         overrides.update(bf16=True, params_dtype=torch.bfloat16)
     overrides.update(recompute_overrides(t.recompute))
-    model = build_model(source.glm5, parallel, **overrides)
+    model = build_model(source.glm5, parallel, dsa_kernel_backend=cfg.model.dsa_kernel_backend, **overrides)
     source.load_weights(model)
     if t.indexer_warmup:
         if cfg.lora.enabled:

@@ -39,7 +39,7 @@ from glm5_mcore.lora.apply import apply_lora, disable_adapters, set_adapter
 from glm5_mcore.lora.peft import export_peft
 from glm5_mcore.lora.state import gather_adapter
 from glm5_mcore.model.build import build_model
-from glm5_mcore.model.dsa import check_indexer_learns
+from glm5_mcore.model.indexer_stages import check_indexer_learns
 from glm5_mcore.model.mtp_loss import fp32_output_layer, mtp_depth_losses, token_logprobs
 from glm5_mcore.model.parallel import init_parallel
 from glm5_mcore.training.checkpointing import restore_run, save_run
@@ -77,6 +77,7 @@ class PolicyTrainer:
         overrides = {"bf16": True, "params_dtype": torch.bfloat16} if t.bf16 else {}
         overrides.update(recompute_overrides(t.recompute))
         model = build_model(self.glm5, self.parallel, backend=t.backend, mtp_num_layers=mtp,
+                            dsa_kernel_backend=cfg.model.dsa_kernel_backend,
                             moe_enable_routing_replay=True, **overrides, **overrides_mtp)
         self.source.load_weights(model)
         self.lora_cfg = {"default": cfg.lora.to_lora_config(seed=t.seed)}

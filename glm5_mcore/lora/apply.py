@@ -17,7 +17,8 @@ import torch
 
 from glm5_mcore.lora.config import INDEXER, LoRAConfig, family_of
 from glm5_mcore.lora.layers import LoRALayer, attach
-from glm5_mcore.model.dsa import GLM5SparseAttention, set_indexer_frozen
+from glm5_mcore.model.dsa import GLM5SparseAttention
+from glm5_mcore.model.indexer_stages import set_indexer_frozen
 from glm5_mcore.model.parallel import rank_offsets
 
 # --------------------------------------------------------------------------------------------------

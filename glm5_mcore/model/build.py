@@ -15,6 +15,7 @@ import torch
 from glm5_mcore import cpu_compat
 from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.device import training_device
+from glm5_mcore.model.dsa_backend import resolve as resolve_dsa_backend
 from glm5_mcore.model.dsa import GLM5SparseAttention, link_absorbed_mla, link_index_share
 from glm5_mcore.model.layer_spec import get_glm5_decoder_block_spec, get_glm5_mtp_block_spec
 
@@ -44,6 +45,8 @@ def build_model(glm5: GLM5Config, parallel: Optional[ParallelConfig] = None, bac
     parallel = parallel or ParallelConfig()
     config_overrides.setdefault("transformer_impl", "local" if backend == "local" else "transformer_engine")
     config_overrides.setdefault("expert_tensor_parallel_size", parallel.etp)
+    config_overrides["dsa_kernel_backend"] = resolve_dsa_backend(config_overrides.get("dsa_kernel_backend", "auto"),
+                                                                 training_device() if device is None else device)
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage() if parallel.pp > 1 else True
     if post_process is None:

@@ -12,6 +12,7 @@ set is zero, so the same function is computed here on the gathered [S, K] form, 
 - ``SparseIndexerKL``: Σ_rows KL(target || softmax(I_sel)) where I[s, j] = Σ_h w[s,h]·ReLU(q[s,h]·k[idx[s,j]]),
   differentiable w.r.t. the indexer's q, w, k; backward recomputes per query chunk (nothing [S, K, nI]
   is kept). Megatron-Core's helpers reduce it (``dsa_indexer_loss.reduce_indexer_kl_sum``).
+- ``DenseIndexerKL``: the warm-up's dense KL over every allowed key, chunked by query rows (never [S, T]).
 - ``compute_topk_recall``: the dense attention mass (summed over heads, over every allowed key) that
   falls inside the top-k set, on a strided sample of at most ``max_rows`` query rows.
 
@@ -27,11 +28,13 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.experimental_attention_variant import dsa_indexer_loss
 
-_CHUNK_ELEMS = 1 << 22
+from glm5_mcore.model.sparse_attention import chunk_rows, deterministic_topk
 
 
-def _rows_per_chunk(per_row: int) -> int:
-    return max(1, _CHUNK_ELEMS // max(1, per_row))
+
+def _rows_per_chunk(per_row_elems: int) -> int:
+    """Rows per chunk for ~4 fp32 work tensors of ``per_row_elems`` each within ``CHUNK_BYTES``."""
+    return chunk_rows(16 * per_row_elems)
 
 
 def _flat(idx_bSK: torch.Tensor, T: int) -> torch.Tensor:
@@ -70,7 +73,7 @@ def compute_sparse_attention_target(query_SbnH: torch.Tensor, key_TbnH: torch.Te
 def compute_sparse_attention_target_latent(q_RnD: torch.Tensor, lat_TD: torch.Tensor, topk_bSK: torch.Tensor,
                                            scale: float, tp_group=None) -> torch.Tensor:
     """``compute_sparse_attention_target`` in the absorbed MLA form: q·k = q_abs·lat (see
-    ``dsa.absorbed_sparse_attention``), so each query's selected latent rows are gathered once for all
+    ``sparse_attention.absorbed_sparse_attention``), so each query's selected latent rows are gathered once for all
     heads ([C, K, D], n times less than per-head keys). q [b·S, n, D], lat [b·T, D] → [b, S, K]."""
     b, S, K = topk_bSK.shape
     R, n, D = q_RnD.shape
@@ -144,11 +147,90 @@ class SparseIndexerKL(torch.autograd.Function):
         return dq.to(q.dtype), dw.to(w.dtype), dk.to(k.dtype), None, None
 
 
+def _dense_target(query_CnH, key_TnH, allowed_CT, scale, tp_group):
+    """Megatron-Core's dense warm-up target for a chunk of rows: per head softmax(q·k·scale) over the
+    allowed keys, summed over heads (all-reduced over ``tp_group``), L1-normalised. [C, T] fp32."""
+    logits = torch.einsum("cnh,tnh->cnt", query_CnH.float(), key_TnH.float()).mul_(scale)
+    att = logits.masked_fill_(~allowed_CT[:, None], float("-inf")).softmax(-1).sum(1)
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(att, group=tp_group)
+    return dsa_indexer_loss.normalize_indexer_target(att)
+
+
+class DenseIndexerKL(torch.autograd.Function):
+    """The indexer warm-up's dense KL, chunked by query rows so no [S, T] (nor [n, S, T]) tensor is ever
+    held: Σ over rows of KL(target || softmax over the allowed keys of I), target as
+    ``_dense_target``, I[t, u] = Σ_h w[t,h]·ReLU(q[t,h]·k[u]). Megatron-Core's
+    ``compute_dsa_indexer_loss(sparse_loss=False)`` computes the same sum on full [b, n, S, T] tensors.
+
+    q [S, b, nI, dI], w [S, b, nI], k [T, b, dI] (the indexer's outputs: gradients reach them),
+    query [S, b, n, h], key [T, b, n, h] (detached), q_pos / doc_start [S]. Returns (Σ KL, Σ over
+    rows with more than K allowed keys of the target mass inside the row's deterministic top-K,
+    #such rows), the last two without grad. Saved: the inputs; backward recomputes each chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, q, w, k, query, key, q_pos, doc_start, scale, K, tp_group):
+        S, b, nI, _ = q.shape
+        T, n = key.shape[0], key.shape[2]
+        key_pos = torch.arange(T, device=q.device)
+        kl = torch.zeros((), dtype=torch.float32, device=q.device)
+        mass = torch.zeros((), dtype=torch.float32, device=q.device)
+        rows_n = torch.zeros((), dtype=torch.int64, device=q.device)
+        rows = chunk_rows(4 * T * (n + 2 * nI + 12))
+        for bi in range(b):
+            kf = k[:, bi].float()
+            for s0 in range(0, S, rows):
+                s1 = min(S, s0 + rows)
+                allowed = (key_pos[None, :] <= q_pos[s0:s1, None]) & (key_pos[None, :] >= doc_start[s0:s1, None])
+                target = _dense_target(query[s0:s1, bi], key[:, bi], allowed, scale, tp_group)
+                dots = torch.einsum("cnd,td->cnt", q[s0:s1, bi].float(), kf)
+                scores = torch.einsum("cn,cnt->ct", w[s0:s1, bi].float(), dots.clamp_(min=0))
+                scores = scores.masked_fill_(~allowed, float("-inf"))
+                kl += dsa_indexer_loss.indexer_kl_sum(target, scores.log_softmax(-1), allowed)
+                top = deterministic_topk(scores, min(K, T))
+                choice = allowed.sum(-1) > K  # rows where the top-k is a real choice
+                got = target.gather(-1, top.clamp(min=0)).masked_fill_(top < 0, 0.0).sum(-1)
+                mass += (got * choice).sum()
+                rows_n += choice.sum()
+        ctx.save_for_backward(q, w, k, query, key, q_pos, doc_start)
+        ctx.scale, ctx.tp_group = scale, tp_group
+        ctx.mark_non_differentiable(mass, rows_n)
+        return kl, mass, rows_n
+
+    @staticmethod
+    def backward(ctx, grad, _g_mass, _g_rows):
+        q, w, k, query, key, q_pos, doc_start = ctx.saved_tensors
+        S, b, nI, _ = q.shape
+        T, n = key.shape[0], key.shape[2]
+        key_pos = torch.arange(T, device=q.device)
+        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        dw = torch.empty(w.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        g = grad.float()
+        rows = chunk_rows(4 * T * (n + 3 * nI + 8))
+        for bi in range(b):
+            kf = k[:, bi].float()
+            for s0 in range(0, S, rows):
+                s1 = min(S, s0 + rows)
+                allowed = (key_pos[None, :] <= q_pos[s0:s1, None]) & (key_pos[None, :] >= doc_start[s0:s1, None])
+                t = _dense_target(query[s0:s1, bi], key[:, bi], allowed, ctx.scale, ctx.tp_group)
+                qc, wc = q[s0:s1, bi].float(), w[s0:s1, bi].float()
+                dots = torch.einsum("cnd,td->cnt", qc, kf)
+                scores = torch.einsum("cn,cnt->ct", wc, dots.clamp(min=0)).masked_fill_(~allowed, float("-inf"))
+                dI = g * (scores.softmax(-1) * t.sum(-1, keepdim=True) - t)  # d KL / d I, [C, T]
+                dw[s0:s1, bi] = torch.einsum("ct,cnt->cn", dI, dots.clamp(min=0))
+                dr = dI[:, None, :] * wc[:, :, None] * (dots > 0)  # [C, nI, T]
+                dq[s0:s1, bi] = torch.einsum("cnt,td->cnd", dr, kf)
+                dk[:, bi] += torch.einsum("cnt,cnd->td", dr, qc)
+        return dq.to(q.dtype), dw.to(w.dtype), dk.to(k.dtype), None, None, None, None, None, None, None
+
+
 def compute_sparse_indexer_loss(q_SbnD: torch.Tensor, w_Sbn: torch.Tensor, k_TbD: torch.Tensor,
                                 topk_bSK: torch.Tensor, target_bSK: torch.Tensor, loss_coeff: float,
                                 calculate_per_token_loss: bool, query_valid_rows: Optional[torch.Tensor] = None
                                 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(loss, Σ_rows KL detached, #rows counted): Megatron-Core's sparse indexer loss on the gathered form.
+    """(loss, Σ_rows KL detached, #rows counted: an int, a 0-dim tensor off the CPU): Megatron-Core's sparse indexer loss on the gathered form.
 
     q [S, b, nI, dI], w [S, b, nI], k [T, b, dI] are the indexer's outputs (they carry its grads);
     topk / target [b, S, K]; ``query_valid_rows`` (bool [b, S], Megatron's ``real_token_mask_q``) drops
@@ -165,7 +247,7 @@ def compute_sparse_indexer_loss(q_SbnD: torch.Tensor, w_Sbn: torch.Tensor, k_TbD
         keep = query_valid_rows.reshape(b * S)
         target = target * keep[:, None]
         count = keep.sum()
-        rows = int(count)
+        rows = int(count) if keep.device.type == "cpu" else count  # no host read on an accelerator
     kl_sum = SparseIndexerKL.apply(q, w, k, _flat(topk_bSK, T), target)
     loss = dsa_indexer_loss.reduce_indexer_kl_sum(kl_sum, num_rows=b * S, valid_row_count=count,
                                                   calculate_per_token_loss=calculate_per_token_loss)
@@ -175,40 +257,54 @@ def compute_sparse_indexer_loss(q_SbnD: torch.Tensor, w_Sbn: torch.Tensor, k_TbD
 @torch.no_grad()
 def compute_topk_recall(query_SbnH: torch.Tensor, key_TbnH: torch.Tensor, topk_bSK: torch.Tensor,
                         q_pos_S: torch.Tensor, doc_start_S: torch.Tensor, scale: float, tp_group=None,
-                        max_rows: int = 128) -> tuple[torch.Tensor, int]:
+                        max_rows: int = 128) -> tuple[torch.Tensor, int | torch.Tensor]:
     """(Σ recall as a 0-dim tensor on the inputs' device, #rows): for each sampled query row with more
     allowed keys than K, the share of its dense attention mass (softmax over doc_start ≤ u ≤ pos, summed
     over all heads) inside its top-k.
 
-    Rows are taken evenly spaced from the eligible ones, at most ``max_rows`` per call, so the cost is
-    that of ``max_rows`` dense attention rows. Under TP every rank samples the same rows and the head
-    sums are all-reduced."""
+    key [T, b, n, h], or [T, b, 1, h] for one key shared by every head (the absorbed query and the
+    latent). On the CPU rows are taken evenly spaced from the eligible ones, at most ``max_rows`` per
+    call, and #rows is an int; on an accelerator (no host read) ``max_rows`` evenly spaced rows are
+    taken, the ineligible ones masked out, and #rows is a 0-dim tensor. The cost is that of
+    ``max_rows`` dense attention rows. Under TP every rank samples the same rows and the head sums
+    are all-reduced."""
     S, b, n, _ = query_SbnH.shape
     T, K = key_TbnH.shape[0], topk_bSK.shape[-1]
+    dev = query_SbnH.device
     eligible = (q_pos_S - doc_start_S + 1) > K  # [S]
-    cand = eligible.nonzero().squeeze(1)
-    if cand.numel() == 0 or b == 0:
-        return torch.zeros((), device=query_SbnH.device), 0
-    if cand.numel() > max(1, max_rows // b):
-        pick = torch.linspace(0, cand.numel() - 1, max(1, max_rows // b), device=cand.device).round().long()
-        cand = cand[pick]
-    key_pos = torch.arange(T, device=query_SbnH.device)
-    mass = torch.zeros(b, cand.numel(), dtype=torch.float32, device=query_SbnH.device)
+    per_b = max(1, max_rows // max(1, b))
+    if dev.type == "cpu":
+        cand = eligible.nonzero().squeeze(1)
+        if cand.numel() == 0 or b == 0:
+            return torch.zeros((), device=dev), 0
+        if cand.numel() > per_b:
+            cand = cand[torch.linspace(0, cand.numel() - 1, per_b, device=dev).round().long()]
+        keep = None
+    else:
+        cand = torch.linspace(0, S - 1, min(S, per_b), device=dev).round().long()
+        keep = eligible[cand]
+    key_pos = torch.arange(T, device=dev)
+    mass = torch.zeros(b, cand.numel(), dtype=torch.float32, device=dev)
     rows = _rows_per_chunk(n * T)
+    shared = key_TbnH.shape[2] == 1
     for bi in range(b):
         kf = key_TbnH[:, bi].float()
         for c0 in range(0, cand.numel(), rows):
             r = cand[c0: c0 + rows]
             allowed = (key_pos[None, :] <= q_pos_S[r, None]) & (key_pos[None, :] >= doc_start_S[r, None])
-            logits = torch.einsum("cnh,tnh->cnt", query_SbnH[r, bi].float(), kf) * scale
-            p = logits.masked_fill(~allowed[:, None], float("-inf")).softmax(-1).sum(1)  # [C, T]
-            sel = topk_bSK[bi, r]
+            qr = query_SbnH[r, bi].float()
+            logits = (torch.einsum("cnh,th->cnt", qr, kf[:, 0]) if shared else torch.einsum("cnh,tnh->cnt", qr, kf))
+            p = (logits * scale).masked_fill(~allowed[:, None], float("-inf")).softmax(-1).sum(1)  # [C, T]
+            sel = topk_bSK[bi, r].long()
             mass[bi, c0: c0 + r.numel()] = p.gather(-1, sel.clamp(min=0)).masked_fill(sel < 0, 0.0).sum(-1)
     heads = n
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(mass, group=tp_group)
         heads *= dist.get_world_size(tp_group)  # TP splits the heads evenly
-    return (mass / heads).sum(), mass.numel()
+    if keep is None:
+        return (mass / heads).sum(), mass.numel()
+    mass = mass.nan_to_num_(0.0) * keep  # ineligible sampled rows (fully masked ones give NaN) count 0
+    return (mass / heads).sum(), keep.sum() * b
 
 
 def indexer_trainable(indexer: Optional[torch.nn.Module]) -> bool:

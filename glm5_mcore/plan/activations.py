@@ -6,9 +6,9 @@ r = s' · top-k · ETP tokens routed to this rank's experts on average):
 
     attention  s'·H (norm input) + s·H (gathered input of the replicated down projections)
                + 2·s·q_lora + s·(2·kv_lora + rope)          latents and their norms
-               + s·h·(2·qk_head + nope + v)                 q, k (rope applied), k_nope|v
-               + s·h·v + 4·s·h (out, fp32 log-sum-exp)       fused sparse core
-               + 8·s·topk bytes                              selected key indices (int64)
+               + s·h·qk_head + s·h·v                        q (rope applied), the core's output (proj input)
+               + DSA core (``core_attention_bytes``): the absorbed sparse core, as the code saves it
+               + 8·s·topk bytes                              selected key indices (int64; the fused path's int32: 4·s·topk)
     MoE        2·s'·H + 4·3·s'·E bytes (router logits, scores, probs, fp32)
                + r·(2·H + 3·M/ETP) + 4·r bytes               permuted tokens, fc1, act, fc2 out, probs
                + s·H + 3·s·S/TP                              shared expert
@@ -21,7 +21,8 @@ With selective recompute (``"selective"``, ``recompute_modules=["core_attn"]``) 
 attention's internals (``core_attention_bytes``: the core's inputs and output stay, being saved by the
 projections around it), and one layer's core lives again while it is recomputed.
 Transient, one layer at a time: the DSA indexer's scores of this rank's queries against every key
-of the sequence (4·s·T bytes, fp32) and the MoE dispatch buffers (send + receive, 2·r·H). Under
+of the sequence (4·s·T bytes, fp32), chunked by query rows within ``CHUNK_BYTES`` (fused and
+PyTorch paths alike), and the MoE dispatch buffers (send + receive, 2·r·H). Under
 1F1B, stage ``i`` of ``pp`` holds ``min(pp - i, micro-batches)`` micro-batches in flight.
 
 Checked against a measured forward+backward (``tests/plan/test_plan.py::test_activation_formula_*``).
@@ -32,7 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from glm5_mcore.config import GLM5Config
+from glm5_mcore.model.sparse_attention import CHUNK_BYTES
 from glm5_mcore.plan.layout import Layout
+
+SPARSE_MLA_MIN_HEADS = 16  # TileLang's SparseMLA pads fewer query heads to 16 (ops/tilelang_dsa.py:788-794)
 
 
 @dataclass
@@ -51,22 +55,40 @@ class ActivationBytes:
                 + max(self.indexer_scores, self.dispatch))
 
 
-def core_attention_bytes(m: GLM5Config, L: Layout, tokens: int, b: int) -> int:
-    """What the DSA core attention saves for backward besides its inputs (q, the latent, the top-k
-    indices) and its output [s, h, v]: the fused core's fp32 log-sum-exp, 4·s·h. Selective recompute
-    drops exactly this."""
-    return 4 * (tokens // L.cp) * (m.num_attention_heads // L.tp)
+def core_attention_bytes(m: GLM5Config, L: Layout, tokens: int, b: int, fused: bool = True) -> int:
+    """What one DSA layer's absorbed sparse core (``sparse_attention.latent_attention``) keeps for backward
+    besides its inputs (q, the latent, the int64 top-k) and its output, with D = kv_lora + rope (selective
+    recompute drops exactly this):
+
+        s·h'·(b·D + b·kv_lora + 4)   the absorbed query, the attention-weighted latent, the fp32 log-sum-exp
+        + b·T·D                      the latent rows of the whole (CP-gathered) sequence
+
+    h' = local heads, padded to 16 on the fused path (plus the unpadded b·s·h·kv_lora output copy then).
+    Measured with ``saved_tensors_hooks`` in bf16: tests/model/test_dsa_cuda_path.py."""
+    s = tokens // L.cp
+    h = m.num_attention_heads // L.tp
+    D, dc = m.kv_lora_rank + m.qk_rope_head_dim, m.kv_lora_rank
+    hk = max(h, SPARSE_MLA_MIN_HEADS) if fused else h
+    out = s * hk * (b * D + b * dc + 4) + b * tokens * D
+    if fused and hk != h:
+        out += b * s * h * dc
+    return out
 
 
-def layer_bytes(m: GLM5Config, L: Layout, tokens: int, moe: bool, b: int) -> tuple[int, int]:
+def indexer_transient(m: GLM5Config, L: Layout, tokens: int) -> int:
+    """The indexer's scoring of this rank's queries against every key, at most ``CHUNK_BYTES`` per chunk."""
+    return min(4 * (tokens // L.cp) * tokens, CHUNK_BYTES)
+
+
+def layer_bytes(m: GLM5Config, L: Layout, tokens: int, moe: bool, b: int, fused_dsa: bool = True) -> tuple[int, int]:
     """(attention + MLP bytes saved for backward by one layer, MoE routed tokens r) for ``tokens``."""
     s = tokens // L.cp
     s_sp = s // L.tp if L.tp > 1 else s
     h = m.num_attention_heads // L.tp
     H = m.hidden_size
     att = b * (s_sp * H + s * H + 2 * s * m.q_lora_rank + s * (2 * m.kv_lora_rank + m.qk_rope_head_dim)
-               + s * h * (2 * m.qk_head_dim + m.qk_nope_head_dim + m.v_head_dim) + s * h * m.v_head_dim)
-    att += core_attention_bytes(m, L, tokens, b) + 8 * s * min(m.index_topk, s)
+               + s * h * m.qk_head_dim + s * h * m.v_head_dim)
+    att += core_attention_bytes(m, L, tokens, b, fused_dsa) + (4 if fused_dsa else 8) * s * min(m.index_topk, tokens)
     if not moe:
         return att + b * (s * H + 3 * s * (m.intermediate_size // L.tp)), 0
     r = s_sp * m.num_experts_per_tok * L.etp
@@ -78,7 +100,7 @@ def layer_bytes(m: GLM5Config, L: Layout, tokens: int, moe: bool, b: int) -> tup
 
 
 def stage_activations(m: GLM5Config, L: Layout, stage: int, tokens: int, *, bf16: bool, recompute,
-                      mtp: bool, microbatches: int) -> ActivationBytes:
+                      mtp: bool, microbatches: int, fused_dsa: bool = True) -> ActivationBytes:
     """``recompute``: False / None, ``"selective"``, or True / ``"full"`` (``glm5_mcore.config.recompute_overrides``)."""
     b = 2 if bf16 else 4
     selective = recompute == "selective"
@@ -89,12 +111,12 @@ def stage_activations(m: GLM5Config, L: Layout, stage: int, tokens: int, *, bf16
     layers = list(L.stage_layers(m, stage))
     last = stage == L.pp - 1
     n_mtp = m.num_nextn_predict_layers if (mtp and last) else 0
-    per_layer = [layer_bytes(m, L, tokens, m.mlp_layer_types[i] == "sparse", b) for i in layers]
-    per_layer += [layer_bytes(m, L, tokens, True, b) for _ in range(n_mtp)]
+    per_layer = [layer_bytes(m, L, tokens, m.mlp_layer_types[i] == "sparse", b, fused_dsa) for i in layers]
+    per_layer += [layer_bytes(m, L, tokens, True, b, fused_dsa) for _ in range(n_mtp)]
     full = sum(x for x, _ in per_layer)
     biggest = max((x for x, _ in per_layer), default=0)
     r = max((y for _, y in per_layer), default=0)
-    core = core_attention_bytes(m, L, tokens, b) if selective else 0
+    core = core_attention_bytes(m, L, tokens, b, fused_dsa) if selective else 0
     saved = len(per_layer) * b * s_sp * H if recompute else full - len(per_layer) * core
     if stage == 0:
         saved += b * s_sp * H
@@ -106,7 +128,7 @@ def stage_activations(m: GLM5Config, L: Layout, stage: int, tokens: int, *, bf16
     return ActivationBytes(
         saved_per_microbatch=saved,
         in_flight=max(1, min(L.pp - stage, microbatches)),
-        indexer_scores=4 * s * tokens if has_indexer else 0,
+        indexer_scores=indexer_transient(m, L, tokens) if has_indexer else 0,
         dispatch=2 * b * r * H,
         recompute_layer=biggest if recompute else core,
     )

@@ -22,7 +22,7 @@ from glm5_mcore import cpu_compat
 from glm5_mcore.lora.apply import apply_lora
 from glm5_mcore.lora.config import LoRAConfig
 from glm5_mcore.model.build import build_model
-from glm5_mcore.model.dsa import set_indexer_frozen
+from glm5_mcore.model.indexer_stages import set_indexer_frozen
 from glm5_mcore.model.parallel import forget_layout, seed_parallel
 
 

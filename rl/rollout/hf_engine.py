@@ -4,7 +4,7 @@ through ``peft`` — the HF PEFT folder ``glm5 lora export`` writes is also the 
 KV-cached decoding, batched over every request that shares a prompt length (no padding, so no
 position or mask games: a finished row just keeps decoding filler that nobody reads), per-request
 ``torch.Generator`` sampling with temperature and top-p, stop tokens, a token budget. With
-``deterministic_topk`` the indexer selects its top-k with ``glm5_mcore.model.dsa.deterministic_topk`` (ties
+``deterministic_topk`` the indexer selects its top-k with ``glm5_mcore.model.sparse_attention.deterministic_topk`` (ties
 to the lower index), the same rule as the trainer.
 """
 
@@ -28,7 +28,7 @@ def _deterministic_indexer_class():
     tie-stable top-k (modeling_glm_moe_dsa.py, ``GlmMoeDsaIndexer.forward``, transformers 5.24)."""
     from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
 
-    from glm5_mcore.model.dsa import deterministic_topk
+    from glm5_mcore.model.sparse_attention import deterministic_topk
 
     class DeterministicIndexer(hf.GlmMoeDsaIndexer):
         def forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None,

@@ -2,7 +2,7 @@
 
 import torch
 
-from glm5_mcore.model.dsa import compute_index_topk, deterministic_topk, sparse_attention
+from glm5_mcore.model.sparse_attention import compute_index_topk, deterministic_topk, sparse_attention
 
 
 def test_deterministic_topk_breaks_ties_to_lower_index():
@@ -72,7 +72,7 @@ def test_topk_respects_causal_and_document_bounds():
 
 
 def test_absorbed_sparse_attention_equals_expanded_keys_values():
-    from glm5_mcore.model.dsa import absorbed_sparse_attention, sparse_attention
+    from glm5_mcore.model.sparse_attention import absorbed_sparse_attention, sparse_attention
 
     g = torch.Generator().manual_seed(0)
     S, b, n, dn, dr, dv, dc, K = 24, 2, 3, 8, 4, 6, 10, 5
@@ -85,7 +85,7 @@ def test_absorbed_sparse_attention_equals_expanded_keys_values():
     kv = torch.einsum("tbc,oc->tbo", c, w).view(S, b, n, dn + dv)
     key = torch.cat([kv[..., :dn], kr[:, :, None].expand(-1, -1, n, -1)], -1)
     ref = sparse_attention(q, key, kv[..., dn:], topk, 0.3)
-    got = absorbed_sparse_attention(q, kr, c, w, topk, 0.3, dn, dv)
+    got = absorbed_sparse_attention(q, torch.cat([c, kr], -1), w, topk, 0.3, dn, dv)
     assert (got - ref).abs().max() <= 1e-5
     gr = torch.autograd.grad(ref.square().sum(), (q, c, kr, w))
     gg = torch.autograd.grad(got.square().sum(), (q, c, kr, w))
@@ -135,7 +135,7 @@ def test_model_absorbed_path_matches_unabsorbed_and_takes_kv_up_lora(tiny_dir, s
 
 
 def test_dense_attention_per_document_equals_masked():
-    from glm5_mcore.model.dsa import dense_attention
+    from glm5_mcore.model.sparse_attention import dense_attention
 
     g = torch.Generator().manual_seed(1)
     S, b, n, h = 20, 1, 2, 8

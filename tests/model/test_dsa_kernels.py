@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from glm5_mcore import kernels
-from glm5_mcore.model.dsa import SparseLatentAttention, compute_index_topk, deterministic_topk
+from glm5_mcore.model.sparse_attention import SparseLatentAttention, compute_index_topk, deterministic_topk
 
 # only a missing compiler skips: a kernel that fails to build must fail these tests, not hide
 pytestmark = pytest.mark.skipif(not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")),

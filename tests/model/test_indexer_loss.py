@@ -45,7 +45,7 @@ def _reference(c, topk, coeff, rows=None):
 
 
 def _topk(c):
-    from glm5_mcore.model.dsa import compute_index_topk
+    from glm5_mcore.model.sparse_attention import compute_index_topk
 
     with torch.no_grad():
         return compute_index_topk(c["q_i"], c["k_i"], c["w_i"], c["K"], c["q_pos"], c["doc_start"])
@@ -131,7 +131,8 @@ def _thd_batch(vocab, lengths=(24, 20, 36), seed=5, tp=1):
 
 
 def test_loss_reaches_only_the_indexer_and_index_share_layers_add_nothing(tiny_share_dir, single_rank):
-    from glm5_mcore.model.dsa import GLM5SparseAttention, indexer_metrics
+    from glm5_mcore.model.dsa import GLM5SparseAttention
+    from glm5_mcore.model.indexer_stages import indexer_metrics
     from tests.support.helpers import hf_model
 
     model, glm5 = hf_model(tiny_share_dir, calculate_per_token_loss=True, dsa_indexer_loss_coeff=0.01)
@@ -194,7 +195,7 @@ def test_tp2_and_cp2_equal_one_rank(tiny_share_dir, tmp_path):
 
 
 def test_trainable_indexer_without_loss_is_refused_before_any_work(tiny_dir, tmp_path, single_rank):
-    from glm5_mcore.model.dsa import check_indexer_learns, set_indexer_frozen
+    from glm5_mcore.model.indexer_stages import check_indexer_learns, set_indexer_frozen
     from tests.support.helpers import hf_model
     from recipes.sft import SFTConfig, run
 

@@ -89,7 +89,7 @@ def test_three_optimizer_steps_lower_the_loss(tiny_mtp_dir, single_rank):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from glm5_mcore.model.dsa import set_indexer_frozen
+    from glm5_mcore.model.indexer_stages import set_indexer_frozen
     from tests.support.helpers import megatron_steps
 
     m, _ = _model(tiny_mtp_dir)

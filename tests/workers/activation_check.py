@@ -38,7 +38,8 @@ def measure(m: GLM5Config, tokens: int) -> dict:
     with tracker:
         model(ids, pos, None, labels=ids, packed_seq_params=psp).sum().backward()
     peak = {str(k).split(".")[-1]: v for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
-    est = stage_activations(m, Layout(1), 0, tokens, bf16=False, recompute=False, mtp=False, microbatches=1)
+    est = stage_activations(m, Layout(1), 0, tokens, bf16=False, recompute=False, mtp=False, microbatches=1,
+                            fused_dsa=False)
     measured = peak["ACT"] + peak["TEMP"]
     return {"hidden": m.hidden_size, "experts": m.n_routed_experts, "tokens": tokens, "measured": measured,
             "formula": est.peak, "ratio": est.peak / measured}

@@ -1,0 +1,77 @@
+"""Count device→host reads under ``fake_device`` (``tests/fake_device.py``): every op that on CUDA
+waits for the device to hand a value to the host (``.item()``, ``int()``, ``bool()``, ``.tolist()``,
+``nonzero``, ``masked_select``, ``unique``, a device→CPU copy), when one of its arguments is a device
+tensor. ``HostReads.reads`` lists (op, the project/Megatron frame that asked); ``raise_on_read``
+turns the first one into an error naming it."""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from tests.support import fake_device
+from tests.support.fake_device import OnDevice
+
+aten = torch.ops.aten
+SYNC_OPS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonzero.default,
+            aten.masked_select.default, aten._unique2.default, aten.unique_consecutive.default,
+            aten.unique_dim.default, aten.equal.default, aten.repeat_interleave.Tensor}
+
+
+def _caller() -> str:
+    for fr in reversed(traceback.extract_stack()[:-3]):
+        f = fr.filename
+        if ("glm5_mcore" in f or "megatron" in f or "/rl/" in f or "/recipes/" in f) and "fake_device" not in f:
+            return f"{f.split('site-packages/')[-1].split('/wt/')[-1]}:{fr.lineno}"
+    return "?"
+
+
+class HostReads:
+    """Where ``count_host_reads`` records the reads (``active`` False pauses it)."""
+
+    def __init__(self, raise_on_read: bool = False):
+        self.reads: list[tuple[str, str]] = []
+        self.raise_on_read = raise_on_read
+        self.active = True
+
+    def hit(self, what: str):
+        if not self.active:
+            return
+        self.reads.append((what, _caller()))
+        if self.raise_on_read:
+            raise AssertionError(f"device→host read {what} at {self.reads[-1][1]}")
+
+    def check(self, func, args, kwargs):
+        flat, _ = tree_flatten((args, kwargs))
+        if not any(isinstance(t, OnDevice) for t in flat):
+            return
+        to_cpu = ((func is aten._to_copy.default and str(kwargs.get("device", "")) == "cpu")
+                  or (func is aten.copy_.default and not isinstance(args[0], OnDevice)))
+        if func in SYNC_OPS or to_cpu:
+            self.hit(str(func))
+
+
+@contextlib.contextmanager
+def count_host_reads(raise_on_read: bool = False):
+    """Inside ``fake_device()``: yields a ``HostReads`` whose ``reads`` grows with each host read. It
+    wraps ``fake_device._dispatch``, which every op on a device tensor reaches, in any thread (the
+    autograd engine runs a device's backward in its own thread, outside thread-local modes)."""
+    rec = HostReads(raise_on_read)
+    real_tolist, real_dispatch = OnDevice.tolist, fake_device._dispatch
+
+    def tolist(self):
+        rec.hit("tolist")
+        return real_tolist(self)
+
+    def dispatch(func, args, kwargs):
+        rec.check(func, args, kwargs)
+        return real_dispatch(func, args, kwargs)
+
+    OnDevice.tolist, fake_device._dispatch = tolist, dispatch
+    try:
+        yield rec
+    finally:
+        OnDevice.tolist, fake_device._dispatch = real_tolist, real_dispatch
