@@ -204,7 +204,7 @@ def _model_config(cfg: SFTConfig, hf_dir: str) -> tuple[GLM5Config, bool]:
     """The model to build for ``model.mtp`` and whether its MTP layers start fresh (not loaded)."""
     import dataclasses
 
-    from glm5_mcore.checkpoint.folder_config import checkpoint_config, hf_dir_config
+    from glm5_mcore.checkpoint.folder_config import run_model_config
 
     mode = cfg.model.mtp
     if mode not in ("auto", "init", "off"):
@@ -214,8 +214,7 @@ def _model_config(cfg: SFTConfig, hf_dir: str) -> tuple[GLM5Config, bool]:
         return dataclasses.replace(declared, num_nextn_predict_layers=0), False
     if mode == "init" and declared.num_nextn_predict_layers == 0:
         raise ValueError(f"model.mtp=init: {hf_dir}/config.json declares num_nextn_predict_layers=0")
-    stored = checkpoint_config(cfg.model.ckpt, quiet=mode == "init") if cfg.model.ckpt else hf_dir_config(
-        hf_dir, quiet=mode == "init")
+    stored = run_model_config(cfg.model.ckpt, hf_dir, quiet=mode == "init")  # a Megatron-LM ckpt: against hf_dir
     if mode == "auto" or stored.num_nextn_predict_layers == declared.num_nextn_predict_layers:
         return stored, False
     if cfg.lora.enabled:

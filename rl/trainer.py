@@ -103,7 +103,7 @@ class _Packed:
 class PolicyTrainer:
     def __init__(self, cfg: RLConfig, rank: int = 0, world: int = 1, master_addr: Optional[str] = None,
                  master_port: Optional[int] = None):
-        from glm5_mcore.config import GLM5Config, ParallelConfig
+        from glm5_mcore.config import ParallelConfig
         from glm5_mcore.model.dsa import check_indexer_learns
         from glm5_mcore.lora.apply import LoRAConfig, apply_lora, set_adapter
         from glm5_mcore.model.build import build_model, init_parallel, load_hf_weights
@@ -116,15 +116,11 @@ class PolicyTrainer:
         self.cfg = cfg
         t = cfg.trainer
         self.parallel = ParallelConfig(tp=t.tp, ep=t.ep, cp=t.cp)
-        from glm5_mcore.checkpoint import megatron_lm as foreign_ckpt
-        from glm5_mcore.checkpoint.folder_config import checkpoint_config, hf_dir_config
+        from glm5_mcore.checkpoint.folder_config import run_model_config
 
         from rl.mtp import DraftAcceptance, mtp_layers
 
-        if cfg.model.ckpt and foreign_ckpt.is_foreign(cfg.model.ckpt):  # Megatron-LM / Bridge: checked against hf_dir
-            self.glm5 = foreign_ckpt.glm5_config(cfg.model.ckpt, GLM5Config.from_hf_dir(cfg.model.hf_dir))
-        else:
-            self.glm5 = checkpoint_config(cfg.model.ckpt) if cfg.model.ckpt else hf_dir_config(cfg.model.hf_dir)
+        self.glm5 = run_model_config(cfg.model.ckpt, cfg.model.hf_dir)  # checked before Ray too (rl.validate)
         # the MTP block: trained with actor.mtp_loss_scale > 0, measured only with actor.mtp_accept
         mtp = mtp_layers(cfg.actor.mtp_loss_scale, self.glm5, cfg.model.ckpt or cfg.model.hf_dir,
                          cfg.actor.mtp_accept)

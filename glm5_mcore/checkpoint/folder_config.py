@@ -91,6 +91,18 @@ def checkpoint_config(root: str | Path, iteration: Optional[int] = None, quiet: 
     return with_mtp_layers(glm5, stored, path, quiet)
 
 
+def run_model_config(ckpt: Optional[str], hf_dir: str, quiet: bool = False) -> GLM5Config:
+    """The GLM5Config a run (SFT, RL, parity) builds from ``model.ckpt`` / ``model.hf_dir``: a Megatron-LM /
+    Bridge checkpoint's own config checked field by field against ``hf_dir``'s config.json (a ValueError
+    naming the file and field on a mismatch), a glm5-mcore checkpoint's ``hf/config.json``, else
+    ``hf_dir``'s; MTP layers as stored."""
+    from glm5_mcore.checkpoint import megatron_lm as foreign_ckpt
+
+    if ckpt and foreign_ckpt.is_foreign(ckpt):
+        return foreign_ckpt.glm5_config(ckpt, GLM5Config.from_hf_dir(hf_dir))
+    return checkpoint_config(ckpt, quiet=quiet) if ckpt else hf_dir_config(hf_dir, quiet=quiet)
+
+
 DTYPES_FILE = "dtypes.json"
 
 
