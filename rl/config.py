@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from glm5_mcore.training.schema import LoRACfg, ModelCfg, PlanCfg, WandbCfg, build
+from rl.validate import check_config
 
 ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "gae")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -385,6 +386,7 @@ def validate(c: RLConfig) -> None:
         raise ValueError("trainer.freeze_indexer=false: the RL trainer keeps the DSA indexer frozen (no indexer "
                          "loss reaches it here, so it would not learn); train it in the SFT sparse stage "
                          "(glm5 sft train.freeze_indexer=false)")
+    check_config(c)  # policy loss, R3 + tool episodes, penalty factor, engine_kwargs
     if t.backend not in ("local", "te"):
         raise ValueError(f"trainer.backend={t.backend!r}: local or te")
     import torch

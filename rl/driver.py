@@ -24,6 +24,7 @@ from rl.overlap import StepSource
 from rl.routing import index_metrics, router_metrics
 from rl.rollout.base import Request, SamplingParams, sample_seed
 from rl.tasks import load_prompts
+from rl.validate import preflight
 
 
 @contextmanager
@@ -92,6 +93,7 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
                          toy_size=d.toy_size, seed=d.seed)
     val = load_prompts(d.val, tok, chat_template=d.chat_template, max_tokens=d.max_prompt_tokens,
                        toy_size=d.val_prompts, seed=d.seed + 1)[: d.val_prompts]
+    stop_ids = preflight(cfg, tok, {"data.train": train, "data.val": val})  # before the folder and Ray
     rewards = Rewards(cfg, tok)
     settings = run_settings(cfg)
     claim_run_dir(cfg.trainer.out, "rl", [cfg.model.hf_dir, cfg.model.ckpt, d.train, d.val])
@@ -100,8 +102,7 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
     if record is not None:
         record()
     r = cfg.rollout
-    sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens,
-                              tuple(r.stop_token_ids if r.stop_token_ids is not None else [tok.eos_token_id]))
+    sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens, stop_ids)
     start_ray(cfg.ray.address, cfg.ray.num_cpus)
     trainers, rollouts = TrainerGroup(cfg), RolloutPool(cfg)
     state = (trainers.first("restore", cfg.trainer.out) if cfg.trainer.resume else None) or {

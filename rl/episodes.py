@@ -21,6 +21,7 @@ import importlib
 from typing import Callable
 
 from rl.rollout.base import Request, Result, SamplingParams, sample_seed
+from rl.validate import token_ids
 
 
 def load_env(path: str) -> Callable:
@@ -32,17 +33,9 @@ def load_env(path: str) -> Callable:
 
 
 def tool_token_ids(tokenizer, tokens: list) -> set[int]:
-    """``rollout.multi_turn.tool_call_stop_tokens`` (ids or token strings) as ids."""
-    out = set()
-    for t in tokens:
-        if isinstance(t, str):
-            i = tokenizer.convert_tokens_to_ids(t)
-            if i is None or i == tokenizer.unk_token_id:
-                raise ValueError(f"rollout.multi_turn.tool_call_stop_tokens: {t!r} is not a token of the tokenizer")
-            out.add(int(i))
-        else:
-            out.add(int(t))
-    return out
+    """``rollout.multi_turn.tool_call_stop_tokens`` (ids or token strings) as ids (checked before Ray starts
+    too: ``rl.validate.preflight``)."""
+    return set(token_ids(tokenizer, tokens, "rollout.multi_turn.tool_call_stop_tokens", len(tokenizer)))
 
 
 def observation_ids(tokenizer, text: str, role: str, prev_id: int) -> list[int]:

@@ -33,6 +33,8 @@ class Prompt:
     ground_truth: Any = None
     data_source: str = ""
     extra: dict = field(default_factory=dict)
+    where: str = ""
+    """``file:line`` of a JSONL row (errors name it)."""
 
 
 def toy_prompts(tokenizer, size: int, seed: int, modulus: int = 2, keys: int = 8) -> list[Prompt]:
@@ -53,8 +55,9 @@ def toy_prompts(tokenizer, size: int, seed: int, modulus: int = 2, keys: int = 8
 
 
 def read_prompts(path: str | Path, tokenizer, chat_template: bool, max_tokens: int) -> list[Prompt]:
-    """Rows ``{"prompt": str}`` or ``{"messages": [...]}`` plus optional ``ground_truth`` (or
-    ``answer``), ``data_source`` and ``extra_info``; errors name file:line and the field."""
+    """Rows ``{"prompt": str}`` or ``{"messages": [...]}`` with ``ground_truth`` (or ``answer``; null where the
+    reward needs none — a row without it is refused, as verl's reward manager does) and optional
+    ``data_source`` and ``extra_info``; errors name file:line and the field."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: prompt file not found")
@@ -84,9 +87,12 @@ def read_prompts(path: str | Path, tokenizer, chat_template: bool, max_tokens: i
                 raise PromptDataError(f"{where}: the prompt tokenizes to nothing")
             if len(ids) > max_tokens:
                 raise PromptDataError(f"{where}: prompt has {len(ids)} tokens > data.max_prompt_tokens={max_tokens}")
+            if "ground_truth" not in row and "answer" not in row:  # verl's reward manager: a KeyError
+                raise PromptDataError(f"{where}: no 'ground_truth' (or 'answer') field for the reward function; "
+                                      "give one on every row (null where the reward needs none)")
             extra = row.get("extra_info") or {}
             out.append(Prompt(len(out), ids, text, row.get("ground_truth", row.get("answer")),
-                              str(row.get("data_source", path.stem)), extra))
+                              str(row.get("data_source", path.stem)), extra, where))
     if not out:
         raise PromptDataError(f"{path}: no prompts")
     return out
