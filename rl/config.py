@@ -98,7 +98,9 @@ class FilterGroupsCfg:
     """DAPO's dynamic sampling (verl's ``algorithm.filter_groups``): prompt groups whose ``metric`` is
     the same for all ``rollout.n`` samples (no GRPO signal) are dropped and further prompts drawn until
     ``data.prompts_per_step`` groups are kept or ``max_num_gen_batches`` generation rounds ran (<= 0: no
-    limit); a step that hits the limit is topped up with dropped groups (zero advantage) and says so."""
+    limit, but a step that has drawn every prompt of ``data.train`` once without filling stops the run with
+    one line saying so, instead of regenerating forever); a step that hits the limit is topped up with
+    dropped groups (zero advantage) and says so."""
     enable: bool = False
     metric: str = "score"
     """``score`` (the reward function's value) or ``seq_reward`` (after the overlong penalty)."""
