@@ -222,6 +222,10 @@ class RayCfg:
     address: Optional[str] = None
     """None: start Ray locally; "auto" or "ray://host:10001": join that cluster."""
     num_cpus: Optional[int] = None
+    """Local Ray's CPUs (None: the machine's, at least the trainer ranks + rollout actors)."""
+    wait_timeout_s: float = 1800.0
+    """Longest wait for the trainer ranks' placement group and the rollout engines' start-up (each wait
+    says what it waits for every minute); past it the run stops naming what it asked and what the cluster has."""
 
 
 @dataclass

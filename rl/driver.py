@@ -24,7 +24,7 @@ from rl.overlap import StepSource
 from rl.routing import index_metrics, router_metrics
 from rl.rollout.base import Request, SamplingParams, sample_seed
 from rl.tasks import load_prompts
-from rl.validate import preflight
+from rl.validate import preflight, rollout_logprob_check
 
 
 @contextmanager
@@ -80,7 +80,7 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
     from glm5_mcore.training.resume import claim_run_dir, guard_resume
     from rl.config import run_settings
     from rl.logger import RLLogger
-    from rl.workers import RolloutPool, TrainerGroup, start_ray
+    from rl.workers import RolloutPool, TrainerGroup, check_resources, resources_needed, start_ray
 
     from pathlib import Path
 
@@ -103,8 +103,15 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
         record()
     r = cfg.rollout
     sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens, stop_ids)
-    start_ray(cfg.ray.address, cfg.ray.num_cpus)
-    trainers, rollouts = TrainerGroup(cfg), RolloutPool(cfg)
+    start_ray(cfg.ray.address, cfg.ray.num_cpus, int(resources_needed(cfg)["CPU"]))
+    if not cfg.ray.address:  # a local cluster cannot grow: what it lacks now, it lacks forever
+        check_resources(cfg)
+    trainers = TrainerGroup(cfg)
+    try:
+        rollouts = RolloutPool(cfg)
+    except BaseException:
+        trainers.shutdown()
+        raise
     state = (trainers.first("restore", cfg.trainer.out) if cfg.trainer.resume else None) or {
         "step": 0, "epoch": 0, "cursor": 0, "kl_coef": cfg.algorithm.kl_ctrl.kl_coef}
     state["settings"] = settings
@@ -141,6 +148,10 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
             batch, trunc = got.batch
             batch.scores = got.scores
             got.metrics.update(trunc)
+            got.metrics.update(rollout_logprob_check(batch, step, r.engine))
+            if got.metrics["rollout/nonfinite_logprob_fraction"]:
+                log.note(f"step {step + 1}: {got.metrics['rollout/nonfinite_logprob_fraction']:.1%} of the response "
+                         "tokens have non-finite rollout log-probs (masked out of the loss)")
             with _timer(timing, "old_log_prob"):
                 outs = trainers.call("compute_log_probs", batch)
                 fill_log_probs(batch, outs)

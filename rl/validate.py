@@ -7,7 +7,8 @@ file or setting, instead of a ``ray::Actor.method()`` stack at the first update 
 - ``preflight(cfg, tokenizer, prompt_sets)``: with the tokenizer and the model config (run by
   ``rl.driver.run`` before the run folder is claimed): the model config the trainer ranks would build
   (a Megatron-LM / Bridge checkpoint checked against ``model.hf_dir``), MTP weights for ``actor.mtp_loss_scale``
-  / ``actor.mtp_accept``, stop tokens (strings known to the tokenizer, ids inside the vocabulary), and
+  / ``actor.mtp_accept``, the trainer layout against the model (heads, experts, vocabulary rows per TP
+  rank), stop tokens (strings known to the tokenizer, ids inside the vocabulary), and
   the longest prompt + ``rollout.max_new_tokens`` inside the model's context. Returns the stop ids.
 - ``token_ids(tokenizer, tokens, field, vocab)``: ids or token strings as ids, each checked.
 """
@@ -31,6 +32,8 @@ def check_config(c) -> None:
     if pf < 0:
         raise ValueError(f"reward.overlong_buffer.penalty_factor={pf} must be >= 0 (the penalty is "
                          "min(-excess / len · penalty_factor, 0): a negative factor would reward overlong answers)")
+    if c.ray.wait_timeout_s <= 0:
+        raise ValueError(f"ray.wait_timeout_s={c.ray.wait_timeout_s} must be > 0")
     mod, _, name = c.rollout.engine.rpartition(".")
     engine = getattr(importlib.import_module(mod), name)
     check = getattr(engine, "check_kwargs", None)
@@ -61,10 +64,16 @@ def preflight(c, tokenizer, prompt_sets: dict) -> tuple[int, ...]:
     """The checks that need the tokenizer and model config (see the module doc); ``prompt_sets``:
     {"data.train": prompts, "data.val": prompts}. Returns the rollout's stop ids."""
     from glm5_mcore.checkpoint.folder_config import run_model_config
+    from glm5_mcore.config import ParallelConfig
     from rl.mtp import mtp_layers
 
     m, r = c.model, c.rollout
     glm5 = run_model_config(m.ckpt, m.hf_dir, quiet=True)
+    t = c.trainer
+    try:
+        ParallelConfig(tp=t.tp, ep=t.ep, cp=t.cp).validate(glm5)
+    except ValueError as e:
+        raise ValueError(f"trainer.{e} ({m.ckpt or m.hf_dir})") from None
     mtp_layers(c.actor.mtp_loss_scale, glm5, m.ckpt or m.hf_dir, c.actor.mtp_accept)
     vocab = glm5.vocab_size
     stops = r.stop_token_ids if r.stop_token_ids is not None else [tokenizer.eos_token_id]
@@ -81,3 +90,23 @@ def preflight(c, tokenizer, prompt_sets: dict) -> tuple[int, ...]:
                              f"max_new_tokens={r.max_new_tokens} exceeds the model's context "
                              f"(max_position_embeddings={ctx}); lower data.max_prompt_tokens or rollout.max_new_tokens")
     return tuple(stop_ids)
+
+
+def rollout_logprob_check(batch, step: int, engine: str) -> dict:
+    """Non-finite rollout log-probs on response tokens (a broken engine: fp16 overflow, a bad kernel):
+    ``rollout/nonfinite_logprob_fraction`` in the metrics, and a ValueError naming the engine when every
+    response token's is — IcePop would silently mask all of them and nothing would train. Otherwise the bad
+    tokens leave ``response_mask`` (no loss) and the driver warns (``rl.driver``)."""
+    import torch
+
+    mask = batch.response_mask > 0
+    bad = ~torch.isfinite(batch.rollout_log_probs) & mask
+    total, n_bad = int(mask.sum()), int(bad.sum())
+    if total and n_bad == total:
+        raise ValueError(f"rollout.engine={engine}: step {step}: every one of the {total} response tokens has a "
+                         "non-finite (NaN / inf) log-prob from the engine; IcePop would mask them all and nothing "
+                         "would train (check rollout.engine_kwargs.dtype and the engine)")
+    if n_bad:  # out of the loss and the mismatch metrics (a NaN weight would make the whole loss NaN)
+        batch.response_mask[bad] = 0.0
+        batch.rollout_log_probs[bad] = 0.0
+    return {"rollout/nonfinite_logprob_fraction": n_bad / max(total, 1)}

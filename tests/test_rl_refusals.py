@@ -92,3 +92,46 @@ def test_cli_refusal_is_one_line_exit_2(tiny_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and err == "glm5 rl: error: rollout.stop_token_ids: id 999 is outside the vocabulary [0, 128)\n"
     assert not out.exists()
+
+
+def test_nonfinite_rollout_logprobs_are_counted_masked_or_refused():
+    """Issue 34 class 12: an engine returning NaN log-probs ran with rc 0, IcePop masking 100 %, nothing
+    trained, no word. Some NaN: counted and out of the loss; all NaN: one line naming the engine."""
+    import torch
+
+    from rl.batch import RolloutBatch
+    from rl.validate import rollout_logprob_check
+
+    nan = float("nan")
+    b = RolloutBatch.build([[5], [5]], [[7, 8], [9]], [[-1.0, nan], [-2.0]], [0, 0])
+    m = rollout_logprob_check(b, 3, "my.Engine")
+    assert m == {"rollout/nonfinite_logprob_fraction": pytest.approx(1 / 3)}
+    assert b.response_mask.tolist() == [[1.0, 0.0], [1.0, 0.0]] and torch.isfinite(b.rollout_log_probs).all()
+    b = RolloutBatch.build([[5]], [[7, 8]], [[nan, float("inf")]], [0])
+    with pytest.raises(ValueError, match=r"rollout.engine=my.Engine: step 3: every one of the 2 response tokens "
+                                         r"has a non-finite \(NaN / inf\) log-prob"):
+        rollout_logprob_check(b, 3, "my.Engine")
+
+
+def test_tp_not_dividing_the_vocabulary_is_refused_before_ray(tiny_dir, tmp_path):
+    """Issue 34 class 16: a vocabulary of 99 at TP 2 was a raw ``AssertionError: 99 is not divisible by 2``
+    inside the trainer actor (and in ``build_model`` for SFT / parity); now one line naming tp and the
+    folder, before Ray starts (refused: the vocabulary is not padded yet)."""
+    import shutil
+
+    import ray
+
+    from glm5_mcore.config import GLM5Config, ParallelConfig
+    from rl.config import RLConfig
+    from rl.driver import run
+
+    hf = tmp_path / "v99"
+    shutil.copytree(tiny_dir, hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, "vocab_size": 99}))
+    with pytest.raises(ValueError, match=r"^tp: vocab_size=99 is not divisible by tp=2 "):
+        ParallelConfig(tp=2).validate(GLM5Config.from_hf_dir(hf))
+    d = _d(hf, tmp_path / "rl", trainer={"world_size": 2, "tp": 2})
+    with pytest.raises(ValueError, match=rf"^trainer.tp: vocab_size=99 is not divisible by tp=2 .*\({hf}\)$"):
+        run(RLConfig.from_dict(d))
+    assert not (tmp_path / "rl").exists() and not ray.is_initialized()
