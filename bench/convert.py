@@ -157,7 +157,8 @@ def _read_all(hf_dir: str) -> None:
 def run_step(step: str, a: argparse.Namespace) -> dict:
     work = Path(a.workdir)
     if step != "read":  # library import time (torch, megatron-core: a few s) is not conversion time
-        from glm5_mcore.convert.common import hf_to_mcore, mcore_to_hf
+        from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
+        from glm5_mcore.convert.mcore_to_hf import mcore_to_hf
     t0 = time.perf_counter()
     if step == "read":
         _read_all(str(work / "hf"))

@@ -72,7 +72,8 @@ def run_one(impl: str, T: int, reps: int) -> dict:
             out.sum().backward()
     else:
         from glm5_mcore.config import ParallelConfig
-        from glm5_mcore.model.build import build_model, init_parallel
+        from glm5_mcore.model.build import build_model
+        from glm5_mcore.model.parallel import init_parallel
 
         glm5 = _glm5()
         if impl == "dense":

@@ -16,7 +16,7 @@ then the bf16 log-prob figure and what only NCCL can show).
 
 Without CUDA the checks run on the CPU, where 1-3 are vacuous (everything is on the CPU): the JSON says
 so (``"device": "cpu"``). ``--stand-in`` runs them on the test suite's stand-in accelerator
-(``tests/fake_device.py``: tensors on ``meta`` with CPU values), which does catch device bugs on CPU.
+(``tests/support/fake_device.py``: tensors on ``meta`` with CPU values), which does catch device bugs on CPU.
 
 Usage: .venv/bin/python bench/gpu_check.py [--hf-dir DIR] [--stand-in]
        torchrun --nproc_per_node 2 bench/gpu_check.py          (2 GPUs: DP 2 and the NCCL-only check)
@@ -80,7 +80,7 @@ def main() -> None:
     from fake_device import assert_collectives_on, fake_device
     from glm5_mcore.config import GLM5Config, ParallelConfig
     from glm5_mcore.device import training_device
-    from glm5_mcore.model.build import init_parallel
+    from glm5_mcore.model.parallel import init_parallel
 
     cuda = torch.cuda.is_available()
     if a.stand_in and cuda:
@@ -103,8 +103,10 @@ def main() -> None:
         with assert_collectives_on(dev, seen, bad):
             # 1. the model on the device, and the optimizer over it
             with _check(checks, "1_model_on_device") as c:
-                from glm5_mcore.lora.apply import LoRAConfig, apply_lora
-                from glm5_mcore.model.build import build_model, load_hf_weights
+                from glm5_mcore.lora.config import LoRAConfig
+                from glm5_mcore.lora.apply import apply_lora
+                from glm5_mcore.model.build import build_model
+                from glm5_mcore.checkpoint.hf_load import load_hf_weights
                 from glm5_mcore.training.loop import OptimCfg, build_trainer
 
                 over = {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
@@ -165,7 +167,7 @@ def main() -> None:
         # 4. bf16 log-probs: fp32 output layer vs bf16 logits, against a float64 projection
         with _check(checks, "4_bf16_logprobs") as c:
             if not bf16:
-                c.update(ok=True, skipped="bf16 needs CUDA here (tests/test_bf16_logprobs.py covers it on CPU)")
+                c.update(ok=True, skipped="bf16 needs CUDA here (tests/model/test_bf16_logprobs.py covers it on CPU)")
             else:
                 from glm5_mcore.model.mtp_loss import fp32_output_layer, token_logprobs
 

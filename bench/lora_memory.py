@@ -23,14 +23,15 @@ def count(model, targets: tuple[str, ...], rank: int) -> tuple[int, int]:
     """(#adapter params, #adapted modules) if ``targets`` got rank-``rank`` LoRA."""
     import torch
 
-    from glm5_mcore.lora.apply import _full_features, _parallel_of, family_of
+    from glm5_mcore.lora.layers import full_features, parallel_of
+    from glm5_mcore.lora.config import family_of
 
     n = mods = 0
     for name, mod in model.named_modules():
         fam = family_of(name)
         if fam is None or fam not in targets or not isinstance(getattr(mod, "weight", None), torch.Tensor):
             continue
-        in_f, out_f = _full_features(mod, _parallel_of(mod))
+        in_f, out_f = full_features(mod, parallel_of(mod))
         n += rank * (in_f + out_f)
         mods += 1
     return n, mods
@@ -44,7 +45,7 @@ def main() -> None:
 
     from glm5_mcore.config import glm5_744b
     from glm5_mcore.convert.common import meta_model
-    from glm5_mcore.lora.apply import DEFAULT_TARGETS, EXPERTS
+    from glm5_mcore.lora.config import DEFAULT_TARGETS, EXPERTS
 
     t0 = time.perf_counter()
     model = meta_model(glm5_744b(), torch.bfloat16)

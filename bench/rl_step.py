@@ -158,7 +158,7 @@ def main() -> None:
 
         from glm5_mcore.config import glm5_744b
         from glm5_mcore.convert.common import meta_model
-        from glm5_mcore.lora.apply import DEFAULT_TARGETS
+        from glm5_mcore.lora.config import DEFAULT_TARGETS
 
         model = meta_model(glm5_744b(), torch.bfloat16)
         full = sum(x.numel() for x in model.parameters())

@@ -68,7 +68,9 @@ def megatron_forward(hf_dir: Optional[str], glm5: GLM5Config, input_ids: torch.T
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.experimental_attention_variant import dsa_layout
 
-    from glm5_mcore.model.build import build_model, forward_logits, init_parallel, load_hf_weights
+    from glm5_mcore.model.build import build_model, forward_logits
+    from glm5_mcore.model.parallel import init_parallel
+    from glm5_mcore.checkpoint.hf_load import load_hf_weights
 
     init_parallel(parallel)
     if ckpt is not None:
@@ -78,7 +80,8 @@ def megatron_forward(hf_dir: Optional[str], glm5: GLM5Config, input_ids: torch.T
             glm5 = foreign_ckpt.glm5_config(ckpt, glm5)
     model = build_model(glm5, parallel)
     if ckpt is not None:
-        from glm5_mcore.checkpoint.layout import load_model, model_dir
+        from glm5_mcore.checkpoint.dist import load_model
+        from glm5_mcore.checkpoint.layout import model_dir
 
         load_model(model, model_dir(ckpt))
     else:

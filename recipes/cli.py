@@ -34,11 +34,12 @@ def _sft_job(cfg) -> None:
 
     import torch.distributed as dist
 
-    from recipes.sft import SFTConfig, _hf_dir, run
+    from glm5_mcore.training.model_source import hf_dir_of
+    from recipes.sft import SFTConfig, run
 
     d = job_dict("sft", cfg)
     c = SFTConfig.from_dict(d)
-    plan_gate("sft", d, _hf_dir(c), c.plan.check)
+    plan_gate("sft", d, hf_dir_of(c.model), c.plan.check)
     out = run(c, record=lambda: save_job_config(c.train.out, d))
     if not dist.is_initialized() or dist.get_rank() == 0:
         hist = out["history"]

@@ -128,20 +128,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote tiny GLM-5 checkpoint to {out}")
             return 0
         if args.cmd == "convert":
-            from glm5_mcore.convert import common as convert
+            from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
+            from glm5_mcore.convert.mcore_to_hf import mcore_to_hf
 
             if args.direction == "hf-to-mcore":
-                out = convert.hf_to_mcore(args.hf_dir, args.out, args.workers, args.dtype,
-                                          progress=not args.no_progress, overwrite=args.overwrite,
-                                          allow_nonfinite=args.allow_nonfinite)
+                out = hf_to_mcore(args.hf_dir, args.out, args.workers, args.dtype,
+                                  progress=not args.no_progress, overwrite=args.overwrite,
+                                  allow_nonfinite=args.allow_nonfinite)
             else:
-                out = convert.mcore_to_hf(args.ckpt, args.out, args.max_shard_size, args.iteration,
-                                          progress=not args.no_progress, overwrite=args.overwrite,
-                                          allow_nonfinite=args.allow_nonfinite, dtype=args.dtype)
+                out = mcore_to_hf(args.ckpt, args.out, args.max_shard_size, args.iteration,
+                                  progress=not args.no_progress, overwrite=args.overwrite,
+                                  allow_nonfinite=args.allow_nonfinite, dtype=args.dtype)
             print(f"wrote {out}")
             return 0
         if args.cmd == "lora":
-            from glm5_mcore.lora.peft import export_checkpoint_adapter
+            from glm5_mcore.convert.lora_export import export_checkpoint_adapter
 
             out = export_checkpoint_adapter(args.ckpt, args.out, args.adapter, args.iteration, args.merged,
                                             args.max_shard_size, progress=not args.no_progress,

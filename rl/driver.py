@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
+from glm5_mcore.training.resume import claim_run_dir, guard_resume
+from glm5_mcore.training.run_log import RunLogger
 from rl import algos, shaping
 from rl.batch import RolloutBatch
-from rl.config import RLConfig
+from rl.config import RLConfig, run_settings
+from rl.logger import CONSOLE_KEYS
 from rl.rewards import load_fn, score_batch
 from rl.overlap import StepSource
 from rl.routing import index_metrics, router_metrics
@@ -77,12 +82,7 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
     job's config there)."""
     from transformers import AutoTokenizer
 
-    from glm5_mcore.training.resume import claim_run_dir, guard_resume
-    from rl.config import run_settings
-    from rl.logger import RLLogger
     from rl.workers import RolloutPool, TrainerGroup, check_resources, resources_needed, start_ray
-
-    from pathlib import Path
 
     if not (Path(cfg.model.hf_dir) / "config.json").is_file():
         raise FileNotFoundError(f"model.hf_dir={cfg.model.hf_dir}: no config.json there (a tiny one: "
@@ -118,7 +118,8 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
     resume_payload = state.pop("rollout_adapter", None)
     kl_ctrl = algos.kl_controller(cfg)
     kl_ctrl.value = state["kl_coef"]
-    log = RLLogger(cfg, state["step"])
+    log = RunLogger(cfg.wandb, cfg.trainer.out, asdict(cfg), steps=cfg.trainer.steps, start_step=state["step"],
+                    progress=cfg.trainer.progress, desc="rl", console_keys=CONSOLE_KEYS)
     if state["step"]:
         log.note(f"resuming {cfg.trainer.out} at step {state['step']} (trainer.resume=false starts over)")
     vals: list[tuple[int, float]] = []

@@ -7,25 +7,14 @@ is returned only by the ``lookup`` tool, which the policy calls by sampling any 
 (the preset's tool-call stop tokens). The answer is the episode's last word ``w{j}``: reward 1 when the
 episode called the tool and j < 64 and j ≡ v (mod 2); an answer that did not consult the tool scores 0
 (so neither guessing nor memorising the training prompts pays). A random policy scores about 0.1.
+The task's prompts and hidden value are data (``rl.tasks``); the tool and the reward live here.
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
 
-from rl.tasks import Prompt, toy_prompts
-
-TOOL_SOURCE = "glm5_toy_lookup"
-TOOL_WORDS = range(64, 119)
-"""The words that call the tool (and the range of the hidden value)."""
-
-
-def hidden_value(prompt_text: str) -> int:
-    words = " ".join(re.findall(r"w\d+", prompt_text))
-    h = int.from_bytes(hashlib.blake2b(words.encode(), digest_size=8).digest(), "little")
-    return TOOL_WORDS[h % len(TOOL_WORDS)]
-
+from rl.tasks import TOOL_WORDS, hidden_value
 
 OBS_REPEAT = 6
 
@@ -45,11 +34,3 @@ def toy_lookup_reward(data_source, solution_str: str, ground_truth, extra_info=N
         return 0.0
     j = words[-1]
     return float(j < TOOL_WORDS.start and j % 2 == int(ground_truth))
-
-
-def toy_tool_prompts(tokenizer, size: int, seed: int) -> list[Prompt]:
-    """The toy prompts (``rl.tasks.toy_prompts``' words) with the hidden value's parity as ground truth."""
-    out = []
-    for p in toy_prompts(tokenizer, size, seed):
-        out.append(Prompt(p.index, p.ids, p.text, ground_truth=hidden_value(p.text) % 2, data_source=TOOL_SOURCE))
-    return out

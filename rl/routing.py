@@ -131,7 +131,7 @@ class TrainerRouting:
         self.replay = replay
         self.top_k = self.routers[0].topk if self.routers else 0
 
-    def _slice(self, t: torch.Tensor) -> torch.Tensor:
+    def tp_slice(self, t: torch.Tensor) -> torch.Tensor:
         """This TP rank's tokens under sequence parallelism (the router sees [T/TP, H])."""
         from megatron.core import parallel_state as ps
 
@@ -153,7 +153,7 @@ class TrainerRouting:
             if routes is None:
                 raise ValueError("algorithm.router_replay=true: the rollout engine returned no routes for this "
                                  "batch (the HF engine records them; vLLM needs enable_return_routed_experts)")
-            loc = self._slice(routes).to(device)
+            loc = self.tp_slice(routes).to(device)
             if loc.shape[1] != len(self.instances):
                 raise ValueError(f"routes have {loc.shape[1]} MoE layers, the trainer has {len(self.instances)}")
             for j, inst in enumerate(self.instances):
@@ -173,8 +173,8 @@ class TrainerRouting:
         from megatron.core import parallel_state as ps
 
         own = self.own_routes()
-        eng = self._slice(routes).to(own.device)
-        v = self._slice(valid).to(own.device)
+        eng = self.tp_slice(routes).to(own.device)
+        v = self.tp_slice(valid).to(own.device)
         same = (own.sort(-1).values == eng.sort(-1).values).all(-1)[v]  # [n_valid, L]
         out = torch.tensor([float(same.sum()), float(same.numel())], dtype=torch.float64, device=own.device)
         if self.routers[0].config.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:

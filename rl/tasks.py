@@ -8,6 +8,8 @@ A constant policy — or one that ignores the prompt — scores 1/m; the default
 
 from __future__ import annotations
 
+import hashlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -105,8 +107,6 @@ def load_prompts(spec: Optional[str], tokenizer, *, chat_template: bool, max_tok
     if spec == "toy":
         return toy_prompts(tokenizer, toy_size, seed)
     if spec == "toy_tool":
-        from rl.envs import toy_tool_prompts
-
         return toy_tool_prompts(tokenizer, toy_size, seed)
     return read_prompts(spec, tokenizer, chat_template, max_tokens)
 
@@ -122,4 +122,25 @@ def next_prompts(prompts: list[Prompt], count: int, seed: int, pos: dict) -> lis
     order = epoch_order(len(prompts), seed, pos["epoch"])
     out = [prompts[int(i)] for i in order[pos["cursor"]: pos["cursor"] + count]]
     pos["cursor"] += count
+    return out
+
+
+TOOL_SOURCE = "glm5_toy_lookup"
+
+
+TOOL_WORDS = range(64, 119)
+"""The words that call the tool (and the range of the hidden value)."""
+
+
+def hidden_value(prompt_text: str) -> int:
+    words = " ".join(re.findall(r"w\d+", prompt_text))
+    h = int.from_bytes(hashlib.blake2b(words.encode(), digest_size=8).digest(), "little")
+    return TOOL_WORDS[h % len(TOOL_WORDS)]
+
+
+def toy_tool_prompts(tokenizer, size: int, seed: int) -> list[Prompt]:
+    """The toy prompts (``rl.tasks.toy_prompts``' words) with the hidden value's parity as ground truth."""
+    out = []
+    for p in toy_prompts(tokenizer, size, seed):
+        out.append(Prompt(p.index, p.ids, p.text, ground_truth=hidden_value(p.text) % 2, data_source=TOOL_SOURCE))
     return out

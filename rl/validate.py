@@ -63,12 +63,12 @@ def token_ids(tokenizer, tokens, field: str, vocab: int) -> list[int]:
 def preflight(c, tokenizer, prompt_sets: dict) -> tuple[int, ...]:
     """The checks that need the tokenizer and model config (see the module doc); ``prompt_sets``:
     {"data.train": prompts, "data.val": prompts}. Returns the rollout's stop ids."""
-    from glm5_mcore.checkpoint.folder_config import run_model_config
     from glm5_mcore.config import ParallelConfig
+    from glm5_mcore.training.model_source import resolve_model
     from rl.mtp import mtp_layers
 
     m, r = c.model, c.rollout
-    glm5 = run_model_config(m.ckpt, m.hf_dir, quiet=True)
+    glm5 = resolve_model(m).glm5  # as each trainer rank will (a Megatron-LM / Bridge config checked)
     t = c.trainer
     try:
         ParallelConfig(tp=t.tp, ep=t.ep, cp=t.cp).validate(glm5)

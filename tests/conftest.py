@@ -32,7 +32,7 @@ def tiny_mtp_dir(tmp_path_factory):
 @pytest.fixture()
 def single_rank():
     from glm5_mcore.config import ParallelConfig
-    from glm5_mcore.model.build import init_parallel
+    from glm5_mcore.model.parallel import init_parallel
 
     init_parallel(ParallelConfig())
     yield

@@ -55,7 +55,7 @@ def _flip(path: Path, offset: int = None) -> None:
 @pytest.fixture(scope="module")
 def mc(tmp_path_factory, tiny_dir):
     """hf-to-mcore of the tiny checkpoint (iter_0000000/model + manifest)."""
-    from glm5_mcore.convert.common import hf_to_mcore
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
 
     return hf_to_mcore(tiny_dir, tmp_path_factory.mktemp("mc") / "ckpt", progress=False)
 
@@ -224,7 +224,7 @@ def test_a_flipped_byte_in_any_checkpoint_file_is_caught_and_named(mc, sft_run, 
 
 
 def test_loads_verify_what_they_read(mc, sft_run, tiny_dir, tmp_path, capsys, monkeypatch):
-    from glm5_mcore.checkpoint.layout import load_rank_state
+    from glm5_mcore.checkpoint.dist import load_rank_state
     from recipes.sft import run as sft
 
     monkeypatch.setenv("GLM5_VERIFY_CHECKSUMS", "1")  # --no-verify below sets it to 0 in this process
@@ -264,7 +264,8 @@ def test_loads_verify_what_they_read(mc, sft_run, tiny_dir, tmp_path, capsys, mo
 
 
 def test_truncated_peft_adapter_is_named(sft_run, tmp_path, monkeypatch):
-    from glm5_mcore.lora.peft import export_checkpoint_adapter, import_peft
+    from glm5_mcore.convert.lora_export import export_checkpoint_adapter
+    from glm5_mcore.lora.peft import import_peft
 
     out = export_checkpoint_adapter(sft_run / "run", tmp_path / "peft", progress=False)
     f = out / "adapter_model.safetensors"
@@ -304,9 +305,11 @@ def test_nonfinite_weights_are_refused_naming_the_tensor(tiny_dir, tmp_path, cap
              untouched=[nan_ck])
     assert not (tmp_path / "back").exists()
     # loading refuses them too: the Megatron checkpoint and the HF folder
-    from glm5_mcore.checkpoint.layout import load_model, model_dir
+    from glm5_mcore.checkpoint.dist import load_model
+    from glm5_mcore.checkpoint.layout import model_dir
     from glm5_mcore.config import GLM5Config
-    from glm5_mcore.model.build import build_model, load_hf_weights
+    from glm5_mcore.model.build import build_model
+    from glm5_mcore.checkpoint.hf_load import load_hf_weights
 
     glm5_cfg = GLM5Config.from_hf_dir(bad)
     m = build_model(glm5_cfg)

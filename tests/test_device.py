@@ -1,5 +1,5 @@
 """Device bugs caught on CPU: the model, the SFT and RL data paths and their losses run on a stand-in
-accelerator (``tests/fake_device.py``: tensors on ``meta`` holding CPU values), where a tensor made
+accelerator (``tests/support/fake_device.py``: tensors on ``meta`` holding CPU values), where a tensor made
 on the CPU inside them fails as it would on CUDA; collectives must get training-device tensors."""
 
 import json
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fake_device import fake_device, host
+from tests.support.fake_device import fake_device, host
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
-from glm5_mcore.lora.apply import FAMILIES, LoRAConfig
+from glm5_mcore.lora.config import FAMILIES, LoRAConfig
 
 
 def _docs(hf_dir, tmp_path):
@@ -34,7 +34,8 @@ def _sft_loss_and_grads(hf_dir, batch):
     every family, MTP, DSA, THD) and its loss function; (loss, n, {param: grad}) as CPU values."""
     from glm5_mcore.device import training_device
     from glm5_mcore.lora.apply import apply_lora
-    from glm5_mcore.model.build import build_model, load_hf_weights
+    from glm5_mcore.model.build import build_model
+    from glm5_mcore.checkpoint.hf_load import load_hf_weights
     from glm5_mcore.model.mtp_loss import mtp_depth_losses
     from recipes.sft import _forward_step
 
@@ -127,9 +128,9 @@ def test_collectives_of_sft_rl_and_parity_get_training_device_tensors(tiny_dir, 
                                 "response": f"w{i} w{i + 1} w{i + 2}"}) + "\n")
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent))
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(Path(__file__).parent / "device_collectives_check.py"), tiny_dir, str(data), str(tmp_path / "sft")]
+           str(Path(__file__).resolve().parent / "workers" / "device_collectives_check.py"), tiny_dir, str(data), str(tmp_path / "sft")]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])

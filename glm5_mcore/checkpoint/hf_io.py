@@ -24,7 +24,7 @@ import torch
 
 from glm5_mcore.checkpoint.direct_io import DirectWriter
 
-_FUSED = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+FUSED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -174,7 +174,7 @@ class HFCheckpoint:
         """(stored name, expert index into a fused tensor or None, gate/up half or None)."""
         if name in self.files:
             return name, None, None
-        m = _FUSED.match(name)
+        m = FUSED_EXPERT.match(name)
         if m and self._fused_name(m) in self.files:
             half = None if m.group(3) == "down_proj" else m.group(3)
             return self._fused_name(m), int(m.group(2)), half

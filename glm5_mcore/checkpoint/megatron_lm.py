@@ -117,10 +117,11 @@ def model_path(root: str | Path, iteration: Optional[int] = None) -> Path:
 
 
 def checkpoint_kind(path: Path) -> str:
-    return "Megatron-Bridge" if _run_config_file(path) is not None else "Megatron-LM"
+    return "Megatron-Bridge" if run_config_file(path) is not None else "Megatron-LM"
 
 
-def _run_config_file(path: Path) -> Optional[Path]:
+def run_config_file(path: Path) -> Optional[Path]:
+    """Megatron-Bridge's ``run_config.yaml`` of a checkpoint (in ``iter_N`` or its root), or None (Megatron-LM)."""
     for p in (path / RUN_CONFIG, path.parent / RUN_CONFIG):
         if p.is_file():
             return p
@@ -130,7 +131,7 @@ def _run_config_file(path: Path) -> Optional[Path]:
 def own_megatron_config(path: Path) -> tuple[Optional[dict], str]:
     """The checkpoint's own model config as Megatron field names: Bridge's ``run_config.yaml`` ``model``
     section, else Megatron-LM's ``args`` in ``common.pt``. (None, why) when it has none readable."""
-    rc = _run_config_file(path)
+    rc = run_config_file(path)
     if rc is not None:
         import yaml
 

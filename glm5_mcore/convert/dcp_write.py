@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from glm5_mcore.checkpoint.layout import NonFiniteError
+from glm5_mcore.checkpoint.checks import NonFiniteError
 from glm5_mcore.checkpoint.direct_io import DirectWriter
 
 

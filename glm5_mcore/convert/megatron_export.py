@@ -91,7 +91,8 @@ def export_megatron(ckpt: str | Path, out: str | Path, iteration: Optional[int] 
     from glm5_mcore.lora.state import read_adapter_state
     from glm5_mcore.checkpoint.atomic import check_output
     from glm5_mcore.checkpoint.layout import adapter_dir, hf_source_dir, latest_iteration, model_dir
-    from glm5_mcore.convert.common import hf_to_mcore, mcore_to_hf
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
+    from glm5_mcore.convert.mcore_to_hf import mcore_to_hf
 
     root = Path(ckpt)
     if is_foreign(root):
@@ -132,7 +133,7 @@ def _export_megatron(ckpt: str | Path, out: str | Path, iteration: Optional[int]
     from glm5_mcore.checkpoint.atomic import output_dir
     from glm5_mcore.checkpoint.layout import HF_META_FILES, iter_dir, latest_iteration, model_dir, require_iteration
     from glm5_mcore.config import GLM5Config
-    from glm5_mcore.convert.common import _checkpoint_dtype
+    from glm5_mcore.convert.common import checkpoint_dtype
 
     root = Path(ckpt)
     if is_foreign(root):
@@ -150,7 +151,7 @@ def _export_megatron(ckpt: str | Path, out: str | Path, iteration: Optional[int]
         say_once(f"{iter_dir(root, it) / 'adapters'}: adapters not merged (base weights exported); "
                  "--merge-adapter NAME exports the base with that adapter merged in")
     manifest.verify_under(src)  # what is linked out is what was saved
-    dtype = _checkpoint_dtype(src)
+    dtype = checkpoint_dtype(src)
     it = it if name_iteration is None else name_iteration
     with output_dir(out, "checkpoint export", inputs or [root], overwrite, manifest=False) as tmp:
         dst = tmp / f"iter_{it:07d}"

@@ -20,7 +20,7 @@ from glm5_mcore.checkpoint.fp8 import is_quantized, quantize_fp8_blocks, scale_s
 from glm5_mcore.checkpoint.hf_io import DTYPES as ST_DTYPES
 from glm5_mcore.checkpoint.hf_io import FP8
 from glm5_mcore.checkpoint.hf_names import FP32_HF_SUFFIXES
-from glm5_mcore.checkpoint.folder_config import read_dtypes, stored_dtype
+from glm5_mcore.checkpoint.dtypes import read_dtypes, stored_dtype
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}

@@ -1,301 +1,24 @@
-"""LoRA on Megatron-Core linears, tensor-parallel correct, for every GLM-5 linear family.
-
-``apply_lora(model, cfg, name)`` attaches a ``LoRALayer`` to each chosen linear (as its ``lora``
-submodule) and a forward hook: the base module's own forward always runs unchanged, and the
-low-rank delta ``scale · B(A(dropout(x)))`` is added to its output afterwards. Several named adapters
-can live on one model; one is active per forward (``set_adapter``), ``disable_adapters`` turns them
-all off (the RL reference policy), ``merge``/``unmerge`` fold the active one into the base weight.
-
-Tensor parallelism follows the base module (shapes per rank, r = rank):
-
-    column-parallel  W [out/tp, in]:  A [r, in] replicated,  B [out/tp, r] sharded on dim 0
-        h = x·Aᵀ, then all-gathered over the sequence (sequence parallel) or copied into the TP
-        region (its grad all-reduced) before B — the same communication the base layer does,
-        on r channels instead of ``in``.
-    row-parallel     W [out, in/tp]:  A [r, in/tp] sharded on dim 1,  B [out, r] replicated
-        h = x·Aᵀ is a partial sum, reduce-scattered (SP) or all-reduced before B.
-    duplicated / local experts: plain LoRA (no communication).
-
-Adapter parameters carry the partition attributes Megatron's grad finalisation and checkpoint
-helpers read (``tensor_model_parallel``, ``partition_dim``, ``sequence_parallel``, ``allreduce``).
-Initialisation is done on the full (unsharded) tensors from a generator seeded by the module name,
-then sliced, so every TP/EP layout gets the same adapter.
-
-Families (Megatron names): MLA ``linear_q_down_proj``, ``linear_q_up_proj``, ``linear_kv_down_proj``,
-``linear_kv_up_proj``, ``linear_proj``; dense MLP and shared expert ``linear_fc1``, ``linear_fc2``;
-routed experts ``experts.linear_fc1``, ``experts.linear_fc2`` (one adapter per expert, sharded with
-it); DSA indexer ``linear_wq_b``, ``linear_wk``, ``linear_weights_proj``.
+"""LoRA on a whole GLM-5 model: ``apply_lora(model, cfg, name)`` attaches a ``LoRALayer`` (``lora.layers``:
+the tensor-parallel math) to each linear of ``cfg.targets`` (``lora.config``) as its ``lora`` submodule, with
+a forward hook: the base module's own forward always runs unchanged, and the low-rank delta
+``scale · B(A(dropout(x)))`` is added to its output afterwards. Several named adapters can live on one
+model; one is active per forward (``set_adapter``), ``disable_adapters`` turns them all off (the RL
+reference policy), ``merge``/``unmerge`` fold the active one into the base weight. Adapters are named
+by global module path (``global_module_name``), so every TP/EP/PP layout gets the same adapter.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import math
-from dataclasses import dataclass, field
+import re
 from typing import Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 
-MLA = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj")
-MLP = ("linear_fc1", "linear_fc2")
-EXPERTS = ("experts.linear_fc1", "experts.linear_fc2")
-INDEXER = ("linear_wq_b", "linear_wk", "linear_weights_proj")
-FAMILIES = MLA + MLP + EXPERTS + INDEXER
-DEFAULT_TARGETS = MLA + MLP
-
-
-@dataclass
-class LoRAConfig:
-    """Adapter hyper-parameters. ``scale = alpha / rank`` (as ``peft`` without rsLoRA)."""
-
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    targets: tuple[str, ...] = DEFAULT_TARGETS
-    init: str = "kaiming"
-    """"kaiming": A kaiming-uniform, B zero (``peft``'s default, the adapter starts as a no-op);
-    "gaussian": A normal(1/rank), B zero; "random": A and B both random (tests, never training)."""
-    rank_overrides: dict[str, int] = field(default_factory=dict)
-    alpha_overrides: dict[str, float] = field(default_factory=dict)
-    seed: int = 0
-
-    def validate(self) -> None:
-        unknown = [t for t in (*self.targets, *self.rank_overrides, *self.alpha_overrides) if t not in FAMILIES]
-        if unknown:
-            raise ValueError(f"LoRA targets: unknown name(s) {unknown}; known: {list(FAMILIES)}")
-        if self.init not in ("kaiming", "gaussian", "random"):
-            raise ValueError(f"LoRA init: {self.init!r} is not one of kaiming, gaussian, random")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoRA dropout: {self.dropout} is not in [0, 1)")
-        for fam in self.targets:
-            if self.rank_for(fam) < 1:
-                raise ValueError(f"LoRA rank for {fam}: {self.rank_for(fam)} < 1")
-
-    def rank_for(self, family: str) -> int:
-        return int(self.rank_overrides.get(family, self.rank))
-
-    def alpha_for(self, family: str) -> float:
-        return float(self.alpha_overrides.get(family, self.alpha))
-
-
-def family_of(module_name: str) -> Optional[str]:
-    """The LoRA family of a Megatron module path, or None if it is not a targetable linear."""
-    last = module_name.rsplit(".", 1)[-1]
-    if ".experts.local_experts." in f".{module_name}" and last in ("linear_fc1", "linear_fc2"):
-        return f"experts.{last}"
-    if ".core_attention.indexer." in module_name and last in INDEXER:
-        return last
-    if last in MLA or last in MLP:
-        return last
-    return None
-
-
-# --------------------------------------------------------------------------------------------------
-# How a base linear is parallelised
-# --------------------------------------------------------------------------------------------------
-@dataclass
-class _Parallel:
-    mode: str  # "column" | "row" | "none"
-    tp_size: int
-    tp_rank: int
-    group: Optional[object]
-    sequence_parallel: bool
-    gather_output: bool
-
-
-def _parallel_of(base: torch.nn.Module) -> _Parallel:
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.utils import get_pg_rank, get_pg_size
-
-    mode = "none"
-    if isinstance(base, ColumnParallelLinear) or getattr(base, "parallel_mode", None) == "column":
-        mode = "column"
-    elif isinstance(base, RowParallelLinear) or getattr(base, "parallel_mode", None) == "row":
-        mode = "row"
-    group = getattr(base, "tp_group", None)
-    size = get_pg_size(group) if group is not None else 1
-    if mode == "none" or size == 1 or getattr(base, "explicit_expert_comm", False):
-        return _Parallel("none", 1, 0, None, False, False)
-    if mode == "row" and not getattr(base, "input_is_parallel", True):
-        raise ValueError(f"{type(base).__name__}: LoRA needs input_is_parallel=True on row-parallel layers")
-    return _Parallel(mode, size, get_pg_rank(group), group, bool(getattr(base, "sequence_parallel", False)),
-                     bool(getattr(base, "gather_output", False)))
-
-
-def _full_features(base: torch.nn.Module, par: _Parallel) -> tuple[int, int]:
-    """(in_features, out_features) of the unsharded weight."""
-    out_f, in_f = base.weight.shape
-    if par.mode == "column":
-        out_f *= par.tp_size
-    elif par.mode == "row":
-        in_f *= par.tp_size
-    return in_f, out_f
-
-
-# --------------------------------------------------------------------------------------------------
-# The adapter layer
-# --------------------------------------------------------------------------------------------------
-class LoRALayer(torch.nn.Module):
-    """The adapters of one base linear: ``A[name]`` [r, in(/tp)], ``B[name]`` [out(/tp), r]."""
-
-    def __init__(self, base: torch.nn.Module, module_name: str, family: str):
-        super().__init__()
-        self.module_name, self.family = module_name, family
-        self.par = _parallel_of(base)
-        # Megatron's gated fc1 is cat[gate; up] and each TP shard is cat[gate_shard; up_shard]
-        self.glu = family.endswith("linear_fc1") and bool(getattr(base.config, "gated_linear_unit", False))
-        self.in_features, self.out_features = _full_features(base, self.par)
-        self.A = torch.nn.ParameterDict()
-        self.B = torch.nn.ParameterDict()
-        self.scale: dict[str, float] = {}
-        self.dropout: dict[str, float] = {}
-        self.active: Optional[str] = None
-        self.disabled = False
-        self.merged: set[str] = set()
-        self._base_attrs = {k: getattr(base.weight, k) for k in ("allreduce", "sequence_parallel")
-                            if hasattr(base.weight, k)}
-
-    def add(self, name: str, rank: int, alpha: float, dropout: float, init: str, seed: int,
-            dtype: torch.dtype, device) -> None:
-        if rank > min(self.in_features, self.out_features):
-            raise ValueError(f"{self.module_name}: LoRA rank {rank} does not fit a "
-                             f"{self.out_features}x{self.in_features} weight")
-        g = torch.Generator().manual_seed(
-            int.from_bytes(hashlib.sha256(f"{seed}:{name}:{self.module_name}".encode()).digest()[:8], "little"))
-        a = torch.empty(rank, self.in_features)
-        if init in ("kaiming", "random"):
-            bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform_(a=sqrt(5)), as nn.Linear / peft
-            a.uniform_(-bound, bound, generator=g)
-        else:
-            a.normal_(0.0, 1.0 / rank, generator=g)
-        b = torch.zeros(self.out_features, rank)
-        if init == "random":
-            b.normal_(0.0, 1.0 / math.sqrt(rank), generator=g)
-        self.install(name, a, b, alpha / rank, dropout, dtype, device)
-
-    def install(self, name: str, a_full: torch.Tensor, b_full: torch.Tensor, scale: float, dropout: float,
-                dtype: torch.dtype, device) -> None:
-        """Add adapter ``name`` from full (unsharded) ``A [r, in]`` and ``B [out, r]``; this rank keeps
-        its shard."""
-        if name in self.A:
-            raise ValueError(f"{self.module_name}: adapter {name!r} already exists")
-        r = a_full.shape[0]
-        if a_full.shape != (r, self.in_features) or b_full.shape != (self.out_features, r):
-            raise ValueError(f"{self.module_name}: adapter {name!r} has A {list(a_full.shape)} and B "
-                             f"{list(b_full.shape)}, expected [r, {self.in_features}] and [{self.out_features}, r]")
-        a, b = self._shard(a_full, 1, "row"), self._shard(b_full, 0, "column")
-        self.A[name] = torch.nn.Parameter(a.to(device=device, dtype=dtype))
-        self.B[name] = torch.nn.Parameter(b.to(device=device, dtype=dtype))
-        self._tag(self.A[name], self.B[name])
-        self.scale[name] = float(scale)
-        self.dropout[name] = dropout
-        if self.active is None:
-            self.active = name
-
-    def full(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A, B) of adapter ``name`` gathered over TP (collective over the base's TP group)."""
-        a, b = self.A[name].detach(), self.B[name].detach()
-        p = self.par
-        if p.mode == "none":
-            return a.clone(), b.clone()
-        sharded, dim = (a, 1) if p.mode == "row" else (b, 0)
-        parts = [torch.empty_like(sharded) for _ in range(p.tp_size)]
-        torch.distributed.all_gather(parts, sharded.contiguous(), group=p.group)
-        if self.glu and dim == 0:
-            full = torch.cat([x.chunk(2)[0] for x in parts] + [x.chunk(2)[1] for x in parts])
-        else:
-            full = torch.cat(parts, dim)
-        return (full, b.clone()) if p.mode == "row" else (a.clone(), full)
-
-    def _shard(self, full: torch.Tensor, dim: int, mode: str) -> torch.Tensor:
-        from glm5_mcore.checkpoint.hf_names import tp_slice
-
-        if self.par.mode != mode:
-            return full
-        return tp_slice(full, dim, self.par.tp_rank, self.par.tp_size, self.glu and dim == 0).contiguous()
-
-    @torch.no_grad()
-    def load_full_(self, name: str, a_full: torch.Tensor, b_full: torch.Tensor) -> None:
-        """Overwrite adapter ``name`` in place (same Parameters, so optimizer state stays attached)
-        from full tensors; this rank keeps its shard."""
-        self.A[name].copy_(self._shard(a_full, 1, "row"))
-        self.B[name].copy_(self._shard(b_full, 0, "column"))
-
-    def applied(self) -> Optional[str]:
-        """The adapter a forward applies on top of the base weight: the active one, unless adapters
-        are disabled or it is already merged into the weight."""
-        name = self.active
-        return None if self.disabled or name is None or name in self.merged else name
-
-    def _tag(self, a: torch.nn.Parameter, b: torch.nn.Parameter) -> None:
-        for p in (a, b):
-            for k, v in self._base_attrs.items():
-                setattr(p, k, v)
-            setattr(p, "tensor_model_parallel", False)
-            setattr(p, "partition_dim", -1)
-            setattr(p, "partition_stride", 1)
-        sharded = a if self.par.mode == "row" else b if self.par.mode == "column" else None
-        if sharded is not None:
-            setattr(sharded, "tensor_model_parallel", True)
-            setattr(sharded, "partition_dim", 1 if sharded is a else 0)
-        replicated = b if self.par.mode == "row" else a if self.par.mode == "column" else None
-        if replicated is not None:  # its grad is a partial sum over the sequence shards under SP
-            setattr(replicated, "sequence_parallel", self.par.sequence_parallel)
-
-    def delta(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """``scale · B(A(dropout(x)))`` in the layout of the base module's output."""
-        from megatron.core.tensor_parallel import mappings as m
-
-        a, b = self.A[name], self.B[name]
-        if self.training and self.dropout[name] > 0:
-            x = F.dropout(x, self.dropout[name])
-        h = F.linear(x.to(a.dtype), a)
-        p = self.par
-        if p.mode == "column":
-            h = (m.gather_from_sequence_parallel_region(h, group=p.group) if p.sequence_parallel
-                 else m.copy_to_tensor_model_parallel_region(h, group=p.group))
-        elif p.mode == "row":
-            h = (m.reduce_scatter_to_sequence_parallel_region(h, group=p.group) if p.sequence_parallel
-                 else m.reduce_from_tensor_model_parallel_region(h, group=p.group))
-        out = F.linear(h, b) * self.scale[name]
-        if p.mode == "column" and p.gather_output:
-            out = m.gather_from_tensor_model_parallel_region(out, group=p.group)
-        return out
-
-    def local_delta_weight(self, name: str) -> torch.Tensor:
-        """``scale · B·A`` for this rank's shard of the base weight."""
-        return (self.B[name] @ self.A[name]) * self.scale[name]
-
-
-def _lora_input(base: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The input the base weight multiplies: Transformer Engine's LayerNorm-fused linears normalise
-    inside, so the adapter applies the same norm."""
-    w = getattr(base, "layer_norm_weight", None)
-    if w is None:
-        return x
-    eps = getattr(base, "eps", 1e-5)
-    if getattr(base, "normalization", "LayerNorm") == "RMSNorm":
-        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-    else:
-        y = F.layer_norm(x.float(), (x.shape[-1],), eps=eps)
-    y = y * (1 + w.float() if getattr(base, "zero_centered_gamma", False) else w.float())
-    bias = getattr(base, "layer_norm_bias", None)
-    return (y + bias.float() if bias is not None else y).to(x.dtype)
-
-
-def _hook(module: torch.nn.Module, args, kwargs, output):
-    lora: LoRALayer = module.lora
-    name = lora.applied()
-    if name is None:
-        return output
-    x = args[0] if args else kwargs["input_"]
-    d = lora.delta(_lora_input(module, x), name)
-    if isinstance(output, tuple):
-        return (output[0] + d.to(output[0].dtype), *output[1:])
-    return output + d.to(output.dtype)
-
+from glm5_mcore.lora.config import INDEXER, LoRAConfig, family_of
+from glm5_mcore.lora.layers import LoRALayer, attach
+from glm5_mcore.model.dsa import GLM5SparseAttention, set_indexer_frozen
+from glm5_mcore.model.parallel import rank_offsets
 
 # --------------------------------------------------------------------------------------------------
 # Model-level API
@@ -311,16 +34,12 @@ def lora_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, 
 def global_module_name(name: str, layer_offset: int, expert_offset: int) -> str:
     """A module path with this rank's pipeline layer and EP expert indices made global, so adapters
     are named (and seeded) the same under every layout."""
-    import re
-
     name = re.sub(r"(^|\.)decoder\.layers\.(\d+)\.",
                   lambda m: f"{m.group(1)}decoder.layers.{int(m.group(2)) + layer_offset}.", name)
     return re.sub(r"\.local_experts\.(\d+)\.", lambda m: f".local_experts.{int(m.group(1)) + expert_offset}.", name)
 
 
 def _indexer_frozen(model) -> bool:
-    from glm5_mcore.model.dsa import GLM5SparseAttention
-
     params = [p for m in model.modules() if isinstance(m, GLM5SparseAttention) and m.indexer is not None
               for p in m.indexer.parameters()]
     return bool(params) and not any(p.requires_grad for p in params)
@@ -334,8 +53,6 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, adapter_name: str = "def
     default; no grads, hence no optimizer state). Indexer adapters train only with the indexer loss
     (the LM loss does not reach the indexer), so targeting the indexer while it is frozen is an error.
     """
-    from glm5_mcore.model.dsa import set_indexer_frozen
-
     cfg.validate()
     wants_indexer = any(t in INDEXER for t in cfg.targets)
     if wants_indexer and (freeze_indexer or _indexer_frozen(model)):
@@ -346,17 +63,14 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, adapter_name: str = "def
         for n, p in model.named_parameters():
             if ".lora." not in f".{n}":
                 p.requires_grad_(False)
-    from glm5_mcore.model.build import _rank_offsets
-
-    *_, layer_offset, expert_offset = _rank_offsets(model)
+    *_, layer_offset, expert_offset = rank_offsets(model)
     n_added = 0
     for name, mod in list(model.named_modules()):
         fam = family_of(name)
         if fam is None or fam not in cfg.targets or not isinstance(getattr(mod, "weight", None), torch.Tensor):
             continue
         if not isinstance(getattr(mod, "lora", None), LoRALayer):
-            mod.lora = LoRALayer(mod, global_module_name(name, layer_offset, expert_offset), fam)
-            mod.register_forward_hook(_hook, with_kwargs=True)
+            attach(mod, global_module_name(name, layer_offset, expert_offset), fam)
         mod.lora.add(adapter_name, cfg.rank_for(fam), cfg.alpha_for(fam), cfg.dropout, cfg.init, cfg.seed,
                      mod.weight.dtype, mod.weight.device)
         n_added += 1

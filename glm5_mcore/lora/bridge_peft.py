@@ -33,8 +33,11 @@ from typing import Optional
 
 import torch
 
-from glm5_mcore.lora.state import AdapterState
+from glm5_mcore.checkpoint import megatron_lm
 from glm5_mcore.config import GLM5Config
+from glm5_mcore.lora.config import family_of
+from glm5_mcore.lora.peft import fc1_from_halves
+from glm5_mcore.lora.state import AdapterState
 
 _KEY = re.compile(r"^(?P<mod>.+?)\.adapter\.(?:(?P<half>adapter_gate|adapter_up)\.)?"
                   r"linear_(?P<side>in|out)\.weight(?P<sw>_w|_v)?$")
@@ -100,20 +103,16 @@ def _check_pair(key: str, a: torch.Tensor, b: torch.Tensor, where: Path) -> None
 def read_bridge_adapter(root: str | Path, iteration: Optional[int] = None) -> ForeignAdapter:
     """The LoRA adapter of a Megatron-Bridge PEFT checkpoint (``root`` or an ``iter_N`` folder) under our
     Megatron module names, full tensors, ``scale = alpha / r``. Errors name the file and tensor."""
-    from glm5_mcore.checkpoint import megatron_lm as foreign_ckpt
-    from glm5_mcore.lora.apply import family_of
-    from glm5_mcore.lora.peft import fc1_from_halves
-
-    path = foreign_ckpt.model_path(root, iteration)
-    keys = adapter_keys(foreign_ckpt.stored_keys(path))
+    path = megatron_lm.model_path(root, iteration)
+    keys = adapter_keys(megatron_lm.stored_keys(path))
     if not keys:
-        raise ValueError(f"{path}: a {foreign_ckpt.checkpoint_kind(path)} checkpoint with no LoRA adapter in it "
+        raise ValueError(f"{path}: a {megatron_lm.checkpoint_kind(path)} checkpoint with no LoRA adapter in it "
                          "(no '*.adapter.linear_in.weight' tensor); `glm5 convert mcore-to-hf` writes its weights")
-    rc_file = foreign_ckpt._run_config_file(path)
+    rc_file = megatron_lm.run_config_file(path)
     rc = _peft_section(rc_file, path)
     alpha = float(rc["peft"]["alpha"])
-    own, where = foreign_ckpt.own_megatron_config(path)
-    cfg = GLM5Config.from_hf_dict(foreign_ckpt.hf_dict_from_megatron(own), source=where)
+    own, where = megatron_lm.own_megatron_config(path)
+    cfg = GLM5Config.from_hf_dict(megatron_lm.hf_dict_from_megatron(own), source=where)
     raw = _read_tensors(path, keys)
 
     # (module, half) -> {"in": A, "out": B}; half None / "gate" / "up"

@@ -16,9 +16,15 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from safetensors.torch import load_file, save_file
 
 from glm5_mcore.checkpoint.atomic import atomic_dir
-from glm5_mcore.lora.apply import LoRAConfig, LoRALayer, family_of, global_module_name, lora_layers
+from glm5_mcore.checkpoint.manifest import verify_under
+from glm5_mcore.lora.config import LoRAConfig, family_of
+from glm5_mcore.lora.layers import attach
+from glm5_mcore.lora.apply import global_module_name, lora_layers
+from glm5_mcore.model.parallel import rank_offsets
 
 FORMAT = "glm5-mcore-lora-1"
 
@@ -65,8 +71,6 @@ def gather_adapter(model, name: str) -> Optional[AdapterState]:
 
 def save_adapter_state(state: AdapterState, out: str | Path) -> Path:
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` into ``out`` (atomically)."""
-    from safetensors.torch import save_file
-
     tensors = {}
     for m in state.modules():
         tensors[f"{m}.lora_A"] = state.A[m].contiguous()
@@ -108,10 +112,6 @@ def adapter_files(path: str | Path, kind: str) -> tuple[Path, Path, dict]:
 def load_adapter_tensors(st_path: Path) -> dict[str, torch.Tensor]:
     """``adapter_model.safetensors`` (verified against the enclosing manifest); a truncated or
     corrupt file is an error naming it."""
-    from safetensors.torch import load_file
-
-    from glm5_mcore.checkpoint.manifest import verify_under
-
     verify_under(st_path)
     try:
         return load_file(str(st_path))
@@ -140,9 +140,7 @@ def load_adapter_state(model, state: AdapterState, name: str, trainable: bool = 
     """Install ``state`` as adapter ``name`` on this rank's modules (any layout). Every module of
     the state must exist in the model (experts and layers of other EP/PP ranks are skipped).
     Returns #modules installed here."""
-    from glm5_mcore.model.build import _rank_offsets
-
-    *_, layer_offset, expert_offset = _rank_offsets(model)
+    *_, layer_offset, expert_offset = rank_offsets(model)
     n, seen = 0, set()
     for local_name, mod in list(model.named_modules()):
         fam = family_of(local_name)
@@ -151,21 +149,32 @@ def load_adapter_state(model, state: AdapterState, name: str, trainable: bool = 
         gname = global_module_name(local_name, layer_offset, expert_offset)
         if gname not in state.A:
             continue
-        if not isinstance(getattr(mod, "lora", None), LoRALayer):
-            from glm5_mcore.lora.apply import _hook
-
-            mod.lora = LoRALayer(mod, gname, fam)
-            mod.register_forward_hook(_hook, with_kwargs=True)
-        mod.lora.install(name, state.A[gname], state.B[gname], state.scale[gname], dropout,
+        attach(mod, gname, fam).install(name, state.A[gname], state.B[gname], state.scale[gname], dropout,
                          mod.weight.dtype, mod.weight.device)
         for p in (mod.lora.A[name], mod.lora.B[name]):
             p.requires_grad_(trainable)
         seen.add(gname)
         n += 1
-    from megatron.core import parallel_state as ps
-
     whole = ps.get_expert_model_parallel_world_size() == 1 and ps.get_pipeline_model_parallel_world_size() == 1
     unseen = sorted(set(state.A) - seen)
     if whole and unseen:
         raise ValueError(f"adapter {name!r}: {len(unseen)} module(s) not in this model, e.g. {unseen[:3]}")
     return n
+
+
+def load_into(model, state: AdapterState, name: str, where: str | Path, optional_prefixes: tuple = ()) -> None:
+    """Load ``state``'s full tensors into the adapter ``name`` already attached to this rank's modules
+    (a resume: same targets, any layout). A module the state lacks is an error naming ``where`` unless
+    its name starts with one of ``optional_prefixes`` (an RL run's MTP block, measured but not trained)."""
+    for _, _, lora in lora_layers(model):
+        if name not in lora.A:
+            continue
+        if lora.module_name not in state.A:
+            if optional_prefixes and lora.module_name.startswith(optional_prefixes):
+                continue
+            raise ValueError(f"{where}: no adapter for {lora.module_name} (saved with other lora.targets?)")
+        try:
+            lora.load_full_(name, state.A[lora.module_name], state.B[lora.module_name])
+        except RuntimeError as e:  # another rank: a size mismatch
+            raise ValueError(f"{where}: adapter {lora.module_name} does not fit this run "
+                             f"({' '.join(str(e).split())[:160]})") from None

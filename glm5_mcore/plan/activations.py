@@ -21,7 +21,7 @@ Transient, one layer at a time: the DSA indexer's scores of this rank's queries 
 of the sequence (4·s·T bytes, fp32) and the MoE dispatch buffers (send + receive, 2·r·H). Under
 1F1B, stage ``i`` of ``pp`` holds ``min(pp - i, micro-batches)`` micro-batches in flight.
 
-Checked against a measured forward+backward (``tests/test_plan.py::test_activation_formula_*``).
+Checked against a measured forward+backward (``tests/plan/test_plan.py::test_activation_formula_*``).
 """
 
 from __future__ import annotations

@@ -40,21 +40,19 @@ def init_fake(layout: Layout, rank: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from glm5_mcore import cpu_compat
-    from glm5_mcore.model.build import _seed
+    from glm5_mcore.model.parallel import forget_layout, seed_parallel
 
     cpu_compat.apply()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-    import glm5_mcore.model.build as model_mod
-
-    model_mod._LAYOUT = None  # init_parallel must not reuse these groups
+    forget_layout()  # init_parallel must not reuse these groups
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world)
     ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                                  context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
                                  expert_tensor_parallel_size=layout.etp, create_gloo_process_groups=False)
-    _seed(1234)
+    seed_parallel(1234)
 
 
 def build_rank(model: GLM5Config, layout: Layout, rank: int, *, mtp: bool = True, bf16: bool = True,
@@ -63,7 +61,8 @@ def build_rank(model: GLM5Config, layout: Layout, rank: int, *, mtp: bool = True
     without MTP layers (as the RL trainer does); ``lora=(targets, rank)`` applies adapters as the
     recipes do (base frozen); otherwise the indexer is frozen as in full fine-tuning."""
     from glm5_mcore.model.dsa import set_indexer_frozen
-    from glm5_mcore.lora.apply import LoRAConfig, apply_lora
+    from glm5_mcore.lora.config import LoRAConfig
+    from glm5_mcore.lora.apply import apply_lora
     from glm5_mcore.model.build import build_model
 
     _import_megatron()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from glm5_mcore.lora.apply import DEFAULT_TARGETS
+from glm5_mcore.lora.config import DEFAULT_TARGETS
 from glm5_mcore.plan.layout import Layout
 from glm5_mcore.plan.rollout import EngineSpec
 

@@ -14,7 +14,7 @@ shape. Shapes per rank (H hidden, V vocab, h heads, M expert width, S shared-exp
 
 ``lora_tensors`` adds the adapters ``glm5_mcore.lora.apply.apply_lora`` would create for a target list
 (column: A [r, in] B [out/tp, r]; row: A [r, in/tp] B [out, r]; replicated/experts: local shapes).
-The exactness test (``tests/test_plan.py``) checks these against the real model built per rank.
+The exactness test (``tests/plan/test_plan.py``) checks these against the real model built per rank.
 """
 
 from __future__ import annotations

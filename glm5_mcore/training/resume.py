@@ -59,7 +59,8 @@ def guard_resume(root: str | Path, current: dict, proceed: bool, section: str) -
     """Before resuming from ``root``'s latest iteration: refuse (``ValueError`` naming each field)
     if its recorded settings differ from ``current``, unless ``proceed`` (then print them). Returns
     the iteration to resume, or None when ``root`` has no checkpoint."""
-    from glm5_mcore.checkpoint.layout import latest_iteration, read_trainer_state
+    from glm5_mcore.checkpoint.layout import latest_iteration
+    from glm5_mcore.checkpoint.dist import read_trainer_state
 
     if not (Path(root) / "latest").is_file():
         return None

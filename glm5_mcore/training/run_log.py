@@ -7,6 +7,9 @@ without a W&B account (``glm5 plot RUN``). A resumed run continues the file: row
 the checkpoint it resumed from (logged by the interrupted run, then redone) are dropped first, so
 the file always describes the run as it now stands, each step once. A step-0 row carries the
 evaluation before training (``val_loss`` / ``val/reward``).
+
+``RunLogger`` is a run's logger for both recipes: the sinks (``RunLog``) + a console progress bar
+showing the recipe's ``console_keys``, on the reporting process only.
 """
 
 from __future__ import annotations
@@ -17,6 +20,10 @@ import numbers
 import os
 from pathlib import Path
 from typing import Optional
+
+from tqdm import tqdm
+
+from glm5_mcore.training import loop
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -104,10 +111,8 @@ class RunLog:
     """A run's metrics sink: ``log(step, metrics)`` goes to W&B and to ``out/metrics.jsonl``."""
 
     def __init__(self, wandb_cfg, out: str | Path, config: dict, start_step: int = 0):
-        from glm5_mcore.training.loop import init_wandb
-
         self.file: Optional[MetricsFile] = MetricsFile(out, start_step)
-        self.run = init_wandb(wandb_cfg, str(out), config)
+        self.run = loop.init_wandb(wandb_cfg, str(out), config)
 
     def log(self, step: int, metrics: dict) -> dict:
         """Record ``metrics`` of ``step``; returns their scalar part."""
@@ -121,3 +126,55 @@ class RunLog:
         self.file.close()
         if self.run is not None:
             self.run.finish()
+
+
+class RunLogger:
+    """A run's metrics (``RunLog``: W&B + ``out/metrics.jsonl``) and a console progress bar over ``steps``
+    (``progress``) whose postfix shows ``console_keys`` (``(short name, metric key)`` pairs, formatted
+    ``fmt``). ``active=False`` (a non-reporting rank) makes every call a no-op. ``history`` keeps every
+    logged step's metrics, ``{"step": N, **metrics}``."""
+
+    def __init__(self, wandb_cfg, out: str | Path, config: dict, *, steps: int, start_step: int = 0,
+                 progress: bool = True, desc: str = "run", console_keys: tuple = (), fmt: str = ".3g",
+                 active: bool = True):
+        self.active = active
+        self.console_keys = console_keys
+        self.fmt = fmt
+        self.history: list[dict] = []
+        self.run: Optional[RunLog] = None
+        self.bar = None
+        if not active:
+            return
+        self.run = RunLog(wandb_cfg, out, config, start_step)
+        if progress:
+            self.bar = tqdm(total=steps, initial=start_step, desc=desc, dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.active:
+            return
+        self.history.append({"step": step, **metrics})
+        values = self.run.log(step, metrics)
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix({short: format(values[k], self.fmt) for short, k in self.console_keys if k in values},
+                                 refresh=True)
+
+    def log_eval(self, step: int, metrics: dict) -> None:
+        """An evaluation outside a training step (before the first one): the metrics sinks only."""
+        if self.active:
+            self.run.log(step, metrics)
+
+    def note(self, text: str) -> None:
+        """A line on the console that does not break the progress bar."""
+        if not self.active:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.run is not None:
+            self.run.close()

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from glm5_mcore.config import ParallelConfig
-from glm5_mcore.lora.apply import DEFAULT_TARGETS
+from glm5_mcore.lora.config import DEFAULT_TARGETS, LoRAConfig
 from glm5_mcore.plan.job import PlanCfg
 from glm5_mcore.training.loop import OptimCfg, WandbCfg
 
@@ -65,6 +65,13 @@ class LoRACfg:
     ``linear_kv_up_proj``, ``linear_proj``, ``linear_fc1``, ``linear_fc2`` (dense + shared expert),
     ``experts.linear_fc1``, ``experts.linear_fc2``, and the DSA indexer's ``linear_wq_b``, ``linear_wk``,
     ``linear_weights_proj``."""
+
+    def to_lora_config(self, seed: int) -> LoRAConfig:
+        """The ``LoRAConfig`` this section describes, its adapters initialised from ``seed`` (the one place a
+        recipe's section becomes the library's config: what ``apply_lora`` attaches and what the checkpoint's
+        ``adapter_config.json`` records)."""
+        return LoRAConfig(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=tuple(self.targets),
+                          seed=seed)
 
 
 class ConfigError(ValueError):

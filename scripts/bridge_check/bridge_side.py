@@ -66,7 +66,7 @@ def main() -> None:
 
         AutoBridge.from_hf_pretrained(hf).export_ckpt(sys.argv[3], sys.argv[4], show_progress=False)
     else:
-        from glm5_mcore.model.build import init_parallel
+        from glm5_mcore.model.parallel import init_parallel
 
         init_parallel(ParallelConfig())
         if cmd == "import":

