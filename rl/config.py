@@ -369,14 +369,6 @@ def validate(c: RLConfig) -> None:
         raise ValueError("trainer.steps must be >= 1")
     if t.off_policy_steps not in (0, 1):
         raise ValueError(f"trainer.off_policy_steps={t.off_policy_steps}: 0 (synchronous) or 1 (one step off-policy)")
-    fg, ob = a.filter_groups, c.reward.overlong_buffer
-    if fg.metric not in ("score", "seq_reward"):
-        raise ValueError(f"algorithm.filter_groups.metric={fg.metric!r}: score or seq_reward")
-    if fg.enable and r.n < 2:
-        raise ValueError("algorithm.filter_groups.enable: needs rollout.n >= 2 (a group of one is always uniform)")
-    if ob.enable and not 0 < ob.len <= r.max_new_tokens:
-        raise ValueError(f"reward.overlong_buffer.len={ob.len}: must be in [1, rollout.max_new_tokens="
-                         f"{r.max_new_tokens}] when enabled")
     _check_importable(r.engine, "rollout.engine")
     mt = r.multi_turn
     if mt.enable:
@@ -392,7 +384,7 @@ def validate(c: RLConfig) -> None:
         raise ValueError("trainer.freeze_indexer=false: the RL trainer keeps the DSA indexer frozen (no indexer "
                          "loss reaches it here, so it would not learn); train it in the SFT sparse stage "
                          "(glm5 sft train.freeze_indexer=false)")
-    check_config(c)  # policy loss, R3 + tool episodes, penalty factor, engine_kwargs
+    check_config(c)  # policy loss, R3 + tool episodes, DAPO shaping, engine_kwargs, Ray waits
     if t.backend not in ("local", "te"):
         raise ValueError(f"trainer.backend={t.backend!r}: local or te")
     import torch

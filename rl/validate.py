@@ -2,7 +2,8 @@
 file or setting, instead of a ``ray::Actor.method()`` stack at the first update or generate.
 
 - ``check_config(cfg)``: the config alone (run by ``RLConfig.validate``): ``actor.policy_loss`` is one of
-  verl's registered losses, R3 is not combined with tool episodes, ``penalty_factor`` >= 0,
+  verl's registered losses, R3 is not combined with tool episodes, DAPO's shaping (``filter_groups``,
+  ``overlong_buffer``: ``penalty_factor`` >= 0), ``ray.wait_timeout_s`` > 0,
   ``rollout.engine_kwargs`` are keys the engine takes (``RolloutEngine.check_kwargs``).
 - ``preflight(cfg, tokenizer, prompt_sets)``: with the tokenizer and the model config (run by
   ``rl.driver.run`` before the run folder is claimed): the model config the trainer ranks would build
@@ -28,7 +29,15 @@ def check_config(c) -> None:
         raise ValueError("algorithm.router_replay=true with rollout.multi_turn.enable=true: R3 replays the experts "
                          "the engine chose per token, and tool episodes' observation tokens are appended by the "
                          "environment, not routed by the engine; turn one of them off")
-    pf = c.reward.overlong_buffer.penalty_factor
+    r, fg, ob = c.rollout, c.algorithm.filter_groups, c.reward.overlong_buffer
+    if fg.metric not in ("score", "seq_reward"):
+        raise ValueError(f"algorithm.filter_groups.metric={fg.metric!r}: score or seq_reward")
+    if fg.enable and r.n < 2:
+        raise ValueError("algorithm.filter_groups.enable: needs rollout.n >= 2 (a group of one is always uniform)")
+    if ob.enable and not 0 < ob.len <= r.max_new_tokens:
+        raise ValueError(f"reward.overlong_buffer.len={ob.len}: must be in [1, rollout.max_new_tokens="
+                         f"{r.max_new_tokens}] when enabled")
+    pf = ob.penalty_factor
     if pf < 0:
         raise ValueError(f"reward.overlong_buffer.penalty_factor={pf} must be >= 0 (the penalty is "
                          "min(-excess / len · penalty_factor, 0): a negative factor would reward overlong answers)")
