@@ -1,4 +1,8 @@
+"""Session fixtures (the tiny checkpoints every module shares) and the rule behind ``-m "not slow"``:
+a test that starts a process is marked ``slow``."""
+
 import os
+import subprocess
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -29,10 +33,56 @@ def tiny_mtp_dir(tmp_path_factory):
     return str(write_tiny(tmp_path_factory.mktemp("ckpt") / "tiny_mtp", mtp=True, seed=2))
 
 
+@pytest.fixture(scope="session")
+def tiny_converted(tmp_path_factory, tiny_dir):
+    """``hf-to-mcore`` of ``tiny_dir`` (CKPT/iter_0000000/model + manifest), made once for the session;
+    tests copy it before changing anything in it."""
+    from glm5_mcore.convert.common import hf_to_mcore
+
+    return hf_to_mcore(tiny_dir, tmp_path_factory.mktemp("mc") / "ckpt", progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_run(tmp_path_factory, tiny_dir):
+    """ROOT with train.jsonl and ROOT/run: one LoRA SFT step of ``tiny_dir`` saved at iteration 1
+    (adapters, optimizer, trainer state, manifest), made once for the session; tests copy it before
+    changing anything in it."""
+    from recipes.sft import run
+    from tests.support.sft_setup import count_rows, lora_step_cfg
+
+    root = tmp_path_factory.mktemp("sft")
+    count_rows(root / "train.jsonl")
+    run(lora_step_cfg(tiny_dir, root))
+    return root
+
+
 @pytest.fixture()
 def single_rank():
     from glm5_mcore.config import ParallelConfig
     from glm5_mcore.model.parallel import init_parallel
 
     init_parallel(ParallelConfig())
+    yield
+
+
+@pytest.fixture(autouse=True)
+def spawning_tests_are_marked_slow(request, monkeypatch):
+    """A test that starts a Python process (a ``glm5`` CLI, torchrun, a worker script, Ray's or vLLM's
+    processes) without the ``slow`` marker fails naming itself, so ``pytest -m "not slow"`` stays the
+    quick in-process loop. Tools the library runs in-process (``ldconfig``, ``g++`` for the kernels)
+    are not counted."""
+    if request.node.get_closest_marker("slow") is not None:
+        yield
+        return
+    real = subprocess.Popen.__init__
+
+    def guarded(self, args, *a, **k):
+        argv = [args] if isinstance(args, (str, os.PathLike)) else list(args)
+        exe = os.path.basename(str(argv[0])) if argv else ""
+        if exe.startswith(("python", "torchrun", "ray", "raylet", "gcs_server")):
+            raise AssertionError(f"{request.node.nodeid} starts a process ({str(argv)[:120]}) but is not "
+                                 "marked @pytest.mark.slow")
+        real(self, args, *a, **k)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
     yield

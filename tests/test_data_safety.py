@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from recipes.main import main as glm5
+from tests.support.sft_setup import count_rows, lora_step_cfg
 
 
 def _tree(path) -> dict:
@@ -52,56 +53,6 @@ def _flip(path: Path, offset: int = None) -> None:
     path.write_bytes(bytes(raw))
 
 
-@pytest.fixture(scope="module")
-def mc(tmp_path_factory, tiny_dir):
-    """hf-to-mcore of the tiny checkpoint (iter_0000000/model + manifest)."""
-    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
-
-    return hf_to_mcore(tiny_dir, tmp_path_factory.mktemp("mc") / "ckpt", progress=False)
-
-
-def _rows(path, n=24, seed=0, extra=()):
-    import random
-
-    r = random.Random(seed)
-    with open(path, "w") as f:
-        for _ in range(n):
-            a = [r.randrange(90) for _ in range(r.randrange(3, 10))]
-            f.write(json.dumps({"prompt": " ".join(f"w{x}" for x in a),
-                                "response": " ".join(f"w{a[0] + k}" for k in range(4))}) + "\n")
-        for row in extra:
-            f.write(row + "\n")
-    return str(path)
-
-
-def _sft_cfg(tiny_dir, root, **over):
-    from recipes.sft import SFTConfig
-
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    d = {"model": {"hf_dir": tiny_dir},
-         "data": {"train": str(root / "train.jsonl"), "micro_batch_tokens": 128, "global_batch_tokens": 128,
-                  "max_tokens": 64},
-         "optim": {"lr": 1e-3, "decay_style": "constant"},
-         "lora": {"enabled": True, "rank": 4},
-         "train": {"steps": 1, "save_every": 1, "out": str(root / "run"), "progress": False},
-         "wandb": {"mode": "disabled"}}
-    for k, v in over.items():
-        d.setdefault(k, {}).update(v)
-    return SFTConfig.from_dict(d)
-
-
-@pytest.fixture(scope="module")
-def sft_run(tmp_path_factory, tiny_dir):
-    """A one-step LoRA SFT run saved at iteration 1 (adapters, optimizer, trainer state, manifest)."""
-    from recipes.sft import run
-
-    root = tmp_path_factory.mktemp("sft")
-    _rows(root / "train.jsonl")
-    run(_sft_cfg(tiny_dir, root))
-    return root
-
-
 # --------------------------------------------------------------------------------------------------
 # 1. output folders
 # --------------------------------------------------------------------------------------------------
@@ -122,7 +73,7 @@ def test_out_that_is_not_ours_is_refused_and_kept(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
-def test_out_equal_inside_or_containing_an_input_is_always_refused(tiny_dir, mc, tmp_path, capsys):
+def test_out_equal_inside_or_containing_an_input_is_always_refused(tiny_dir, tiny_converted, tmp_path, capsys):
     src = tmp_path / "models" / "tiny"
     shutil.copytree(tiny_dir, src)
     for out, rel in ((src, "is the input"), (src / "sub", "is inside the input"),
@@ -130,7 +81,7 @@ def test_out_equal_inside_or_containing_an_input_is_always_refused(tiny_dir, mc,
         _refused(capsys, ["convert", "hf-to-mcore", "--hf-dir", str(src), "--out", str(out), "--overwrite",
                           "--no-progress"], rel, untouched=[tmp_path / "models"])
     ck = tmp_path / "ck"
-    shutil.copytree(mc, ck)
+    shutil.copytree(tiny_converted, ck)
     _refused(capsys, ["convert", "mcore-to-hf", "--ckpt", str(ck), "--out", str(ck), "--overwrite", "--no-progress"],
              "is the input", untouched=[ck])
     _refused(capsys, ["convert", "mcore-to-hf", "--ckpt", str(ck), "--out", str(ck / "hf"), "--no-progress"],
@@ -153,11 +104,11 @@ def test_out_under_a_file_or_read_only_folder_is_one_line(tmp_path, capsys):
         ro.chmod(0o755)
 
 
-def test_convert_into_a_previous_output_of_another_command_is_refused(tiny_dir, mc, tmp_path, capsys):
+def test_convert_into_a_previous_output_of_another_command_is_refused(tiny_dir, tiny_converted, tmp_path, capsys):
     hf = tmp_path / "hf"
     assert glm5(["tiny", "--out", str(hf)]) == 0
-    _refused(capsys, ["convert", "mcore-to-hf", "--ckpt", str(mc), "--out", str(hf), "--no-progress"],
-             "previous 'tiny' output", untouched=[hf, mc])
+    _refused(capsys, ["convert", "mcore-to-hf", "--ckpt", str(tiny_converted), "--out", str(hf), "--no-progress"],
+             "previous 'tiny' output", untouched=[hf, tiny_converted])
     _refused(capsys, ["convert", "hf-to-mcore", "--hf-dir", tiny_dir, "--out", str(hf), "--no-progress"],
              "previous 'tiny' output", untouched=[hf])
 
@@ -192,21 +143,21 @@ def test_parity_save_logits_and_input_ids_are_checked_before_work(tiny_dir, tmp_
 # --------------------------------------------------------------------------------------------------
 # 2. iterations, 3. checksums, 4. values
 # --------------------------------------------------------------------------------------------------
-def test_missing_iteration_is_an_error_listing_those_that_exist(mc, sft_run, tmp_path, capsys):
-    _refused(capsys, ["convert", "mcore-to-hf", "--ckpt", str(mc), "--out", str(tmp_path / "o"), "--iteration", "5",
-                      "--no-progress"], "iteration 5 does not exist", "[0]", untouched=[mc])
-    run = sft_run / "run"
+def test_missing_iteration_is_an_error_listing_those_that_exist(tiny_converted, tiny_lora_run, tmp_path, capsys):
+    _refused(capsys, ["convert", "mcore-to-hf", "--ckpt", str(tiny_converted), "--out", str(tmp_path / "o"), "--iteration", "5",
+                      "--no-progress"], "iteration 5 does not exist", "[0]", untouched=[tiny_converted])
+    run = tiny_lora_run / "run"
     _refused(capsys, ["lora", "export", "--ckpt", str(run), "--out", str(tmp_path / "o"), "--iteration", "7"],
              "iteration 7 does not exist", "[1]", untouched=[run])
     assert not (tmp_path / "o").exists()
 
 
-def test_a_flipped_byte_in_any_checkpoint_file_is_caught_and_named(mc, sft_run, tmp_path, capsys):
+def test_a_flipped_byte_in_any_checkpoint_file_is_caught_and_named(tiny_converted, tiny_lora_run, tmp_path, capsys):
     """Every file kind an iteration holds (DCP data, metadata, common state, adapter weights and
     config, optimizer state, trainer state) and a converted HF folder's shards."""
     ck, run = tmp_path / "ck", tmp_path / "run"
-    shutil.copytree(mc, ck)
-    shutil.copytree(sft_run / "run", run)
+    shutil.copytree(tiny_converted, ck)
+    shutil.copytree(tiny_lora_run / "run", run)
     hf = tmp_path / "hf"
     assert glm5(["convert", "mcore-to-hf", "--ckpt", str(ck), "--out", str(hf), "--no-progress"]) == 0
     capsys.readouterr()
@@ -223,14 +174,14 @@ def test_a_flipped_byte_in_any_checkpoint_file_is_caught_and_named(mc, sft_run, 
     assert glm5(["checkpoint", "verify", str(ck)]) == 0 and glm5(["checkpoint", "verify", str(run)]) == 0
 
 
-def test_loads_verify_what_they_read(mc, sft_run, tiny_dir, tmp_path, capsys, monkeypatch):
+def test_loads_verify_what_they_read(tiny_converted, tiny_lora_run, tiny_dir, tmp_path, capsys, monkeypatch):
     from glm5_mcore.checkpoint.dist import load_rank_state
     from recipes.sft import run as sft
 
     monkeypatch.setenv("GLM5_VERIFY_CHECKSUMS", "1")  # --no-verify below sets it to 0 in this process
 
     ck = tmp_path / "ck"
-    shutil.copytree(mc, ck)
+    shutil.copytree(tiny_converted, ck)
     data = next((ck / "iter_0000000" / "model").glob("*.distcp"))
     _flip(data)
     out = tmp_path / "hf"
@@ -246,9 +197,9 @@ def test_loads_verify_what_they_read(mc, sft_run, tiny_dir, tmp_path, capsys, mo
              data, "missing (listed in", untouched=[ck, out])
     # SFT resume: a damaged adapter / optimizer file names the file, verified or not
     root = tmp_path / "sft"
-    shutil.copytree(sft_run, root)
+    shutil.copytree(tiny_lora_run, root)
     it = root / "run" / "iter_0000001"
-    cfg = _sft_cfg(tiny_dir, root, data={"train": str(root / "train.jsonl")}, train={"steps": 2})
+    cfg = lora_step_cfg(tiny_dir, root, data={"train": str(root / "train.jsonl")}, train={"steps": 2})
     for f in (it / "adapters" / "default" / "adapter_model.safetensors", it / "optimizer" / "rank_00000.pt"):
         good = f.read_bytes()
         f.write_bytes(good[: len(good) // 2])
@@ -263,11 +214,10 @@ def test_loads_verify_what_they_read(mc, sft_run, tiny_dir, tmp_path, capsys, mo
         f.write_bytes(good)
 
 
-def test_truncated_peft_adapter_is_named(sft_run, tmp_path, monkeypatch):
-    from glm5_mcore.convert.lora_export import export_checkpoint_adapter
-    from glm5_mcore.lora.peft import import_peft
+def test_truncated_peft_adapter_is_named(tiny_lora_run, tmp_path, monkeypatch):
+    from glm5_mcore.lora.peft import export_checkpoint_adapter, import_peft
 
-    out = export_checkpoint_adapter(sft_run / "run", tmp_path / "peft", progress=False)
+    out = export_checkpoint_adapter(tiny_lora_run / "run", tmp_path / "peft", progress=False)
     f = out / "adapter_model.safetensors"
     f.write_bytes(f.read_bytes()[:-64])
     with pytest.raises(ValueError, match=f"{f}: .* bytes, the manifest says"):
@@ -330,7 +280,7 @@ def test_rows_cut_by_max_tokens_are_counted_or_bad_and_bad_utf8_is_named(tiny_di
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     long_prompt = json.dumps({"prompt": " ".join(["w1"] * 80), "response": "w2 w3"})
     long_resp = json.dumps({"prompt": "w1", "response": " ".join(["w2"] * 80)})
-    path = _rows(tmp_path / "d.jsonl", n=3, extra=[long_resp, long_prompt])
+    path = count_rows(tmp_path / "d.jsonl", n=3, extra=[long_resp, long_prompt])
     with pytest.raises(DataError, match=f"{path}:5: .*keeps no loss token"):
         read_jsonl(path, tok, 32)
     stats = DataStats()
@@ -338,7 +288,7 @@ def test_rows_cut_by_max_tokens_are_counted_or_bad_and_bad_utf8_is_named(tiny_di
     assert len(docs) == 4 and stats.skipped == 1 and stats.truncated == 1 and stats.truncated_rows == [f"{path}:4"]
     with open(path, "ab") as f:
         f.write(b'{"text": "w1 \xff w2"}\n')
-    utf = _rows(tmp_path / "u.jsonl", n=2)
+    utf = count_rows(tmp_path / "u.jsonl", n=2)
     with open(utf, "ab") as f:
         f.write(b'{"text": "w1 \xff w2"}\n')
     with pytest.raises(DataError, match=f"{utf}:3: not valid UTF-8 \\(byte 0xff at column 14\\)"):
@@ -357,7 +307,7 @@ def test_rows_cut_by_max_tokens_are_counted_or_bad_and_bad_utf8_is_named(tiny_di
 def test_sft_reports_truncated_rows_in_the_json(tiny_dir, tmp_path, capsys):
     from recipes.cli import sft_main
 
-    data = _rows(tmp_path / "t.jsonl", n=16, extra=[json.dumps({"text": " ".join(["w3"] * 100)})])
+    data = count_rows(tmp_path / "t.jsonl", n=16, extra=[json.dumps({"text": " ".join(["w3"] * 100)})])
     assert sft_main([f"model.hf_dir={tiny_dir}", f"data.train={data}", "data.micro_batch_tokens=64",
                      "data.global_batch_tokens=64", "data.max_tokens=64", "lora.rank=2", "train.steps=1",
                      f"train.out={tmp_path / 'run'}", "train.progress=false", "wandb.mode=disabled"]) == 0
@@ -366,15 +316,15 @@ def test_sft_reports_truncated_rows_in_the_json(tiny_dir, tmp_path, capsys):
     assert f"{data}:17" in cap.err and "1 training" in cap.err
 
 
-def test_sft_resume_with_changed_settings_is_refused_naming_each_field(sft_run, tiny_dir, tmp_path):
+def test_sft_resume_with_changed_settings_is_refused_naming_each_field(tiny_lora_run, tiny_dir, tmp_path):
     from recipes.sft import run as sft
 
     root = tmp_path / "r"
-    shutil.copytree(sft_run, root)
+    shutil.copytree(tiny_lora_run, root)
     before = _tree(root)
     with open(root / "train.jsonl", "a") as f:
         f.write(json.dumps({"prompt": "w1", "response": "w2"}) + "\n")
-    cfg = _sft_cfg(tiny_dir, root, lora={"rank": 8}, data={"micro_batch_tokens": 64, "global_batch_tokens": 128},
+    cfg = lora_step_cfg(tiny_dir, root, lora={"rank": 8}, data={"micro_batch_tokens": 64, "global_batch_tokens": 128},
                    train={"steps": 2})
     with pytest.raises(ValueError) as e:
         sft(cfg)
@@ -392,9 +342,9 @@ def test_sft_resume_with_changed_settings_is_refused_naming_each_field(sft_run, 
         sft(cfg)
     # a run folder that is not an SFT run's, or that contains the data, is refused
     with pytest.raises(ValueError, match="is a previous 'convert hf-to-mcore' output"):
-        sft(_sft_cfg(tiny_dir, root, train={"out": str(_mc_copy(tmp_path))}))
+        sft(lora_step_cfg(tiny_dir, root, train={"out": str(_mc_copy(tmp_path))}))
     with pytest.raises(ValueError, match="contains the input"):
-        sft(_sft_cfg(tiny_dir, root, train={"out": str(root)}))
+        sft(lora_step_cfg(tiny_dir, root, train={"out": str(root)}))
 
 
 def _mc_copy(tmp_path):

@@ -4,10 +4,7 @@ match the weights they were saved from; ``glm5 checkpoint export --format megatr
 their layout."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +14,8 @@ import yaml
 from recipes.main import main as cli
 from glm5_mcore.checkpoint.hf_io import HFCheckpoint
 
-from tests.support.megatron_layout import write_megatron  # noqa: E402
+from tests.support.megatron_layout import write_megatron
+from tests.support.launch import glm5, last_json
 
 ROUTER = ("mlp.gate.weight",)
 
@@ -166,15 +164,8 @@ def test_parity_on_their_folders(foreign, converted, flavour):
 
 @pytest.mark.slow
 def test_parity_on_a_megatron_lm_folder_at_tp2_ep2(foreign, converted):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                        "-m", "recipes.main", "parity", "--ckpt", str(foreign["mlm"]), "--hf-dir",
-                        str(converted["mlm"]), "--tp", "2", "--ep", "2"],
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    rep = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    rep = last_json(glm5("parity", "--ckpt", foreign["mlm"], "--hf-dir", converted["mlm"], "--tp", "2", "--ep", "2",
+                         nproc=2).stdout)
     assert rep["tp"] == 2 and rep["ep"] == 2 and rep["max_abs"] <= 1e-4 and rep["topk_agree"] == 1.0, rep
     assert r.stderr.count("no checksum manifest, loaded unverified") == 1  # said once, by rank 0
 
@@ -187,10 +178,10 @@ def test_parity_on_their_folder_needs_the_hf_weights(foreign, capsys):
 def test_sft_starts_from_a_bridge_folder_exactly_as_from_its_weights(foreign, converted, tmp_path):
     """SFT with ``model.ckpt`` = the Bridge folder takes the same steps as SFT on the same weights as HF."""
     from recipes.sft import run
-    from tests.recipes.test_sft import _cfg
+    from tests.support.sft_setup import sft_cfg
 
-    a = run(_cfg(str(converted["bridge"]), tmp_path / "a", train={"steps": 2, "eval_every": 0}))["history"]
-    b = run(_cfg(str(converted["bridge"]), tmp_path / "b", model={"ckpt": str(foreign["bridge"])},
+    a = run(sft_cfg(str(converted["bridge"]), tmp_path / "a", train={"steps": 2, "eval_every": 0}))["history"]
+    b = run(sft_cfg(str(converted["bridge"]), tmp_path / "b", model={"ckpt": str(foreign["bridge"])},
                  train={"steps": 2, "eval_every": 0}))["history"]
     assert [x["loss"] for x in a] == [x["loss"] for x in b]
 
@@ -293,7 +284,7 @@ def test_lora_export_reads_a_bridge_peft_checkpoint(bridge_lora, tiny_mtp_dir, t
     from glm5_mcore.config import GLM5Config
     from glm5_mcore.lora.bridge_peft import read_bridge_adapter
     from glm5_mcore.lora.peft import export_peft
-    from tests.lora.test_peft import _peft_model
+    from tests.support.helpers import hf_model, peft_model
 
     root, src = bridge_lora
     got = read_bridge_adapter(root)
@@ -313,12 +304,11 @@ def test_lora_export_reads_a_bridge_peft_checkpoint(bridge_lora, tiny_mtp_dir, t
     assert ca.pop("base_model_name_or_path") == str(tiny_mtp_dir)
     cb.pop("base_model_name_or_path")
     assert ca == cb
-    pm, unexpected, missing = _peft_model(tiny_mtp_dir, tmp_path / "peft")
+    pm, unexpected, missing = peft_model(tiny_mtp_dir, tmp_path / "peft")
     assert unexpected == [] and missing == []
     from glm5_mcore.lora.state import load_adapter_state
     from glm5_mcore.model.build import forward_logits
     from glm5_mcore.parity import load_input_ids
-    from tests.support.helpers import hf_model
 
     ours, _ = hf_model(tiny_mtp_dir)
     load_adapter_state(ours, src, "default", trainable=False)
@@ -444,9 +434,9 @@ def test_export_megatron_merges_a_lora_result(tiny_dir, tmp_path, single_rank):
     from glm5_mcore.model.build import build_model, forward_logits
     from glm5_mcore.checkpoint.hf_load import load_hf_weights
     from recipes.sft import run
-    from tests.recipes.test_sft import _cfg
+    from tests.support.sft_setup import sft_cfg
 
-    run(_cfg(tiny_dir, tmp_path, lora={"enabled": True, "rank": 4},
+    run(sft_cfg(tiny_dir, tmp_path, lora={"enabled": True, "rank": 4},
              train={"steps": 2, "save_every": 2, "eval_every": 0}))
     ckpt, out = tmp_path / "run", tmp_path / "meg"
     assert cli(["checkpoint", "export", "--format", "megatron", "--ckpt", str(ckpt), "--merge-adapter",

@@ -3,7 +3,6 @@ declares one), bf16 tensors stored under ``"dtype": "float32"``, and FP8 exports
 block format."""
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -12,6 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from glm5_mcore.checkpoint.hf_io import HFCheckpoint, SafetensorsFile, dequantize_fp8_blocks
+
+from tests.support.launch import glm5
 
 
 def _stored(hf_dir) -> dict:
@@ -92,6 +93,7 @@ def test_bf16_stored_under_fp32_config_round_trips_to_bf16(saved_dir, tmp_path):
     assert {v[0] for v in fp32.values()} == {torch.float32}
 
 
+@pytest.mark.slow
 def test_fp8_export_reimports_to_its_dequantized_values(saved_dir, tmp_path):
     """FP8 export: e4m3 + 128x128 fp32 weight_scale_inv on the projections, the rest kept; import of the
     export is exactly q·s, within e4m3's bound of the source; exporting that import again is byte-identical."""
@@ -110,13 +112,7 @@ def test_fp8_export_reimports_to_its_dequantized_values(saved_dir, tmp_path):
     src = write_hf_checkpoint(cfg, {k: v.bfloat16() if not k.endswith(("mlp.gate.weight", "e_score_correction_bias"))
                                     else v for k, v in random_hf_state_dict(cfg, 5).items()}, tmp_path / "src")
     ck = hf_to_mcore(src, tmp_path / "ck", progress=False)
-    env_py = [sys.executable, "-m", "recipes.main", "convert", "mcore-to-hf", "--no-progress"]
-    env = {k: v for k, v in os.environ.items()  # the pytest process holds its own process group
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    r = subprocess.run(env_py + ["--ckpt", str(ck), "--out", str(tmp_path / "fp8"), "--dtype", "fp8"],
-                       capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr
+    glm5("convert", "mcore-to-hf", "--no-progress", "--ckpt", ck, "--out", tmp_path / "fp8", "--dtype", "fp8", timeout=300)
     fp8 = Path(tmp_path / "fp8")
     qc = json.loads((fp8 / "config.json").read_text())["quantization_config"]
     assert qc == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -186,6 +182,7 @@ def test_saved_folder_fine_tunes_without_mtp_or_with_a_fresh_one(saved_dir, tmp_
     assert f"model.layers.{L}.eh_proj.weight" in mtp and len(mtp) == len(back.keys()) - len(HFCheckpoint(saved_dir).keys())
 
 
+@pytest.mark.slow
 def test_saved_folder_lora_exports_and_is_an_rl_base(saved_dir, tmp_path):
     """Converted, then a LoRA run from the checkpoint (adapters only in its own folder; the base weights
     found through the recorded base checkpoint): exports as PEFT and
@@ -205,14 +202,8 @@ def test_saved_folder_lora_exports_and_is_an_rl_base(saved_dir, tmp_path):
     ck = hf_to_mcore(saved_dir, tmp_path / "base", progress=False)
     run(_sft_cfg(saved_dir, tmp_path, model={"hf_dir": None, "ckpt": str(ck)}, lora={"enabled": True, "rank": 4},
                  train={"resume": False}))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    cli = [sys.executable, "-m", "recipes.main", "lora", "export", "--ckpt", str(tmp_path / "run"), "--no-progress"]
     for extra, out in (([], "peft"), (["--merged"], "merged")):
-        r = subprocess.run(cli + extra + ["--out", str(tmp_path / out)], env=env, capture_output=True, text=True,
-                           timeout=300)
-        assert r.returncode == 0, r.stderr
+        glm5("lora", "export", "--ckpt", tmp_path / "run", "--no-progress", *extra, "--out", tmp_path / out, timeout=300)
     assert (tmp_path / "peft" / "adapter_model.safetensors").is_file()
     assert sorted(HFCheckpoint(tmp_path / "merged").keys()) == sorted(HFCheckpoint(saved_dir).keys())
 
@@ -234,6 +225,7 @@ def test_saved_folder_lora_exports_and_is_an_rl_base(saved_dir, tmp_path):
     assert float(diff.max()) <= 1e-5, float(diff.max())
 
 
+@pytest.mark.slow
 def test_bad_dtype_record_and_mtp_mode_name_the_problem(saved_dir, tmp_path):
     """A corrupt hf/dtypes.json: exit 2 naming the file, no output folder; model.mtp=bogus names the field."""
     import subprocess
@@ -244,12 +236,7 @@ def test_bad_dtype_record_and_mtp_mode_name_the_problem(saved_dir, tmp_path):
 
     ck = hf_to_mcore(saved_dir, tmp_path / "ck", progress=False)
     (ck / "hf" / "dtypes.json").write_text("{not json")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    r = subprocess.run([sys.executable, "-m", "recipes.main", "convert", "mcore-to-hf", "--ckpt", str(ck),
-                        "--out", str(tmp_path / "out"), "--no-progress"], env=env, capture_output=True, text=True,
-                       timeout=300)
+    r = glm5("convert", "mcore-to-hf", "--ckpt", ck, "--out", tmp_path / "out", "--no-progress", ok=False, timeout=300)
     assert r.returncode == 2 and f"error: {ck / 'hf' / 'dtypes.json'}: not a dtype record" in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match="model.mtp: expected auto, init or off"):

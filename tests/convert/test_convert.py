@@ -2,10 +2,7 @@
 
 import hashlib
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,14 +12,8 @@ from safetensors.torch import save_file
 from glm5_mcore.config import GLM5Config
 from glm5_mcore.checkpoint.hf_io import HFCheckpoint, dequantize_fp8_blocks
 
-HERE = Path(__file__).resolve().parent
+from tests.support.launch import glm5, last_json, torchrun
 
-
-def _env():
-    env = {k: v for k, v in os.environ.items()  # the pytest process holds its own process group
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parents[1]))
-    return env
 
 
 def _all_tensors(hf_dir) -> dict:
@@ -135,11 +126,7 @@ def test_converted_checkpoint_matches_transformers_tp1(converted, tiny_both_dir)
 
 @pytest.mark.slow
 def test_converted_checkpoint_matches_transformers_tp2_ep2(converted):
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                        "-m", "recipes.main", "parity", "--ckpt", str(converted), "--tp", "2", "--ep", "2"],
-                       env=_env(), capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    rep = json.loads([l for l in r.stdout.splitlines() if l.startswith("{")][-1])
+    rep = last_json(glm5("parity", "--ckpt", converted, "--tp", "2", "--ep", "2", nproc=2).stdout)
     assert rep["tp"] == 2 and rep["ep"] == 2 and rep["max_abs"] <= 1e-4 and rep["topk_agree"] == 1.0, rep
 
 
@@ -151,10 +138,7 @@ def test_saved_at_tp2_ep2_loads_at_tp1(tiny_both_dir, tmp_path, single_rank):
     from glm5_mcore.checkpoint.hf_load import load_hf_weights
 
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                        str(HERE.parent / "workers" / "bridge_check.py"), tiny_both_dir, "2", "2", str(out)],
-                       env=_env(), capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    torchrun("bridge_check.py", tiny_both_dir, 2, 2, out)
     assert latest_iteration(out) == 3 and (out / "iter_0000003" / "trainer_state.json").is_file()
     glm5 = GLM5Config.from_hf_dir(out / "hf")
     ids = torch.randint(0, glm5.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
@@ -329,18 +313,12 @@ def test_bad_mcore_input_is_named_and_previous_output_survives(converted, tmp_pa
     assert _tree_hash(out) == before
 
 
+@pytest.mark.slow
 def test_cli_convert_round_trip_and_errors(tiny_dir, tmp_path):
-    env = _env()
-    glm5 = [sys.executable, "-m", "recipes.main"]
-    r = subprocess.run(glm5 + ["convert", "hf-to-mcore", "--hf-dir", tiny_dir, "--out", str(tmp_path / "mc"),
-                               "--workers", "2", "--no-progress"], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = subprocess.run(glm5 + ["convert", "mcore-to-hf", "--ckpt", str(tmp_path / "mc"), "--out",
-                               str(tmp_path / "hf"), "--no-progress"], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
+    glm5("convert", "hf-to-mcore", "--hf-dir", tiny_dir, "--out", tmp_path / "mc", "--workers", "2", "--no-progress")
+    glm5("convert", "mcore-to-hf", "--ckpt", tmp_path / "mc", "--out", tmp_path / "hf", "--no-progress")
     a, b = _all_tensors(tiny_dir), _all_tensors(tmp_path / "hf")
     assert all(torch.equal(a[k], b[k]) for k in a) and sorted(a) == sorted(b)
-    r = subprocess.run(glm5 + ["convert", "mcore-to-hf", "--ckpt", str(tmp_path / "nope"), "--out",
-                               str(tmp_path / "hf2")], env=env, capture_output=True, text=True)
+    r = glm5("convert", "mcore-to-hf", "--ckpt", tmp_path / "nope", "--out", tmp_path / "hf2", ok=False)
     assert r.returncode == 2 and "nope/latest" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "hf2").exists()

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +18,10 @@ import pytest
 from glm5_mcore.data.sft import DataStats, read_jsonl
 from glm5_mcore.data.preprocess import preprocess
 
-from tests.recipes.test_sft import _cfg, _reverse_task, _tok
+from tests.support.sft_setup import reverse_task, sft_cfg, tokenizer
+
+
+from tests.support.launch import child_env, torchrun_cmd
 
 
 def _mixed_rows(path, n, seed):
@@ -56,7 +58,7 @@ def test_preprocess_keeps_tokens_loss_masks_and_documents_of_every_row_kind(tiny
         f.write('{"text": "w1 w2"}\n')
     with open(src, "ab") as f:
         f.write(b'{"text": "w1 \xff"}\n')
-    tok = _tok(tiny_dir)
+    tok = tokenizer(tiny_dir)
     stats = DataStats()
     ref = read_jsonl(_good_copy(src, tmp_path), tok, 24, stats=stats)
     out = preprocess([src], tmp_path / "idx", tiny_dir, workers=2, max_tokens=24, skip_bad_rows=True,
@@ -189,30 +191,29 @@ def _sft_args(tiny_dir, train, valid, out, steps, **extra):
     return args + [f"{k}={v}" for k, v in extra.items()]
 
 
+@pytest.mark.slow
 def test_indexed_sft_gives_jsonl_losses_and_resumes_after_a_kill_at_the_next_samples(tiny_dir, tmp_path):
     from recipes.sft import run
 
-    train = _reverse_task(tmp_path / "train.jsonl", 96, 0)
-    valid = _reverse_task(tmp_path / "valid.jsonl", 8, 1)
+    train = reverse_task(tmp_path / "train.jsonl", 96, 0)
+    valid = reverse_task(tmp_path / "valid.jsonl", 8, 1)
     preprocess([train], tmp_path / "train_idx", tiny_dir, progress=False)
     preprocess([valid], tmp_path / "valid_idx", tiny_dir, progress=False)
     # within an epoch both paths see the same documents in the same micro-batches: same losses
     over = dict(train={"steps": 4, "eval_every": 2})
-    jl = run(_cfg(tiny_dir, tmp_path / "j", data={"train": train, "valid": valid}, **over))
-    ix = run(_cfg(tiny_dir, tmp_path / "x", data={"train": str(tmp_path / "train_idx"),
+    jl = run(sft_cfg(tiny_dir, tmp_path / "j", data={"train": train, "valid": valid}, **over))
+    ix = run(sft_cfg(tiny_dir, tmp_path / "x", data={"train": str(tmp_path / "train_idx"),
                                                   "valid": str(tmp_path / "valid_idx")}, **over))
     assert [h["loss"] for h in ix["history"]] == [h["loss"] for h in jl["history"]]
     assert ix["val"] == jl["val"] and len(ix["val"]) == 3
     assert ix["history"][-1]["data/consumed_samples"] < 96  # still epoch 0
 
     # kill a run (SIGKILL) right after a checkpoint, resume it, compare with an uninterrupted run
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     out = tmp_path / "killed"
     args = _sft_args(tiny_dir, tmp_path / "train_idx", tmp_path / "valid_idx", out, 200, **{"train.save_every": 2})
     log = tmp_path / "killed.log"
     with open(log, "w") as f:  # its own session: the kill takes any helper process with it
-        proc = subprocess.Popen([sys.executable, "-m", "recipes.main", "sft", *args], env=env,
+        proc = subprocess.Popen(torchrun_cmd("-m recipes.main", "sft", *args, nproc=1), env=child_env(),
                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.time() + 240
@@ -223,10 +224,10 @@ def test_indexed_sft_gives_jsonl_losses_and_resumes_after_a_kill_at_the_next_sam
         proc.wait(timeout=60)
     killed_at = int((out / "latest").read_text())
     assert proc.returncode == -signal.SIGKILL and 2 <= killed_at < 200, log.read_text()[-2000:]
-    resumed = run(_cfg(tiny_dir, tmp_path / "r", data={"train": str(tmp_path / "train_idx"),
+    resumed = run(sft_cfg(tiny_dir, tmp_path / "r", data={"train": str(tmp_path / "train_idx"),
                                                        "valid": str(tmp_path / "valid_idx")},
                        train={"steps": killed_at + 3, "eval_every": 0, "out": str(out)}))
-    full = run(_cfg(tiny_dir, tmp_path / "f", data={"train": str(tmp_path / "train_idx"),
+    full = run(sft_cfg(tiny_dir, tmp_path / "f", data={"train": str(tmp_path / "train_idx"),
                                                     "valid": str(tmp_path / "valid_idx")},
                     train={"steps": killed_at + 3, "eval_every": 0}))
     assert len(resumed["history"]) == 3
@@ -258,7 +259,7 @@ def test_indexed_config_that_cannot_load_fails_before_work_naming_the_field(tiny
                       ({"train": a, "valid": str(tmp_path / "a.jsonl")}, "needs indexed validation data"),
                       ({"train": str(tmp_path / "a.jsonl"), "valid": a}, "needs jsonl validation data"),
                       ({"train": a, "valid": a, "split": "9,1"}, "data.split and data.valid: give one")):
-        cfg = _cfg(tiny_dir, tmp_path / "c", data={"valid": None, **data})
+        cfg = sft_cfg(tiny_dir, tmp_path / "c", data={"valid": None, **data})
         with pytest.raises((ValueError, FileNotFoundError), match=msg):
             validate(cfg, glm5, 1)
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["loss_mask.bin", "loss_mask.idx", "summary.json",

@@ -120,9 +120,7 @@ def test_vllm_engine_drafts_with_the_mtp_layer(tmp_path, merge):
     from rl.tasks import toy_prompts
     from rl.trainer import PolicyTrainer
 
-    from tests.rl.test_trainer import _perturb
-    from tests.rl.test_mtp import trainer_merged_mtp
-    from tests.rl.test_vllm_cpu import _vllm_draft_view
+    from tests.support.rl_setup import perturb, trainer_merged_mtp, vllm_draft_view
 
     real = glm5_744b()
     cfg = dataclasses.replace(glm5_tiny(mtp=True), kv_lora_rank=real.kv_lora_rank,
@@ -134,14 +132,14 @@ def test_vllm_engine_drafts_with_the_mtp_layer(tmp_path, merge):
     rl = RLConfig.from_dict({"model": {"hf_dir": d}, "wandb": {"mode": "disabled"}, "trainer": {"bf16": True},
                              "actor": {"mtp_loss_scale": 0.3}})
     trainer = PolicyTrainer(rl)
-    _perturb(trainer, scale=0.2)  # the MTP layer's adapter included
+    perturb(trainer, scale=0.2)  # the MTP layer's adapter included
     engine = VLLMRolloutEngine(d, merge=merge, dtype="bfloat16", gpu_memory_utilization=0.3, mtp_draft_tokens=1)
     try:
         engine.load_adapter(trainer.export_adapter(1))
         want = trainer_merged_mtp(trainer)
         draft = {k: torch.from_numpy(v) for k, v in engine.draft_weights().items()}
         for h, w in want.items():
-            got = _vllm_draft_view(h, draft, trainer.glm5.q_lora_rank)
+            got = vllm_draft_view(h, draft, trainer.glm5.q_lora_rank)
             assert float((got - w.to(torch.bfloat16).float()).abs().max()) <= 1e-2 * float(w.abs().max()), h
         tok = AutoTokenizer.from_pretrained(d)
         prompts = toy_prompts(tok, 4, 0)

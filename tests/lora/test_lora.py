@@ -7,7 +7,9 @@ from glm5_mcore.lora.config import FAMILIES, INDEXER, LoRAConfig
 from glm5_mcore.lora.apply import (adapter_parameters, apply_lora, disable_adapters, lora_layers, merge, set_adapter, unmerge)
 from glm5_mcore.model.build import forward_logits
 from glm5_mcore.parity import load_input_ids
+
 from tests.support.helpers import hf_model
+from tests.support.launch import torchrun
 
 SEQ = 32  # > index_topk (8): the indexer's choice matters
 
@@ -104,15 +106,7 @@ def _lora_steps(hf_dir, tp, ep, out):
     import sys
     from pathlib import Path
 
-    here = Path(__file__).resolve().parent
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(here.parents[1]))
-    cmd = [sys.executable, str(here.parent / "workers" / "lora_check.py"), hf_dir, str(tp), str(ep), str(out)]
-    if tp * ep > 1:
-        cmd[1:2] = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(here.parent / "workers" / "lora_check.py")]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-5000:]
+    torchrun("lora_check.py", hf_dir, tp, ep, out, nproc=2 if tp * ep > 1 else 1)
     return json.loads(Path(out).read_text())
 
 

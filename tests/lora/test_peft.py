@@ -2,20 +2,19 @@
 gives our logits; merged export too; adapters made with peft import and match."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from glm5_mcore.config import ParallelConfig
 from glm5_mcore.lora.config import EXPERTS, INDEXER, MLA, MLP, LoRAConfig
 from glm5_mcore.lora.apply import apply_lora
 from glm5_mcore.model.build import forward_logits
 from glm5_mcore.parity import load_input_ids
-from tests.support.helpers import hf_model
+
+from tests.support.helpers import hf_model, peft_model
+from tests.support.launch import glm5
 
 ALL = MLA + MLP + EXPERTS + INDEXER
 
@@ -24,18 +23,6 @@ def _ours(hf_dir, cfg, name="default", freeze_indexer=False):
     m, glm5 = hf_model(hf_dir)
     apply_lora(m, cfg, name, freeze_indexer=freeze_indexer)
     return m.eval(), glm5
-
-
-def _peft_model(hf_dir, adapter_dir):
-    from peft import PeftModel
-    from peft.utils.save_and_load import set_peft_model_state_dict
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    pm = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
-    res = set_peft_model_state_dict(pm, load_file(str(Path(adapter_dir) / "adapter_model.safetensors")))
-    missing_lora = [k for k in res.missing_keys if "lora_" in k]
-    return pm, res.unexpected_keys, missing_lora
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +53,7 @@ def test_export_loads_in_peft_with_no_missing_keys_and_matches(lora_ckpt, tiny_s
     assert {"mlp.gate_proj.weight", "shared_experts.up_proj.weight", "experts.gate_up_proj",
             "experts.down_proj"} <= set(cfg["target_parameters"])
     assert {"q_a_proj", "kv_b_proj", "wq_b"} <= set(cfg["target_modules"])
-    pm, unexpected, missing = _peft_model(tiny_share_dir, out)
+    pm, unexpected, missing = peft_model(tiny_share_dir, out)
     assert unexpected == [] and missing == []
     with torch.no_grad():
         theirs = pm(ids).logits
@@ -138,9 +125,9 @@ def test_per_expert_keys_and_split_gate_up_import(tmp_path):
         assert torch.allclose(fc2, truth[(e, "down_proj")], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_lora_cli_errors_name_the_path(tmp_path, lora_ckpt):
     root, _, _ = lora_ckpt
-    r = subprocess.run([sys.executable, "-m", "recipes.main", "lora", "export", "--ckpt", str(root),
-                        "--adapter", "nope", "--out", str(tmp_path / "x")], capture_output=True, text=True)
+    r = glm5("lora", "export", "--ckpt", root, "--adapter", "nope", "--out", tmp_path / "x", ok=False)
     assert r.returncode == 2 and "adapters/nope" in r.stderr and "sft" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "x").exists()

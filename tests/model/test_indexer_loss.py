@@ -2,15 +2,12 @@
 same tensors, gradients reaching the indexer alone, TP/CP equal one rank, the recall it keeps, and
 the refusal of an indexer that trains with no loss."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
+from tests.support.launch import torchrun
+
 
 
 def _case(seed=0, b=2, S=24, n=3, h=8, nI=4, dI=6, K=5):
@@ -182,13 +179,7 @@ def test_tp2_and_cp2_equal_one_rank(tiny_share_dir, tmp_path):
     """One torchrun launch: DP 2 (each rank computes one rank's result), then TP 2, then CP 2."""
     from safetensors.torch import load_file
 
-    env = {k: v for k, v in os.environ.items()  # the pytest process holds its own process group
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parents[1]))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                        str(HERE.parent / "workers" / "indexer_loss_check.py"), tiny_share_dir, str(tmp_path / "out.st")],
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    torchrun("indexer_loss_check.py", tiny_share_dir, tmp_path / "out.st")
     res = load_file(tmp_path / "out.st")
     one = {k.split(".", 1)[1]: v for k, v in res.items() if k.startswith("tp1cp1.")}
     names = [k for k in one if k.startswith("grad.")]

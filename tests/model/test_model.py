@@ -1,6 +1,5 @@
 """The Megatron-Core GLM-5 against transformers' GlmMoeDsaForCausalLM (fp32, 1 thread, no hub)."""
 
-import subprocess
 import sys
 
 import pytest
@@ -10,6 +9,8 @@ from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.model.build import build_model, forward_logits, packed_seq_params_from_lengths
 from glm5_mcore.checkpoint.hf_load import load_hf_weights
 from glm5_mcore.parity import load_input_ids, run_parity
+
+from tests.support.launch import run_child
 
 SEQ = 32  # > index_topk = 8, so the indexer really drops keys
 
@@ -103,11 +104,12 @@ def test_three_optimizer_steps_lower_the_loss(tiny_mtp_dir, single_rank):
     assert losses[3] < losses[2] < losses[1] < losses[0], losses
 
 
+@pytest.mark.slow
 def test_model_code_imports_no_transformers():
     code = ("import sys, glm5_mcore.config, glm5_mcore.model.build, glm5_mcore.model.dsa, glm5_mcore.model.layer_spec, "
             "glm5_mcore.checkpoint.hf_names, glm5_mcore.checkpoint.hf_io, glm5_mcore.cpu_compat, glm5_mcore.tiny; "
             "assert 'transformers' not in sys.modules, 'transformers imported'")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    run_child([sys.executable, "-c", code])
 
 
 def test_wrong_shape_and_missing_tensor_are_named(tiny_dir, tmp_path, single_rank):

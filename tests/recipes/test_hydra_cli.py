@@ -3,14 +3,14 @@ its doc, --cfg job prints the resolved config, +key / ~key, typed schemas refuse
 them, -m runs each job in its own folder behind the output guard, and the saved config repeats a job."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from recipes.main import main
+
+from tests.support.launch import glm5
 
 
 def _glm5(capsys, *argv):
@@ -71,11 +71,11 @@ def test_cfg_job_prints_the_resolved_config_and_writes_nothing(capsys, tmp_path,
     assert list(tmp_path.iterdir()) == []  # no outputs/, .hydra/ or log file
 
 
+@pytest.mark.slow
 def test_console_script_help_and_cfg(tmp_path):
     """The installed ``glm5`` script (Hydra used to raise LexerNoViableAltException on these)."""
     for argv in (["sft", "--help"], ["rl", "--cfg", "job", "--config", "ppo_gae_tiny"]):
-        p = subprocess.run([sys.executable, "-m", "recipes.main", *argv], capture_output=True, text=True,
-                           cwd=tmp_path, timeout=120)
+        p = glm5(*argv, ok=False, cwd=tmp_path, timeout=120)
         assert p.returncode == 0 and "Exception" not in p.stderr, p.stderr
     assert yaml.safe_load(p.stdout)["algorithm"]["adv_estimator"] == "gae"
 

@@ -2,55 +2,19 @@
 
 import json
 import math
-import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from glm5_mcore.data.sft import DataError, pack, read_jsonl
 
-
-def _tok(hf_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(hf_dir)
-
-
-def _reverse_task(path, n, seed, lengths=(3, 12)):
-    """Prompts of random words; the response counts up from the first word (w7 -> w7 w8 w9 w10):
-    learnable from local patterns, so held-out rows improve too."""
-    r = random.Random(seed)
-    with open(path, "w") as f:
-        for _ in range(n):
-            a = [r.randrange(90) for _ in range(r.randrange(*lengths))]
-            resp = " ".join(f"w{a[0] + k}" for k in range(4))
-            f.write(json.dumps({"prompt": " ".join(f"w{x}" for x in a), "response": resp}) + "\n")
-    return str(path)
-
-
-def _cfg(tiny_dir, tmp_path, **over):
-    from recipes.sft import SFTConfig
-
-    Path(tmp_path).mkdir(parents=True, exist_ok=True)
-    d = {"model": {"hf_dir": tiny_dir},
-         "data": {"train": _reverse_task(tmp_path / "train.jsonl", 64, 0),
-                  "valid": _reverse_task(tmp_path / "valid.jsonl", 8, 1),
-                  "micro_batch_tokens": 128, "global_batch_tokens": 256, "max_tokens": 64},
-         "optim": {"lr": 3e-3, "decay_style": "constant"},
-         "lora": {"enabled": False},
-         "train": {"steps": 20, "out": str(tmp_path / "run"), "eval_every": 20, "progress": False},
-         "wandb": {"mode": "disabled"}}
-    for k, v in over.items():
-        d.setdefault(k, {}).update(v)
-    return SFTConfig.from_dict(d)
+from tests.support.launch import glm5, torchrun
+from tests.support.sft_setup import reverse_task, sft_cfg, sft_losses, tokenizer
 
 
 def test_packing_has_no_pads_and_prompt_tokens_carry_no_loss(tiny_dir, tmp_path):
-    tok = _tok(tiny_dir)
-    docs = read_jsonl(_reverse_task(tmp_path / "d.jsonl", 20, 3), tok, 64)
+    tok = tokenizer(tiny_dir)
+    docs = read_jsonl(reverse_task(tmp_path / "d.jsonl", 20, 3), tok, 64)
     packs = pack(docs, 100)
     assert sum(p.num_tokens for p in packs) == sum(len(d) for d in docs)  # nothing added
     assert all(p.num_tokens <= 100 for p in packs)
@@ -66,7 +30,7 @@ def test_packing_has_no_pads_and_prompt_tokens_carry_no_loss(tiny_dir, tmp_path)
 
 
 def test_bad_rows_name_file_and_line_or_are_skipped(tiny_dir, tmp_path):
-    tok = _tok(tiny_dir)
+    tok = tokenizer(tiny_dir)
     p = tmp_path / "bad.jsonl"
     p.write_text('{"text": "w1 w2 w3"}\n{"prompt": "w1", "response": "w2"}\n{"prompt": 3}\nnot json\n'
                  '{"messages": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w5 w6"}]}\n')
@@ -86,8 +50,8 @@ def test_thd_packed_losses_equal_unpacked_and_documents_are_independent(tiny_mtp
     from glm5_mcore.model.build import build_model
     from glm5_mcore.checkpoint.hf_load import load_hf_weights
 
-    tok = _tok(tiny_mtp_dir)
-    docs = read_jsonl(_reverse_task(tmp_path / "d.jsonl", 3, 5, lengths=(8, 14)), tok, 64)
+    tok = tokenizer(tiny_mtp_dir)
+    docs = read_jsonl(reverse_task(tmp_path / "d.jsonl", 3, 5, lengths=(8, 14)), tok, 64)
     glm5 = GLM5Config.from_hf_dir(tiny_mtp_dir)
     m = build_model(glm5, ParallelConfig())
     load_hf_weights(m, tiny_mtp_dir, glm5)
@@ -114,7 +78,7 @@ def test_thd_packed_losses_equal_unpacked_and_documents_are_independent(tiny_mtp
 def test_tiny_sft_lowers_train_and_validation_loss(tiny_mtp_dir, tmp_path):
     from recipes.sft import run
 
-    out = run(_cfg(tiny_mtp_dir, tmp_path, train={"steps": 24, "eval_every": 24}))
+    out = run(sft_cfg(tiny_mtp_dir, tmp_path, train={"steps": 24, "eval_every": 24}))
     h = out["history"]
     first, last = h[0]["loss"], sum(x["loss"] for x in h[-4:]) / 4
     assert last < first - 0.3, (first, last)
@@ -137,11 +101,11 @@ def test_tiny_sft_lowers_train_and_validation_loss(tiny_mtp_dir, tmp_path):
 def test_resume_continues_with_identical_losses(tiny_dir, tmp_path):
     from recipes.sft import run
 
-    full = run(_cfg(tiny_dir, tmp_path / "a", lora={"enabled": True, "rank": 4},
+    full = run(sft_cfg(tiny_dir, tmp_path / "a", lora={"enabled": True, "rank": 4},
                     train={"steps": 6, "eval_every": 0, "out": str(tmp_path / "a" / "run")}))["history"]
     cfg = dict(lora={"enabled": True, "rank": 4}, train={"steps": 3, "save_every": 3, "eval_every": 0,
                                                          "out": str(tmp_path / "b" / "run")})
-    run(_cfg(tiny_dir, tmp_path / "b", **cfg))  # "killed" after step 3's checkpoint
+    run(sft_cfg(tiny_dir, tmp_path / "b", **cfg))  # "killed" after step 3's checkpoint
     adapter = tmp_path / "b" / "run" / "iter_0000003" / "adapters" / "default"
     assert adapter.is_dir()
     saved = json.loads((adapter / "adapter_config.json").read_text())["config"]  # LoRACfg.to_lora_config(seed)
@@ -149,7 +113,7 @@ def test_resume_continues_with_identical_losses(tiny_dir, tmp_path):
     with open(tmp_path / "b" / "run" / "metrics.jsonl", "a") as f:  # step 4 logged, then killed before a save
         f.write(json.dumps({"step": 4, "loss": 99.0}) + "\n")
     cfg["train"]["steps"] = 6
-    resumed = run(_cfg(tiny_dir, tmp_path / "b", **cfg))
+    resumed = run(sft_cfg(tiny_dir, tmp_path / "b", **cfg))
     assert resumed["state"]["step"] == 6 and len(resumed["history"]) == 3
     assert [x["loss"] for x in resumed["history"]] == [x["loss"] for x in full[3:]]
     from glm5_mcore.training.run_log import read_metrics
@@ -159,48 +123,32 @@ def test_resume_continues_with_identical_losses(tiny_dir, tmp_path):
     assert [r["loss"] for r in rows] == [x["loss"] for x in full]
 
 
+@pytest.mark.slow
 def test_config_that_cannot_work_fails_before_work_naming_the_field(tiny_dir, tmp_path):
-    env_cmd = [sys.executable, "-m", "recipes.main", "sft", f"model.hf_dir={tiny_dir}",
-               f"data.train={_reverse_task(tmp_path / 't.jsonl', 8, 0)}", f"train.out={tmp_path / 'o'}",
-               "wandb.mode=disabled"]
-    r = subprocess.run(env_cmd + ["data.global_batch_tokens=1000", "data.micro_batch_tokens=512",
-                                  "data.max_tokens=64"], capture_output=True, text=True)
+    sft = ["sft", f"model.hf_dir={tiny_dir}", f"data.train={reverse_task(tmp_path / 't.jsonl', 8, 0)}",
+           f"train.out={tmp_path / 'o'}", "wandb.mode=disabled"]
+    r = glm5(*sft, "data.global_batch_tokens=1000", "data.micro_batch_tokens=512", "data.max_tokens=64", ok=False)
     assert r.returncode == 2 and "data.global_batch_tokens" in r.stderr, r.stderr[-1500:]
-    r = subprocess.run(env_cmd + ["lora.rnak=4"], capture_output=True, text=True)
+    r = glm5(*sft, "lora.rnak=4", ok=False)
     assert r.returncode != 0 and "rnak" in r.stderr
     assert not (tmp_path / "o").exists()
-
-
-def _sft_losses(args, nproc, out):
-    import os
-
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    cmd = [sys.executable, "-m", "recipes.main", "sft", *args, f"train.out={out}"]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               "-m", "recipes.main", "sft", *args, f"train.out={out}"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, "\n".join(l for l in r.stderr.splitlines() if "Error" in l or "error" in l)[-3000:]
-    return json.loads([l for l in r.stdout.splitlines() if l.startswith("{")][-1])["losses"]
 
 
 @pytest.mark.slow
 def test_tp2_ep2_pp2_cp2_give_one_rank_losses_over_three_steps(tiny_dir, tmp_path):
     # SGD: equal gradients give equal updates (Adam would amplify fp32 reduction-order noise).
-    args = [f"model.hf_dir={tiny_dir}", f"data.train={_reverse_task(tmp_path / 't.jsonl', 64, 0)}",
+    args = [f"model.hf_dir={tiny_dir}", f"data.train={reverse_task(tmp_path / 't.jsonl', 64, 0)}",
             "data.micro_batch_tokens=128", "data.global_batch_tokens=256", "data.max_tokens=64", "train.steps=3",
             "optim.optimizer=sgd", "optim.lr=0.1", "optim.decay_style=constant", "wandb.mode=disabled",
             "train.progress=false", "lora.rank=4",
             "lora.targets=[linear_q_up_proj,linear_kv_up_proj,linear_proj,linear_fc1,linear_fc2,experts.linear_fc1]"]
-    ref = _sft_losses(args, 1, tmp_path / "one")
+    ref = sft_losses(args, 1, tmp_path / "one")
     # three steps see three different batches, so their losses are not ordered; that the recipe learns is
     # test_tiny_sft_lowers_train_and_validation_loss's job, this test's is that every layout gives one rank's
     assert len(ref) == 3 and all(math.isfinite(x) for x in ref)
     for layout in (["parallel.tp=2"], ["parallel.ep=2"], ["parallel.tp=2", "parallel.ep=2"], ["parallel.pp=2"],
                    ["parallel.cp=2"]):
-        got = _sft_losses(args + layout, 2, tmp_path / "_".join(x.replace("=", "") for x in layout))
+        got = sft_losses(args + layout, 2, tmp_path / "_".join(x.replace("=", "") for x in layout))
         assert max(abs(a - b) / b for a, b in zip(got, ref)) <= 1e-6, (layout, got, ref)
 
 
@@ -212,8 +160,8 @@ def test_mtp_loss_equals_hand_written_reference_and_reaches_mtp_grads(tiny_mtp_d
     from glm5_mcore.checkpoint.hf_load import load_hf_weights
     from glm5_mcore.model.mtp_loss import mtp_depth_losses
 
-    tok = _tok(tiny_mtp_dir)
-    docs = read_jsonl(_reverse_task(tmp_path / "d.jsonl", 3, 9, lengths=(6, 10)), tok, 64)
+    tok = tokenizer(tiny_mtp_dir)
+    docs = read_jsonl(reverse_task(tmp_path / "d.jsonl", 3, 9, lengths=(6, 10)), tok, 64)
     b = pack(docs, 1000)[0]
     glm5 = GLM5Config.from_hf_dir(tiny_mtp_dir)
     m = build_model(glm5, ParallelConfig())
@@ -246,8 +194,8 @@ def test_mtp_loss_equals_hand_written_reference_and_reaches_mtp_grads(tiny_mtp_d
 def test_indexer_warmup_raises_recall(tiny_dir, tmp_path):
     from recipes.sft import run
 
-    out = run(_cfg(tiny_dir, tmp_path, train={"steps": 40, "eval_every": 0, "indexer_warmup": True},
-                   optim={"lr": 1e-2}, data={"train": _reverse_task(tmp_path / "long.jsonl", 64, 2, (16, 28))}))
+    out = run(sft_cfg(tiny_dir, tmp_path, train={"steps": 40, "eval_every": 0, "indexer_warmup": True},
+                   optim={"lr": 1e-2}, data={"train": reverse_task(tmp_path / "long.jsonl", 64, 2, (16, 28))}))
     h = out["history"]
     assert all("indexer/recall" in x for x in h)
     start = sum(x["indexer/recall"] for x in h[:8]) / 8  # 0.47 -> 0.55 on the tiny random model
@@ -256,19 +204,23 @@ def test_indexer_warmup_raises_recall(tiny_dir, tmp_path):
     assert h[-1]["indexer/loss"] < h[0]["indexer/loss"]
 
 
+@pytest.mark.slow
+def test_pp2_with_mtp_gives_one_rank_losses(tiny_mtp_dir, tmp_path):
+    """The last stage's MTP embedding copy is synced on CPU (cpu_compat, language_module.py:307): PP 2
+    with the MTP layer trains exactly like one rank."""
+    args = [f"model.hf_dir={tiny_mtp_dir}", f"data.train={reverse_task(tmp_path / 't.jsonl', 32, 0)}",
+            "data.micro_batch_tokens=128", "data.global_batch_tokens=256", "data.max_tokens=64", "train.steps=3",
+            "optim.optimizer=sgd", "optim.lr=0.1", "optim.decay_style=constant", "wandb.mode=disabled",
+            "train.progress=false"]
+    ref = sft_losses(args, 1, tmp_path / "one")
+    got = sft_losses(args + ["parallel.pp=2"], 2, tmp_path / "pp2")
+    assert max(abs(a - b) / b for a, b in zip(got, ref)) <= 1e-6, (got, ref)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_vocab_parallel_token_logprobs_and_entropy(tiny_dir, tmp_path, tp):
-    import os
-
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    script = str(Path(__file__).resolve().parents[1] / "workers" / "logprob_check.py")
-    cmd = ([sys.executable, script] if tp == 1 else
-           [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script])
-    r = subprocess.run(cmd + [tiny_dir, str(tp), str(tmp_path / "lp.pt")], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    torchrun("logprob_check.py", tiny_dir, tp, tmp_path / "lp.pt", nproc=1 if tp == 1 else 2)
     d = torch.load(tmp_path / "lp.pt")
     assert (d["lp"] - d["ref_lp"]).abs().max() <= 1e-5 and (d["ent"] - d["ref_ent"]).abs().max() <= 1e-5
     assert d["lp"].shape == (2, 16) and (d["lp"] < 0).all()

@@ -4,32 +4,20 @@ updates' metrics and the trained parameters equal CP 1's, with responses longer 
 share of their pack; with router replay each CP rank replays exactly the engine's experts of its tokens."""
 
 import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.rl.test_trainer import _cfg
-from tests.rl.test_routing import perturbed_router_engine
+from tests.support.rl_setup import perturbed_router_engine, rl_cfg
+from tests.support.launch import torchrun
 
-HERE = Path(__file__).resolve().parent
 
 SECTIONS = {"rollout": {"n": 2, "temperature": 1.0, "max_new_tokens": 40},
             "data": {"prompts_per_step": 4},
             "algorithm": {"adv_estimator": "gae", "router_replay": True,
                           "rollout_correction": {"rollout_is": "token", "rollout_is_threshold": "0.5_2.0"}},
             "actor": {"ppo_mini_batch_size": 2, "micro_batch_tokens": 64, "lr": 1e-3}}
-
-
-def _env():
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
-                                                               "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parents[1]))
-    return env
 
 
 def _batch(cfg, trainer, tiny_dir):
@@ -58,13 +46,14 @@ def _rel(a, b) -> float:
     return float((a - b).norm() / max(float(b.norm()), 1e-30))
 
 
+@pytest.mark.slow
 def test_cp2_equals_cp1_with_router_replay(tiny_dir, tmp_path):
     import copy
 
     from tests.workers.rl_cp_check import build, run
 
     d = {"model": {"hf_dir": tiny_dir}, "wandb": {"mode": "disabled"}, **SECTIONS}
-    cfg1 = _cfg(tiny_dir, **SECTIONS)
+    cfg1 = rl_cfg(tiny_dir, **SECTIONS)
     trainer = build(cfg1)
     batch = _batch(cfg1, trainer, tiny_dir)
     torch.save(batch, tmp_path / "batch.pt")
@@ -76,13 +65,9 @@ def test_cp2_equals_cp1_with_router_replay(tiny_dir, tmp_path):
     d2 = json.loads(json.dumps(d))
     d2["trainer"] = {"world_size": 2, "cp": 2}
     (tmp_path / "cfg.json").write_text(json.dumps(d2))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-           str(HERE.parent / "workers" / "rl_cp_check.py"), str(tmp_path / "cfg.json"), str(tmp_path / "batch.pt"),
-           str(tmp_path / "cp2.pt")]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    torchrun("rl_cp_check.py", tmp_path / "cfg.json", tmp_path / "batch.pt", tmp_path / "cp2.pt")
     t_two = time.perf_counter() - t0
-    assert p.returncode == 0, p.stderr[-4000:]
     two = torch.load(tmp_path / "cp2.pt", weights_only=False)
 
     resp, local = two["longest_response_vs_local_tokens"]
@@ -126,12 +111,12 @@ def test_cp2_equals_cp1_with_router_replay(tiny_dir, tmp_path):
 ])
 def test_bad_cp_is_refused_naming_the_field(tiny_dir, trainer, msg):
     with pytest.raises(ValueError, match=msg.replace("×", ".")):
-        _cfg(tiny_dir, trainer=trainer)
+        rl_cfg(tiny_dir, trainer=trainer)
 
 
 def test_cp_refuses_the_mtp_loss(tiny_dir):
     with pytest.raises(ValueError, match=r"trainer.cp=2: the MTP loss"):
-        _cfg(tiny_dir, trainer={"world_size": 2, "cp": 2}, actor={"mtp_accept": True})
+        rl_cfg(tiny_dir, trainer={"world_size": 2, "cp": 2}, actor={"mtp_accept": True})
 
 
 def test_cp_shards_cover_the_pack_once():

@@ -6,11 +6,11 @@ episode tokens match the engine's to 1e-5 in fp32."""
 import pytest
 import torch
 
-from rl import algos
 from rl.config import RLConfig
 from rl.driver import fill_log_probs, make_batch
 from rl.episodes import load_env, observation_ids, run_episodes, tool_token_ids
 from rl.rollout.base import Request, SamplingParams, sample_seed
+from tests.support.rl_setup import assert_observations_inert, perturb
 
 
 def _cfg(tiny_dir, **over):
@@ -29,12 +29,11 @@ def episodes(tiny_dir):
     from rl.tasks import toy_tool_prompts
     from rl.rollout.hf_engine import HFRolloutEngine
     from rl.trainer import PolicyTrainer
-    from tests.rl.test_trainer import _perturb
 
     cfg = _cfg(tiny_dir)
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     trainer = PolicyTrainer(cfg)
-    _perturb(trainer)
+    perturb(trainer)
     engine = HFRolloutEngine(tiny_dir)
     engine.load_adapter(trainer.export_adapter(1))
     prompts = toy_tool_prompts(tok, 6, 0)
@@ -94,47 +93,6 @@ def test_observation_tokens_carry_no_loss_icepop_or_kl(episodes):
     no loss term and no gradient; the observation tokens' own gradient is exactly zero."""
     cfg, _, _, _, prompts, _, _, results = episodes
     assert_observations_inert(cfg, prompts, results, 4)
-
-
-def observation_positions(results, shape) -> torch.Tensor:
-    """[B, R] bool: the observation tokens of each episode (``Result.mask`` 0)."""
-    obs = torch.zeros(shape, dtype=torch.bool)
-    for i, r in enumerate(results):
-        obs[i, : len(r.mask)] = torch.tensor(r.mask) == 0
-    return obs
-
-
-def assert_observations_inert(cfg, prompts, results, n: int, min_obs: int = 12) -> None:
-    """Noise on the old / rollout / reference log-probs of observation tokens leaves IcePop's weights, the
-    actor loss (PPO + KL loss), its KL metric and every gradient unchanged; observation tokens get none."""
-    batch = make_batch(prompts, results, n)
-    obs = observation_positions(results, batch.response_mask.shape)
-    assert obs.sum() >= min_obs and not (batch.response_mask.bool() & obs).any()
-    g = torch.Generator().manual_seed(0)
-    lp = batch.rollout_log_probs + 0.1 * torch.randn(batch.rollout_log_probs.shape, generator=g)
-    batch.scores = torch.rand(batch.size, generator=g).round()
-
-    def run(noise):
-        b = make_batch(prompts, results, n)
-        b.scores = batch.scores
-        b.old_log_probs, b.ref_log_probs = lp.clone(), lp - 0.2
-        b.rollout_log_probs = b.rollout_log_probs.clone()
-        if noise:
-            for t in (b.old_log_probs, b.ref_log_probs, b.rollout_log_probs):
-                t[obs] += 3.0 * torch.randn(int(obs.sum()), generator=torch.Generator().manual_seed(noise))
-        algos.rollout_correction(cfg, b)
-        algos.compute_advantages(cfg, b, 0.0)
-        cur = (lp + 0.05).clone().requires_grad_(True)
-        loss, m = algos.ActorLoss(cfg)(b, list(range(b.size)), cur, torch.zeros_like(cur), None,
-                                       {"dp_size": 1, "batch_num_tokens": int(b.response_mask.sum()),
-                                        "global_batch_size": b.size})
-        loss.backward()
-        return b.rollout_is_weights * b.response_mask, loss.detach(), m["actor/kl_loss"][0], cur.grad
-
-    w0, l0, kl0, g0 = run(0)
-    w1, l1, kl1, g1 = run(7)
-    assert torch.equal(w0, w1) and torch.equal(l0, l1) and kl0 == kl1 and torch.equal(g0, g1)
-    assert torch.all(g0[obs] == 0) and g0[batch.response_mask.bool()].abs().sum() > 0
 
 
 def test_trainer_and_engine_logprobs_agree_on_episode_tokens(episodes):

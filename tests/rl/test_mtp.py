@@ -13,7 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from rl.driver import fill_log_probs, make_batch
-from tests.rl.test_trainer import _cfg, _perturb, _rollout
+
+from tests.support.rl_setup import perturb, rl_cfg, rollout, trainer_merged_mtp
+
+
+from tests.support.launch import torchrun
 
 
 @pytest.fixture(scope="module")
@@ -23,14 +27,14 @@ def mtp_setup(tiny_mtp_dir):
     from rl.rollout.hf_engine import HFRolloutEngine
     from rl.trainer import PolicyTrainer
 
-    cfg = _cfg(tiny_mtp_dir, rollout={"temperature": 0.8, "max_new_tokens": 12, "n": 2},
+    cfg = rl_cfg(tiny_mtp_dir, rollout={"temperature": 0.8, "max_new_tokens": 12, "n": 2},
                actor={"mtp_loss_scale": 0.3, "ppo_mini_batch_size": 2})
     trainer = PolicyTrainer(cfg)
-    _perturb(trainer, scale=0.2)  # MTP-layer adapters included: the draft head moved with the policy
+    perturb(trainer, scale=0.2)  # MTP-layer adapters included: the draft head moved with the policy
     engine = HFRolloutEngine(tiny_mtp_dir)
     engine.load_adapter(trainer.export_adapter(1))
     tok = AutoTokenizer.from_pretrained(tiny_mtp_dir)
-    prompts, results = _rollout(cfg, engine, tok, n=2, count=3)
+    prompts, results = rollout(cfg, engine, tok, n=2, count=3)
     return cfg, trainer, make_batch(prompts, results, 2)
 
 
@@ -53,7 +57,7 @@ def test_mtp_on_leaves_ppo_logprobs_unchanged(mtp_setup, tiny_mtp_dir):
     from rl.trainer import PolicyTrainer
 
     cfg, trainer, batch = mtp_setup
-    off = PolicyTrainer(_cfg(tiny_mtp_dir, rollout={"temperature": 0.8}))
+    off = PolicyTrainer(rl_cfg(tiny_mtp_dir, rollout={"temperature": 0.8}))
     assert off.mtp is None and not any(n.startswith("mtp.") for n, _ in off.model.named_parameters())
     on_lora = {lo.module_name: lo for _, _, lo in lora_layers(trainer.model)}
     with torch.no_grad():
@@ -164,7 +168,7 @@ def test_mtp_loss_refused_without_mtp_tensors(tiny_dir, tmp_path):
     from rl.trainer import PolicyTrainer
 
     with pytest.raises(ValueError, match="actor.mtp_loss_scale=0.1: .* stores no MTP layer weights"):
-        PolicyTrainer(_cfg(tiny_dir, actor={"mtp_loss_scale": 0.1}))
+        PolicyTrainer(rl_cfg(tiny_dir, actor={"mtp_loss_scale": 0.1}))
 
 
 def test_vllm_mtp_speculative_settings(tiny_mtp_dir, tiny_dir):
@@ -240,7 +244,6 @@ def test_mtp_loss_and_accept_at_tp2_and_dp2ep2_equal_one_rank(tiny_mtp_dir, tmp_
     from rl.trainer import PolicyTrainer
     from tests.workers.rl_mtp_check import load_case, measure, mtp_cfg
 
-    here = Path(__file__).resolve().parent
     cfg = mtp_cfg(tiny_mtp_dir)
     ref_trainer = PolicyTrainer(cfg)
     t0 = time.perf_counter()
@@ -248,14 +251,7 @@ def test_mtp_loss_and_accept_at_tp2_and_dp2ep2_equal_one_rank(tiny_mtp_dir, tmp_
     ref = measure(ref_trainer, cfg, load_case(ref_trainer, case))
     t1 = time.perf_counter()
     torch.save(case, tmp_path / "case.pt")
-    env = {k: v for k, v in os.environ.items()  # the pytest process holds its own process group
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(here.parents[1]))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                        str(here.parent / "workers" / "rl_mtp_check.py"), tiny_mtp_dir, str(tmp_path / "case.pt"),
-                        str(tmp_path / "out.pt")],
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    torchrun("rl_mtp_check.py", tiny_mtp_dir, tmp_path / "case.pt", tmp_path / "out.pt")
     res = torch.load(tmp_path / "out.pt")
     print(f"\none rank {t1 - t0:.1f}s, torchrun {time.perf_counter() - t1:.1f}s")
     print("mtp multi-rank:", {"one": {k: float(ref[k]) for k in ("mtp_loss", "mtp_accept")},
@@ -266,22 +262,6 @@ def test_mtp_loss_and_accept_at_tp2_and_dp2ep2_equal_one_rank(tiny_mtp_dir, tmp_
         for k in ("mtp_loss", "mtp_accept"):
             assert abs(float(got[k]) - float(ref[k])) <= 1e-5, (name, k, float(got[k]), float(ref[k]))
         assert float((got["old_log_probs"] - ref["old_log_probs"]).abs().max()) <= 1e-5, name
-
-
-def trainer_merged_mtp(trainer) -> dict:
-    """HF name → W + scale·B·A of every adapted MTP-layer linear, from the trainer's own modules (one
-    rank: full tensors), independent of the engines' push path (base shards + the exported PEFT payload)."""
-    from glm5_mcore.checkpoint.hf_names import hf_source
-    from glm5_mcore.lora.apply import lora_layers
-
-    out = {}
-    with torch.no_grad():
-        for _, mod, lora in lora_layers(trainer.model):
-            if lora.module_name.startswith("mtp."):
-                w = mod.weight.float() + lora.local_delta_weight("default").float()
-                src = hf_source(lora.module_name + ".weight", trainer.glm5.num_hidden_layers)
-                out.update(zip(src.names, w.chunk(2, 0) if src.is_glu else (w,)))
-    return out
 
 
 class _RecordingServer:

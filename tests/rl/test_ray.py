@@ -4,20 +4,15 @@ actor killed mid-step is replaced with every sample kept once, and resume reprod
 import json
 import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.launch import REPO, child_env, glm5
+
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
-                                                               "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), WANDB_SILENT="true")
-    return env
+    return child_env(WANDB_SILENT="true")
 
 
 @pytest.mark.slow
@@ -25,10 +20,8 @@ def test_grpo_toy_reward_rises_from_chance(tiny_dir, tmp_path):
     """``glm5 rl`` (the README's main job, Ray local, W&B offline): held-out reward from chance (1/2)
     to >= 0.9."""
     out = tmp_path / "rl"
-    cmd = [sys.executable, "-m", "recipes.main", "rl", f"model.hf_dir={tiny_dir}", f"trainer.out={out}",
-           "trainer.steps=90", "trainer.stop_at_reward=0.9", "trainer.save_every=0", "trainer.progress=false"]
-    p = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
+    p = glm5("rl", f"model.hf_dir={tiny_dir}", f"trainer.out={out}", "trainer.steps=90", "trainer.stop_at_reward=0.9",
+             "trainer.save_every=0", "trainer.progress=false", cwd=tmp_path, env=_env(), timeout=900)
     res = json.loads(p.stdout.strip().splitlines()[-1])
     val = dict((s, r) for s, r in res["val_reward"])
     assert val[0] <= 0.65, val                      # chance: a constant policy scores 0.5
@@ -161,11 +154,9 @@ def test_tool_episodes_reward_rises_from_chance(tiny_dir, tmp_path):
     """``glm5 rl --config tool_tiny``: multi-turn episodes with the toy lookup tool; held-out reward from
     chance (~0.1: the answer needs the value only the tool returns) to >= 0.9."""
     out = tmp_path / "rl"
-    cmd = [sys.executable, "-m", "recipes.main", "rl", "--config", "tool_tiny", f"model.hf_dir={tiny_dir}",
-           f"trainer.out={out}", "trainer.steps=120", "trainer.stop_at_reward=0.9", "trainer.save_every=0",
-           "trainer.progress=false", "wandb.mode=disabled"]
-    p = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=1200)
-    assert p.returncode == 0, p.stderr[-3000:]
+    p = glm5("rl", "--config", "tool_tiny", f"model.hf_dir={tiny_dir}", f"trainer.out={out}", "trainer.steps=120",
+             "trainer.stop_at_reward=0.9", "trainer.save_every=0", "trainer.progress=false", "wandb.mode=disabled",
+             cwd=tmp_path, env=_env(), timeout=1200)
     res = json.loads(p.stdout.strip().splitlines()[-1])
     val = dict((s, r) for s, r in res["val_reward"])
     assert val[0] <= 0.3, val

@@ -9,7 +9,10 @@ import torch
 from rl import algos
 from rl.driver import fill_log_probs, make_batch
 from rl.routing import index_metrics, router_metrics
-from tests.rl.test_trainer import _cfg, _perturb, _rollout
+
+from tests.support.rl_setup import perturb, perturbed_router_engine, rl_cfg, rollout
+
+
 
 
 @pytest.fixture(scope="module")
@@ -19,10 +22,10 @@ def setup(tiny_dir):
     from rl.rollout.hf_engine import HFRolloutEngine
     from rl.trainer import PolicyTrainer
 
-    cfg = _cfg(tiny_dir, rollout={"temperature": 0.8, "max_new_tokens": 12},
+    cfg = rl_cfg(tiny_dir, rollout={"temperature": 0.8, "max_new_tokens": 12},
                algorithm={"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": "0.5_2.0"}})
     trainer = PolicyTrainer(cfg)
-    _perturb(trainer)
+    perturb(trainer)
     payload = trainer.export_adapter(1)
     engine = HFRolloutEngine(tiny_dir, index_row_stride=3)
     engine.load_adapter(payload)
@@ -44,7 +47,7 @@ def test_routes_travel_with_samples_and_replay_is_exact_on_same_weights(setup):
     log-probs (<= 1e-6) and router agreement 1.0. (The reference policy replays the policy's routes, so its
     log-probs legitimately move: the base model would route some tokens differently.)"""
     cfg, trainer, engine, _, tok = setup
-    prompts, results = _rollout(cfg, engine, tok, n=2, count=4)
+    prompts, results = rollout(cfg, engine, tok, n=2, count=4)
     g = trainer.glm5
     L = sum(g.moe_layer_pattern)
     for p, r in zip([p for p in prompts for _ in range(2)], results):
@@ -65,20 +68,6 @@ def test_routes_travel_with_samples_and_replay_is_exact_on_same_weights(setup):
     assert float((on["old_log_probs"][m] - batch.rollout_log_probs[m]).abs().max()) <= 1e-5
 
 
-def perturbed_router_engine(tiny_dir):
-    """The embedded engine (DSA top-k of every 3rd query row recorded) with each MoE router's weight
-    moved by 0.3 of its std (seeded), so a measurable fraction of expert choices differ from the trainer's."""
-    from rl.rollout.hf_engine import HFRolloutEngine
-
-    engine = HFRolloutEngine(tiny_dir, index_row_stride=3)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for m in engine.model.modules():
-            if type(m).__name__ == "GlmMoeDsaTopkRouter":
-                m.weight.add_(torch.randn(m.weight.shape, generator=g) * 0.3 * m.weight.std())
-    return engine
-
-
 def test_replay_follows_a_mismatched_engine(setup, tiny_dir):
     """An engine whose routers are perturbed: agreement < 1 without replay; with replay the trainer's
     routing map is exactly the engine's experts, and rollout_corr/kl and mean |Δ log p| drop."""
@@ -87,7 +76,7 @@ def test_replay_follows_a_mismatched_engine(setup, tiny_dir):
     cfg, trainer, _, payload, tok = setup
     engine = perturbed_router_engine(tiny_dir)
     engine.load_adapter(payload)
-    prompts, results = _rollout(cfg, engine, tok, step=1, n=2, count=4)
+    prompts, results = rollout(cfg, engine, tok, step=1, n=2, count=4)
     batch = make_batch(prompts, results, 2)
     figures = {}
     maps = []
@@ -126,7 +115,7 @@ def test_replay_follows_a_mismatched_engine(setup, tiny_dir):
 def test_replay_does_not_change_which_parameters_get_gradients(setup):
     cfg, trainer, engine, _, tok = setup
     n = cfg.rollout.n
-    prompts, results = _rollout(cfg, engine, tok, step=2, n=n, count=2)
+    prompts, results = rollout(cfg, engine, tok, step=2, n=n, count=2)
     batch = make_batch(prompts, results, n)
     fill_log_probs(batch, [trainer.compute_log_probs(batch)])
     algos.rollout_correction(cfg, batch)

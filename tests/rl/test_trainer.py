@@ -7,26 +7,10 @@ import pytest
 import torch
 
 from rl import algos
-from rl.config import RLConfig
 from rl.driver import Rewards, fill_log_probs, make_batch
 from rl.rollout.base import Request, SamplingParams, sample_seed
 from rl.tasks import next_prompts, toy_prompts
-
-
-def _cfg(tiny_dir, **sections):
-    d = {"model": {"hf_dir": tiny_dir}, "wandb": {"mode": "disabled"}}
-    d.update(sections)
-    return RLConfig.from_dict(d)
-
-
-def _perturb(trainer, name="default", seed=0, scale=0.05):
-    from glm5_mcore.lora.apply import lora_layers
-
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, _, lora in lora_layers(trainer.model):
-            if name in lora.B:
-                lora.B[name].copy_(torch.randn(lora.B[name].shape, generator=g) * scale)
+from tests.support.rl_setup import perturb, rl_cfg, rollout
 
 
 @pytest.fixture(scope="module")
@@ -36,27 +20,18 @@ def setup(tiny_dir):
     from rl.rollout.hf_engine import HFRolloutEngine
     from rl.trainer import PolicyTrainer
 
-    cfg = _cfg(tiny_dir, rollout={"temperature": 0.8, "max_new_tokens": 16})
+    cfg = rl_cfg(tiny_dir, rollout={"temperature": 0.8, "max_new_tokens": 16})
     trainer = PolicyTrainer(cfg)
-    _perturb(trainer)
+    perturb(trainer)
     engine = HFRolloutEngine(tiny_dir)
     engine.load_adapter(trainer.export_adapter(1))
     return cfg, trainer, engine, AutoTokenizer.from_pretrained(tiny_dir)
 
 
-def _rollout(cfg, engine, tok, step=0, n=4, count=8, t=None):
-    prompts = toy_prompts(tok, count, seed=step)
-    for p in prompts:  # longer prompts than index_topk (8): the indexer really selects
-        p.ids = p.ids * 4
-    reqs = [Request((p.index, k), p.ids, sample_seed(1, step, p.index, k)) for p in prompts for k in range(n)]
-    params = SamplingParams(t or cfg.rollout.temperature, 1.0, cfg.rollout.max_new_tokens, (tok.eos_token_id,))
-    return prompts, engine.generate(reqs, params)
-
-
 def test_trainer_and_engine_logprobs_agree(setup):
     """Same weights in fp32, frozen indexer, deterministic top-k: |Δ log p| <= 1e-5 per sampled token."""
     cfg, trainer, engine, tok = setup
-    prompts, results = _rollout(cfg, engine, tok)
+    prompts, results = rollout(cfg, engine, tok)
     from glm5_mcore.model.dsa import GLM5SparseAttention
 
     indexer = [p for m in trainer.model.modules() if isinstance(m, GLM5SparseAttention) and m.indexer is not None
@@ -69,7 +44,7 @@ def test_trainer_and_engine_logprobs_agree(setup):
     assert diff.numel() > 300
     assert float(diff.max()) <= 1e-5, float(diff.max())
     # same seeds -> same samples (a redone request reproduces its sample)
-    _, again = _rollout(cfg, engine, tok)
+    _, again = rollout(cfg, engine, tok)
     assert [r.response_ids for r in again] == [r.response_ids for r in results]
 
 
@@ -81,7 +56,7 @@ def test_reference_logprobs_are_the_base_model(setup, tiny_dir):
     from glm5_mcore.model.mtp_loss import token_logprobs
 
     cfg, trainer, engine, tok = setup
-    prompts, results = _rollout(cfg, engine, tok, step=3, n=2, count=3)
+    prompts, results = rollout(cfg, engine, tok, step=3, n=2, count=3)
     batch = make_batch(prompts, results, 2)
     out = trainer.compute_log_probs(batch)
     fill_log_probs(batch, [out])
@@ -108,7 +83,7 @@ def test_a_bad_batch_skips_the_update_naming_why(setup, spoil, reason):
     from glm5_mcore.lora.apply import adapter_parameters
 
     cfg, trainer, engine, tok = setup
-    prompts, results = _rollout(cfg, engine, tok, step=5, n=4, count=16)
+    prompts, results = rollout(cfg, engine, tok, step=5, n=4, count=16)
     batch = make_batch(prompts, results, 4)
     batch.scores = torch.rand(batch.size)
     fill_log_probs(batch, [trainer.compute_log_probs(batch)])
@@ -131,7 +106,7 @@ def test_gae_critic_value_loss_falls(tiny_dir):
     from rl.rollout.hf_engine import HFRolloutEngine
     from rl.trainer import PolicyTrainer
 
-    cfg = _cfg(tiny_dir, algorithm={"adv_estimator": "gae", "gamma": 1.0, "lam": 0.95},
+    cfg = rl_cfg(tiny_dir, algorithm={"adv_estimator": "gae", "gamma": 1.0, "lam": 0.95},
                rollout={"n": 4, "max_new_tokens": 4}, actor={"lr": 5e-3, "ppo_mini_batch_size": 8},
                data={"prompts_per_step": 8})
     tok = AutoTokenizer.from_pretrained(tiny_dir)

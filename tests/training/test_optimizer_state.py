@@ -3,12 +3,11 @@ dist_checkpointing: an SFT run resumed at DP 2 (gloo) ends with the same Adam st
 the run that was never interrupted."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
+import pytest
 import torch
+
+from tests.support.launch import last_json, torchrun
 
 
 def _data(path, n=48):
@@ -21,14 +20,7 @@ def _data(path, n=48):
 
 def _resume_runs(args, out, steps):
     """{layout: {"a", "b_first", "b_resumed": losses}} of ``tests/workers/resume_check.py`` on two gloo ranks."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(Path(__file__).resolve().parents[1] / "workers" / "resume_check.py"), str(out), str(steps), *args]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    return last_json(torchrun("resume_check.py", out, steps, *args).stdout)
 
 
 def _optimizer_tensors(path) -> dict:
@@ -53,6 +45,7 @@ def _check_layout(runs, root):
     return a
 
 
+@pytest.mark.slow
 def test_sft_resume_at_dp2_and_tp2_restores_the_optimizer_state_bitwise(tiny_dir, tmp_path, single_rank):
     """Both layouts on two gloo ranks: DP 2, and TP 2, where the TP-sharded LoRA tensors' moments are
     saved as the two halves of one global tensor (GLU fc1's B as gate and up halves)."""

@@ -12,6 +12,7 @@ from glm5_mcore.config import ParallelConfig
 from glm5_mcore.lora.config import EXPERTS, MLA, MLP, LoRAConfig
 from glm5_mcore.lora.apply import apply_lora
 from glm5_mcore.parity import load_input_ids
+
 from tests.support.helpers import hf_model, megatron_steps
 
 SEQ = 32

@@ -13,10 +13,10 @@ import torch
 
 def build(cfg):
     from rl.trainer import PolicyTrainer
-    from tests.rl.test_trainer import _perturb
+    from tests.support.rl_setup import perturb
 
     trainer = PolicyTrainer(cfg)
-    _perturb(trainer)  # a policy adapter that is not the identity
+    perturb(trainer)  # a policy adapter that is not the identity
     return trainer
 
 

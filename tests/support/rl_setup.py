@@ -1,0 +1,139 @@
+"""RL set-ups shared by the RL tests, the GPU tests and ``tests/workers/rl_cp_check.py``: the tiny
+model's RL config, a seeded adapter perturbation (so policy != reference), a toy rollout, an engine
+whose routers disagree with the trainer's, the MTP layer's merged weights, the observation-token
+checks of tool episodes and vLLM's draft-model view of an HF tensor."""
+
+import re
+
+import torch
+
+from rl import algos
+from rl.config import RLConfig
+from rl.driver import make_batch
+from rl.rollout.base import Request, SamplingParams, sample_seed
+from rl.tasks import toy_prompts
+
+
+def rl_cfg(tiny_dir, **sections):
+    """The RL config of the tiny model (W&B off), ``sections`` replacing whole top-level sections."""
+    d = {"model": {"hf_dir": tiny_dir}, "wandb": {"mode": "disabled"}}
+    d.update(sections)
+    return RLConfig.from_dict(d)
+
+
+def perturb(trainer, name="default", seed=0, scale=0.05):
+    """Seeded N(0, scale) into adapter ``name``'s B matrices, so the policy differs from the reference."""
+    from glm5_mcore.lora.apply import lora_layers
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, _, lora in lora_layers(trainer.model):
+            if name in lora.B:
+                lora.B[name].copy_(torch.randn(lora.B[name].shape, generator=g) * scale)
+
+
+def rollout(cfg, engine, tok, step=0, n=4, count=8, t=None):
+    """(prompts, results): ``n`` samples of ``count`` toy prompts (each repeated 4x) from ``engine``."""
+    prompts = toy_prompts(tok, count, seed=step)
+    for p in prompts:  # longer prompts than index_topk (8): the indexer really selects
+        p.ids = p.ids * 4
+    reqs = [Request((p.index, k), p.ids, sample_seed(1, step, p.index, k)) for p in prompts for k in range(n)]
+    params = SamplingParams(t or cfg.rollout.temperature, 1.0, cfg.rollout.max_new_tokens, (tok.eos_token_id,))
+    return prompts, engine.generate(reqs, params)
+
+
+def perturbed_router_engine(tiny_dir):
+    """The embedded engine (DSA top-k of every 3rd query row recorded) with each MoE router's weight
+    moved by 0.3 of its std (seeded), so a measurable fraction of expert choices differ from the trainer's."""
+    from rl.rollout.hf_engine import HFRolloutEngine
+
+    engine = HFRolloutEngine(tiny_dir, index_row_stride=3)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for m in engine.model.modules():
+            if type(m).__name__ == "GlmMoeDsaTopkRouter":
+                m.weight.add_(torch.randn(m.weight.shape, generator=g) * 0.3 * m.weight.std())
+    return engine
+
+
+def trainer_merged_mtp(trainer) -> dict:
+    """HF name → W + scale·B·A of every adapted MTP-layer linear, from the trainer's own modules (one
+    rank: full tensors), independent of the engines' push path (base shards + the exported PEFT payload)."""
+    from glm5_mcore.checkpoint.hf_names import hf_source
+    from glm5_mcore.lora.apply import lora_layers
+
+    out = {}
+    with torch.no_grad():
+        for _, mod, lora in lora_layers(trainer.model):
+            if lora.module_name.startswith("mtp."):
+                w = mod.weight.float() + lora.local_delta_weight("default").float()
+                src = hf_source(lora.module_name + ".weight", trainer.glm5.num_hidden_layers)
+                out.update(zip(src.names, w.chunk(2, 0) if src.is_glu else (w,)))
+    return out
+
+
+def observation_positions(results, shape) -> torch.Tensor:
+    """[B, R] bool: the observation tokens of each episode (``Result.mask`` 0)."""
+    obs = torch.zeros(shape, dtype=torch.bool)
+    for i, r in enumerate(results):
+        obs[i, : len(r.mask)] = torch.tensor(r.mask) == 0
+    return obs
+
+
+def assert_observations_inert(cfg, prompts, results, n: int, min_obs: int = 12) -> None:
+    """Noise on the old / rollout / reference log-probs of observation tokens leaves IcePop's weights, the
+    actor loss (PPO + KL loss), its KL metric and every gradient unchanged; observation tokens get none."""
+    batch = make_batch(prompts, results, n)
+    obs = observation_positions(results, batch.response_mask.shape)
+    assert obs.sum() >= min_obs and not (batch.response_mask.bool() & obs).any()
+    g = torch.Generator().manual_seed(0)
+    lp = batch.rollout_log_probs + 0.1 * torch.randn(batch.rollout_log_probs.shape, generator=g)
+    batch.scores = torch.rand(batch.size, generator=g).round()
+
+    def run(noise):
+        b = make_batch(prompts, results, n)
+        b.scores = batch.scores
+        b.old_log_probs, b.ref_log_probs = lp.clone(), lp - 0.2
+        b.rollout_log_probs = b.rollout_log_probs.clone()
+        if noise:
+            for t in (b.old_log_probs, b.ref_log_probs, b.rollout_log_probs):
+                t[obs] += 3.0 * torch.randn(int(obs.sum()), generator=torch.Generator().manual_seed(noise))
+        algos.rollout_correction(cfg, b)
+        algos.compute_advantages(cfg, b, 0.0)
+        cur = (lp + 0.05).clone().requires_grad_(True)
+        loss, m = algos.ActorLoss(cfg)(b, list(range(b.size)), cur, torch.zeros_like(cur), None,
+                                       {"dp_size": 1, "batch_num_tokens": int(b.response_mask.sum()),
+                                        "global_batch_size": b.size})
+        loss.backward()
+        return b.rollout_is_weights * b.response_mask, loss.detach(), m["actor/kl_loss"][0], cur.grad
+
+    w0, l0, kl0, g0 = run(0)
+    w1, l1, kl1, g1 = run(7)
+    assert torch.equal(w0, w1) and torch.equal(l0, l1) and kl0 == kl1 and torch.equal(g0, g1)
+    assert torch.all(g0[obs] == 0) and g0[batch.response_mask.bool()].abs().sum() > 0
+
+
+def vllm_draft_view(hf: str, draft: dict, q_lora_rank: int):
+    """The part of vLLM's draft-model parameters that holds HF tensor ``hf`` (``DeepSeekMTP.load_weights``:
+    the layer's decoder block under ``mtp_block.``, q_a + kv_a fused, gate + up fused, routed experts in
+    ``w13_weight`` [E, 2I, H] (gate rows, then up) and ``w2_weight`` [E, H, I])."""
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)\.weight$", hf)
+    pre, rest = f"model.layers.{m.group(1)}.", m.group(2)
+    if rest.split(".")[0] in ("enorm", "hnorm", "eh_proj", "shared_head"):
+        return draft[pre + rest + ".weight"]
+    blk = pre + "mtp_block."
+    if rest == "self_attn.q_a_proj":
+        return draft[blk + "self_attn.fused_qkv_a_proj.weight"][:q_lora_rank]
+    if rest == "self_attn.kv_a_proj_with_mqa":
+        return draft[blk + "self_attn.fused_qkv_a_proj.weight"][q_lora_rank:]
+    e = re.match(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)$", rest)
+    if e:
+        i, kind = int(e.group(1)), e.group(2)
+        if kind == "down_proj":
+            return draft[blk + "mlp.experts.routed_experts.w2_weight"][i]
+        w13 = draft[blk + "mlp.experts.routed_experts.w13_weight"][i]
+        return w13.chunk(2, 0)[0 if kind == "gate_proj" else 1]
+    g = re.match(r"^(mlp(?:\.shared_experts)?)\.(gate_proj|up_proj)$", rest)
+    if g:
+        return draft[blk + g.group(1) + ".gate_up_proj.weight"].chunk(2, 0)[0 if g.group(2) == "gate_proj" else 1]
+    return draft[blk + rest + ".weight"]

@@ -1,0 +1,90 @@
+"""The docs' commands run as written: every fenced ``bash`` block right after a ``<!-- runs-in-test -->``
+line in README.md or docs/*.md runs, in order, in a fresh copy of the repository (its tracked and
+unignored files, no ``runs/``; ``.venv`` linked in) with quick step counts — ``train.steps`` /
+``trainer.steps`` set to 2 on every ``glm5 sft`` / ``glm5 rl`` line — and ``./setup.sh &&`` left out
+(the suite runs in the environment it made). README's two commands stay exactly as they are."""
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.support.launch import REPO, child_env
+
+MARK = "<!-- runs-in-test -->"
+SETUP = "./setup.sh && "
+MAIN_JOB = "./setup.sh && .venv/bin/glm5 tiny --out runs/tiny && .venv/bin/glm5 rl"
+TEST_COMMAND = "./setup.sh && OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests"
+
+
+def runnable_blocks(root: Path = REPO) -> list[tuple[str, str]]:
+    """[(``file:line``, block text)] of every marked block, README.md first, then docs/ by name."""
+    out = []
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line.strip() != MARK:
+                continue
+            if i + 1 >= len(lines) or lines[i + 1].strip() != "```bash":
+                raise ValueError(f"{path.relative_to(root)}:{i + 1}: {MARK} must be followed by a ```bash block")
+            end = next(j for j in range(i + 2, len(lines)) if lines[j].startswith("```"))
+            out.append((f"{path.relative_to(root)}:{i + 2}", "\n".join(lines[i + 2:end]) + "\n"))
+    return out
+
+
+def quick(block: str) -> str:
+    """The block with ``./setup.sh &&`` dropped and 2 training steps on each ``glm5 sft`` / ``glm5 rl``
+    command (an existing ``train.steps=`` / ``trainer.steps=`` is replaced, otherwise one is appended)."""
+    out = []
+    for line in block.replace("\\\n", " ").splitlines():
+        line = line.replace(SETUP, "")
+        parts = []
+        for cmd in line.split("&&"):
+            code, _, comment = cmd.partition("  #")
+            m = re.search(r"(?:glm5|recipes\.main) (sft|rl)\b", code)
+            if m:
+                key = "train.steps" if m.group(1) == "sft" else "trainer.steps"
+                code = (re.sub(rf"\b{key}=\d+", f"{key}=2", code) if f"{key}=" in code
+                        else f"{code.rstrip()} {key}=2 ")
+            parts.append(code)
+        out.append("&&".join(parts).rstrip())
+    return "\n".join(out) + "\n"
+
+
+def test_readme_keeps_the_two_commands_and_every_mark_is_on_a_bash_block():
+    text = (REPO / "README.md").read_text()
+    assert f"```bash\n{MAIN_JOB}\n```" in text and f"```bash\n{TEST_COMMAND}\n```" in text
+    blocks = runnable_blocks()
+    assert blocks[0][1] == MAIN_JOB + "\n" and any("glm5 sft" in b for _, b in blocks), blocks
+    assert quick(MAIN_JOB) == ".venv/bin/glm5 tiny --out runs/tiny && .venv/bin/glm5 rl trainer.steps=2\n"
+    assert "train.steps=2 train.eval_every" in quick(".venv/bin/glm5 sft a=1 \\\n  train.steps=60 train.eval_every=20\n")
+
+
+@pytest.fixture(scope="module")
+def fresh_copy(tmp_path_factory):
+    """The repository as a clone would have it (tracked + unignored files), with this checkout's venvs."""
+    root = tmp_path_factory.mktemp("clone") / "glm5-mcore"
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    for f in filter(None, files):
+        src = REPO / f
+        if src.is_file() and not src.is_symlink():
+            (root / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, root / f)
+    for venv in (".venv", ".venv-vllm"):
+        if (REPO / venv).exists():
+            os.symlink((REPO / venv).resolve(), root / venv)
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where,block", runnable_blocks(), ids=[w for w, _ in runnable_blocks()])
+def test_marked_command_block_runs_as_written(where, block, fresh_copy):
+    env = child_env(WANDB_MODE="disabled", WANDB_SILENT="true", PYTHONPATH=str(fresh_copy))
+    r = subprocess.run(["bash", "-euo", "pipefail", "-c", quick(block)], cwd=fresh_copy, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, \
+        f"{where}:\n{quick(block)}\nexit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
