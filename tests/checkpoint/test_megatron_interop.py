@@ -191,7 +191,7 @@ def test_sft_checks_a_bridge_folders_config_against_model_hf_dir(foreign, tiny_m
     refused naming the file and field before the run folder is claimed (as parity and RL refuse it)."""
     from glm5_mcore.config import GLM5Config
     from recipes.sft import run
-    from tests.recipes.test_sft import _cfg
+    from tests.support.sft_setup import sft_cfg
 
     experts = GLM5Config.from_hf_dir(tiny_mtp_dir).n_routed_experts
     bad = tmp_path / "bad"
@@ -200,7 +200,7 @@ def test_sft_checks_a_bridge_folders_config_against_model_hf_dir(foreign, tiny_m
     d = yaml.safe_load(rc.read_text())
     d["model"]["num_moe_experts"] = experts * 2
     rc.write_text(yaml.safe_dump(d))
-    cfg = _cfg(tiny_mtp_dir, tmp_path / "s", model={"ckpt": str(bad)}, train={"steps": 1, "eval_every": 0})
+    cfg = sft_cfg(tiny_mtp_dir, tmp_path / "s", model={"ckpt": str(bad)}, train={"steps": 1, "eval_every": 0})
     with pytest.raises(ValueError, match=rf"run_config.yaml: n_routed_experts = {experts * 2} but the HF config"):
         run(cfg)
     assert not (tmp_path / "s" / "run").exists()
