@@ -23,6 +23,7 @@ from typing import Optional
 
 import ray
 
+from glm5_mcore.checkpoint.layout import latest_iteration
 from rl.rollout.base import AdapterPayload, Request, Result, SamplingParams
 
 _ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_SILENT": "true",
@@ -169,8 +170,6 @@ class TrainerGroup:
             try:
                 ray.get(ready[0])
             except ray.exceptions.RayActorError as e:
-                from glm5_mcore.checkpoint.layout import latest_iteration
-
                 try:
                     step = latest_iteration(self.out) if (Path(self.out) / "latest").is_file() else None
                 except (ValueError, OSError):
@@ -255,6 +254,10 @@ class RolloutPool:
         self.actors = [self._new() for _ in range(cfg.rollout.num_actors)]
         try:
             self._started(range(len(self.actors)))
+        except ray.exceptions.RayActorError as e:  # the process died (OOM, a crash) while starting
+            self.shutdown()
+            raise RayJobError(f"a rollout actor died while starting rollout.engine={cfg.rollout.engine}: "
+                              f"{cause_line(e)}") from None
         except BaseException:
             self.shutdown()
             raise
