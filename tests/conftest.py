@@ -37,7 +37,7 @@ def tiny_mtp_dir(tmp_path_factory):
 def tiny_converted(tmp_path_factory, tiny_dir):
     """``hf-to-mcore`` of ``tiny_dir`` (CKPT/iter_0000000/model + manifest), made once for the session;
     tests copy it before changing anything in it."""
-    from glm5_mcore.convert.common import hf_to_mcore
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
 
     return hf_to_mcore(tiny_dir, tmp_path_factory.mktemp("mc") / "ckpt", progress=False)
 

@@ -215,7 +215,8 @@ def test_loads_verify_what_they_read(tiny_converted, tiny_lora_run, tiny_dir, tm
 
 
 def test_truncated_peft_adapter_is_named(tiny_lora_run, tmp_path, monkeypatch):
-    from glm5_mcore.lora.peft import export_checkpoint_adapter, import_peft
+    from glm5_mcore.convert.lora_export import export_checkpoint_adapter
+    from glm5_mcore.lora.peft import import_peft
 
     out = export_checkpoint_adapter(tiny_lora_run / "run", tmp_path / "peft", progress=False)
     f = out / "adapter_model.safetensors"
