@@ -20,9 +20,6 @@ from pathlib import Path
 from typing import Any
 
 MODEL_TYPE = "glm_moe_dsa"
-MIN_TRANSFORMERS = (5, 13)
-
-
 @dataclass
 class GLM5Config:
     """The GLM-5 architecture. Defaults are the released GLM-5 / GLM-5.1 (744B) model."""
@@ -394,18 +391,6 @@ def glm5_tiny(*, mtp: bool = False, index_share: bool = False) -> GLM5Config:
         num_nextn_predict_layers=1 if mtp else 0, rope_theta=1e6, eos_token_id=1, bos_token_id=0,
         pad_token_id=2, index_topk_pattern="FFSF" if index_share else None, torch_dtype="float32",
     )
-
-
-def check_transformers_version() -> None:
-    """Warn when the installed transformers computes a different (pre-5.13) indexer."""
-    try:
-        import transformers
-    except ImportError:
-        return
-    parts = tuple(int(x) for x in transformers.__version__.split(".")[:2] if x.isdigit())
-    if parts < MIN_TRANSFORMERS:
-        warnings.warn(f"transformers {transformers.__version__} < 5.13 computes a different GLM-5 "
-                      "indexer (half-split RoPE / no ReLU); the parity reference is wrong")
 
 
 def warn_if_dsa_inactive(model: GLM5Config, seq_len: int) -> None:

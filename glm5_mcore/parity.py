@@ -11,17 +11,42 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from glm5_mcore.config import GLM5Config, ParallelConfig, check_transformers_version
+from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.device import training_device
 from glm5_mcore.checkpoint.folder_config import checkpoint_config, hf_dir_config
+from glm5_mcore.checkpoint import megatron_lm as foreign_ckpt
+from glm5_mcore.checkpoint.atomic import check_output_file
+from glm5_mcore.checkpoint.dist import load_model
+from glm5_mcore.checkpoint.hf_load import load_hf_weights
+from glm5_mcore.checkpoint.layout import hf_source_dir, model_dir
+from glm5_mcore.checkpoint.megatron_lm import is_foreign
+from glm5_mcore.lora.peft import import_peft
+from glm5_mcore.lora.state import load_adapter_state
+from glm5_mcore.model.build import build_model, forward_logits
+from glm5_mcore.model.dsa import GLM5SparseAttention
+from glm5_mcore.model.parallel import init_parallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MIN_TRANSFORMERS = (5, 13)
+
+
+def check_transformers_version() -> None:
+    """Warn when the installed transformers computes a different (pre-5.13) indexer."""
+    try:
+        import transformers
+    except ImportError:
+        return
+    parts = tuple(int(x) for x in transformers.__version__.split(".")[:2] if x.isdigit())
+    if parts < MIN_TRANSFORMERS:
+        warnings.warn(f"transformers {transformers.__version__} < 5.13 computes a different GLM-5 "
+                      "indexer (half-split RoPE / no ReLU); the parity reference is wrong")
 
 
 def _all_gather_cat(t: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
@@ -68,28 +93,16 @@ def megatron_forward(hf_dir: Optional[str], glm5: GLM5Config, input_ids: torch.T
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.experimental_attention_variant import dsa_layout
 
-    from glm5_mcore.model.build import build_model, forward_logits
-    from glm5_mcore.model.parallel import init_parallel
-    from glm5_mcore.checkpoint.hf_load import load_hf_weights
-
     init_parallel(parallel)
     if ckpt is not None:
-        from glm5_mcore.checkpoint import megatron_lm as foreign_ckpt
-
         if foreign_ckpt.is_foreign(ckpt):  # their config checked against the HF one; MTP as stored
             glm5 = foreign_ckpt.glm5_config(ckpt, glm5)
     model = build_model(glm5, parallel)
     if ckpt is not None:
-        from glm5_mcore.checkpoint.dist import load_model
-        from glm5_mcore.checkpoint.layout import model_dir
-
         load_model(model, model_dir(ckpt))
     else:
         load_hf_weights(model, hf_dir, glm5)
     if adapter is not None:
-        from glm5_mcore.lora.state import load_adapter_state
-        from glm5_mcore.lora.peft import import_peft
-
         load_adapter_state(model, import_peft(adapter, glm5.num_hidden_layers), "default", trainable=False)
     model = model.to(dtype).eval()
     B, S = input_ids.shape
@@ -112,8 +125,6 @@ def _gather_to_token_order(model, logits, routers, pos, B: int, S: int):
     """Logits, indexer top-k and router sets of every rank gathered (on the training device) into
     natural token order."""
     from megatron.core import parallel_state as ps
-
-    from glm5_mcore.model.dsa import GLM5SparseAttention
 
     cp = ps.get_context_parallel_world_size()
     cp_group = ps.get_context_parallel_group() if cp > 1 else None
@@ -226,9 +237,6 @@ def main(args) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     hf_dir, ckpt = args.hf_dir, getattr(args, "ckpt", None)
     if ckpt is not None and hf_dir is None:
-        from glm5_mcore.checkpoint.layout import hf_source_dir
-        from glm5_mcore.checkpoint.megatron_lm import is_foreign
-
         if is_foreign(ckpt):
             raise ValueError(f"{ckpt}: a Megatron-LM / Megatron-Bridge checkpoint; pass --hf-dir with the "
                              "HF weights to compare with")
@@ -240,8 +248,6 @@ def main(args) -> int:
     if hf_dir is None:
         raise ValueError("give --hf-dir (and/or --ckpt)")
     if args.save_logits:
-        from glm5_mcore.checkpoint.atomic import check_output_file
-
         check_output_file(args.save_logits, SAVE_LOGITS_KIND, _logits_file_kind, [args.input_ids],
                           getattr(args, "overwrite", False), what="--save-logits")
     glm5 = (checkpoint_config(ckpt, quiet=True) if ckpt and Path(ckpt, "hf").is_dir()

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from glm5_mcore.training.run_log import METRICS_FILE, read_metrics
+from glm5_mcore.checkpoint.atomic import check_output_file, publish_file
 
 KIND = "plot"
 _MARK_KEY = "glm5-output"
@@ -158,8 +159,6 @@ def plot(run_dirs: list[str | Path], out: str | Path, overwrite: bool = False) -
     """Render ``run_dirs`` into ``out`` (a ``.png`` path); never replaces a file this command did not
     write (unless ``overwrite``) nor an input; a failure leaves a previous ``out`` as it was.
     Returns the panel titles drawn."""
-    from glm5_mcore.checkpoint.atomic import check_output_file, publish_file
-
     out = Path(out)
     if out.suffix.lower() != ".png":
         raise ValueError(f"{out}: --out must name a .png file")

@@ -9,9 +9,10 @@ import os
 from recipes.hydra_app import CONFIG_DIR, compose, job_dict, run_app, save_job_config  # noqa: F401
 
 
-def plan_gate(kind: str, d: dict, hf_dir: str, check: bool) -> None:
-    """Plan the job before any work when it runs on GPUs (``glm5_mcore.plan.gate``); a layout that
-    cannot fit is refused with the numbers and the nearest one that fits."""
+def plan_gate(kind: str, cfg, hf_dir: str) -> None:
+    """Plan the job of the typed config ``cfg`` (``SFTConfig`` / ``RLConfig``) before any work when it runs
+    on GPUs (``glm5_mcore.plan.gate``); a layout that cannot fit is refused with the numbers and the nearest
+    one that fits (``plan.check=false``: a warning)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -20,8 +21,8 @@ def plan_gate(kind: str, d: dict, hf_dir: str, check: bool) -> None:
     from glm5_mcore.plan.gate import gate
     from glm5_mcore.plan.job import rl_job, sft_job
 
-    job = rl_job(d) if kind == "rl" else sft_job(d, int(os.environ.get("WORLD_SIZE", "1")))
-    gate(GLM5Config.from_hf_dir(hf_dir), job, (d.get("plan") or {}).get("cluster"), check)
+    job = rl_job(cfg) if kind == "rl" else sft_job(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    gate(GLM5Config.from_hf_dir(hf_dir), job, cfg.plan.cluster, cfg.plan.check)
 
 
 def sft_main(argv: list[str]) -> int:
@@ -39,7 +40,7 @@ def _sft_job(cfg) -> None:
 
     d = job_dict("sft", cfg)
     c = SFTConfig.from_dict(d)
-    plan_gate("sft", d, hf_dir_of(c.model), c.plan.check)
+    plan_gate("sft", c, hf_dir_of(c.model))
     out = run(c, record=lambda: save_job_config(c.train.out, d))
     if not dist.is_initialized() or dist.get_rank() == 0:
         hist = out["history"]
@@ -71,7 +72,7 @@ def _rl_job(cfg) -> None:
 
     d = job_dict("rl", cfg)
     c = RLConfig.from_dict(d)
-    plan_gate("rl", d, c.model.hf_dir, c.plan.check)
+    plan_gate("rl", c, c.model.hf_dir)
     out = run(c, record=lambda: save_job_config(c.trainer.out, d))
     hist = out["history"]
     rewards = [h["critic/score/mean"] for h in hist]

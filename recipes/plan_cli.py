@@ -46,6 +46,19 @@ def _check_sizes(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')}={v}: must be >= 1")
 
 
+def plan_config(kind: str, d: dict):
+    """The typed config (``SFTConfig`` / ``RLConfig``) the planner reads, from a composed dict whose ``???``
+    values (fields the plan does not need, e.g. ``data.train``) take the schema's defaults."""
+    from glm5_mcore.training.schema import build
+    from recipes.sft_config import SFTConfig
+    from rl.config import RLConfig
+
+    def given(x):
+        return {k: given(v) for k, v in x.items() if v != "???"} if isinstance(x, dict) else x
+
+    return build(RLConfig if kind == "rl" else SFTConfig, given(d))
+
+
 def _job_from_args(args):
     from glm5_mcore.plan.job import rl_job, sft_job
 
@@ -70,9 +83,9 @@ def _job_from_args(args):
         for dim in ("tp", "ep"):
             if getattr(args, dim) is not None:
                 d.setdefault("trainer", {})[dim] = getattr(args, dim)
-        job = rl_job(d)
+        job = rl_job(plan_config("rl", d))
     else:
-        for dim in ("tp", "ep", "etp", "pp", "cp"):
+        for dim in ("tp", "ep", "pp", "cp"):
             if getattr(args, dim) is not None:
                 d.setdefault("parallel", {})[dim] = getattr(args, dim)
         if args.micro_batch_tokens is not None:
@@ -80,7 +93,8 @@ def _job_from_args(args):
             d["data"].setdefault("global_batch_tokens", args.micro_batch_tokens)
         if not d.get("train"):
             d["train"] = {"bf16": True}
-        job = sft_job(d, args.world if args.world is not None else cluster.num_gpus)
+        job = sft_job(plan_config("sft", d), args.world if args.world is not None else cluster.num_gpus,
+                      etp=args.etp if args.etp is not None else 1)
     if kind == "rl" and args.micro_batch_tokens is not None:
         job = replace(job, micro_batch_tokens=args.micro_batch_tokens)
     return job, cluster

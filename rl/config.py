@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from glm5_mcore.training.schema import LoRACfg, ModelCfg, PlanCfg, WandbCfg, build
+from glm5_mcore.training.resume import file_fingerprint, model_fingerprint
 from rl.validate import check_config
 
 ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "gae")
@@ -279,8 +280,6 @@ def _check_importable(path: str, field_name: str) -> None:
 
 def run_settings(c: RLConfig) -> dict:
     """What a resume must keep (``glm5_mcore.training.resume``): data, batch sizes, LoRA, model, layout."""
-    from glm5_mcore.training.resume import file_fingerprint, model_fingerprint
-
     d, t = c.data, c.trainer
     return {
         "data": {"train": file_fingerprint(d.train), "val": file_fingerprint(d.val), "toy_size": d.toy_size,

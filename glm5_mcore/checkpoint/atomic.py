@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from glm5_mcore.checkpoint.manifest import write_manifest
+
 
 MARKER = ".glm5-output"
 
@@ -122,8 +124,6 @@ def output_dir(out: str | Path, kind: str, inputs: Iterable = (), overwrite: boo
         yield tmp
         write_marker(tmp, kind)
         if manifest:
-            from glm5_mcore.checkpoint.manifest import write_manifest
-
             write_manifest(tmp)
 
 

@@ -69,6 +69,11 @@ def remember_digest(fd: int, digest: str) -> None:
     _KNOWN[_key(os.fstat(fd))] = digest
 
 
+def remember_file_digest(path: str | Path, digest: str) -> None:
+    """Record ``digest`` as that of the file at ``path`` (a hard link to a verified file: same bytes)."""
+    _KNOWN[_key(Path(path).stat())] = digest
+
+
 def _files(root: Path) -> list[str]:
     out = []
     for dirpath, _, names in os.walk(root):

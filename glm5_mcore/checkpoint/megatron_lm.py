@@ -28,6 +28,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from glm5_mcore.checkpoint.manifest import NAME
+from glm5_mcore.config import GLM5Config, MODEL_TYPE
+
 TRACKER = "latest_checkpointed_iteration.txt"
 RUN_CONFIG = "run_config.yaml"
 TOKENIZER_DIR = "tokenizer"
@@ -160,8 +163,6 @@ def own_megatron_config(path: Path) -> tuple[Optional[dict], str]:
 
 def hf_dict_from_megatron(m: dict) -> dict:
     """An HF ``glm_moe_dsa`` config dict from Megatron config fields (GLM5Config.to_mcore_config inverted)."""
-    from glm5_mcore.config import MODEL_TYPE
-
     d: dict[str, Any] = {"model_type": MODEL_TYPE}
     for mk, hk in _DIRECT.items():
         if m.get(mk) is not None:
@@ -214,8 +215,6 @@ def glm5_config(root: str | Path, hf=None, iteration: Optional[int] = None):
     checkpoint holds MTP tensors (Bridge drops them by default)."""
     import dataclasses
 
-    from glm5_mcore.config import GLM5Config
-
     path = model_path(root, iteration)
     own, where = own_megatron_config(path)
     cfg = None
@@ -245,8 +244,6 @@ def glm5_config(root: str | Path, hf=None, iteration: Optional[int] = None):
     if cfg.num_nextn_predict_layers and not has_mtp:
         say_once(f"{path}: no MTP tensors in this checkpoint; the model is built without the MTP layer")
         cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
-    from glm5_mcore.checkpoint.manifest import NAME
-
     if not any((p / NAME).is_file() for p in (path, path.parent)):
         say_once(f"{path}: a {checkpoint_kind(path)} checkpoint: no checksum manifest, loaded unverified")
     return cfg

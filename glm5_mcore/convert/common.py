@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.model.build import build_model
+from glm5_mcore.model.parallel import init_parallel
 
 
 class Progress:
@@ -45,8 +47,6 @@ def meta_model(glm5: GLM5Config, dtype: torch.dtype):
     import megatron.core.transformer.multi_token_prediction  # noqa: F401
 
     import glm5_mcore.model.layer_spec  # noqa: F401
-    from glm5_mcore.model.build import build_model
-    from glm5_mcore.model.parallel import init_parallel
 
     # Everything is imported above: a module imported inside the meta context would create its
     # module-level tensors (e.g. MTPLossAutoScaler.main_loss_backward_scale) on the meta device.

@@ -16,6 +16,14 @@ from pathlib import Path
 from typing import Optional
 
 from glm5_mcore.checkpoint.megatron_lm import RUN_CONFIG, TOKENIZER_DIR, TRACKER, is_foreign, say_once, stored_keys
+from glm5_mcore.checkpoint import manifest
+from glm5_mcore.checkpoint.atomic import check_output, output_dir
+from glm5_mcore.checkpoint.layout import (adapter_dir, HF_META_FILES, hf_source_dir, iter_dir, latest_iteration, model_dir, require_iteration)
+from glm5_mcore.config import GLM5Config
+from glm5_mcore.convert.common import checkpoint_dtype
+from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
+from glm5_mcore.convert.mcore_to_hf import mcore_to_hf
+from glm5_mcore.lora.state import read_adapter_state
 
 
 def _yaml_value(v):
@@ -88,12 +96,6 @@ def export_megatron(ckpt: str | Path, out: str | Path, iteration: Optional[int] 
         return _export_megatron(ckpt, out, iteration, overwrite)
     import tempfile
 
-    from glm5_mcore.lora.state import read_adapter_state
-    from glm5_mcore.checkpoint.atomic import check_output
-    from glm5_mcore.checkpoint.layout import adapter_dir, hf_source_dir, latest_iteration, model_dir
-    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
-    from glm5_mcore.convert.mcore_to_hf import mcore_to_hf
-
     root = Path(ckpt)
     if is_foreign(root):
         raise ValueError(f"{root}: already a Megatron-LM / Megatron-Bridge checkpoint")
@@ -129,12 +131,6 @@ def _export_megatron(ckpt: str | Path, out: str | Path, iteration: Optional[int]
     ``iter_N/run_config.yaml`` with the model provider and an HF tokenizer config; ``iter_N/tokenizer/``)."""
     import yaml
 
-    from glm5_mcore.checkpoint import manifest
-    from glm5_mcore.checkpoint.atomic import output_dir
-    from glm5_mcore.checkpoint.layout import HF_META_FILES, iter_dir, latest_iteration, model_dir, require_iteration
-    from glm5_mcore.config import GLM5Config
-    from glm5_mcore.convert.common import checkpoint_dtype
-
     root = Path(ckpt)
     if is_foreign(root):
         raise ValueError(f"{root}: already a Megatron-LM / Megatron-Bridge checkpoint")
@@ -163,7 +159,7 @@ def _export_megatron(ckpt: str | Path, out: str | Path, iteration: Optional[int]
                 how.add(_link_or_copy(p, dst / p.name))
                 entry = recorded.get(f"{src.name}/{p.name}")
                 if entry and (dst / p.name).stat().st_ino == p.stat().st_ino:  # a link: digest known
-                    manifest._KNOWN[manifest._key((dst / p.name).stat())] = entry["digest"]
+                    manifest.remember_file_digest(dst / p.name, entry["digest"])
         tok = dst / TOKENIZER_DIR
         tok.mkdir()
         for name in HF_META_FILES:

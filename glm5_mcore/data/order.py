@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from glm5_mcore.device import training_device
+
 
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
     """The shuffled order of ``n`` items in ``epoch``: int64 [n], a permutation of range(n). NumPy's
@@ -47,8 +49,6 @@ def equal_micro_batch_sizes(sizes: list[int], group=None, fill: int = 1) -> list
     ``sizes`` unchanged."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return list(sizes)
-    from glm5_mcore.device import training_device
-
     dev = training_device()
     count = torch.tensor([len(sizes)], device=dev)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)

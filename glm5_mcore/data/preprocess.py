@@ -29,6 +29,9 @@ from typing import Optional
 
 import numpy as np
 
+from glm5_mcore.checkpoint.atomic import atomic_dir
+from glm5_mcore.data.sft import DataError, parse_line, truncate
+
 FORMAT = "glm5-indexed-v1"
 TOKENS, MASK = "tokens", "loss_mask"
 MAX_ERRORS = 20
@@ -77,8 +80,6 @@ def _encode_range(task: _Task) -> tuple[Summary, Optional[np.ndarray], Optional[
     """Tokenize one byte range into ``task.part``.bin (tokens) and ``_mask.bin`` (uint8), raw token
     arrays back to back as in an ``IndexedDataset`` .bin; (its summary, the document lengths
     int32 [docs], the first fatal error or None). Imports no Megatron (a worker starts in seconds)."""
-    from glm5_mcore.data.sft import DataError, parse_line, truncate
-
     s = Summary()
     with open(task.path, "rb") as f:
         f.seek(task.start)
@@ -177,9 +178,6 @@ def preprocess(inputs: list[str | Path], out: str | Path, hf_dir: str | Path, wo
 
     from megatron.core.datasets.indexed_dataset import DType
     from transformers import AutoTokenizer
-
-    from glm5_mcore.checkpoint.atomic import atomic_dir
-    from glm5_mcore.data.sft import DataError
 
     inputs, out = [Path(p) for p in inputs], Path(out)
     if not inputs:

@@ -31,6 +31,7 @@ import torch
 from glm5_mcore.lora.state import AdapterState
 from glm5_mcore.checkpoint.atomic import output_dir
 from glm5_mcore.checkpoint.hf_names import LAYER_RULES, hf_source
+from glm5_mcore.lora.state import adapter_files, load_adapter_tensors
 
 PREFIX = "base_model.model."
 TARGET_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "wq_b", "wk", "weights_proj")
@@ -149,8 +150,6 @@ def _pattern_value(patterns: dict, key: str, default):
 
 def import_peft(peft_dir: str | Path, num_hidden_layers: int) -> AdapterState:
     """An HF PEFT LoRA adapter for GLM-5 as an ``AdapterState`` (Megatron names, full tensors)."""
-    from glm5_mcore.lora.state import adapter_files, load_adapter_tensors
-
     cfg_path, st_path, cfg = adapter_files(peft_dir, "an HF PEFT adapter")
     if not isinstance(cfg, dict) or "r" not in cfg or "lora_alpha" not in cfg:
         raise ValueError(f"{cfg_path}: not an HF PEFT LoRA config (needs 'r' and 'lora_alpha')")

@@ -16,6 +16,7 @@ from glm5_mcore import cpu_compat
 from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.device import training_device
 from glm5_mcore.model.dsa import GLM5SparseAttention, link_absorbed_mla, link_index_share
+from glm5_mcore.model.layer_spec import get_glm5_decoder_block_spec, get_glm5_mtp_block_spec
 
 
 def reset_global_trackers() -> None:
@@ -38,8 +39,6 @@ def build_model(glm5: GLM5Config, parallel: Optional[ParallelConfig] = None, bac
     from megatron.core import parallel_state as ps
 
     from megatron.core.models.gpt import GPTModel
-
-    from glm5_mcore.model.layer_spec import get_glm5_decoder_block_spec, get_glm5_mtp_block_spec
 
     cpu_compat.apply()
     parallel = parallel or ParallelConfig()

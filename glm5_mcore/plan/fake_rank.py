@@ -18,6 +18,12 @@ import torch.distributed as dist
 
 from glm5_mcore.config import GLM5Config, ParallelConfig
 from glm5_mcore.plan.layout import Layout
+from glm5_mcore import cpu_compat
+from glm5_mcore.lora.apply import apply_lora
+from glm5_mcore.lora.config import LoRAConfig
+from glm5_mcore.model.build import build_model
+from glm5_mcore.model.dsa import set_indexer_frozen
+from glm5_mcore.model.parallel import forget_layout, seed_parallel
 
 
 def _import_megatron() -> None:
@@ -39,9 +45,6 @@ def init_fake(layout: Layout, rank: int) -> None:
     from megatron.core import parallel_state as ps
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from glm5_mcore import cpu_compat
-    from glm5_mcore.model.parallel import forget_layout, seed_parallel
-
     cpu_compat.apply()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
@@ -60,11 +63,6 @@ def build_rank(model: GLM5Config, layout: Layout, rank: int, *, mtp: bool = True
     """The ``GPTModel`` of global ``rank`` in ``layout`` on the meta device. ``mtp=False`` builds it
     without MTP layers (as the RL trainer does); ``lora=(targets, rank)`` applies adapters as the
     recipes do (base frozen); otherwise the indexer is frozen as in full fine-tuning."""
-    from glm5_mcore.model.dsa import set_indexer_frozen
-    from glm5_mcore.lora.config import LoRAConfig
-    from glm5_mcore.lora.apply import apply_lora
-    from glm5_mcore.model.build import build_model
-
     _import_megatron()
     init_fake(layout, rank)
     dtype = torch.bfloat16 if bf16 else torch.float32

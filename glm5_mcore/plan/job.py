@@ -1,4 +1,5 @@
-"""What is planned: a training job's layout and settings, read from an SFT or RL config dict.
+"""What is planned: a training job's layout and settings, read from a typed SFT or RL config (the recipes'
+schemas; this module reads their sections by attribute and keeps no defaults of its own).
 
 ``PlanCfg`` is the ``plan`` section both recipes' configs carry: the cluster the config is sized for,
 and the switch that lets a run start although the planner says it does not fit.
@@ -9,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from glm5_mcore.lora.config import DEFAULT_TARGETS
 from glm5_mcore.plan.layout import Layout
 from glm5_mcore.plan.rollout import EngineSpec
 
@@ -69,38 +69,28 @@ class Job:
         return self.rollout.engines * self.rollout.engine.gpus if self.rollout else 0
 
 
-def sft_job(d: dict, world: int) -> Job:
-    """From a resolved ``configs/sft*.yaml`` dict, run on ``world`` ranks."""
-    p, t, data = d.get("parallel", {}), d.get("train", {}), d.get("data", {})
-    layout = Layout(world=world, tp=int(p.get("tp", 1)), ep=int(p.get("ep", 1)), etp=int(p.get("etp", 1)),
-                    pp=int(p.get("pp", 1)), cp=int(p.get("cp", 1)))
-    lora = d.get("lora") or {}
+def sft_job(cfg, world: int, etp: int = 1) -> Job:
+    """From an SFT config (``recipes.sft_config.SFTConfig``: its ``parallel``, ``data``, ``train``, ``optim``,
+    ``lora`` and ``plan`` sections, typed, so every default is the schema's), run on ``world`` ranks;
+    ``etp``: the expert-TP size to plan for (the recipe itself runs ETP 1)."""
+    p, t, data, lora = cfg.parallel, cfg.train, cfg.data, cfg.lora
+    layout = Layout(world=world, tp=p.tp, ep=p.ep, etp=etp, pp=p.pp, cp=p.cp)
     dp = max(1, world // (layout.tp * layout.cp * layout.pp))
-    micro = int(data.get("micro_batch_tokens", 1024))
-    accum = max(1, int(data.get("global_batch_tokens", micro)) // (micro * dp))
-    return Job(kind="sft", layout=layout, micro_batch_tokens=micro, microbatches=accum,
-               bf16=bool(t.get("bf16", False)), recompute=bool(t.get("recompute", False)),
-               distributed_optimizer=d.get("optim", {}).get("distributed"),
-               lora=(tuple(lora.get("targets", DEFAULT_TARGETS)), int(lora.get("rank", 16)))
-               if lora.get("enabled", True) else None,
-               freeze_indexer=bool(t.get("freeze_indexer", True)), mtp=True,
-               cluster=(d.get("plan") or {}).get("cluster"), fixed=("etp",))
+    accum = max(1, data.global_batch_tokens // (data.micro_batch_tokens * dp))
+    return Job(kind="sft", layout=layout, micro_batch_tokens=data.micro_batch_tokens, microbatches=accum,
+               bf16=t.bf16, recompute=t.recompute, distributed_optimizer=cfg.optim.distributed,
+               lora=(tuple(lora.targets), lora.rank) if lora.enabled else None,
+               freeze_indexer=t.freeze_indexer, mtp=True, cluster=cfg.plan.cluster, fixed=("etp",))
 
 
-def rl_job(d: dict) -> Job:
-    """From a resolved ``configs/rl/*.yaml`` dict: the trainer (TP × EP × CP, LoRA, MTP only with
+def rl_job(cfg) -> Job:
+    """From an RL config (``rl.config.RLConfig``, typed): the trainer (TP × EP × CP, LoRA, MTP only with
     ``actor.mtp_loss_scale > 0`` or ``actor.mtp_accept``) and the engines."""
-    t, a, r, data = d.get("trainer", {}), d.get("actor", {}), d.get("rollout", {}), d.get("data", {})
-    layout = Layout(world=int(t.get("world_size", 1)), tp=int(t.get("tp", 1)), ep=int(t.get("ep", 1)),
-                    cp=int(t.get("cp", 1)))
-    lora = d.get("lora") or {}
-    engine = EngineSpec.from_engine_kwargs(dict(r.get("engine_kwargs") or {}))
-    ro = RolloutJob(engines=int(r.get("num_actors", 1)), engine=engine, n=int(r.get("n", 8)),
-                    prompt_tokens=int(data.get("max_prompt_tokens", 512)),
-                    response_tokens=int(r.get("max_new_tokens", 8)),
-                    gpus_per_engine=float(r.get("gpus_per_actor", 0.0)))
-    return Job(kind="rl", layout=layout, micro_batch_tokens=int(a.get("micro_batch_tokens", 4096)),
-               bf16=bool(t.get("bf16", False)), lora=(tuple(lora.get("targets", DEFAULT_TARGETS)), int(lora.get("rank", 16))),
-               freeze_indexer=bool(t.get("freeze_indexer", True)),
-               mtp=float(a.get("mtp_loss_scale", 0.0)) > 0 or bool(a.get("mtp_accept", False)), rollout=ro,
-               cluster=(d.get("plan") or {}).get("cluster"), fixed=("pp", "etp"))
+    t, a, r = cfg.trainer, cfg.actor, cfg.rollout
+    layout = Layout(world=t.world_size, tp=t.tp, ep=t.ep, cp=t.cp)
+    engine = EngineSpec.from_engine_kwargs(dict(r.engine_kwargs or {}))
+    ro = RolloutJob(engines=r.num_actors, engine=engine, n=r.n, prompt_tokens=cfg.data.max_prompt_tokens,
+                    response_tokens=r.max_new_tokens, gpus_per_engine=float(r.gpus_per_actor))
+    return Job(kind="rl", layout=layout, micro_batch_tokens=a.micro_batch_tokens, bf16=t.bf16,
+               lora=(tuple(cfg.lora.targets), cfg.lora.rank), freeze_indexer=t.freeze_indexer,
+               mtp=a.mtp_loss_scale > 0 or a.mtp_accept, rollout=ro, cluster=cfg.plan.cluster, fixed=("pp", "etp"))

@@ -15,6 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from glm5_mcore.checkpoint.atomic import check_output, output_kind, write_marker
+from glm5_mcore.checkpoint.layout import latest_iteration
+from glm5_mcore.checkpoint.manifest import file_digest
+
 SWITCH = "allow_resume_mismatch"
 
 
@@ -23,8 +27,6 @@ def file_fingerprint(path: Optional[str]) -> Any:
     non-file name such as ``toy`` as is."""
     if not path or not Path(path).is_file():
         return path
-    from glm5_mcore.checkpoint.manifest import file_digest
-
     return {"size": Path(path).stat().st_size, "xxh3": file_digest(path)}
 
 
@@ -33,8 +35,6 @@ def model_fingerprint(hf_dir: Optional[str], ckpt: Optional[str] = None) -> dict
     out: dict = {"ckpt": str(Path(ckpt).resolve()) if ckpt else None}
     cfg = Path(ckpt) / "hf" / "config.json" if ckpt else Path(hf_dir or "") / "config.json"
     if cfg.is_file():
-        from glm5_mcore.checkpoint.manifest import file_digest
-
         out["config_xxh3"] = file_digest(cfg)
     return out
 
@@ -59,8 +59,7 @@ def guard_resume(root: str | Path, current: dict, proceed: bool, section: str) -
     """Before resuming from ``root``'s latest iteration: refuse (``ValueError`` naming each field)
     if its recorded settings differ from ``current``, unless ``proceed`` (then print them). Returns
     the iteration to resume, or None when ``root`` has no checkpoint."""
-    from glm5_mcore.checkpoint.layout import latest_iteration
-    from glm5_mcore.checkpoint.dist import read_trainer_state
+    from glm5_mcore.checkpoint.dist import read_trainer_state  # here: dist imports Megatron (cpu_compat)
 
     if not (Path(root) / "latest").is_file():
         return None
@@ -82,8 +81,6 @@ def guard_resume(root: str | Path, current: dict, proceed: bool, section: str) -
 def claim_run_dir(out: str | Path, kind: str, inputs: Iterable = ()) -> None:
     """A training run's output folder: absent, empty or a previous ``kind`` run's folder (which it
     resumes or extends), never an input or a folder of something else; marks it as ``kind``'s."""
-    from glm5_mcore.checkpoint.atomic import check_output, output_kind, write_marker
-
     check_output(out, kind, inputs, overwrite=False, what=f"the {kind} output folder",
                  hint="choose another output folder")
     Path(out).mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,8 @@ from typing import Optional
 from tqdm import tqdm
 
 from glm5_mcore.training import loop
+from glm5_mcore.checkpoint.atomic import atomic_write_text
+from glm5_mcore.data.jsonl import decode_json_line
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -44,8 +46,6 @@ def scalars(metrics: dict) -> dict:
 def read_metrics(path: str | Path) -> list[dict]:
     """The rows of a ``metrics.jsonl`` (a torn last line, from a run killed mid-write, is left out);
     a malformed row elsewhere is a ``ValueError`` naming ``file:line``."""
-    from glm5_mcore.data.jsonl import decode_json_line
-
     path = Path(path)
     lines = path.read_bytes().split(b"\n")
     rows = []
@@ -77,8 +77,6 @@ class MetricsFile:
 
     def _keep_until(self, start_step: int) -> None:
         """Drop the rows of steps after ``start_step`` (all rows on a fresh start), in one rename."""
-        from glm5_mcore.checkpoint.atomic import atomic_write_text
-
         rows = []
         for raw in self.path.read_bytes().split(b"\n"):  # our own file: a torn or damaged line is dropped
             try:

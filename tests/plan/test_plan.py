@@ -76,11 +76,13 @@ def test_shipped_744b_configs_fit_their_cluster(name):
     from glm5_mcore.config import glm5_744b
     from glm5_mcore.plan.cluster import cluster_from
     from glm5_mcore.plan.job import rl_job, sft_job
+    from recipes.plan_cli import plan_config
     from glm5_mcore.plan.planner import plan_job
 
     d = _compose(name)
     cluster = cluster_from(d["plan"]["cluster"])
-    job = rl_job(d) if name.startswith("rl/") else sft_job(d, cluster.num_gpus)
+    job = (rl_job(plan_config("rl", d)) if name.startswith("rl/")
+           else sft_job(plan_config("sft", d), cluster.num_gpus))
     plan = plan_job(glm5_744b(), job, cluster)
     assert plan.fits, plan.problems
     assert job.trainer_gpus + job.rollout_gpus <= cluster.num_gpus
@@ -93,8 +95,9 @@ def test_gate_refuses_old_rl_layout_with_numbers_and_nearest():
     from glm5_mcore.plan.cluster import cluster_from
     from glm5_mcore.plan.gate import check_job
     from glm5_mcore.plan.job import rl_job
+    from recipes.plan_cli import plan_config
 
-    job = rl_job(OLD_RL_744B)
+    job = rl_job(plan_config("rl", OLD_RL_744B))
     with pytest.raises(ValueError) as e:
         check_job(glm5_744b(), job, cluster_from("h100:12"))
     msg = str(e.value)
@@ -102,7 +105,7 @@ def test_gate_refuses_old_rl_layout_with_numbers_and_nearest():
     assert "rollout engine (8 GPUs): weights do not fit" in msg
     assert "smallest rollout engine that fits" in msg and "quantization=fp8" in msg
     # the same layout with a micro-batch that fits: the nearest trainer layout is EP 64 on 64 GPUs
-    job = rl_job({**OLD_RL_744B, "actor": {"micro_batch_tokens": 4096}})
+    job = rl_job(plan_config("rl", {**OLD_RL_744B, "actor": {"micro_batch_tokens": 4096}}))
     with pytest.raises(ValueError, match=r"nearest trainer layout that fits: world 64, TP 8, EP (32|64)"):
         check_job(glm5_744b(), job, cluster_from("h100:12"))
     with pytest.warns(UserWarning, match="does not fit"):  # plan.check=false: a warning, the plan
@@ -116,11 +119,12 @@ def test_gate_is_off_on_cpu_and_plan_section_parses():
     from glm5_mcore.config import glm5_744b
     from glm5_mcore.plan.gate import gate
     from glm5_mcore.plan.job import rl_job
+    from recipes.plan_cli import plan_config
     from recipes.sft import SFTConfig
     from rl.config import RLConfig
 
     if not torch.cuda.is_available():
-        assert gate(glm5_744b(), rl_job(OLD_RL_744B), "h100:12", True) is None
+        assert gate(glm5_744b(), rl_job(plan_config("rl", OLD_RL_744B)), "h100:12", True) is None
     assert RLConfig.from_dict({"plan": {"cluster": "h200:12", "check": False}}).plan.check is False
     assert SFTConfig.from_dict({"plan": {"check": False}}).plan.check is False
     with pytest.raises(ValueError, match="plan.check must be true or false"):
@@ -191,8 +195,9 @@ def test_engine_gpus_must_match_the_actor_reservation():
     from glm5_mcore.config import glm5_744b
     from glm5_mcore.plan.cluster import cluster_from
     from glm5_mcore.plan.job import rl_job
+    from recipes.plan_cli import plan_config
     from glm5_mcore.plan.planner import plan_job
 
     d = _compose("rl/glm5_744b", ["rollout.gpus_per_actor=16"])
-    plan = plan_job(glm5_744b(), rl_job(d), cluster_from("h200:12"))
+    plan = plan_job(glm5_744b(), rl_job(plan_config("rl", d)), cluster_from("h200:12"))
     assert not plan.fits and any("rollout.gpus_per_actor=16 but the engine spans" in p for p in plan.problems)
