@@ -40,7 +40,7 @@ def run_child(cmd: list[str], *, ok: bool = True, timeout: int = 600, env: dict 
 
 
 def torchrun_cmd(target: str, *args, nproc: int = 2) -> list[str]:
-    """The command line: ``target`` is a worker script in ``tests/workers/`` (``"dist_check.py"``) or a
+    """The command line: ``target`` is a worker script in ``tests/workers/`` (``"layout_matrix.py"``) or a
     module (``"-m recipes.main"``); ``nproc`` 1 runs it in a plain Python process, more under
     ``torch.distributed.run --standalone``."""
     entry = target.split() if target.startswith("-m ") else [str(WORKERS / target)]

@@ -1,11 +1,9 @@
 """SFT set-ups shared by the SFT, data, plan and checkpoint-interop tests: the reverse-counting toy
-task, the tiny SFT config and the per-step losses of a ``glm5 sft`` child process."""
+task, the tiny SFT configs (20-step full fine-tune; one LoRA step) and their rows."""
 
 import json
 import random
 from pathlib import Path
-
-from tests.support.launch import glm5, last_json
 
 
 def tokenizer(hf_dir):
@@ -43,11 +41,6 @@ def sft_cfg(tiny_dir, tmp_path, **over):
     for k, v in over.items():
         d.setdefault(k, {}).update(v)
     return SFTConfig.from_dict(d)
-
-
-def sft_losses(args, nproc, out):
-    """The per-step losses of ``glm5 sft ARGS train.out=OUT`` on ``nproc`` ranks (a child process)."""
-    return last_json(glm5("sft", *args, f"train.out={out}", nproc=nproc).stdout)["losses"]
 
 
 def count_rows(path, n=24, seed=0, extra=()):
