@@ -368,6 +368,9 @@ class ParallelConfig:
                              f"etp={self.etp}")
         if model.num_attention_heads % self.tp:
             raise ValueError(f"tp: num_attention_heads={model.num_attention_heads} is not divisible by tp={self.tp}")
+        if model.vocab_size % self.tp:  # Megatron-LM pads it (make_vocab_size_divisible_by); not done here yet
+            raise ValueError(f"tp: vocab_size={model.vocab_size} is not divisible by tp={self.tp} (the output layer "
+                             "and embedding are split by vocabulary rows); use a tp that divides it")
         if model.n_routed_experts % self.ep:
             raise ValueError(f"ep: n_routed_experts={model.n_routed_experts} is not divisible by ep={self.ep}")
         if model.num_hidden_layers % self.pp:

@@ -51,6 +51,9 @@ RL_PANELS = (
                                  "timing_s/update_actor", "timing_s/weight_sync", "timing_s/step")),
 )
 PANELS = SFT_PANELS + RL_PANELS
+HUGE_SPAN = 1e150
+"""A panel whose values span more than this (e.g. a diverged loss at ±1e308, whose span overflows to inf)
+is drawn on a symmetric log axis instead of failing inside matplotlib's linear autoscale."""
 
 
 def load_runs(run_dirs: list[str | Path]) -> dict[str, list[dict]]:
@@ -102,6 +105,8 @@ def render(runs: dict[str, list[dict]], out: str | Path, panels: tuple[Panel, ..
     for i, panel in enumerate(present):
         ax = fig.add_subplot(rows_n, cols, i + 1)
         keys = [k for k in panel.metrics if any(_series(rows, k)[0] for rows in runs.values())]
+        ys = [v for rows in runs.values() for k in keys for v in _series(rows, k)[1]]
+        huge = max(ys) - min(ys) > HUGE_SPAN  # inf when it overflows: matplotlib's linear axis cannot span it
         for r, (label, rows) in enumerate(runs.items()):
             for m, key in enumerate(keys):
                 # one run: a colour per metric; several: a colour per run, a line style per metric
@@ -112,15 +117,21 @@ def render(runs: dict[str, list[dict]], out: str | Path, panels: tuple[Panel, ..
                 name = label if len(keys) == 1 else f"{label}: {key}"
                 ax.plot(x, y, linestyle=style, color=color, marker="o" if len(x) <= 25 else None, markersize=3,
                         linewidth=1.3, label=name)
-        if panel.symlog:
-            ax.set_yscale("symlog", linthresh=panel.symlog)
-        ax.set_title(panel.title, fontsize=10)
+        if panel.symlog or huge:
+            ax.set_yscale("symlog", linthresh=panel.symlog or 1.0)
+        if huge:  # no autoscale margin: past ±1e308 it overflows the symlog inverse too
+            ax.set_ylim(min(ys), max(ys))
+        ax.set_title(panel.title + (" (symlog: values span > 1e150)" if huge and not panel.symlog else ""),
+                     fontsize=10)
         ax.set_xlabel("step", fontsize=8)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6.5, loc="best")
-    fig.savefig(out, format="png", dpi=100, metadata={_MARK_KEY: KIND})
+    import numpy as np
+
+    with np.errstate(over="ignore"):  # symlog ticks near ±1e308 overflow exp() harmlessly
+        fig.savefig(out, format="png", dpi=100, metadata={_MARK_KEY: KIND})
     return [p.title for p in present]
 
 

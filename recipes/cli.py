@@ -69,11 +69,9 @@ def _rl_job(cfg) -> None:
 
     from rl.config import RLConfig
     from rl.driver import run
-    from rl.mtp import check_mtp_loss
 
     d = job_dict("rl", cfg)
     c = RLConfig.from_dict(d)
-    check_mtp_loss(c)
     plan_gate("rl", c, c.model.hf_dir)
     out = run(c, record=lambda: save_job_config(c.trainer.out, d))
     hist = out["history"]

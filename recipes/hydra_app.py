@@ -165,14 +165,59 @@ def _one_line(kind: str, e: BaseException) -> str:
     return "config: " + " ".join(text.split())
 
 
+def _flag(flags: list[str], names: tuple[str, ...]):
+    """The value of the last of ``names`` in ``flags`` (``--x V`` or ``--x=V``), or None."""
+    value = None
+    for i, a in enumerate(flags):
+        if a in names and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif "=" in a and a.split("=", 1)[0] in names:
+            value = a.split("=", 1)[1]
+    return value
+
+
+def yaml_error_line(e, path=None) -> str:
+    """A PyYAML error as ``FILE: not valid YAML (problem, line L column C)``."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = path or (mark.name if mark is not None else "config")
+    at = f", line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+    return f"{where}: not valid YAML ({getattr(e, 'problem', None) or e}{at})"
+
+
+def check_primary_config(kind: str, flags: list[str]) -> None:
+    """The job's primary YAML (``--config-path`` / ``--config-name``, else the recipe's default) parses, and
+    is this recipe's: a config saved by the other recipe (``glm5 rl``'s ``trainer:`` under ``glm5 sft``)
+    is one line naming the file and the command that reads it."""
+    import yaml
+
+    folder, name = _source(kind)
+    folder = Path(_flag(flags, ("--config-path", "-cp")) or folder)
+    name = _flag(flags, ("--config-name", "-cn")) or name
+    path = folder / (name if name.endswith(".yaml") else f"{name}.yaml")
+    if not path.is_file():
+        return  # Hydra's own "cannot find primary config" names it
+    try:
+        d = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(yaml_error_line(e, path)) from None
+    other = "rl" if kind == "sft" else "sft"
+    if isinstance(d, dict) and OUT_SECTION[other] in d and OUT_SECTION[kind] not in d:
+        raise ValueError(f"{path}: a glm5 {other} config (it has a '{OUT_SECTION[other]}:' section, glm5 {kind} "
+                         f"has '{OUT_SECTION[kind]}:'); run it with glm5 {other} --config-path {folder} "
+                         f"--config-name {name}")
+
+
 def run_app(kind: str, argv: list[str], task: Callable) -> int:
     """Run Hydra's command line for ``kind`` ("sft" | "rl") with ``task(cfg: DictConfig)`` per job."""
     import hydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    import yaml
+
     register(kind)
     flags, overrides = _argv(kind, argv)
+    check_primary_config(kind, flags)
     failed: list[BaseException] = []
 
     @functools.wraps(task)
@@ -195,6 +240,8 @@ def run_app(kind: str, argv: list[str], task: Callable) -> int:
             raise
     except SweepRefused as e:
         raise ValueError(str(e)) from None
+    except yaml.YAMLError as e:  # a defaults-list file of --config-path
+        raise ValueError(yaml_error_line(e)) from None
     except (HydraException, OmegaConfBaseException) as e:
         raise ValueError(_one_line(kind, e)) from None
     finally:

@@ -35,6 +35,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
 
 
+SIZES = ("nodes", "gpus_per_node", "gpu_mem_gib", "world", "tp", "ep", "etp", "pp", "cp", "micro_batch_tokens")
+"""Sizes given on the command line: each must be >= 1 when given (0 is refused, not read as "not given")."""
+
+
+def _check_sizes(args) -> None:
+    for name in SIZES:
+        v = getattr(args, name, None)
+        if v is not None and v <= 0:
+            raise ValueError(f"--{name.replace('_', '-')}={v}: must be >= 1")
+
+
 def plan_config(kind: str, d: dict):
     """The typed config (``SFTConfig`` / ``RLConfig``) the planner reads, from a composed dict whose ``???``
     values (fields the plan does not need, e.g. ``data.train``) take the schema's defaults."""
@@ -51,6 +62,7 @@ def plan_config(kind: str, d: dict):
 def _job_from_args(args):
     from glm5_mcore.plan.job import rl_job, sft_job
 
+    _check_sizes(args)
     d = {}
     kind = args.kind or "sft"
     if args.config:
@@ -66,23 +78,24 @@ def _job_from_args(args):
     cluster = cluster_from(args.cluster or (d.get("plan") or {}).get("cluster"), args.nodes, args.gpus_per_node,
                            args.gpu_mem_gib)
     if kind == "rl":
-        if args.world:
+        if args.world is not None:
             d.setdefault("trainer", {})["world_size"] = args.world
         for dim in ("tp", "ep"):
-            if getattr(args, dim):
+            if getattr(args, dim) is not None:
                 d.setdefault("trainer", {})[dim] = getattr(args, dim)
         job = rl_job(plan_config("rl", d))
     else:
         for dim in ("tp", "ep", "pp", "cp"):
-            if getattr(args, dim):
+            if getattr(args, dim) is not None:
                 d.setdefault("parallel", {})[dim] = getattr(args, dim)
-        if args.micro_batch_tokens:
+        if args.micro_batch_tokens is not None:
             d.setdefault("data", {})["micro_batch_tokens"] = args.micro_batch_tokens
             d["data"].setdefault("global_batch_tokens", args.micro_batch_tokens)
         if not d.get("train"):
             d["train"] = {"bf16": True}
-        job = sft_job(plan_config("sft", d), args.world or cluster.num_gpus, etp=args.etp)
-    if kind == "rl" and args.micro_batch_tokens:
+        job = sft_job(plan_config("sft", d), args.world if args.world is not None else cluster.num_gpus,
+                      etp=args.etp)
+    if kind == "rl" and args.micro_batch_tokens is not None:
         job = replace(job, micro_batch_tokens=args.micro_batch_tokens)
     return job, cluster
 

@@ -117,7 +117,10 @@ def row_fields(row: Any, where: str, columns: dict) -> dict:
     elif not isinstance(prompt, str):
         raise PromptDataError(f"{where}: column {pcol!r} must be a string or a list of chat messages, "
                               f"not {type(prompt).__name__}")
-    _, gt = pick("ground_truth", GROUND_TRUTH_COLUMNS)
+    gcol, gt = pick("ground_truth", GROUND_TRUTH_COLUMNS)
+    if gcol is None:  # verl's reward manager: a KeyError at the first step
+        raise PromptDataError(f"{where}: no 'ground_truth' (or 'answer') field for the reward function (verl's "
+                              "'reward_model.ground_truth' also counts); give one on every row (null where none is needed)")
     dcol, source = pick("data_source", ("data_source",))
     if dcol is not None and not isinstance(source, str):
         raise PromptDataError(f"{where}: column {dcol!r} must be a string")

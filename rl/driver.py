@@ -34,6 +34,7 @@ from rl.overlap import StepSource
 from rl.routing import index_metrics, router_metrics
 from rl.rollout.base import Request, SamplingParams, sample_seed
 from rl.tasks import load_prompts
+from rl.validate import preflight, rollout_logprob_check
 
 
 @contextmanager
@@ -102,7 +103,7 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
     job's config there)."""
     from transformers import AutoTokenizer
 
-    from rl.workers import RolloutPool, TrainerGroup, start_ray
+    from rl.workers import RolloutPool, TrainerGroup, check_resources, resources_needed, start_ray
 
     if not (Path(cfg.model.hf_dir) / "config.json").is_file():
         raise FileNotFoundError(f"model.hf_dir={cfg.model.hf_dir}: no config.json there (a tiny one: "
@@ -113,6 +114,7 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
                          toy_size=d.toy_size, seed=d.seed, columns=d.columns)
     val = load_prompts(d.val, tok, chat_template=d.chat_template, max_tokens=d.max_prompt_tokens,
                        toy_size=d.val_prompts, seed=d.seed + 1, columns=d.columns)[: d.val_prompts]
+    stop_ids = preflight(cfg, tok, {"data.train": train, "data.val": val})  # before the folder and Ray
     settings = run_settings(cfg)
     claim_run_dir(cfg.trainer.out, "rl", [cfg.model.hf_dir, cfg.model.ckpt, d.train, d.val])
     if cfg.trainer.resume:  # refuse changed settings before Ray starts
@@ -122,13 +124,18 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
     if record is not None:
         record()
     r = cfg.rollout
-    sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens,
-                              tuple(r.stop_token_ids if r.stop_token_ids is not None else [tok.eos_token_id]))
+    sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens, stop_ids)
     rewards = Rewards(cfg, tok)  # its worker processes start after every refusal above
-    start_ray(cfg.ray.address, cfg.ray.num_cpus)
+    start_ray(cfg.ray.address, cfg.ray.num_cpus, int(resources_needed(cfg)["CPU"]))
+    if not cfg.ray.address:  # a local cluster cannot grow: what it lacks now, it lacks forever
+        check_resources(cfg)
     trainers = TrainerGroup(cfg)
-    coloc = Colocation.start(cfg, trainers, lambda: RolloutPool(cfg, trainers.pg)) if r.colocate.enable else None
-    rollouts = coloc.rollouts if coloc is not None else RolloutPool(cfg)
+    try:
+        coloc = Colocation.start(cfg, trainers, lambda: RolloutPool(cfg, trainers.pg)) if r.colocate.enable else None
+        rollouts = coloc.rollouts if coloc is not None else RolloutPool(cfg)
+    except BaseException:
+        trainers.shutdown()
+        raise
     phase = coloc.phase if coloc is not None else (lambda what="generate": nullcontext())  # rl.colocate
     placement = {"trainer": trainers.nodes(), "engines": rollouts.nodes()}  # Ray node ids, rank / actor order
     state = (trainers.first("restore", cfg.trainer.out) if cfg.trainer.resume else None) or {
@@ -178,6 +185,10 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
             batch, trunc = got.batch
             batch.scores = got.scores
             got.metrics.update(trunc)
+            got.metrics.update(rollout_logprob_check(batch, step, r.engine))
+            if got.metrics["rollout/nonfinite_logprob_fraction"]:
+                log.note(f"step {step + 1}: {got.metrics['rollout/nonfinite_logprob_fraction']:.1%} of the response "
+                         "tokens have non-finite rollout log-probs (masked out of the loss)")
             with _timer(timing, "old_log_prob"):
                 outs = trainers.call("compute_log_probs", batch)
                 fill_log_probs(batch, outs)

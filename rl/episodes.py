@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 from rl.proc_pool import Outcome, ProcessPool, resolve
 from rl.rollout.base import Request, Result, SamplingParams, sample_seed
+from rl.validate import token_ids
 
 FIELD = "rollout.multi_turn.env"
 TOOL_STATS = ("calls", "errors", "timeouts", "cut", "dropped")
@@ -81,17 +82,9 @@ class ToolRunner:
 
 
 def tool_token_ids(tokenizer, tokens: list) -> set[int]:
-    """``rollout.multi_turn.tool_call_stop_tokens`` (ids or token strings) as ids."""
-    out = set()
-    for t in tokens:
-        if isinstance(t, str):
-            i = tokenizer.convert_tokens_to_ids(t)
-            if i is None or i == tokenizer.unk_token_id:
-                raise ValueError(f"rollout.multi_turn.tool_call_stop_tokens: {t!r} is not a token of the tokenizer")
-            out.add(int(i))
-        else:
-            out.add(int(t))
-    return out
+    """``rollout.multi_turn.tool_call_stop_tokens`` (ids or token strings) as ids (checked before Ray starts
+    too: ``rl.validate.preflight``)."""
+    return set(token_ids(tokenizer, tokens, "rollout.multi_turn.tool_call_stop_tokens", len(tokenizer)))
 
 
 def observation_ids(tokenizer, text: str, role: str, prev_id: int) -> list[int]:

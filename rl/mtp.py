@@ -40,6 +40,9 @@ def mtp_layers(scale: float, glm5, source: str, measure: bool = False) -> Option
     if scale < 0:
         raise ValueError(f"actor.mtp_loss_scale={scale} must be >= 0")
     if scale == 0:
+        if measure and not glm5.num_nextn_predict_layers:
+            raise ValueError(f"actor.mtp_accept=true: {source} stores no MTP layer weights, so there is no draft "
+                             "head to measure; set actor.mtp_accept=false or use a folder with the MTP layer")
         return (glm5.num_nextn_predict_layers or None) if measure else None
     if not glm5.num_nextn_predict_layers:
         raise ValueError(f"actor.mtp_loss_scale={scale}: {source} stores no MTP layer weights (a transformers "
@@ -166,15 +169,3 @@ def adapter_without_mtp(files: dict, num_hidden_layers: int, drop_modules: tuple
     if len(keep) == len(tensors):
         return files
     return {**files, name: save(keep, metadata={"format": "pt"})}
-
-
-def check_mtp_loss(cfg) -> None:
-    """Before any worker starts: ``actor.mtp_loss_scale > 0`` on a folder storing no MTP layer is a
-    ValueError naming the folder (what the trainer would refuse later, inside its actor)."""
-    if cfg.actor.mtp_loss_scale == 0:
-        return
-    from glm5_mcore.checkpoint.folder_config import checkpoint_config, hf_dir_config
-
-    m = cfg.model
-    glm5 = checkpoint_config(m.ckpt, quiet=True) if m.ckpt else hf_dir_config(m.hf_dir, quiet=True)
-    mtp_layers(cfg.actor.mtp_loss_scale, glm5, m.ckpt or m.hf_dir)

@@ -167,6 +167,13 @@ class StepSource:
             limit = fg.max_num_gen_batches
             if filt.full or not fg.enable or (limit > 0 and rnd >= limit):
                 break
+            if limit <= 0 and rnd * self.cfg.data.prompts_per_step >= len(self.train):
+                raise ValueError(
+                    f"algorithm.filter_groups.max_num_gen_batches={limit} (no limit): step {step} drew every prompt "
+                    f"of data.train once ({rnd} generation rounds) and kept {len(filt.kept)} of "
+                    f"{self.cfg.data.prompts_per_step} groups whose {fg.metric} is not the same for all "
+                    f"rollout.n={n} samples, so it would regenerate forever; set max_num_gen_batches > 0 (the step "
+                    "is then topped up with uniform groups) or check reward.fn")
         prompts, results, raw, shaped, metrics = filt.take()
         metrics.update(shape_m)
         if hasattr(self.rewards, "take_metrics"):  # rl.driver.Rewards (tests pass a plain function)

@@ -31,6 +31,8 @@ class Prompt:
     ground_truth: Any = None
     data_source: str = ""
     extra: dict = field(default_factory=dict)
+    where: str = ""
+    """``file:line`` of a JSONL row (errors name it)."""
 
 
 def toy_prompts(tokenizer, size: int, seed: int, modulus: int = 2, keys: int = 8) -> list[Prompt]:
@@ -64,7 +66,7 @@ def read_prompts(path: str | Path, tokenizer, chat_template: bool, max_tokens: i
         if len(ids) > max_tokens:
             raise PromptDataError(f"{where}: prompt has {len(ids)} tokens > data.max_prompt_tokens={max_tokens}")
         out.append(Prompt(len(out), ids, text, f["ground_truth"], str(f["data_source"] or Path(path).stem),
-                          f["extra_info"]))
+                          f["extra_info"], where))
     if not out:
         raise PromptDataError(f"{path}: no prompts")
     return out

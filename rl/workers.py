@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import socket
+import sys
+import time
+from pathlib import Path
 from typing import Optional
 
 import ray
 
-from glm5_mcore.checkpoint.layout import serving_dir
+from glm5_mcore.checkpoint.layout import latest_iteration, serving_dir
 from rl.rollout.base import AdapterPayload, Request, Result, SamplingParams
 
 _ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_SILENT": "true",
@@ -27,8 +31,9 @@ _ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_SILENT
         "RAY_DEDUP_LOGS": "1"}
 
 
-def start_ray(address: Optional[str], num_cpus: Optional[int]) -> None:
-    """Local Ray by default; join ``address`` ("auto", "ray://host:10001") when given."""
+def start_ray(address: Optional[str], num_cpus: Optional[int], min_cpus: int = 0) -> None:
+    """Local Ray by default (``num_cpus``, else at least ``min_cpus``: the actors the job reserves); join
+    ``address`` ("auto", "ray://host:10001") when given."""
     if ray.is_initialized():
         return
     path = [p for p in (os.environ.get("PYTHONPATH", ""), os.getcwd()) if p]
@@ -36,7 +41,7 @@ def start_ray(address: Optional[str], num_cpus: Optional[int]) -> None:
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
     else:
-        ray.init(num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=False,
+        ray.init(num_cpus=num_cpus or max(4, os.cpu_count() or 1, min_cpus), include_dashboard=False,
                  runtime_env=runtime_env, log_to_driver=True, configure_logging=False)
 
 
@@ -46,6 +51,69 @@ def _load_class(path: str):
         return getattr(importlib.import_module(mod), name)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"rollout.engine={path!r}: cannot import ({e})") from None
+
+
+class RayJobError(ValueError):
+    """An actor's failure (naming the actor, the method and the cause) or a wait that timed out (naming
+    what it waited for), as one line: a ValueError, so the entry point prints it and exits 2 instead of a
+    ``ray::Actor.method()`` stack."""
+
+
+def cause_line(e: BaseException) -> str:
+    """``Type: message`` on one line: a ``RayTaskError``'s cause, the cause of an actor that died in its
+    ``__init__`` (the last exception line of Ray's text), else the exception's first line."""
+    if isinstance(e, ray.exceptions.RayTaskError) and isinstance(getattr(e, "cause", None), BaseException):
+        return f"{type(e.cause).__name__}: {' '.join(str(e.cause).split())}"
+    lines = str(e).splitlines()
+    last = max((j for j, ln in enumerate(lines) if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Exit)\b", ln)),
+               default=None)
+    return " ".join(" ".join(lines[last:]).split()) if last is not None else (lines[0] if lines else type(e).__name__)
+
+
+def error_line(e: BaseException) -> str:
+    """``Actor.method: Type: message`` (the actor and method from Ray's ``ray::Actor.method()`` text)."""
+    where = re.search(r"ray::([\w.]+)\(", str(e))
+    return f"{where.group(1)}: {cause_line(e)}" if where else cause_line(e)
+
+
+def resources_needed(cfg) -> dict:
+    """{"CPU": n, "GPU": n} the trainer ranks and rollout actors reserve."""
+    t, r = cfg.trainer, cfg.rollout
+    return {"CPU": float(t.world_size + r.num_actors),
+            "GPU": float(t.world_size * t.gpus_per_rank + r.num_actors * r.gpus_per_actor)}
+
+
+def _resource_text(cfg) -> str:
+    t, r = cfg.trainer, cfg.rollout
+    need = resources_needed(cfg)
+    have = ray.cluster_resources()
+    return (f"trainer.world_size={t.world_size} ranks (1 CPU, trainer.gpus_per_rank={t.gpus_per_rank} GPU each) + "
+            f"rollout.num_actors={r.num_actors} engines (1 CPU, rollout.gpus_per_actor={r.gpus_per_actor} GPU each) "
+            f"need {need['CPU']:g} CPUs, {need['GPU']:g} GPUs; the Ray cluster has {have.get('CPU', 0):g} CPUs, "
+            f"{have.get('GPU', 0):g} GPUs")
+
+
+def check_resources(cfg) -> None:
+    """A local Ray cluster (started here: it cannot grow) without the CPUs / GPUs the job reserves is one
+    line naming the settings, instead of actors waiting forever to be scheduled."""
+    need, have = resources_needed(cfg), ray.cluster_resources()
+    if any(v > have.get(k, 0.0) + 1e-9 for k, v in need.items()):
+        raise ValueError(f"{_resource_text(cfg)} (ray.num_cpus, or ray.address of a bigger cluster)")
+
+
+def wait_for(refs: list, what: str, cfg, timeout: Optional[float] = None, every: float = 60.0) -> None:
+    """Wait until every ref in ``refs`` is ready, saying what it waits for each ``every`` seconds (on
+    stderr) and failing after ``ray.wait_timeout_s`` (or ``timeout``) with the resources asked and had."""
+    timeout = cfg.ray.wait_timeout_s if timeout is None else timeout
+    t0, pending = time.monotonic(), list(refs)
+    while pending:
+        left = timeout - (time.monotonic() - t0)
+        if left <= 0:
+            raise RayJobError(f"{what}: not ready after ray.wait_timeout_s={timeout:g} s; {_resource_text(cfg)}")
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(every, left))
+        if pending and time.monotonic() - t0 < timeout:
+            print(f"glm5 rl: waiting for {what} ({len(pending)} of {len(refs)} not ready after "
+                  f"{time.monotonic() - t0:.0f} s; {_resource_text(cfg)})", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -83,26 +151,56 @@ class TrainerGroup:
 
         t = cfg.trainer
         bundle = {"CPU": 1, **({"GPU": t.gpus_per_rank} if t.gpus_per_rank else {})}
+        self.out, self.actors = t.out, []
         self.pg = placement_group([dict(bundle) for _ in range(t.world_size)], strategy=cfg.ray.placement_strategy)
-        ray.get(self.pg.ready())
         share = 1.0 - cfg.rollout.colocate.engine_fraction if cfg.rollout.colocate.enable else 1.0
-        self.actors = [TrainerActor.options(
-            num_cpus=share, num_gpus=t.gpus_per_rank * share,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r)).remote()
-            for r in range(t.world_size)]
-        addr, port = ray.get(self.actors[0].node_address.remote())
-        self.reporting = ray.get([a.init.remote(cfg, r, t.world_size, addr, port) for r, a in enumerate(self.actors)])
+        try:
+            wait_for([self.pg.ready()], f"the placement group of the {t.world_size} trainer ranks", cfg)
+            self.actors = [TrainerActor.options(
+                num_cpus=share, num_gpus=t.gpus_per_rank * share,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r)).remote()
+                for r in range(t.world_size)]
+            addr, port = self.gather([self.actors[0].node_address.remote()], "TrainerActor.node_address")[0]
+            self.reporting = self.gather([a.init.remote(cfg, r, t.world_size, addr, port)
+                                        for r, a in enumerate(self.actors)], "TrainerActor.init")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def gather(self, refs: list, method: str) -> list:
+        """``ray.get`` of one call per rank, taken as they finish: the first rank that fails ends the wait
+        (the others may be blocked in a collective with it) with one line naming the rank and method; a
+        rank that died says the same command resumes from the run's latest checkpoint."""
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            rank = refs.index(ready[0])
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayActorError as e:
+                try:
+                    step = latest_iteration(self.out) if (Path(self.out) / "latest").is_file() else None
+                except (ValueError, OSError):
+                    step = None
+                again = (f"the same command resumes from its latest checkpoint (step {step} in {self.out})"
+                         if step is not None else "no checkpoint was saved yet (trainer.save_every), so the same "
+                                                  "command starts over")
+                raise RayJobError(f"trainer rank {rank} died in {method} ({cause_line(e)}); {again}") \
+                    from None
+            except ray.exceptions.RayTaskError as e:
+                raise RayJobError(f"trainer rank {rank}, {method}: {cause_line(e)}") from None
+        return ray.get(refs)
 
     def call(self, method: str, *args, **kwargs) -> list:
         """``method`` on every rank; the reporting ranks' results (in rank order)."""
         args = [ray.put(a) if len(self.actors) > 1 else a for a in args]  # one copy in the object store
         refs = [a.call.remote(method, *args, **kwargs) for a in self.actors]
-        out = ray.get(refs)
+        out = self.gather(refs, f"PolicyTrainer.{method}")
         return [o for o, rep in zip(out, self.reporting) if rep]
 
     def first(self, method: str, *args, **kwargs):
         res = [a.call.remote(method, *args, **kwargs) for a in self.actors]
-        return ray.get(res)[0]
+        return self.gather(res, f"PolicyTrainer.{method}")[0]
 
     def nodes(self) -> list[str]:
         """The Ray node id of each rank (rank order)."""
@@ -132,6 +230,10 @@ class RolloutActor:
 
             self.tok = AutoTokenizer.from_pretrained(hf_dir)
             self.env = ToolRunner.from_config(multi_turn)
+
+    def ready(self) -> bool:
+        """Returns once ``__init__`` (the engine's start-up) has finished."""
+        return True
 
     def load_adapter(self, payload: Optional[AdapterPayload]) -> dict:
         self.engine.load_adapter(payload)
@@ -175,6 +277,31 @@ class RolloutPool:
         self.events: list[str] = []
         self.loading: list = []
         self.actors = [self._new(i) for i in range(cfg.rollout.num_actors)]
+        try:
+            self._started(range(len(self.actors)))
+        except ray.exceptions.RayActorError as e:  # the process died (OOM, a crash) while starting
+            self.shutdown()
+            raise RayJobError(f"a rollout actor died while starting rollout.engine={cfg.rollout.engine}: "
+                              f"{cause_line(e)}") from None
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _started(self, which) -> None:
+        """Wait (``wait_for``: says what it waits for, times out) until the actors ``which`` have started
+        their engines. An engine that fails in start-up is a setting, not a crash a restart cures: one
+        line naming the engine, ``rollout.engine_kwargs`` and the cause."""
+        refs = {i: self.actors[i].ready.remote() for i in which}
+        wait_for(list(refs.values()), f"{len(refs)} rollout actor(s) to start {self.cfg.rollout.engine}", self.cfg)
+        for i, ref in refs.items():
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                if not e.actor_init_failed:
+                    raise
+                r = self.cfg.rollout
+                raise RayJobError(f"rollout actor {i}: rollout.engine={r.engine} failed to start with "
+                                  f"rollout.engine_kwargs={dict(r.engine_kwargs)}: {cause_line(e)}") from None
 
     def _new(self, i: int):
         r, t = self.cfg.rollout, self.cfg.trainer
@@ -227,20 +354,32 @@ class RolloutPool:
                     break
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
                     self._replace(i, e)
+                except ray.exceptions.RayTaskError as e:
+                    raise RayJobError(f"rollout actor {i}, {error_line(e)}") from None
             else:
-                raise RuntimeError(f"rollout actor {i} keeps dying ({self.cfg.rollout.max_restarts} restarts)")
+                raise RayJobError(f"rollout actor {i} keeps dying ({self.cfg.rollout.max_restarts} restarts)")
         return out
 
     def _replace(self, i: int, err, payload=False, note: str = "") -> None:
         self.restarts += 1
         if self.restarts > self.cfg.rollout.max_restarts * len(self.actors) + 100:
             raise RuntimeError(f"rollout actors died {self.restarts} times; last: {err}")
-        try:
-            ray.kill(self.actors[i])
-        except Exception:
-            pass
-        self.actors[i] = self._new(i)
-        ray.get(self.actors[i].load_adapter.remote(self.payload if payload is False else payload))
+        for attempt in range(self.cfg.rollout.max_restarts + 1):
+            try:
+                ray.kill(self.actors[i])
+            except Exception:
+                pass
+            self.actors[i] = self._new(i)
+            try:  # a replacement that fails in start-up is refused by _started; one that dies here is retried
+                self._started([i])
+                ray.get(self.actors[i].load_adapter.remote(self.payload if payload is False else payload))
+                break
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
+                err = e
+        else:
+            raise RayJobError(f"rollout actor {i}: its replacement died {self.cfg.rollout.max_restarts + 1} times "
+                              f"while starting (rollout.max_restarts={self.cfg.rollout.max_restarts}); last: "
+                              f"{cause_line(err)}")
         self.events.append(f"rollout actor {i} died ({type(err).__name__}); restarted{note}")
 
     def generate(self, requests: list[Request], params: SamplingParams) -> list[Result]:
@@ -284,10 +423,13 @@ class RolloutPool:
             del pending[i]
             try:
                 got = ray.get(ready[0])
+            except ray.exceptions.RayTaskError as e:
+                raise RayJobError(f"rollout actor {i}, {error_line(e)}") from None
             except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
                 tries[i] += 1
                 if tries[i] > self.cfg.rollout.max_restarts:
-                    raise RuntimeError(f"rollout actor {i} died {tries[i]} times in one step") from e
+                    raise RayJobError(f"rollout actor {i} died {tries[i]} times in one step (rollout.max_restarts="
+                                      f"{self.cfg.rollout.max_restarts}); last: {cause_line(e)}") from None
                 self._replace(i, e, job["payload"], f"; redoing its {len({r.key[0] for r in shards[i]})} prompts")
                 pending[i] = self.actors[i].generate.remote(shards[i], params, self.cfg.rollout.batch_prompts)
                 if job["payload"] is not self.payload:

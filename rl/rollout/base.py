@@ -86,9 +86,31 @@ class RolloutEngine(ABC):
     and ``wake_up``s before them (vLLM's ``LLM.sleep(level)`` / ``LLM.wake_up(tags)``). The defaults
     here are logged no-ops returning what they did, for an engine that holds nothing worth freeing."""
 
+    FORWARDS_KWARGS = False
+    """True: ``engine_kwargs`` the engine does not name go on to its backend, whose own check refuses
+    unknown ones (``vllm.LLM``'s ``EngineArgs``); False: such a key is refused by ``check_kwargs``."""
+
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, **kwargs):
         self.hf_dir = hf_dir
         self.deterministic_topk = deterministic_topk
+
+    @classmethod
+    def check_kwargs(cls, kwargs: dict) -> None:
+        """``rollout.engine_kwargs`` checked before Ray starts: a key no ``__init__`` of the engine's classes
+        names is a ValueError listing the known ones (unless ``FORWARDS_KWARGS``)."""
+        import inspect
+
+        known = set()
+        for klass in cls.__mro__:
+            init = klass.__dict__.get("__init__")
+            if init is not None:
+                known |= {n for n, p in inspect.signature(init).parameters.items()
+                          if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        known -= {"self", "hf_dir", "deterministic_topk"}
+        unknown = sorted(set(kwargs) - known)
+        if unknown and not cls.FORWARDS_KWARGS:
+            raise ValueError(f"rollout.engine_kwargs: unknown key(s) {unknown} for {cls.__module__}.{cls.__name__}; "
+                             f"known: {sorted(known)}")
 
     @abstractmethod
     def generate(self, requests: list[Request], params: SamplingParams, batched: bool = True) -> list[Result]:

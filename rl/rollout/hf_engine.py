@@ -71,9 +71,12 @@ def _top_p_probs(logits_BV: torch.Tensor, temperature: float, top_p: float) -> t
 
 
 class HFRolloutEngine(RolloutEngine):
+    DTYPES = ("float32", "bfloat16", "float16")
+
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, dtype: str = "float32", threads: int = 1,
-                 index_row_stride: int = 1024, **kwargs):
+                 index_row_stride: int = 1024):
         super().__init__(hf_dir, deterministic_topk)
+        self.check_kwargs({"dtype": dtype, "threads": threads, "index_row_stride": index_row_stride})
         from transformers import AutoModelForCausalLM
 
         from glm5_mcore.device import training_device
@@ -94,6 +97,16 @@ class HFRolloutEngine(RolloutEngine):
         self.peft = None
         self.adapter_version: Optional[int] = None
         self._asleep: Optional[HostCopy] = None
+
+    @classmethod
+    def check_kwargs(cls, kwargs: dict) -> None:
+        super().check_kwargs(kwargs)
+        if kwargs.get("dtype", "float32") not in cls.DTYPES:
+            raise ValueError(f"rollout.engine_kwargs.dtype={kwargs['dtype']!r}: one of {cls.DTYPES}")
+        for key in ("threads", "index_row_stride"):
+            v = kwargs.get(key, 1)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"rollout.engine_kwargs.{key}={v!r} must be an integer >= 1")
 
     # ------------------------------------------------------------------ weights
     def load_adapter(self, payload: Optional[AdapterPayload]) -> None:

@@ -246,6 +246,8 @@ class VLLMRolloutEngine(RolloutEngine):
     decoder) and reloads it into the draft model (``vllm_server.Server.reload_draft``) — in merged and
     LoRA mode alike; the LoRARequest carries the decoder's adapter only."""
 
+    FORWARDS_KWARGS = True  # the rest go to vllm.LLM, whose EngineArgs refuses unknown keys
+
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, merge: bool = False, max_lora_rank: int = 64,
                  dtype: str = "bfloat16", gpu_memory_utilization: float = 0.8, tensor_parallel_size: int = 1,
                  vllm_python: Optional[str] = None, dense_mla: bool = False, device: Optional[str] = None,

@@ -186,6 +186,26 @@ def test_sft_starts_from_a_bridge_folder_exactly_as_from_its_weights(foreign, co
     assert [x["loss"] for x in a] == [x["loss"] for x in b]
 
 
+def test_sft_checks_a_bridge_folders_config_against_model_hf_dir(foreign, tiny_mtp_dir, tmp_path):
+    """Issue 34 class 9: SFT on a Bridge folder whose ``run_config.yaml`` disagrees with ``model.hf_dir`` is
+    refused naming the file and field before the run folder is claimed (as parity and RL refuse it)."""
+    from glm5_mcore.config import GLM5Config
+    from recipes.sft import run
+    from tests.support.sft_setup import sft_cfg
+
+    experts = GLM5Config.from_hf_dir(tiny_mtp_dir).n_routed_experts
+    bad = tmp_path / "bad"
+    shutil.copytree(foreign["bridge"], bad)
+    rc = next(bad.glob("iter_*/run_config.yaml"))
+    d = yaml.safe_load(rc.read_text())
+    d["model"]["num_moe_experts"] = experts * 2
+    rc.write_text(yaml.safe_dump(d))
+    cfg = sft_cfg(tiny_mtp_dir, tmp_path / "s", model={"ckpt": str(bad)}, train={"steps": 1, "eval_every": 0})
+    with pytest.raises(ValueError, match=rf"run_config.yaml: n_routed_experts = {experts * 2} but the HF config"):
+        run(cfg)
+    assert not (tmp_path / "s" / "run").exists()
+
+
 def test_rl_trainer_starts_from_a_megatron_lm_folder(foreign, tiny_mtp_dir):
     """RL's ``model.ckpt``: the policy's base weights are the Megatron-LM folder's (router upcast)."""
     from rl.config import RLConfig

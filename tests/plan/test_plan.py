@@ -179,6 +179,18 @@ def test_glm5_plan_cli_bad_input(capsys):
     assert "no_such_config.yaml: missing" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--world=0", "--tp=0", "--ep=0", "--micro-batch-tokens=0",
+                                  "--micro-batch-tokens=-5", "--gpus-per-node=0"])
+def test_glm5_plan_refuses_zero_and_negative_sizes(capsys, flag):
+    """Issue 34 class 10: a size of 0 was read as "not given" (``if getattr(args, dim)``) and -5 planned as
+    "fits"; each is now one line naming the flag, exit 2."""
+    from recipes.main import main
+
+    assert main(["plan", "--kind", "sft", "--cluster", "h100:8", flag]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"glm5 plan: error: {flag}: must be >= 1", err
+
+
 def test_engine_gpus_must_match_the_actor_reservation():
     from glm5_mcore.config import glm5_744b
     from glm5_mcore.plan.cluster import cluster_from

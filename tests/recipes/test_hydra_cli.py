@@ -167,3 +167,26 @@ def test_multirun_folders_obey_the_output_guard(capsys, tmp_path, tiny_dir, rows
     rc, _, err = _glm5(capsys, "sft", *_sft_args(tiny_dir, rows, run), "lora.rank=4", "train.steps=3")
     assert rc == 2 and "lora.rank: 2 -> 4" in err, err
     assert _tree(run) == kept
+
+
+def test_bad_saved_configs_are_one_line_errors_naming_the_file(capsys, tmp_path):
+    """Issue 34 class 14: invalid YAML under ``--config-path`` (was a raw ``ScannerError`` / ``ParserError``
+    stack, exit 1) and the other recipe's saved config (was "unknown field trainer") name the file."""
+    from omegaconf import OmegaConf
+
+    from recipes.cli import compose
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.yaml").write_text("model: [unclosed\n  hf_dir: x\n")
+    saved = tmp_path / "rl_run" / ".hydra"
+    saved.mkdir(parents=True)
+    (saved / "config.yaml").write_text(OmegaConf.to_yaml(compose("rl/grpo_tiny", [])))
+    for kind in ("sft", "rl"):
+        rc, _, err = _glm5(capsys, kind, "--config-path", str(bad), "--config-name", "config")
+        assert rc == 2 and err.startswith(f"glm5 {kind}: error: {bad / 'config.yaml'}: not valid YAML (") \
+            and "line 2 column" in err and err.count("\n") == 1, err
+    rc, _, err = _glm5(capsys, "sft", "--config-path", str(saved), "--config-name", "config")
+    assert rc == 2 and err.count("\n") == 1, err
+    assert f"{saved / 'config.yaml'}: a glm5 rl config (it has a 'trainer:' section" in err, err
+    assert f"run it with glm5 rl --config-path {saved} --config-name config" in err, err

@@ -108,6 +108,29 @@ def test_filter_groups_round_limit_tops_up_with_uniform_groups():
     assert got.metrics["filter_groups/filled_with_uniform"] == 4 - odd > 0 and len(got.prompts) == 4
 
 
+def test_unlimited_filter_groups_on_uniform_rewards_stops_after_one_pass():
+    """Issue 34 class 6: ``max_num_gen_batches=0`` with every group uniform regenerated forever; the step
+    now stops, after drawing each prompt of ``data.train`` once, with one line naming the setting."""
+    import threading
+
+    cfg = _cfg(algorithm={"filter_groups": {"enable": True, "max_num_gen_batches": 0}})
+    state, pool, out = {"epoch": 0, "cursor": 0}, FakePool(), {}
+
+    def go():
+        try:
+            StepSource(cfg, _prompts(16), pool, None, lambda p, r, n: torch.ones(len(p) * n), state).take(0, state)
+        except ValueError as e:
+            out["err"] = str(e)
+
+    th = threading.Thread(target=go, daemon=True)
+    th.start()
+    th.join(timeout=30)
+    assert not th.is_alive(), f"still regenerating after {len(pool.jobs)} rounds"
+    assert out["err"].startswith("algorithm.filter_groups.max_num_gen_batches=0 (no limit): step 0 drew every "
+                                 "prompt of data.train once (4 generation rounds) and kept 0 of 4 groups"), out
+    assert len(pool.jobs) == 4
+
+
 def test_overlong_penalty_and_truncation_mask_in_the_step():
     from rl.driver import make_batch
 

@@ -20,3 +20,32 @@ class DyingEngine(HFRolloutEngine):
             else:
                 os._exit(1)  # mid-step, after the driver handed this actor its prompts
         return super().generate(requests, params, batched)
+
+
+class FailingEngine(HFRolloutEngine):
+    """Raises in start-up, every time (a setting the engine refuses, e.g. weights it cannot open)."""
+
+    def __init__(self, hf_dir, deterministic_topk=True, reason="cannot open the weights", **kw):
+        raise ValueError(reason)
+
+
+class DieOnRestartEngine(HFRolloutEngine):
+    """The first ``generate`` of a run kills its process (``die_marker``, as ``DyingEngine``); every engine
+    started after that dies in its own start-up (the replacement never comes up)."""
+
+    def __init__(self, hf_dir, deterministic_topk=True, die_marker=None, **kw):
+        if die_marker and os.path.exists(die_marker):
+            os._exit(1)
+        super().__init__(hf_dir, deterministic_topk, **kw)
+        self.die_marker = die_marker
+
+    def generate(self, requests, params, batched=True):
+        os.close(os.open(self.die_marker, os.O_CREAT | os.O_WRONLY))
+        os._exit(1)
+
+
+class RaisingEngine(HFRolloutEngine):
+    """``generate`` raises (a bug or a bad request found inside the actor)."""
+
+    def generate(self, requests, params, batched=True):
+        raise ValueError("engine says no:\nthe request is bad")

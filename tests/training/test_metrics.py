@@ -90,3 +90,15 @@ def test_panel_lists_name_the_issue_metrics():
         from glm5_mcore.plot import render
 
         render({"r": [{"step": 1, "other": 1.0}]}, Path("/dev/null"))
+
+
+def test_plot_draws_values_near_the_float_limit(tmp_path):
+    """Issue 34 class 14: a diverged run logging ±1e308 (finite, but its span overflows) failed inside
+    matplotlib ("arange: cannot compute length"); that panel is now drawn on a symlog axis."""
+    run = _write_run(tmp_path / "diverged", [])
+    with open(run / METRICS_FILE, "w") as f:
+        for s in range(1, 6):
+            f.write(json.dumps({"step": s, "loss": 1e308 if s % 2 else -1e308, "lr": 1e-3}) + "\n")
+    out = tmp_path / "d.png"
+    assert plot([run], out) == ["loss (train, val)", "learning rate"]
+    assert png_kind(out) == "plot" and out.stat().st_size > 10_000

@@ -1,0 +1,137 @@
+"""Issue 34 (classes 12, 13): RL settings and inputs that used to fail inside a Ray actor (a
+``ray::Actor.method()`` stack at the first update or generate) or to be accepted silently are refused
+before Ray starts, each with one line naming the field, file or setting, and nothing written."""
+
+import json
+
+import pytest
+
+from recipes.main import main
+
+
+def _d(tiny_dir, out, **sections) -> dict:
+    d = {"model": {"hf_dir": str(tiny_dir)}, "wandb": {"mode": "disabled"},
+         "data": {"prompts_per_step": 4, "val": None},
+         "rollout": {"n": 2, "max_new_tokens": 4, "num_actors": 1},
+         "actor": {"ppo_mini_batch_size": 4},
+         "trainer": {"out": str(out), "progress": False, "eval_every": 0, "steps": 1}}
+    for k, v in sections.items():
+        d.setdefault(k, {}).update(v)
+    return d
+
+
+@pytest.mark.parametrize("sections,msg", [
+    ({"actor": {"policy_loss": "vanila"}}, "actor.policy_loss='vanila': not a verl policy loss; one of ["),
+    ({"algorithm": {"router_replay": True},
+      "rollout": {"multi_turn": {"enable": True, "tool_call_stop_tokens": [5]}}},
+     "algorithm.router_replay=true with rollout.multi_turn.enable=true"),
+    ({"reward": {"overlong_buffer": {"enable": True, "len": 2, "penalty_factor": -1.0}}},
+     "reward.overlong_buffer.penalty_factor=-1.0 must be >= 0"),
+    ({"rollout": {"engine_kwargs": {"dtpye": "bfloat16"}}},
+     "rollout.engine_kwargs: unknown key(s) ['dtpye'] for rl.rollout.hf_engine.HFRolloutEngine; known: ['dtype', "),
+    ({"rollout": {"engine_kwargs": {"dtype": "float64x"}}},
+     "rollout.engine_kwargs.dtype='float64x': one of ('float32', 'bfloat16', 'float16')"),
+])
+def test_config_refusals_name_the_field(tiny_dir, tmp_path, sections, msg):
+    """Was: the typo found at the first update; R3 + tool episodes run; a negative factor rewarded overlong
+    answers; an unknown engine key ignored; a bad dtype restarted the engine actor until it gave up."""
+    from rl.config import RLConfig
+
+    with pytest.raises(ValueError) as e:
+        RLConfig.from_dict(_d(tiny_dir, tmp_path / "rl", **sections))
+    assert msg in str(e.value), str(e.value)
+
+
+def _prompts(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["stop_string", "stop_id", "context", "mtp_accept", "ground_truth"])
+def test_preflight_refusals_before_ray(tiny_dir, tmp_path, case):
+    """Was: an unknown stop string found at the first generate, a stop id past the vocabulary sampled
+    against, the engine's "exceeds max_position_embeddings" inside the actor (no file:line),
+    ``mtp_accept`` on a model without MTP weights logging nothing, rows without ``ground_truth`` scored 0."""
+    import ray
+
+    from rl.config import RLConfig
+    from rl.driver import run
+
+    rows = [{"prompt": "w1 w2 w3", "ground_truth": 1} for _ in range(4)]
+    sections, msg = {}, ""
+    if case == "stop_string":
+        sections, msg = {"rollout": {"stop_token_ids": ["<|nope|>"]}}, \
+            "rollout.stop_token_ids: '<|nope|>' is not a token of the tokenizer"
+    elif case == "stop_id":
+        sections, msg = {"rollout": {"stop_token_ids": [1, 128]}}, \
+            "rollout.stop_token_ids: id 128 is outside the vocabulary [0, 128)"
+    elif case == "context":
+        rows[2] = {"prompt": " ".join(["w1"] * 509), "ground_truth": 0}
+        sections = {"data": {"max_prompt_tokens": 1024}, "rollout": {"max_new_tokens": 4}}
+        msg = "data.train: {train}:3 has 509 tokens; + rollout.max_new_tokens=4 exceeds the model's context " \
+              "(max_position_embeddings=512)"
+    elif case == "mtp_accept":
+        sections, msg = {"actor": {"mtp_accept": True}}, \
+            f"actor.mtp_accept=true: {tiny_dir} stores no MTP layer weights"
+    else:
+        rows[1] = {"prompt": "w4 w5"}
+        msg = "{train}:2: no 'ground_truth' (or 'answer') field"
+    train = _prompts(tmp_path / "train.jsonl", rows)
+    d = _d(tiny_dir, tmp_path / "rl", **sections)
+    d["data"]["train"] = train
+    with pytest.raises(ValueError) as e:
+        run(RLConfig.from_dict(d))
+    assert msg.format(train=train) in str(e.value), str(e.value)
+    assert not (tmp_path / "rl").exists() and not ray.is_initialized()
+
+
+def test_cli_refusal_is_one_line_exit_2(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "rl"
+    rc = main(["rl", f"model.hf_dir={tiny_dir}", f"trainer.out={out}", "rollout.stop_token_ids=[1,999]",
+               "wandb=disabled"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == "glm5 rl: error: rollout.stop_token_ids: id 999 is outside the vocabulary [0, 128)\n"
+    assert not out.exists()
+
+
+def test_nonfinite_rollout_logprobs_are_counted_masked_or_refused():
+    """Issue 34 class 12: an engine returning NaN log-probs ran with rc 0, IcePop masking 100 %, nothing
+    trained, no word. Some NaN: counted and out of the loss; all NaN: one line naming the engine."""
+    import torch
+
+    from rl.batch import RolloutBatch
+    from rl.validate import rollout_logprob_check
+
+    nan = float("nan")
+    b = RolloutBatch.build([[5], [5]], [[7, 8], [9]], [[-1.0, nan], [-2.0]], [0, 0])
+    m = rollout_logprob_check(b, 3, "my.Engine")
+    assert m == {"rollout/nonfinite_logprob_fraction": pytest.approx(1 / 3)}
+    assert b.response_mask.tolist() == [[1.0, 0.0], [1.0, 0.0]] and torch.isfinite(b.rollout_log_probs).all()
+    b = RolloutBatch.build([[5]], [[7, 8]], [[nan, float("inf")]], [0])
+    with pytest.raises(ValueError, match=r"rollout.engine=my.Engine: step 3: every one of the 2 response tokens "
+                                         r"has a non-finite \(NaN / inf\) log-prob"):
+        rollout_logprob_check(b, 3, "my.Engine")
+
+
+def test_tp_not_dividing_the_vocabulary_is_refused_before_ray(tiny_dir, tmp_path):
+    """Issue 34 class 16: a vocabulary of 99 at TP 2 was a raw ``AssertionError: 99 is not divisible by 2``
+    inside the trainer actor (and in ``build_model`` for SFT / parity); now one line naming tp and the
+    folder, before Ray starts (refused: the vocabulary is not padded yet)."""
+    import shutil
+
+    import ray
+
+    from glm5_mcore.config import GLM5Config, ParallelConfig
+    from rl.config import RLConfig
+    from rl.driver import run
+
+    hf = tmp_path / "v99"
+    shutil.copytree(tiny_dir, hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, "vocab_size": 99}))
+    with pytest.raises(ValueError, match=r"^tp: vocab_size=99 is not divisible by tp=2 "):
+        ParallelConfig(tp=2).validate(GLM5Config.from_hf_dir(hf))
+    d = _d(hf, tmp_path / "rl", trainer={"world_size": 2, "tp": 2})
+    with pytest.raises(ValueError, match=rf"^trainer.tp: vocab_size=99 is not divisible by tp=2 .*\({hf}\)$"):
+        run(RLConfig.from_dict(d))
+    assert not (tmp_path / "rl").exists() and not ray.is_initialized()
