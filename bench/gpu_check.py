@@ -294,9 +294,9 @@ def stage_te_vllm(ctx: dict) -> dict:
     return {"runs": res, "ok": all(isinstance(v, dict) and v["rc"] == 0 for v in res.values())}
 
 
-STAGES = [("env", 20, stage_env), ("model_sft", 120, stage_model_sft), ("rl_step", 150, stage_rl_step),
-          ("dsa", "gpu_check_dsa.py", None), ("resume", 180, stage_resume),
-          ("colocate", "gpu_check_colocate.py", None), ("te_vllm", 30, stage_te_vllm)]
+STAGES = [("env", 20, stage_env), ("model_sft", 90, stage_model_sft), ("rl_step", 60, stage_rl_step),
+          ("dsa", "gpu_check_dsa.py", None), ("resume", 120, stage_resume),
+          ("colocate", "gpu_check_colocate.py", None), ("te_vllm", 20, stage_te_vllm)]
 """(name, budget seconds or the file of another helper's stage, function), in order of value."""
 
 

@@ -118,9 +118,6 @@ def row_fields(row: Any, where: str, columns: dict) -> dict:
         raise PromptDataError(f"{where}: column {pcol!r} must be a string or a list of chat messages, "
                               f"not {type(prompt).__name__}")
     gcol, gt = pick("ground_truth", GROUND_TRUTH_COLUMNS)
-    if gcol is None:  # verl's reward manager: a KeyError at the first step
-        raise PromptDataError(f"{where}: no 'ground_truth' (or 'answer') field for the reward function (verl's "
-                              "'reward_model.ground_truth' also counts); give one on every row (null where none is needed)")
     dcol, source = pick("data_source", ("data_source",))
     if dcol is not None and not isinstance(source, str):
         raise PromptDataError(f"{where}: column {dcol!r} must be a string")
@@ -131,6 +128,9 @@ def row_fields(row: Any, where: str, columns: dict) -> dict:
         raise PromptDataError(f"{where}: column {ecol!r} must be an object (a struct)")
     if "ability" in row and "ability" not in extra:
         extra = {**extra, "ability": row["ability"]}
+    if gcol is None:  # verl's reward manager: a KeyError at the first step
+        raise PromptDataError(f"{where}: no 'ground_truth' (or 'answer') field for the reward function (verl's "
+                              "'reward_model.ground_truth' also counts); give one on every row (null where none is needed)")
     return {"prompt": prompt, "ground_truth": gt, "data_source": source, "extra_info": extra}
 
 

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support.vllm_stub import recording_engine
+
 
 def _meta_only(src: str, dst: Path) -> Path:
     """A folder like a converted checkpoint's ``hf/``: config + tokenizer, no weights."""
@@ -110,30 +112,6 @@ def test_every_reload_resets_the_prefix_cache():
 
 
 # ---------------------------------------------------------------- B1, D4: LoRA mode and merged pushes
-class _RecordingServer:
-    def __init__(self):
-        self.calls, self.threads = [], []
-
-    def call(self, method, *args):
-        from safetensors.torch import load_file
-
-        self.threads.append(torch.get_num_threads())
-        self.calls.append((method, load_file(args[0])))
-        return len(self.calls[-1][1])
-
-
-def _engine(hf_dir, tmp_path, merge: bool):
-    """A ``VLLMRolloutEngine`` whose vLLM is a ``_RecordingServer`` (the push logic without vLLM)."""
-    from rl.rollout.vllm_engine import VLLMRolloutEngine
-
-    e = VLLMRolloutEngine.__new__(VLLMRolloutEngine)
-    e.hf_dir, e.merge, e.drafts, e.push_bytes, e.lora, e._pushed = hf_dir, merge, False, 2 << 30, None, set()
-    e.num_hidden_layers = json.loads((Path(hf_dir) / "config.json").read_text())["num_hidden_layers"]
-    e._dir, e.server, e.device, e.push_threads = str(tmp_path), _RecordingServer(), None, 2
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    return e
-
-
 @pytest.fixture(scope="module")
 def perturbed_payload(tiny_dir):
     """The trainer's adapter with B != 0 on every target, and the trainer's merged kv_b_proj weights."""
@@ -160,7 +138,7 @@ def test_lora_mode_merges_the_mla_up_projection(tiny_dir, tmp_path, perturbed_pa
     from safetensors.torch import load_file
 
     payload, want = perturbed_payload
-    e = _engine(tiny_dir, tmp_path / "e", merge=False)
+    e = recording_engine(tiny_dir, tmp_path / "e", merge=False)
     e.load_adapter(payload)
     sent = {h: t for m, ts in e.server.calls if m == "reload" for h, t in ts.items()}
     assert want and set(sent) == set(want)
@@ -180,7 +158,7 @@ def test_merged_push_runs_on_push_threads(tiny_dir, tmp_path, perturbed_payload)
     """Ray actors run with OMP_NUM_THREADS=1: the merge and FP8 re-quantisation of a push use
     ``push_threads`` CPU threads, and the actor's own setting comes back afterwards."""
     before = torch.get_num_threads()
-    e = _engine(tiny_dir, tmp_path / "m", merge=True)
+    e = recording_engine(tiny_dir, tmp_path / "m", merge=True)
     e.push_threads = before + 1
     e.load_adapter(perturbed_payload[0])
     assert e.server.threads and set(e.server.threads) == {before + 1}

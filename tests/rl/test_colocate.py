@@ -88,9 +88,11 @@ def test_sleep_level_by_push_kind_and_config_errors(tiny_dir, tmp_path):
     from rl.colocate import sleep_level
 
     assert sleep_level(rl_cfg(tiny_dir, tmp_path)) == 1
-    merged = rl_cfg(tiny_dir, tmp_path, rollout={"engine_kwargs": {"merge": True}})
+    vllm = "rl.rollout.vllm_engine.VLLMRolloutEngine"  # merged pushes: a vLLM setting (the HF engine refuses it)
+    merged = rl_cfg(tiny_dir, tmp_path, rollout={"engine": vllm, "engine_kwargs": {"merge": True}})
     assert sleep_level(merged) == 2
-    forced = rl_cfg(tiny_dir, tmp_path, rollout={"engine_kwargs": {"merge": True}, "colocate": {"sleep_level": 1}})
+    forced = rl_cfg(tiny_dir, tmp_path, rollout={"engine": vllm, "engine_kwargs": {"merge": True},
+                                                 "colocate": {"sleep_level": 1}})
     assert sleep_level(forced) == 1
     for sections, field in (({"trainer": {"off_policy_steps": 1}}, "off_policy_steps"),
                             ({"rollout": {"num_actors": 3}}, "num_actors"),

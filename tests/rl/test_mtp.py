@@ -18,6 +18,7 @@ from tests.support.rl_setup import perturb, rl_cfg, rollout, trainer_merged_mtp
 
 
 from tests.support.launch import torchrun
+from tests.support.vllm_stub import recording_engine
 
 
 @pytest.fixture(scope="module")
@@ -264,31 +265,6 @@ def test_mtp_loss_and_accept_at_tp2_and_dp2ep2_equal_one_rank(tiny_mtp_dir, tmp_
         assert float((got["old_log_probs"] - ref["old_log_probs"]).abs().max()) <= 1e-5, name
 
 
-class _RecordingServer:
-    """Stands in for ``vllm_server.Server`` behind the engine: records each reload's tensors."""
-
-    def __init__(self):
-        self.calls = []
-
-    def call(self, method, *args):
-        from safetensors.torch import load_file
-
-        self.calls.append((method, load_file(args[0])))
-        return len(self.calls[-1][1])
-
-
-def _engine(hf_dir, tmp_path, merge: bool, drafts: bool):
-    """A ``VLLMRolloutEngine`` whose vLLM is a ``_RecordingServer`` (the push logic without vLLM)."""
-    from rl.rollout.vllm_engine import VLLMRolloutEngine
-
-    e = VLLMRolloutEngine.__new__(VLLMRolloutEngine)
-    e.hf_dir, e.merge, e.drafts, e.push_bytes, e.lora, e._pushed = hf_dir, merge, drafts, 2 << 30, None, set()
-    e.push_threads = 2
-    e.num_hidden_layers = json.loads((Path(hf_dir) / "config.json").read_text())["num_hidden_layers"]
-    e._dir, e.server, e.device = str(tmp_path), _RecordingServer(), None
-    return e
-
-
 @pytest.mark.parametrize("merge", [False, True])
 def test_vllm_push_sends_the_mtp_layer_to_the_draft_model(mtp_setup, tiny_mtp_dir, tmp_path, merge):
     """Drafting (``mtp_draft_tokens``): a push merges the MTP layer's adapter into vLLM's draft model
@@ -304,8 +280,7 @@ def test_vllm_push_sends_the_mtp_layer_to_the_draft_model(mtp_setup, tiny_mtp_di
     L = trainer.glm5.num_hidden_layers
     payload = trainer.export_adapter(7)  # the MTP loss is on: the MTP layer's adapter travels with it
     want = trainer_merged_mtp(trainer)
-    e = _engine(tiny_mtp_dir, tmp_path / "e", merge, drafts=True)
-    (tmp_path / "e").mkdir()
+    e = recording_engine(tiny_mtp_dir, tmp_path / "e", merge, drafts=True)
     e.load_adapter(payload)
     draft = {h: t for m, ts in e.server.calls if m == "reload_draft" for h, t in ts.items()}
     decoder = {h: t for m, ts in e.server.calls if m == "reload" for h, t in ts.items()}
@@ -326,7 +301,7 @@ def test_vllm_push_sends_the_mtp_layer_to_the_draft_model(mtp_setup, tiny_mtp_di
     base = HFCheckpoint(tiny_mtp_dir)
     back = {h: t for m, ts in e.server.calls if m == "reload_draft" for h, t in ts.items()}
     assert set(back) == set(draft) and all(torch.equal(t, base.get(h)) for h, t in back.items())
-    off = _engine(tiny_mtp_dir, tmp_path / "e", merge, drafts=False)
+    off = recording_engine(tiny_mtp_dir, tmp_path / "e", merge, drafts=False)
     off.load_adapter(payload)
     assert not any(m == "reload_draft" or any(h.startswith(f"model.layers.{L}.") for h in ts)
                    for m, ts in off.server.calls)
@@ -337,7 +312,7 @@ def test_vllm_cpu_drafting_refuses_sampling_at_temperature(tiny_mtp_dir, tmp_pat
     first token), which IcePop would take for the policy's: refused, naming why, before vLLM is asked."""
     from rl.rollout.base import Request, SamplingParams
 
-    e = _engine(tiny_mtp_dir, tmp_path, merge=True, drafts=True)
+    e = recording_engine(tiny_mtp_dir, tmp_path, merge=True, drafts=True)
     e.device = "cpu"
     with pytest.raises(ValueError, match="speculative sampling returns wrong processed log-probs at temperature"):
         e.generate([Request((0, 0), [3, 4], 1)], SamplingParams(0.8, 1.0, 4, ()))

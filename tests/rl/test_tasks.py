@@ -114,8 +114,10 @@ def test_column_map_and_bad_rows_name_file_row_and_column(tiny_dir, tmp_path):
                                                   add_generation_prompt=True)
     with pytest.raises(PromptDataError, match=r"m\.parquet row 0: no column 'answer' \(data.columns.ground_truth\)"):
         read_prompts(tmp_path / "m.parquet", tok, True, 64, columns={"prompt": "question", "ground_truth": "answer"})
-    bad = [{"prompt": [{"role": "user", "content": "w1"}]}, {"prompt": [{"role": "user", "content": 5}]}]
-    pq.write_table(pa.Table.from_pylist([{"prompt": "w1"}, {"prompt": None}]), tmp_path / "b.parquet")
+    bad = [{"prompt": [{"role": "user", "content": "w1"}], "ground_truth": 1},
+           {"prompt": [{"role": "user", "content": 5}], "ground_truth": 1}]
+    pq.write_table(pa.Table.from_pylist([{"prompt": "w1", "ground_truth": 1}, {"prompt": None, "ground_truth": 1}]),
+                   tmp_path / "b.parquet")
     with pytest.raises(PromptDataError, match=r"b\.parquet row 1: column 'prompt' must be a string or a list"):
         read_prompts(tmp_path / "b.parquet", tok, False, 64)
     (tmp_path / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bad))
