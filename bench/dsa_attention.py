@@ -72,7 +72,7 @@ def run_one(impl: str, T: int, reps: int) -> dict:
             out = attn(xb, position_embeddings=rope(xb, pos), attention_mask=mask)[0]
             out.sum().backward()
     else:
-        from glm5_mcore.config import ParallelConfig
+        from glm5_mcore.mcore_settings import ParallelConfig
         from glm5_mcore.model.build import build_model
         from glm5_mcore.model.parallel import init_parallel
 

@@ -130,7 +130,8 @@ def stage_model_sft(ctx: dict) -> dict:
     import torch
 
     from tests.support.fake_device import assert_collectives_on
-    from glm5_mcore.config import GLM5Config, ParallelConfig
+    from glm5_mcore.config import GLM5Config
+    from glm5_mcore.mcore_settings import ParallelConfig
     from glm5_mcore.data.sft import pack, read_jsonl
     from glm5_mcore.checkpoint.hf_load import load_hf_weights
     from glm5_mcore.lora.apply import apply_lora
@@ -375,7 +376,7 @@ def main(argv=None) -> int:
     if not a.dry_run:
         import torch.distributed as dist
 
-        from glm5_mcore.config import ParallelConfig
+        from glm5_mcore.mcore_settings import ParallelConfig
         from glm5_mcore.model.parallel import init_parallel
 
         init_parallel(ParallelConfig())

@@ -69,7 +69,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from glm5_mcore.config import ParallelConfig, glm5_tiny
+    from glm5_mcore.config import glm5_tiny
+    from glm5_mcore.mcore_settings import ParallelConfig
     from glm5_mcore.model.build import build_model
     from glm5_mcore.model.parallel import init_parallel
     from glm5_mcore.data.sft import pack

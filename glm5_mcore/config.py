@@ -8,6 +8,8 @@ routing with a frozen ``e_score_correction_bias`` as expert bias, routed scaling
 indexer RoPE without Hadamard rotation, LayerNorm k_norm eps 1e-6, rope theta from the config.
 The q_a / kv_a RMSNorm eps (1e-6 in HF, unlike ``rms_norm_eps``) is carried as ``qk_norm_eps`` and
 applied by the layer spec, since Megatron-Core uses ``layernorm_epsilon`` for every norm.
+The parallel layout, recompute and the indexer-loss hook ``to_mcore_config`` takes are in
+``glm5_mcore.mcore_settings``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from glm5_mcore.mcore_settings import ParallelConfig, dsa_loss_scale
 
 MODEL_TYPE = "glm_moe_dsa"
 @dataclass
@@ -231,7 +235,7 @@ class GLM5Config:
         return d
 
     # ------------------------------------------------------------------ Megatron-Core
-    def to_mcore_config(self, parallel: "ParallelConfig | None" = None, **overrides: Any):
+    def to_mcore_config(self, parallel: ParallelConfig | None = None, **overrides: Any):
         """Build the ``MLATransformerConfig`` that makes a Megatron-Core GPTModel compute GLM-5."""
         import torch
         import torch.nn.functional as F
@@ -277,7 +281,7 @@ class GLM5Config:
             dsa_indexer_loss_coeff=0.0,  # > 0: the sparse-stage indexer loss (glm5_mcore.model.dsa)
             dsa_indexer_use_sparse_loss=True,
             # Megatron's schedule scales the indexer loss's backward like the main loss (grad scaler, CP)
-            experimental_attention_variant_loss_scale_func=_dsa_loss_scale,
+            experimental_attention_variant_loss_scale_func=dsa_loss_scale,
             # MoE
             num_moe_experts=self.n_routed_experts,
             moe_layer_freq=self.moe_layer_pattern,
@@ -319,77 +323,6 @@ class GLM5Config:
         cfg = MLATransformerConfig(**kw)
         cfg.glm5 = self  # the layer spec reads qk_norm_eps / indexer_types from here
         return cfg
-
-
-RECOMPUTE_MODES = (None, "selective", "full")
-
-
-def recompute_overrides(mode) -> dict:
-    """Megatron-Core's recompute fields for ``mode`` (SFT ``train.recompute``, RL ``trainer.recompute``): None /
-    False: none; ``selective``: the core attention (``recompute_modules=["core_attn"]``); ``full`` / True:
-    every layer, uniform, one layer per chunk (a layer keeps only its input)."""
-    if mode in (None, False):
-        return {}
-    if mode == "selective":
-        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
-    if mode in (True, "full"):
-        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    raise ValueError(f"recompute={mode!r}: one of null, selective, full")
-
-
-@dataclass
-class ParallelConfig:
-    """Model-parallel layout. TP shards heads and FFNs, EP experts, CP the sequence, ETP each routed
-    expert's FFN (Megatron's ``expert_tensor_parallel_size``; etp × ep × pp divides the world)."""
-
-    tp: int = 1
-    ep: int = 1
-    cp: int = 1
-    pp: int = 1
-    etp: int = 1
-    moe_token_dispatcher_type: str | None = None
-    """None: "alltoall" on GPU, "allgather" on CPU (the alltoall dispatcher creates a CUDA stream,
-    moe/token_dispatcher.py:469)."""
-
-    @property
-    def dispatcher(self) -> str:
-        if self.moe_token_dispatcher_type:
-            return self.moe_token_dispatcher_type
-        import torch
-
-        return "alltoall" if torch.cuda.is_available() else "allgather"
-
-    def validate(self, model: GLM5Config) -> None:
-        for name in ("tp", "ep", "cp", "pp", "etp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1")
-        if model.moe_intermediate_size % self.etp:
-            raise ValueError(f"etp: moe_intermediate_size={model.moe_intermediate_size} is not divisible by "
-                             f"etp={self.etp}")
-        if model.num_attention_heads % self.tp:
-            raise ValueError(f"tp: num_attention_heads={model.num_attention_heads} is not divisible by tp={self.tp}")
-        if model.vocab_size % self.tp:  # Megatron-LM pads it (make_vocab_size_divisible_by); not done here yet
-            raise ValueError(f"tp: vocab_size={model.vocab_size} is not divisible by tp={self.tp} (the output layer "
-                             "and embedding are split by vocabulary rows); use a tp that divides it")
-        if model.n_routed_experts % self.ep:
-            raise ValueError(f"ep: n_routed_experts={model.n_routed_experts} is not divisible by ep={self.ep}")
-        if model.num_hidden_layers % self.pp:
-            raise ValueError(f"pp: num_hidden_layers={model.num_hidden_layers} is not divisible by pp={self.pp}")
-        if self.dispatcher not in ("alltoall", "allgather"):
-            raise ValueError("moe_token_dispatcher_type: 'alltoall' or 'allgather'")
-
-
-def _dsa_loss_scale(scale) -> None:
-    """Megatron's schedule hook for an attention variant's auxiliary loss: the DSA indexer loss's
-    backward scale (``DSAIndexerLossAutoScaler``), as it sets it itself for ``experimental_attention_variant="dsa"``."""
-    from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
-
-    current = DSAIndexerLossAutoScaler.main_loss_backward_scale
-    if current is not None and current.shape != scale.shape:
-        # a backward outside the schedule left its default 0-dim scale (dsa.py:1034), which set_loss_scale
-        # cannot copy the schedule's [1] scale into (dsa.py:1057, schedules.py:255)
-        DSAIndexerLossAutoScaler.main_loss_backward_scale = None
-    DSAIndexerLossAutoScaler.set_loss_scale(scale)
 
 
 def glm5_744b() -> GLM5Config:

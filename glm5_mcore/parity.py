@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.config import GLM5Config
+from glm5_mcore.mcore_settings import ParallelConfig
 from glm5_mcore.device import training_device
 from glm5_mcore.checkpoint.folder_config import checkpoint_config, hf_dir_config
 from glm5_mcore.checkpoint import megatron_lm as foreign_ckpt

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from transformers import AutoTokenizer
 
-from glm5_mcore.config import GLM5Config, ParallelConfig, recompute_overrides
+from glm5_mcore.config import GLM5Config
+from glm5_mcore.mcore_settings import ParallelConfig, recompute_overrides
 from glm5_mcore.data.indexed import check_data, check_tokenizer, is_jsonl, parse_blend, resolve_prefix
 from glm5_mcore.data.sft import PackedBatch
 from glm5_mcore.data.stream import SFTDocuments, SFTStream, is_indexed

@@ -8,21 +8,11 @@ Key names follow verl where verl has the concept (``algorithm.adv_estimator``,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
-from glm5_mcore.checkpoint.layout import serving_dir
-from glm5_mcore.lora.config import check_expert_tp
 from glm5_mcore.training.schema import LoRACfg, ModelCfg, PlanCfg, WandbCfg, build
 from glm5_mcore.training.resume import file_fingerprint, model_fingerprint
-from rl.proc_pool import resolve
-from rl.rewards import fn_path
-from rl.validate import check_config
-
-ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "gae")
-KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
+from rl.validate import validate
 
 @dataclass
 class DataCfg:
@@ -246,7 +236,7 @@ class TrainerCfg:
     etp: int = 1
     """Expert tensor parallelism (Megatron's ``expert_tensor_parallel_size``); etp × ep divides ``world_size``."""
     recompute: Optional[str] = None
-    """null, ``selective`` or ``full``: Megatron's activation recompute (``config.recompute_overrides``); GPU only."""
+    """null, ``selective`` or ``full``: Megatron's activation recompute (``glm5_mcore.mcore_settings.recompute_overrides``); GPU only."""
     backend: str = "local"
     """Megatron-Core modules: ``local`` (CPU and GPU) or ``te`` (Transformer Engine, GPU)."""
     bf16: bool = False
@@ -310,27 +300,6 @@ class RLConfig:
         return out
 
 
-def _check_importable(path: str, field_name: str) -> None:
-    """``module.Class`` exists (found before Ray starts, not under actor-restart tracebacks)."""
-    import importlib.util
-
-    mod, _, name = str(path).rpartition(".")
-    try:
-        spec = importlib.util.find_spec(mod) if mod else None
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None:
-        raise ValueError(f"{field_name}={path!r}: no module {mod!r} (expected a dotted path module.Class)")
-    import importlib
-
-    try:
-        getattr(importlib.import_module(mod), name)
-    except AttributeError:
-        raise ValueError(f"{field_name}={path!r}: module {mod!r} has no {name!r}") from None
-    except ImportError as e:
-        raise ValueError(f"{field_name}={path!r}: cannot import ({e})") from None
-
-
 def run_settings(c: RLConfig) -> dict:
     """What a resume must keep (``glm5_mcore.training.resume``): data, batch sizes, LoRA, model, layout."""
     d, t = c.data, c.trainer
@@ -347,138 +316,3 @@ def run_settings(c: RLConfig) -> dict:
         "model": model_fingerprint(c.model.hf_dir, c.model.ckpt),
         "layout": {"world_size": t.world_size, "tp": t.tp, "ep": t.ep, **({"etp": t.etp} if t.etp > 1 else {})},
     }
-
-
-def validate(c: RLConfig) -> None:
-    """Impossible settings raise a ValueError naming the field."""
-    if not c.model.hf_dir:
-        raise ValueError("model.hf_dir: the HF folder (config + tokenizer) must be given")
-    if not c.data.train:
-        raise ValueError("data.train: the prompt set must be given (a JSONL of prompts, or toy)")
-    if c.model.mtp != "auto":
-        raise ValueError(f"model.mtp={c.model.mtp!r}: RL builds the MTP block for actor.mtp_loss_scale > 0 or "
-                         "actor.mtp_accept (model.mtp is the SFT recipe's)")
-    for key, lo in (("lora", c.lora), ("critic.lora", c.critic.lora)):
-        if not lo.enabled:
-            raise ValueError(f"{key}.enabled=false: the RL trainer trains LoRA adapters on a frozen base")
-        if lo.dropout:
-            raise ValueError(f"{key}.dropout={lo.dropout}: RL needs deterministic log-probs (0)")
-    if c.lora.name != "default":
-        raise ValueError(f"lora.name={c.lora.name!r}: the RL policy adapter is 'default' (critic: 'critic')")
-    a, r, act = c.algorithm, c.rollout, c.actor
-    if a.adv_estimator not in ADV_ESTIMATORS:
-        raise ValueError(f"algorithm.adv_estimator={a.adv_estimator!r}: one of {ADV_ESTIMATORS}")
-    for key, v in (("algorithm.kl_penalty", a.kl_penalty), ("actor.kl_loss_type", act.kl_loss_type)):
-        if v.rstrip("+") not in KL_TYPES:
-            raise ValueError(f"{key}={v!r}: one of {KL_TYPES}")
-    if act.loss_agg_mode not in AGG_MODES:
-        raise ValueError(f"actor.loss_agg_mode={act.loss_agg_mode!r}: one of {AGG_MODES}")
-    if r.n < 1 or (a.adv_estimator in ("grpo", "rloo") and r.n < 2):
-        raise ValueError(f"rollout.n={r.n}: {a.adv_estimator} needs at least 2 samples per prompt")
-    if r.temperature <= 0:
-        raise ValueError(f"rollout.temperature={r.temperature} must be > 0 (log-probs are of softmax(logits/T))")
-    if not 0 < r.top_p <= 1:
-        raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1]")
-    if r.num_actors < 1 or r.max_new_tokens < 1:
-        raise ValueError("rollout.num_actors and rollout.max_new_tokens must be >= 1")
-    if c.data.prompts_per_step % act.ppo_mini_batch_size:
-        raise ValueError(f"actor.ppo_mini_batch_size={act.ppo_mini_batch_size} must divide "
-                         f"data.prompts_per_step={c.data.prompts_per_step}")
-    if act.mtp_loss_scale < 0:
-        raise ValueError(f"actor.mtp_loss_scale={act.mtp_loss_scale} must be >= 0")
-    if act.clip_ratio_c <= 1:
-        raise ValueError(f"actor.clip_ratio_c={act.clip_ratio_c} must be > 1 (dual-clip bound)")
-    t = c.trainer
-    if t.world_size < 1 or t.world_size % t.tp:
-        raise ValueError(f"trainer.tp={t.tp} must divide trainer.world_size={t.world_size}")
-    if t.world_size % t.ep:
-        raise ValueError(f"trainer.ep={t.ep} must divide trainer.world_size={t.world_size}")
-    if t.etp < 1 or t.world_size % (t.etp * t.ep):
-        raise ValueError(f"trainer.etp={t.etp}: etp × ep = {t.etp * t.ep} must divide trainer.world_size="
-                         f"{t.world_size}")
-    check_expert_tp([*c.lora.targets, *c.critic.lora.targets], t.etp, "trainer.etp")
-    if t.recompute not in (None, "selective", "full"):
-        raise ValueError(f"trainer.recompute={t.recompute!r}: null, selective or full")
-    if t.cp < 1 or t.world_size % (t.tp * t.cp):
-        raise ValueError(f"trainer.cp={t.cp} must be >= 1 with trainer.tp × trainer.cp = {t.tp * max(t.cp, 1)} "
-                         f"dividing trainer.world_size={t.world_size}")
-    if t.cp > 1 and (act.mtp_loss_scale > 0 or act.mtp_accept):
-        raise ValueError(f"trainer.cp={t.cp}: the MTP loss and rollout/mtp_accept are not context-parallel yet "
-                         "(set actor.mtp_loss_scale=0 and actor.mtp_accept=false)")
-    corr = a.rollout_correction
-    level = corr.rollout_is
-    if level not in (None, "token", "sequence"):
-        raise ValueError(f"algorithm.rollout_correction.rollout_is={level!r}: token, sequence or null")
-    if level is not None:
-        from verl.trainer.ppo.rollout_corr_helper import _parse_rollout_is_threshold
-
-        try:
-            _parse_rollout_is_threshold(corr.rollout_is_threshold)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"algorithm.rollout_correction.rollout_is_threshold: {e}") from None
-    if corr.rollout_rs is not None:
-        from verl.trainer.ppo.rollout_corr_helper import _parse_rollout_rs_thresholds
-
-        try:
-            _parse_rollout_rs_thresholds([o.strip() for o in str(corr.rollout_rs).split(",") if o.strip()],
-                                         corr.rollout_rs_threshold)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"algorithm.rollout_correction.rollout_rs_threshold: {e}") from None
-    if t.steps < 1:
-        raise ValueError("trainer.steps must be >= 1")
-    if t.off_policy_steps not in (0, 1):
-        raise ValueError(f"trainer.off_policy_steps={t.off_policy_steps}: 0 (synchronous) or 1 (one step off-policy)")
-    if c.reward.num_workers < 0 or c.reward.timeout_s <= 0:
-        raise ValueError(f"reward.num_workers={c.reward.num_workers} must be >= 0, reward.timeout_s > 0")
-    resolve(fn_path(c.reward.fn), "reward.fn")
-    _check_importable(r.engine, "rollout.engine")
-    mt = r.multi_turn
-    if mt.enable:
-        resolve(mt.env, "rollout.multi_turn.env")
-        if not mt.tool_call_stop_tokens:
-            raise ValueError("rollout.multi_turn.tool_call_stop_tokens: needs at least one token when enabled")
-        if mt.max_assistant_turns < 1 or mt.max_tool_response_length < 1:
-            raise ValueError("rollout.multi_turn.max_assistant_turns and max_tool_response_length must be >= 1")
-        if mt.tool_workers < 0 or mt.tool_timeout_s <= 0:
-            raise ValueError(f"rollout.multi_turn.tool_workers={mt.tool_workers} must be >= 0 and "
-                             f"tool_timeout_s={mt.tool_timeout_s} > 0")
-    if a.router_replay and r.engine.endswith("VLLMRolloutEngine") and not r.engine_kwargs.get("return_routes"):
-        raise ValueError("algorithm.router_replay=true with the vLLM engine needs rollout.engine_kwargs.return_routes="
-                         "true (vLLM's enable_return_routed_experts)")
-    if c.ray.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
-        raise ValueError(f"ray.placement_strategy={c.ray.placement_strategy!r}: PACK, SPREAD, STRICT_PACK or "
-                         "STRICT_SPREAD")
-    co = r.colocate
-    if co.enable:
-        if t.off_policy_steps:
-            raise ValueError("rollout.colocate.enable=true with trainer.off_policy_steps=1: colocated engines and "
-                             "trainer share the GPUs, so they cannot overlap (set trainer.off_policy_steps=0)")
-        if t.world_size % r.num_actors:
-            raise ValueError(f"rollout.colocate.enable=true: rollout.num_actors={r.num_actors} must divide "
-                             f"trainer.world_size={t.world_size} (each engine spans world_size / num_actors bundles)")
-        if not 0 < co.engine_fraction < 1:
-            raise ValueError(f"rollout.colocate.engine_fraction={co.engine_fraction}: must be in (0, 1)")
-        if co.sleep_level not in (None, 1, 2):
-            raise ValueError(f"rollout.colocate.sleep_level={co.sleep_level!r}: 1, 2 or null (by push kind)")
-        if r.gpus_per_actor:
-            raise ValueError("rollout.gpus_per_actor: colocated engines take rollout.colocate.engine_fraction of "
-                             "the trainer's bundles instead (set it to 0)")
-    if not t.freeze_indexer:
-        raise ValueError("trainer.freeze_indexer=false: the RL trainer keeps the DSA indexer frozen (no indexer "
-                         "loss reaches it here, so it would not learn); train it in the SFT sparse stage "
-                         "(glm5 sft train.freeze_indexer=false)")
-    check_config(c)  # policy loss, R3 + tool episodes, DAPO shaping, engine_kwargs, Ray waits
-    if t.backend not in ("local", "te"):
-        raise ValueError(f"trainer.backend={t.backend!r}: local or te")
-    import torch
-
-    gpu_flags = [f for f, on in (("trainer.backend=te", t.backend == "te"), ("trainer.bf16", t.bf16),
-                                 (f"trainer.recompute={t.recompute}", t.recompute is not None)) if on]
-    if gpu_flags and not t.gpus_per_rank:
-        raise ValueError(f"{gpu_flags[0]}: needs a GPU per trainer rank, and trainer.gpus_per_rank=0 gives the "
-                         "trainer actors none (set trainer.gpus_per_rank=1)")
-    if gpu_flags and not torch.cuda.is_available():
-        raise ValueError(f"{gpu_flags[0]}: needs CUDA (Transformer Engine / Megatron's bf16 optimizer / the CUDA "
-                         "RNG state recompute restores); CPU runs are fp32 with local modules")
-    if c.model.hf_dir and (c.rollout.hf_dir or (Path(c.model.hf_dir) / "config.json").is_file()):
-        serving_dir(c.model.hf_dir, c.model.ckpt, c.rollout.hf_dir)  # no model.hf_dir: the driver names it

@@ -103,7 +103,8 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
     job's config there)."""
     from transformers import AutoTokenizer
 
-    from rl.workers import RolloutPool, TrainerGroup, check_resources, resources_needed, start_ray
+    from rl.ray_jobs import check_resources, resources_needed, start_ray
+    from rl.workers import RolloutPool, TrainerGroup
 
     if not (Path(cfg.model.hf_dir) / "config.json").is_file():
         raise FileNotFoundError(f"model.hf_dir={cfg.model.hf_dir}: no config.json there (a tiny one: "

@@ -33,7 +33,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from transformers import AutoTokenizer
 
 from glm5_mcore.checkpoint.layout import latest_iteration
-from glm5_mcore.config import ParallelConfig, recompute_overrides
+from glm5_mcore.mcore_settings import ParallelConfig, recompute_overrides
 from glm5_mcore.device import training_device
 from glm5_mcore.lora.apply import apply_lora, disable_adapters, set_adapter
 from glm5_mcore.lora.peft import export_peft

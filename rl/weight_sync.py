@@ -4,7 +4,7 @@ do: ``update_weights_from_tensor`` / ``FlattenedTensorBucket``), rebuilt as view
 loaded one bucket at a time. Separate engines keep the safetensors-file path (``VLLMRolloutEngine._push``).
 
 - ``plan_buckets``: names → buckets of at most ``max_bytes``, whole groups per bucket (a vLLM module
-  is rebuilt from what one ``reload_weights`` call brings: ``vllm_engine.vllm_module_tensors``), in the
+  is rebuilt from what one ``reload_weights`` call brings: ``vllm_weights.vllm_module_tensors``), in the
   order given; a group larger than ``max_bytes`` is a bucket of its own.
 - ``pack`` / ``unpack``: a bucket as one uint8 buffer + ``TensorMeta`` (name, dtype, shape, byte offset,
   ``ALIGN``-aligned), and back as views, bit-identical for every dtype (FP8 e4m3 and its fp32 scales too).

@@ -58,7 +58,7 @@ def tiny_lora_run(tmp_path_factory, tiny_dir):
 
 @pytest.fixture()
 def single_rank():
-    from glm5_mcore.config import ParallelConfig
+    from glm5_mcore.mcore_settings import ParallelConfig
     from glm5_mcore.model.parallel import init_parallel
 
     init_parallel(ParallelConfig())

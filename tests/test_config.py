@@ -2,9 +2,10 @@ import json
 
 import pytest
 
-from glm5_mcore.config import GLM5Config, ParallelConfig, glm5_744b, glm5_tiny, warn_if_dsa_inactive
+from glm5_mcore.config import GLM5Config, glm5_744b, glm5_tiny, warn_if_dsa_inactive
 
 
+from glm5_mcore.mcore_settings import ParallelConfig
 def test_hf_dict_round_trip_and_transformers_agree():
     from transformers import GlmMoeDsaConfig
 

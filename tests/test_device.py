@@ -9,7 +9,8 @@ import torch
 
 from tests.support.fake_device import fake_device, host
 
-from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.config import GLM5Config
+from glm5_mcore.mcore_settings import ParallelConfig
 from glm5_mcore.lora.config import FAMILIES, LoRAConfig
 
 from tests.support.launch import last_json, torchrun

@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 
 from glm5_mcore import cpu_compat
-from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.config import GLM5Config
+from glm5_mcore.mcore_settings import ParallelConfig
 from glm5_mcore.device import training_device
 from glm5_mcore.model.dsa_backend import resolve as resolve_dsa_backend
 from glm5_mcore.model.dsa import GLM5SparseAttention, link_absorbed_mla, link_index_share

@@ -14,7 +14,7 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
 from glm5_mcore import cpu_compat
-from glm5_mcore.config import ParallelConfig
+from glm5_mcore.mcore_settings import ParallelConfig
 from glm5_mcore.device import dist_timeout
 
 

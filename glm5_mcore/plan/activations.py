@@ -101,7 +101,7 @@ def layer_bytes(m: GLM5Config, L: Layout, tokens: int, moe: bool, b: int, fused_
 
 def stage_activations(m: GLM5Config, L: Layout, stage: int, tokens: int, *, bf16: bool, recompute,
                       mtp: bool, microbatches: int, fused_dsa: bool = True) -> ActivationBytes:
-    """``recompute``: False / None, ``"selective"``, or True / ``"full"`` (``glm5_mcore.config.recompute_overrides``)."""
+    """``recompute``: False / None, ``"selective"``, or True / ``"full"`` (``glm5_mcore.mcore_settings.recompute_overrides``)."""
     b = 2 if bf16 else 4
     selective = recompute == "selective"
     recompute = recompute in (True, "full")

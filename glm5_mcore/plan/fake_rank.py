@@ -16,7 +16,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.config import GLM5Config
+from glm5_mcore.mcore_settings import ParallelConfig
 from glm5_mcore.plan.layout import Layout
 from glm5_mcore import cpu_compat
 from glm5_mcore.lora.apply import apply_lora

@@ -47,7 +47,7 @@ class Job:
     microbatches: int = 1
     bf16: bool = True
     recompute: object = False
-    """False, True / ``"full"`` or ``"selective"`` (``glm5_mcore.config.recompute_overrides``)."""
+    """False, True / ``"full"`` or ``"selective"`` (``glm5_mcore.mcore_settings.recompute_overrides``)."""
     distributed_optimizer: Optional[bool] = None
     """None: Megatron's distributed optimizer on when DP > 1 (``training.build_trainer`` on CUDA)."""
     lora: Optional[tuple] = None

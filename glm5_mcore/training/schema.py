@@ -26,7 +26,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from glm5_mcore.config import ParallelConfig
+from glm5_mcore.mcore_settings import ParallelConfig
 from glm5_mcore.lora.config import DEFAULT_TARGETS, LoRAConfig
 from glm5_mcore.plan.job import PlanCfg
 from glm5_mcore.training.loop import OptimCfg, WandbCfg

@@ -56,8 +56,9 @@ def _patch(glm5) -> None:
 def main() -> None:
     from megatron.bridge import AutoBridge
 
-    from glm5_mcore.config import GLM5Config, ParallelConfig
+    from glm5_mcore.config import GLM5Config
 
+    from glm5_mcore.mcore_settings import ParallelConfig
     cmd, hf = sys.argv[1], sys.argv[2]
     _patch(GLM5Config.from_hf_dir(hf))
     t = time.time()

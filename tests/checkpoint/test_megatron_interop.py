@@ -154,7 +154,7 @@ def test_mcore_to_hf_writes_the_source_weights(foreign, converted, tiny_mtp_dir,
 
 @pytest.mark.parametrize("flavour", ["mlm", "bridge"])
 def test_parity_on_their_folders(foreign, converted, flavour):
-    from glm5_mcore.config import ParallelConfig
+    from glm5_mcore.mcore_settings import ParallelConfig
     from glm5_mcore.parity import load_input_ids, run_parity
 
     ids = load_input_ids(None, 128, 2, 32, seed=5)
@@ -256,7 +256,7 @@ def bridge_lora(foreign, tiny_mtp_dir):
     base (run_config.yaml checkpoint.pretrained_checkpoint) is the Megatron-LM folder of the same model;
     dense / shared-expert fc1 as CanonicalLoRA gate/up halves."""
     from glm5_mcore.lora.state import gather_adapter
-    from glm5_mcore.config import ParallelConfig
+    from glm5_mcore.mcore_settings import ParallelConfig
     from glm5_mcore.lora.config import FAMILIES, LoRAConfig
     from glm5_mcore.lora.apply import apply_lora
     from glm5_mcore.model.parallel import init_parallel

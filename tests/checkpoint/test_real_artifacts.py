@@ -47,7 +47,7 @@ def saved_dir(tmp_path_factory):
 
 
 def test_saved_folder_passes_parity_with_a_notice(saved_dir, single_rank, capfd):
-    from glm5_mcore.config import ParallelConfig
+    from glm5_mcore.mcore_settings import ParallelConfig
     from glm5_mcore.parity import load_input_ids, run_parity
 
     ids = load_input_ids(None, 128, 2, 32, seed=4)

@@ -116,7 +116,7 @@ def test_fused_expert_layout_imports_as_per_expert(tiny_dir, tmp_path):
 # the converted checkpoint is the right function (not just a symmetric mapping)
 # --------------------------------------------------------------------------------------------------
 def test_converted_checkpoint_matches_transformers_tp1(converted, tiny_both_dir):
-    from glm5_mcore.config import ParallelConfig
+    from glm5_mcore.mcore_settings import ParallelConfig
     from glm5_mcore.parity import load_input_ids, run_parity
 
     ids = load_input_ids(None, 128, 2, 32, seed=5)

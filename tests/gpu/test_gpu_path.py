@@ -227,7 +227,7 @@ def test_process_groups_get_an_explicit_timeout(monkeypatch):
 
     import torch.distributed as dist
 
-    from glm5_mcore.config import ParallelConfig
+    from glm5_mcore.mcore_settings import ParallelConfig
     from glm5_mcore.device import dist_timeout
     from glm5_mcore.model import parallel as build
 
@@ -278,7 +278,7 @@ def test_index_topk_agreement_copies_to_the_host_once(monkeypatch):
 
 # ---------------------------------------------------------------- item 2: recompute and ETP, counted
 def test_recompute_modes_are_megatrons():
-    from glm5_mcore.config import recompute_overrides
+    from glm5_mcore.mcore_settings import recompute_overrides
 
     assert recompute_overrides(None) == {} == recompute_overrides(False)
     assert recompute_overrides("selective") == {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}

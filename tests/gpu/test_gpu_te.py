@@ -10,8 +10,9 @@ import importlib.util
 import pytest
 import torch
 
-from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.config import GLM5Config
 
+from glm5_mcore.mcore_settings import ParallelConfig
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),

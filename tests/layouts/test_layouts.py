@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from glm5_mcore.config import ParallelConfig
+from glm5_mcore.mcore_settings import ParallelConfig
 from glm5_mcore.lora.state import read_adapter_state
 
 from tests.support.launch import torchrun

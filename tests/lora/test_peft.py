@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from glm5_mcore.config import ParallelConfig
+from glm5_mcore.mcore_settings import ParallelConfig
 from glm5_mcore.lora.config import EXPERTS, INDEXER, MLA, MLP, LoRAConfig
 from glm5_mcore.lora.apply import apply_lora
 from glm5_mcore.model.build import forward_logits

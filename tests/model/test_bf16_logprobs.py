@@ -3,9 +3,10 @@ gradients are reduced in fp32 (``grad_reduce_in_fp32``)."""
 
 import torch
 
-from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.config import GLM5Config
 
 
+from glm5_mcore.mcore_settings import ParallelConfig
 def test_bf16_log_probs_are_within_fp32_rounding_of_an_fp32_projection(tiny_dir, single_rank):
     """A bf16 model's log-probs against float64 log_softmax of the same final hidden state through the
     same output weight: within fp32 rounding with the fp32 output layer; off by the bf16 rounding of

@@ -94,7 +94,8 @@ def test_absorbed_sparse_attention_equals_expanded_keys_values():
 
 
 def test_model_absorbed_path_matches_unabsorbed_and_takes_kv_up_lora(tiny_dir, single_rank):
-    from glm5_mcore.config import GLM5Config, ParallelConfig
+    from glm5_mcore.config import GLM5Config
+    from glm5_mcore.mcore_settings import ParallelConfig
     from glm5_mcore.model.dsa import GLM5SparseAttention
     from glm5_mcore.lora.config import LoRAConfig
     from glm5_mcore.lora.apply import apply_lora

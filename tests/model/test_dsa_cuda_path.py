@@ -13,7 +13,8 @@ from tests.support.host_reads import count_host_reads
 
 def _attention_layer(hf_dir, dev_ctx):
     """The first DSA layer's MLA self-attention (its core: ``GLM5SparseAttention``) of the tiny model."""
-    from glm5_mcore.config import GLM5Config, ParallelConfig
+    from glm5_mcore.config import GLM5Config
+    from glm5_mcore.mcore_settings import ParallelConfig
     from glm5_mcore.checkpoint.hf_load import load_hf_weights
     from glm5_mcore.model.build import build_model
 

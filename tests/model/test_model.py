@@ -5,7 +5,8 @@ import sys
 import pytest
 import torch
 
-from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.config import GLM5Config
+from glm5_mcore.mcore_settings import ParallelConfig
 from glm5_mcore.model.build import build_model, forward_logits, packed_seq_params_from_lengths
 from glm5_mcore.checkpoint.hf_load import load_hf_weights
 from glm5_mcore.parity import load_input_ids, run_parity

@@ -45,7 +45,8 @@ def test_bad_rows_name_file_and_line_or_are_skipped(tiny_dir, tmp_path):
 
 
 def test_thd_packed_losses_equal_unpacked_and_documents_are_independent(tiny_mtp_dir, tmp_path, single_rank):
-    from glm5_mcore.config import GLM5Config, ParallelConfig
+    from glm5_mcore.config import GLM5Config
+    from glm5_mcore.mcore_settings import ParallelConfig
     from glm5_mcore.model.build import build_model
     from glm5_mcore.checkpoint.hf_load import load_hf_weights
 
@@ -136,7 +137,8 @@ def test_config_that_cannot_work_fails_before_work_naming_the_field(tiny_dir, tm
 def test_mtp_loss_equals_hand_written_reference_and_reaches_mtp_grads(tiny_mtp_dir, tmp_path, single_rank):
     import torch.nn.functional as F
 
-    from glm5_mcore.config import GLM5Config, ParallelConfig
+    from glm5_mcore.config import GLM5Config
+    from glm5_mcore.mcore_settings import ParallelConfig
     from glm5_mcore.model.build import build_model
     from glm5_mcore.checkpoint.hf_load import load_hf_weights
     from glm5_mcore.model.mtp_loss import mtp_depth_losses

@@ -121,7 +121,8 @@ def test_tp_not_dividing_the_vocabulary_is_refused_before_ray(tiny_dir, tmp_path
 
     import ray
 
-    from glm5_mcore.config import GLM5Config, ParallelConfig
+    from glm5_mcore.config import GLM5Config
+    from glm5_mcore.mcore_settings import ParallelConfig
     from rl.config import RLConfig
     from rl.driver import run
 

@@ -31,7 +31,7 @@ def adapter(tiny_dir, tmp_path_factory):
 
 
 def test_merged_push_equals_peft_merge(tiny_dir, adapter):
-    from rl.rollout.vllm_engine import merged_weights
+    from rl.rollout.vllm_weights import merged_weights
 
     path, ref = adapter
     got = merged_weights(tiny_dir, path)
@@ -43,7 +43,7 @@ def test_merged_push_equals_peft_merge(tiny_dir, adapter):
     for k, v in got.items():
         assert v.dtype == torch.float32
         assert (v - ref[k]).abs().max() <= 1e-6, k
-    from rl.rollout.vllm_engine import iter_merged_weights
+    from rl.rollout.vllm_weights import iter_merged_weights
 
     chunks = list(iter_merged_weights(tiny_dir, path, max_bytes=64 << 10))  # whole layers per chunk
     assert len(chunks) > 2 and sum(len(c) for c in chunks) == len(got)
@@ -58,7 +58,7 @@ def test_merged_push_equals_peft_merge(tiny_dir, adapter):
 
 def test_merged_push_quantizes_where_the_folder_stores_fp8(tiny_dir, adapter, tmp_path):
     from glm5_mcore.checkpoint.fp8 import is_quantized, quantize_fp8_blocks
-    from rl.rollout.vllm_engine import merged_weights
+    from rl.rollout.vllm_weights import merged_weights
 
     path, ref = adapter
     src = HFCheckpoint(tiny_dir)

@@ -24,7 +24,7 @@ def _layer(i: int, experts: int = 4) -> dict:
 
 
 def _group(h: str) -> str:
-    from rl.rollout.vllm_engine import vllm_module_tensors
+    from rl.rollout.vllm_weights import vllm_module_tensors
 
     return vllm_module_tensors(h.removesuffix("_scale_inv"), 4)[0]
 

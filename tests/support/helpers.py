@@ -5,7 +5,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.config import GLM5Config
+from glm5_mcore.mcore_settings import ParallelConfig
 from glm5_mcore.model.build import build_model
 from glm5_mcore.model.parallel import init_parallel
 from glm5_mcore.checkpoint.hf_load import load_hf_weights

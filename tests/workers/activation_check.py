@@ -7,7 +7,8 @@ import sys
 
 import torch
 
-from glm5_mcore.config import GLM5Config, ParallelConfig
+from glm5_mcore.config import GLM5Config
+from glm5_mcore.mcore_settings import ParallelConfig
 from glm5_mcore.model.build import build_model, packed_seq_params_from_lengths
 from glm5_mcore.model.parallel import init_parallel
 from glm5_mcore.plan.activations import stage_activations

@@ -7,7 +7,7 @@ import torch
 
 from glm5_mcore.training.checkpointing import save_checkpoint
 from glm5_mcore.checkpoint.layout import write_hf_meta
-from glm5_mcore.config import ParallelConfig
+from glm5_mcore.mcore_settings import ParallelConfig
 
 from tests.support.helpers import hf_model
 

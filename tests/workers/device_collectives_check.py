@@ -55,7 +55,8 @@ def rl(hf_dir: str) -> None:
 
 
 def parity(hf_dir: str) -> None:
-    from glm5_mcore.config import GLM5Config, ParallelConfig
+    from glm5_mcore.config import GLM5Config
+    from glm5_mcore.mcore_settings import ParallelConfig
     from glm5_mcore.parity import load_input_ids, megatron_forward
 
     glm5 = GLM5Config.from_hf_dir(hf_dir)
@@ -67,7 +68,7 @@ def parity(hf_dir: str) -> None:
 def main(hf_dir: str, data: str, out: str) -> None:
     torch.set_num_threads(1)
     from glm5_mcore import kernels
-    from glm5_mcore.config import ParallelConfig
+    from glm5_mcore.mcore_settings import ParallelConfig
     from glm5_mcore.model.parallel import init_parallel
 
     init_parallel(ParallelConfig())

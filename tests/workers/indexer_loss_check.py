@@ -12,7 +12,7 @@ import torch.distributed as dist
 def one_layout(hf_dir: str, tp: int, cp: int) -> dict:
     from megatron.core import parallel_state as ps
 
-    from glm5_mcore.config import ParallelConfig
+    from glm5_mcore.mcore_settings import ParallelConfig
     from glm5_mcore.model.dsa import GLM5SparseAttention
     from glm5_mcore.data.sft import Document, _batch, split_for_cp
     from tests.support.helpers import hf_model

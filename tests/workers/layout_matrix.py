@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from glm5_mcore.checkpoint.hf_io import HFCheckpoint  # noqa: E402
 from glm5_mcore.checkpoint.hf_load import load_hf_weights, mcore_to_hf_sources  # noqa: E402
-from glm5_mcore.config import GLM5Config, ParallelConfig  # noqa: E402
+from glm5_mcore.config import GLM5Config  # noqa: E402
+from glm5_mcore.mcore_settings import ParallelConfig  # noqa: E402
 from glm5_mcore.lora.apply import apply_lora  # noqa: E402
 from glm5_mcore.lora.config import EXPERTS, MLA, MLP, LoRAConfig  # noqa: E402
 from glm5_mcore.lora.state import save_adapter  # noqa: E402
