@@ -86,7 +86,12 @@ def reprepack_cpu_experts_on_reload(model) -> int:
     checkpoint-layout experts into the prepacked storage and skips the prepack: the CPU kernel then reads
     them as packed, and every routed expert of a reloaded layer is wrong (a full push after a level-2
     sleep, or any adapter on experts: log-probs ~3 off). The patch makes the method, per layer instance,
-    prepack again after it ran on a weight update; it runs exactly for the layers a reload brought."""
+    prepack again after it ran on a weight update; it runs exactly for the layers a reload brought.
+    Other platforms: nothing (0)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     n = 0
