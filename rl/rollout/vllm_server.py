@@ -74,12 +74,59 @@ def _dense_mla_mtp_class():
     return GLM5DenseMLAMTPModel
 
 
+def reprepack_cpu_experts_on_reload(model) -> int:
+    """vLLM-CPU workaround, installed on ``model`` before each in-place reload; returns the MoE layers patched.
+
+    Wall: ``UnquantizedFusedMoEMethod._setup_kernel`` (vllm/model_executor/layers/fused_moe/
+    unquantized_fused_moe_method.py:188-205) runs the experts' own ``process_weights_after_loading`` only
+    while ``moe_kernel is None`` (the first load); on vLLM-CPU that is the prepack of ``w13_weight`` /
+    ``w2_weight`` [E, 2I, H] / [E, H, I] into the grouped-GEMM layout (experts/cpu_moe.py:208-218,
+    ``cpu_prepack_moe_weight``: same shape, other order). An in-place reload
+    (``model_loader/reload/layerwise.py:_layerwise_process``) re-runs the method, which copies the reloaded
+    checkpoint-layout experts into the prepacked storage and skips the prepack: the CPU kernel then reads
+    them as packed, and every routed expert of a reloaded layer is wrong (a full push after a level-2
+    sleep, or any adapter on experts: log-probs ~3 off). The patch makes the method, per layer instance,
+    prepack again after it ran on a weight update; it runs exactly for the layers a reload brought.
+    Other platforms: nothing (0)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    n = 0
+    for layer in model.modules():
+        method = getattr(layer, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(method, "_glm5_reprepack", False):
+            continue
+
+        def after_loading(layer_, _run=method.process_weights_after_loading, _experts=experts):
+            size = _experts.moe_config.intermediate_size_per_partition
+            if _experts._padded_intermediate_size(_experts.moe_config) != size:
+                raise NotImplementedError(f"vLLM-CPU: in-place reload of MoE experts with a padded intermediate "
+                                          f"size ({size}) is not supported (experts/cpu_moe.py:220)")
+            _run(layer_)
+            _experts.process_weights_after_loading(layer_)
+
+        method.process_weights_after_loading = after_loading
+        method._glm5_reprepack = True
+        n += 1
+    return n
+
+
+def _reload(worker, tensors) -> None:
+    """``worker.reload_weights`` of checkpoint-format (HF name, tensor) pairs, the CPU MoE prepack restored."""
+    reprepack_cpu_experts_on_reload(worker.model_runner.get_model())
+    worker.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
+
+
 def _reload_from_file(worker, path: str) -> int:
     """Run on every vLLM worker: reload the checkpoint-format tensors of one safetensors file."""
     from safetensors.torch import load_file
 
     tensors = load_file(path)
-    worker.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
+    _reload(worker, tensors.items())
     return len(tensors)
 
 
@@ -91,7 +138,7 @@ def _reload_from_handle(worker, handle, metas, codec: str, draft: bool = False) 
     tensors = receive(handle, metas, codec)
     if draft:
         return _reload_draft(worker, tensors)
-    worker.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
+    _reload(worker, tensors)
     return len(tensors)
 
 
@@ -129,6 +176,7 @@ def _reload_draft(worker, tensors: list) -> int:
     runner = worker.model_runner
     cfg = SimpleNamespace(model_config=runner.vllm_config.speculative_config.draft_model_config,
                           load_config=runner.vllm_config.load_config, lora_config=None)
+    reprepack_cpu_experts_on_reload(_draft_model(worker))
     reload_weights(cfg, _draft_model(worker), weights_iterator=iter(tensors), weights_path=None,
                    is_checkpoint_format=True)
     return len(tensors)
@@ -203,7 +251,8 @@ class Server:
         return n
 
     def reload_handle(self, handle, metas: list, codec: str) -> int:
-        """Reload one weight-sync bucket (``rl.weight_sync``) on every worker."""
+        """Reload one weight-sync bucket (``rl.weight_sync``) on every worker; the engine drops the prefix
+        cache once the last bucket of a push is in (``reset_prefix_cache``)."""
         return sum(self.llm.collective_rpc(_reload_from_handle, kwargs={"handle": handle, "metas": metas,
                                                                         "codec": codec}))
 
