@@ -164,8 +164,8 @@ def test_parity_on_their_folders(foreign, converted, flavour):
 
 @pytest.mark.slow
 def test_parity_on_a_megatron_lm_folder_at_tp2_ep2(foreign, converted):
-    rep = last_json(glm5("parity", "--ckpt", foreign["mlm"], "--hf-dir", converted["mlm"], "--tp", "2", "--ep", "2",
-                         nproc=2).stdout)
+    r = glm5("parity", "--ckpt", foreign["mlm"], "--hf-dir", converted["mlm"], "--tp", "2", "--ep", "2", nproc=2)
+    rep = last_json(r.stdout)
     assert rep["tp"] == 2 and rep["ep"] == 2 and rep["max_abs"] <= 1e-4 and rep["topk_agree"] == 1.0, rep
     assert r.stderr.count("no checksum manifest, loaded unverified") == 1  # said once, by rank 0
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.rl.test_ray import ray_local  # noqa: F401 (fixture: PYTHONPATH for the Ray workers, shutdown)
+from tests.support.rl_setup import killed_before_last_save
 
 REPO = Path(__file__).resolve().parents[2]
 SAME = ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "response_length/mean",
@@ -43,7 +44,8 @@ def _run_and_resume(preset, tiny_dir, verl_math, tmp_path, *extra):
 
     a, b = tmp_path / "a", tmp_path / "b"
     full = run(_cfg(preset, tiny_dir, verl_math, a, *extra))
-    shutil.copytree(a, b)  # holds iteration 2; step 3 is redone from it
+    shutil.copytree(a, b)
+    killed_before_last_save(b, 3, 2)  # holds iteration 2; step 3 is redone from it
     resumed = run(_cfg(preset, tiny_dir, verl_math, b, *extra))
     assert [h["step"] for h in resumed["history"]] == [3]
     x, y = full["history"][2], resumed["history"][0]

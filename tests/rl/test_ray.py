@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from tests.support.launch import REPO, child_env, glm5
+from tests.support.rl_setup import killed_before_last_save
 
 
 
@@ -84,14 +85,6 @@ def test_rollout_actor_killed_mid_step(tiny_dir, tmp_path, ray_local):
     assert res["state"]["step"] == 1
 
 
-def _killed_before_last_save(run, last: int, prev: int) -> None:
-    """``run`` as a run killed after step ``last`` was logged, before its (final) checkpoint."""
-    from glm5_mcore.checkpoint.layout import iter_dir, write_latest
-
-    shutil.rmtree(iter_dir(run, last))
-    write_latest(run, prev)
-
-
 @pytest.mark.slow
 def test_resume_gives_identical_next_step(tiny_dir, tmp_path, ray_local):
     from rl.driver import run
@@ -100,7 +93,7 @@ def test_resume_gives_identical_next_step(tiny_dir, tmp_path, ray_local):
     full = run(_cfg(tiny_dir, a, trainer={"steps": 3, "save_every": 2}, rollout={"num_actors": 1}))
     b = tmp_path / "b"
     shutil.copytree(a, b)
-    _killed_before_last_save(b, 3, 2)
+    killed_before_last_save(b, 3, 2)
     resumed = run(_cfg(tiny_dir, b, trainer={"steps": 3, "save_every": 2}, rollout={"num_actors": 1}))
     assert [h["step"] for h in resumed["history"]] == [3]
     x, y = full["history"][2], resumed["history"][0]
@@ -153,7 +146,7 @@ def test_one_step_off_policy_resume_and_actor_death(tiny_dir, tmp_path, ray_loca
     assert [h["rollout/staleness"] for h in hist] == [0.0, 1.0, 1.0]
     b = tmp_path / "b"
     shutil.copytree(a, b)                                   # iter 2: batch 2 was in flight with adapter v1
-    _killed_before_last_save(b, 3, 2)
+    killed_before_last_save(b, 3, 2)
     resumed = run(cfg(b))
     assert [h["step"] for h in resumed["history"]] == [3]
     x, y = hist[2], resumed["history"][0]

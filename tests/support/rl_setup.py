@@ -4,6 +4,7 @@ whose routers disagree with the trainer's, the MTP layer's merged weights, the o
 checks of tool episodes and vLLM's draft-model view of an HF tensor."""
 
 import re
+import shutil
 
 import torch
 
@@ -137,3 +138,12 @@ def vllm_draft_view(hf: str, draft: dict, q_lora_rank: int):
     if g:
         return draft[blk + g.group(1) + ".gate_up_proj.weight"].chunk(2, 0)[0 if g.group(2) == "gate_proj" else 1]
     return draft[blk + rest + ".weight"]
+
+
+def killed_before_last_save(run, last: int, prev: int) -> None:
+    """``run`` (a finished run's folder, or a copy of one) as a run killed after step ``last`` was logged,
+    before its (final) checkpoint: iteration ``last`` removed, ``latest`` back at ``prev``."""
+    from glm5_mcore.checkpoint.layout import iter_dir, write_latest
+
+    shutil.rmtree(iter_dir(run, last))
+    write_latest(run, prev)
