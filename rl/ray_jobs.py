@@ -43,10 +43,14 @@ class RayJobError(ValueError):
 
 def cause_line(e: BaseException) -> str:
     """``Type: message`` on one line: a ``RayTaskError``'s cause, the cause of an actor that died in its
-    ``__init__`` (the last exception line of Ray's text), else the exception's first line."""
+    ``__init__`` (the last exception line of Ray's text), an actor whose process died with Ray's reason
+    (exit type and detail: a crash, the memory monitor, a lost node), else the exception's first line."""
     if isinstance(e, ray.exceptions.RayTaskError) and isinstance(getattr(e, "cause", None), BaseException):
         return f"{type(e.cause).__name__}: {' '.join(str(e.cause).split())}"
     lines = str(e).splitlines()
+    if lines and lines[0] == ray.exceptions.ActorDiedError.BASE_ERROR_MSG:  # a system death: Ray's reason follows
+        why = [ln.strip() for ln in lines[1:] if ln.strip() and not ln.startswith("\t")]
+        return " ".join(" ".join([lines[0], *why]).split())
     last = max((j for j, ln in enumerate(lines) if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Exit)\b", ln)),
                default=None)
     return " ".join(" ".join(lines[last:]).split()) if last is not None else (lines[0] if lines else type(e).__name__)

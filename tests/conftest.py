@@ -5,6 +5,10 @@ import os
 import subprocess
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Dynamo off from the start (cpu_compat turns it off anyway on CPU, after Megatron's jit.py has wrapped its
+# fusions in torch.compile): set before torch is imported, this process and every child it starts (torchrun
+# ranks, glm5 CLIs, Ray's workers, vLLM) skip importing the inductor, ~3 s of CPU each.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import pytest
 import torch

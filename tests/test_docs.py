@@ -2,8 +2,10 @@
 line in README.md or docs/*.md runs, in order, in a fresh copy of the repository (its tracked and
 unignored files, no ``runs/``; ``.venv`` linked in) with quick step counts — ``train.steps`` /
 ``trainer.steps`` set to 2 on every ``glm5 sft`` / ``glm5 rl`` line — and ``./setup.sh &&`` left out
-(the suite runs in the environment it made). README's two commands stay exactly as they are."""
+(the suite runs in the environment it made). README's two commands stay exactly as they are; its main job
+(the first block) runs to its reward instead (``test_readme_main_job_learns_the_toy_task``)."""
 
+import json
 import os
 import re
 import shutil
@@ -81,7 +83,36 @@ def fresh_copy(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where,block", runnable_blocks(), ids=[w for w, _ in runnable_blocks()])
+def test_readme_main_job_learns_the_toy_task(fresh_copy, tmp_path):
+    """The README's main job as written (``./setup.sh &&`` left out), stopped at the first held-out reward
+    >= 0.9 (``trainer.stop_at_reward``) with no periodic saves: the reward rises from chance (1/2), W&B
+    writes its offline run under ``runs/rl/wandb``, the final policy is saved all the same, every step's
+    metrics are in ``metrics.jsonl`` and ``glm5 plot`` draws the RL panels from them."""
+    from glm5_mcore.checkpoint.layout import iterations, latest_iteration
+    from glm5_mcore.plot import RL_PANELS, plot
+    from glm5_mcore.training.run_log import read_metrics
+
+    cmd = MAIN_JOB.replace(SETUP, "") + " trainer.stop_at_reward=0.9 trainer.save_every=0"
+    r = subprocess.run(["bash", "-euo", "pipefail", "-c", cmd], cwd=fresh_copy, capture_output=True, text=True,
+                       env=child_env(WANDB_SILENT="true", PYTHONPATH=str(fresh_copy)), timeout=900)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, f"{cmd}\nexit {r.returncode}\n{r.stderr[-4000:]}"
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    val = dict((s, v) for s, v in res["val_reward"])
+    assert val[0] <= 0.65, val                      # chance: a constant policy scores 0.5
+    assert max(val.values()) >= 0.9, val
+    out = fresh_copy / "runs" / "rl"
+    assert list((out / "wandb").glob("offline-run-*")), "W&B offline run missing"
+    assert iterations(out) == [res["steps"]] and latest_iteration(out) == res["steps"]
+    rows = read_metrics(out / "metrics.jsonl")  # every step once, the W&B names, the held-out curve
+    assert [r["step"] for r in rows] == list(range(len(rows))) and rows[-1]["step"] == res["steps"]
+    assert [(r["step"], r["val/reward"]) for r in rows if "val/reward" in r] == [tuple(v) for v in res["val_reward"]]
+    png = tmp_path / "rl.png"
+    assert plot([out], png) == [x.title for x in RL_PANELS]
+    assert png.stat().st_size > 20_000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where,block", runnable_blocks()[1:], ids=[w for w, _ in runnable_blocks()[1:]])
 def test_marked_command_block_runs_as_written(where, block, fresh_copy):
     env = child_env(WANDB_MODE="disabled", WANDB_SILENT="true", PYTHONPATH=str(fresh_copy))
     r = subprocess.run(["bash", "-euo", "pipefail", "-c", quick(block)], cwd=fresh_copy, env=env,

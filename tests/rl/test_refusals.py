@@ -136,3 +136,20 @@ def test_tp_not_dividing_the_vocabulary_is_refused_before_ray(tiny_dir, tmp_path
     with pytest.raises(ValueError, match=rf"^trainer.tp: vocab_size=99 is not divisible by tp=2 .*\({hf}\)$"):
         run(RLConfig.from_dict(d))
     assert not (tmp_path / "rl").exists() and not ray.is_initialized()
+
+
+def test_an_actor_whose_process_died_says_why_in_one_line():
+    """Ray's reason for a system death (the memory monitor here) stays in the one line, not only its
+    "died unexpectedly" headline."""
+    import ray
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+
+    from rl.ray_jobs import cause_line
+
+    why = ("The actor is dead because its worker process has died. Worker exit type: NODE_OUT_OF_MEMORY "
+           "Worker exit detail: Task was killed due to the node running low on memory.")
+    e = ray.exceptions.ActorDiedError(ActorDiedErrorContext(class_name="TrainerActor", actor_id=b"\1" * 16, pid=12,
+                                                            node_ip_address="127.0.0.1", error_message=why))
+    line = cause_line(e)
+    assert "\n" not in line and "NODE_OUT_OF_MEMORY" in line and "running low on memory" in line
+    assert "actor_id" not in line
