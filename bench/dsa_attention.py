@@ -10,6 +10,8 @@ sparse layer in the sparse training stage (trainable indexer, Megatron-Core's sp
 the selected keys + the top-k recall on 128 rows): its time and memory over plain "sparse" is the cost of
 the indexer keeping on learning. Beside them, of the sparse core on the device (PyTorch) path: the host
 syncs per layer (ops that read a device value back) and the bytes kept for backward per token per head.
+The JSON line carries the speed target of issue 29, ``sparse_vs_dense_8192 >= 1.0`` on any CPU (AVX2-only
+included: ``cpu_vector_isa``), and ``target_met``.
 
 Usage: .venv/bin/python bench/dsa_attention.py [--seqs 2048 4096 8192] [--reps 2]
 """
