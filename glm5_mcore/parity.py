@@ -31,7 +31,7 @@ from glm5_mcore.checkpoint.megatron_lm import is_foreign
 from glm5_mcore.lora.peft import import_peft
 from glm5_mcore.lora.state import load_adapter_state
 from glm5_mcore.model.build import build_model, forward_logits
-from glm5_mcore.model.dsa import GLM5SparseAttention
+from glm5_mcore.model.dsa import GLM5SparseAttention, keeping_topk
 from glm5_mcore.model.parallel import init_parallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -114,11 +114,11 @@ def megatron_forward(hf_dir: Optional[str], glm5: GLM5Config, input_ids: torch.T
     routers = []
     hooks = [m.register_forward_hook(lambda mod, inp, out: routers.append(out[1].detach()))
              for n, m in model.named_modules() if n.startswith("decoder.") and n.endswith("mlp.router")]
-    with torch.no_grad():
+    with torch.no_grad(), keeping_topk(model):
         logits = forward_logits(model, input_ids[:, pos], pos[None].expand(B, -1).contiguous())
-    for h in hooks:
-        h.remove()
-    logits, topks, router_sets = _gather_to_token_order(model, logits, routers, pos, B, S)
+        for h in hooks:
+            h.remove()
+        logits, topks, router_sets = _gather_to_token_order(model, logits, routers, pos, B, S)
     return logits.cpu(), [None if t is None else t.cpu() for t in topks], [r.cpu() for r in router_sets]
 
 

@@ -39,6 +39,7 @@ from glm5_mcore.lora.apply import apply_lora, disable_adapters, set_adapter
 from glm5_mcore.lora.peft import export_peft
 from glm5_mcore.lora.state import gather_adapter
 from glm5_mcore.model.build import build_model
+from glm5_mcore.model.dsa import keeping_topk
 from glm5_mcore.model.indexer_stages import check_indexer_learns
 from glm5_mcore.model.mtp_loss import fp32_output_layer, mtp_depth_losses, token_logprobs
 from glm5_mcore.model.parallel import init_parallel
@@ -177,12 +178,13 @@ class PolicyTrainer:
             if self.mtp is not None:  # rollout/mtp_accept from the MTP logits this forward computes anyway
                 self.mtp.arm(mb.input_ids.to(training_device()),
                              drafted_positions(mb.pos, [len(batch.responses[i]) for i in mb.rows]))
-            old, _ = self._logprobs(self.ddp, mb, T)
+            with keeping_topk(self.model) if batch.index_topk is not None else contextlib.nullcontext():
+                old, _ = self._logprobs(self.ddp, mb, T)
+                if batch.index_topk is not None:
+                    index_agree += index_topk_counts(self.model, batch, mb.rows, mb if mb.unsplit is not None else None)
             out["old_log_probs"].append(old)
             if mb.routes is not None:
                 agree += self.routing.agreement(mb.routes, mb.routes_valid).cpu()
-            if batch.index_topk is not None:
-                index_agree += index_topk_counts(self.model, batch, mb.rows, mb if mb.unsplit is not None else None)
             if ref:
                 with disable_adapters(self.model):
                     out["ref_log_probs"].append(self._logprobs(self.ddp, mb, T)[0])

@@ -39,30 +39,46 @@ static void parallel_rows(i64 n, int nt, F f) {
   for (auto& x : th) x.join();
 }
 
-// 16-float vectors (one AVX-512 register; two or four narrower ones elsewhere). Rows of the arrays
-// the vector kernels read are padded to a multiple of W floats by the caller.
+// Native vectors: 16 floats with AVX-512, 8 with AVX/AVX2, 4 otherwise (SSE2: any x86-64). A GCC
+// vector wider than the registers is split into several and the register blocks below then spill,
+// so every block is sized in native vectors per ISA. The caller pads the rows the vector kernels
+// read to a multiple of 16 floats (a multiple of every W).
+#if defined(__AVX512F__)
 constexpr i64 W = 16;
-typedef float V __attribute__((vector_size(64)));
-typedef float VU __attribute__((vector_size(64), aligned(4)));
-typedef float V8 __attribute__((vector_size(32)));
+#elif defined(__AVX__)
+constexpr i64 W = 8;
+#else
+constexpr i64 W = 4;
+#endif
+typedef float V __attribute__((vector_size(W * 4)));
+typedef float VU __attribute__((vector_size(W * 4), aligned(4)));
+typedef int32_t Vi __attribute__((vector_size(W * 4)));
 typedef float V4 __attribute__((vector_size(16)));
 static inline V ld(const float* p) { return *(const VU*)p; }
 static inline void st(float* p, V v) { *(VU*)p = v; }
-static inline V splat(float x) { return V{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+static inline V splat(float x) { return V{} + x; }
+// v folded to 4 lanes (lane i = sum of lanes i mod 4)
+static inline V4 to4(V v) {
+#if defined(__AVX512F__)
+  typedef float V8 __attribute__((vector_size(32)));
+  const V8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  return __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+#elif defined(__AVX__)
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+#else
+  return v;
+#endif
+}
 static inline float hsum(V v) {
-  V8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  V4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const V4 b = to4(v);
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 // (sum(a), sum(b), sum(c), sum(d)) with shared shuffles
 static inline V4 hsum4(V a, V b, V c, V d) {
-#define GLM5_HALVES(x) (__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15))
-  const V8 a8 = GLM5_HALVES(a), b8 = GLM5_HALVES(b), c8 = GLM5_HALVES(c), d8 = GLM5_HALVES(d);
-#undef GLM5_HALVES
-  const V8 ab = __builtin_shufflevector(a8, b8, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(a8, b8, 4, 5, 6, 7, 12, 13, 14, 15);
-  const V8 cd = __builtin_shufflevector(c8, d8, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(c8, d8, 4, 5, 6, 7, 12, 13, 14, 15);
-  const V8 x = __builtin_shufflevector(ab, cd, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(ab, cd, 2, 3, 10, 11, 6, 7, 14, 15);
-  return __builtin_shufflevector(x, x, 0, 4, 2, 6) + __builtin_shufflevector(x, x, 1, 5, 3, 7);
+  const V4 a4 = to4(a), b4 = to4(b), c4 = to4(c), d4 = to4(d);
+  const V4 x = __builtin_shufflevector(a4, b4, 0, 4, 1, 5) + __builtin_shufflevector(a4, b4, 2, 6, 3, 7);
+  const V4 y = __builtin_shufflevector(c4, d4, 0, 4, 1, 5) + __builtin_shufflevector(c4, d4, 2, 6, 3, 7);
+  return __builtin_shufflevector(x, y, 0, 1, 4, 5) + __builtin_shufflevector(x, y, 2, 3, 6, 7);
 }
 
 // a·b over n floats, n a multiple of W
@@ -72,10 +88,9 @@ static inline float vdot(const float* a, const float* b, i64 n) {
   return hsum(acc);
 }
 
-// exp(x) on 16 lanes (Cephes expf: Cody-Waite reduction, degree-6 polynomial, ~2 ulp): 0 below
+// exp(x) on W lanes (Cephes expf: Cody-Waite reduction, degree-6 polynomial, ~2 ulp): 0 below
 // -87.3 (so exp(-inf) = 0), x <= 88 assumed. Written with vector types: auto-vectorisation of a
 // scalar exp is compiler-dependent.
-typedef int32_t Vi __attribute__((vector_size(64)));
 static inline V vexp(V x) {
   const V lo = splat(-87.3f);
   const Vi under = x < lo;
@@ -315,13 +330,22 @@ void glm5_topk_rows(const float* scores, i64 R, i64 ld, const i64* lo, const i64
   });
 }
 
+// Register block of the indexer: IR query rows x IV key vectors of accumulators (16 of the 32 zmm
+// registers with AVX-512; 12 of the 16 ymm / xmm otherwise, leaving room for the key vectors).
+#if defined(__AVX512F__)
+constexpr i64 IR = 4, IV = 4;
+#else
+constexpr i64 IR = 6, IV = 2;
+#endif
+constexpr i64 KB = IV * W;  // keys per block (64 / 16 / 8: divides 64)
+
 // q [S, nI, dI], kT [dI, Tp] (keys transposed, Tp a multiple of 64, zero beyond T), w [S, nI];
 // row r scores keys [lo[r], hi[r]): I[c] = sum_h w[r,h] * relu(q[r,h]·k[c]); out [S, K] = the row's
-// top-k (see select_row). Rows go in groups of 4 over the union of their key ranges, keys in blocks
-// of 64: 16 vector accumulators per head, each key vector loaded once for the 4 rows.
+// top-k (see select_row). Rows go in groups of IR over the union of their key ranges, keys in blocks
+// of KB: IR x IV vector accumulators per head, each key vector loaded once for the IR rows.
 void glm5_indexer_topk(const float* q, const float* kT, const float* w, i64 S, i64 nI, i64 dI, i64 Tp,
                        const i64* lo, const i64* hi, i64 K, i64* out, int nt) {
-  constexpr i64 R = 4;
+  constexpr i64 R = IR;
   const i64 groups = (S + R - 1) / R;
   parallel_rows(groups, nt, [&](i64 ga, i64 gb, int) {
     std::vector<float> rows(R * Tp);
@@ -333,26 +357,24 @@ void glm5_indexer_topk(const float* q, const float* kT, const float* w, i64 S, i
       for (i64 r = 1; r < nr; ++r) l = std::min(l, lo[r0 + r]), h = std::max(h, hi[r0 + r]);
       const float* qs[R];
       for (i64 r = 0; r < R; ++r) qs[r] = q + (r0 + std::min(r, nr - 1)) * nI * dI;
-      for (i64 c0 = l & ~i64(63); c0 < h; c0 += 64) {
+      for (i64 c0 = l & ~(KB - 1); c0 < h; c0 += KB) {
         for (i64 hh = 0; hh < nI; ++hh) {
-          V a[R][4] = {};
+          V a[R][IV] = {};
           const float* kr = kT + c0;
           for (i64 d = 0; d < dI; ++d, kr += Tp) {
-            const V k0 = ld(kr), k1 = ld(kr + 16), k2 = ld(kr + 32), k3 = ld(kr + 48);
+            V kv[IV];
+            for (i64 v = 0; v < IV; ++v) kv[v] = ld(kr + W * v);
             for (i64 r = 0; r < R; ++r) {
               const V qv = splat(qs[r][hh * dI + d]);
-              a[r][0] += qv * k0;
-              a[r][1] += qv * k1;
-              a[r][2] += qv * k2;
-              a[r][3] += qv * k3;
+              for (i64 v = 0; v < IV; ++v) a[r][v] += qv * kv[v];
             }
           }
           for (i64 r = 0; r < nr; ++r) {
             const V wv = splat(w[(r0 + r) * nI + hh]);
             float* o = rows.data() + r * Tp + c0;
-            for (int v = 0; v < 4; ++v) {
+            for (i64 v = 0; v < IV; ++v) {
               const V x = wv * (a[r][v] > zero ? a[r][v] : zero);
-              st(o + 16 * v, hh == 0 ? x : ld(o + 16 * v) + x);
+              st(o + W * v, hh == 0 ? x : ld(o + W * v) + x);
             }
           }
         }
@@ -378,45 +400,96 @@ static inline void prefetch_row(const float* base, const i64* id, i64 j, i64 K, 
 }
 
 // Scores of one query against its selected rows: p[h*K + j] = scale * q_h · row_j[:D] (-inf where
-// idx < 0), minus sub[h] when given; q_h = qt + h*D, row_j = lat + idx_j*ldr. Heads go in pairs so
-// each row chunk is loaded once per pair.
+// idx < 0), minus sub[h] when given; q_h = qt + h*D, row_j = lat + idx_j*ldr. Two rows x four heads
+// per pass: eight independent accumulators (FMA latency x throughput) and each row chunk loaded once
+// per four heads. A row of index < 0 reads row 0 and is then overwritten.
 static void score_rows(const float* qt, const float* lat, i64 ldr, const i64* id, i64 n, i64 D, i64 K, float scale,
                        const float* sub, float* p) {
-  for (i64 j = 0; j < K; ++j) {
-    const i64 i = id[j];
-    if (i < 0) {
-      for (i64 hh = 0; hh < n; ++hh) p[hh * K + j] = NEG_INF;
-      continue;
-    }
+  for (i64 j = 0; j < K; j += 2) {
+    const i64 j1 = std::min(j + 1, K - 1);  // odd K: the last row twice
+    const i64 i0 = id[j], i1 = id[j1];
     prefetch_row(lat, id, j, K, ldr, 0);
-    const float* row = lat + i * ldr;
+    prefetch_row(lat, id, j1, K, ldr, 0);
+    const float *x0 = lat + std::max<i64>(i0, 0) * ldr, *x1 = lat + std::max<i64>(i1, 0) * ldr;
     for (i64 h0 = 0; h0 < n; h0 += 4) {
       i64 hs[4];
       for (i64 u = 0; u < 4; ++u) hs[u] = std::min(h0 + u, n - 1);  // a short last group repeats a head
-      V a0{}, a1{}, a2{}, a3{};
+      V a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};
       const float *q0 = qt + hs[0] * D, *q1 = qt + hs[1] * D, *q2 = qt + hs[2] * D, *q3 = qt + hs[3] * D;
       for (i64 c = 0; c < D; c += W) {
-        const V r = ld(row + c);
-        a0 += ld(q0 + c) * r;
-        a1 += ld(q1 + c) * r;
-        a2 += ld(q2 + c) * r;
-        a3 += ld(q3 + c) * r;
+        const V r = ld(x0 + c), t = ld(x1 + c);
+        V v = ld(q0 + c);
+        a0 += v * r, b0 += v * t;
+        v = ld(q1 + c);
+        a1 += v * r, b1 += v * t;
+        v = ld(q2 + c);
+        a2 += v * r, b2 += v * t;
+        v = ld(q3 + c);
+        a3 += v * r, b3 += v * t;
       }
-      const V4 sum = hsum4(a0, a1, a2, a3);
-      for (i64 u = 0; u < 4; ++u) p[hs[u] * K + j] = scale * sum[u] - (sub ? sub[hs[u]] : 0.f);
+      const V4 sa = hsum4(a0, a1, a2, a3), sb = hsum4(b0, b1, b2, b3);
+      for (i64 u = 0; u < 4; ++u) {
+        const float m = sub ? sub[hs[u]] : 0.f;
+        p[hs[u] * K + j] = i0 < 0 ? NEG_INF : scale * sa[u] - m;
+        p[hs[u] * K + j1] = i1 < 0 ? NEG_INF : scale * sb[u] - m;
+      }
     }
   }
 }
 
+}  // extern "C"
+
+// Rows per block of the weighted row sums: a block (JB x 576 floats of GLM-5's latent = 147 KB) stays
+// in L2 while every chunk of the row sweeps it.
+constexpr i64 JB = 64;
+
+// acc[h][c0 : c0 + NV*W] (+)= sum_{j in [j0, j1)} p[h*K + j] * row_j[c0 : ...] for heads h0 .. h0+3
+// (heads past n: p = 0, nothing stored), NV vectors x 4 heads in registers; `first`: acc starts at 0.
+template <int NV>
+static inline void weighted_rows(const float* lat, i64 ldr, const i64* id, i64 j0, i64 j1, const float* p, i64 K,
+                                 i64 h0, i64 n, i64 c0, float* acc, i64 lda, bool first) {
+  const i64 nh = std::min<i64>(4, n - h0);
+  V s[4][NV];
+  for (i64 u = 0; u < 4; ++u)
+    for (int v = 0; v < NV; ++v) s[u][v] = u < nh && !first ? ld(acc + (h0 + u) * lda + c0 + v * W) : V{};
+  const float* p0 = p + h0 * K;
+  for (i64 j = j0; j < j1; ++j) {
+    const i64 i = id[j];
+    if (i < 0) continue;
+    V r[NV];
+    for (int v = 0; v < NV; ++v) r[v] = ld(lat + i * ldr + c0 + v * W);
+    for (i64 u = 0; u < 4; ++u) {
+      const V pv = splat(p0[u * K + j]);
+      for (int v = 0; v < NV; ++v) s[u][v] += pv * r[v];
+    }
+  }
+  for (i64 u = 0; u < nh; ++u)
+    for (int v = 0; v < NV; ++v) st(acc + (h0 + u) * lda + c0 + v * W, s[u][v]);
+}
+
+// acc[h, :C] = sum_j p[h*K + j] * row_j[:C] for all n heads (C a multiple of W), blocked by JB rows.
+static void weighted_rows_all(const float* lat, i64 ldr, const i64* id, i64 K, const float* p, i64 n, i64 C,
+                              float* acc, i64 lda) {
+  for (i64 j0 = 0; j0 < K || j0 == 0; j0 += JB) {
+    const i64 j1 = std::min(K, j0 + JB);
+    i64 c = 0;
+    for (; c + 2 * W <= C; c += 2 * W)
+      for (i64 h0 = 0; h0 < n; h0 += 4) weighted_rows<2>(lat, ldr, id, j0, j1, p, K, h0, n, c, acc, lda, j0 == 0);
+    for (; c < C; c += W)
+      for (i64 h0 = 0; h0 < n; h0 += 4) weighted_rows<1>(lat, ldr, id, j0, j1, p, K, h0, n, c, acc, lda, j0 == 0);
+  }
+}
+
+extern "C" {
+
 // q [S, n, D], lat [T, D], idx [S, K] -> out [S, n, dc] = softmax(scale q·lat_sel) · lat_sel[:, :dc],
-// lse [S, n] (-inf and out 0 where a row selects nothing). D and dc are multiples of W.
+// lse [S, n] (-inf and out 0 where a row selects nothing). D and dc are multiples of 16.
 void glm5_sparse_latent_fwd(const float* q, const float* lat, const i64* idx, i64 S, i64 n, i64 D, i64 K,
                             float scale, i64 dc, float* out, float* lse, int nt) {
   parallel_rows(S, nt, [&](i64 a, i64 b, int) {
     std::vector<float> p((n + 3) / 4 * 4 * K, 0.f);  // rows of heads >= n stay 0
     for (i64 t = a; t < b; ++t) {
       const i64* id = idx + t * K;
-      float* ot = out + t * n * dc;
       score_rows(q + t * n * D, lat, D, id, n, D, K, scale, nullptr, p.data());
       for (i64 hh = 0; hh < n; ++hh) {
         float* ph = p.data() + hh * K;
@@ -432,22 +505,40 @@ void glm5_sparse_latent_fwd(const float* q, const float* lat, const i64* idx, i6
         for (i64 j = 0; j < K; ++j) ph[j] *= inv;
         lse[t * n + hh] = m + std::log(sum);
       }
-      // out_h[c] = sum_j p[h, j] row_j[c]: per 16-float chunk and group of 4 heads, in registers
-      for (i64 c = 0; c < dc; c += W)
-        for (i64 h0 = 0; h0 < n; h0 += 4) {
-          const i64 nh = std::min<i64>(4, n - h0);
-          V acc[4] = {};
-          const float* p0 = p.data() + h0 * K;
-          for (i64 j = 0; j < K; ++j) {
-            const i64 i = id[j];
-            if (i < 0) continue;
-            const V r = ld(lat + i * D + c);
-            for (i64 u = 0; u < 4; ++u) acc[u] += splat(p0[u * K + j]) * r;  // heads past n: p = 0
-          }
-          for (i64 u = 0; u < nh; ++u) st(ot + (h0 + u) * dc + c, acc[u]);
-        }
+      weighted_rows_all(lat, D, id, K, p.data(), n, dc, out + t * n * dc, dc);
     }
   });
+}
+
+// drow_j[c0 : c0 + W] += sum_h ds[h,j] q_h[c0 : ...] + p[h,j] dout_h[c0 : ...] (the dout term where
+// c0 < dc) for j in [j0, j1), all heads; q_h / dout_h chunks of four heads at a time in registers.
+static void scatter_rows(float* dl, i64 D, const i64* id, i64 j0, i64 j1, const float* ds, const float* p, i64 K,
+                         const float* qt, const float* gt, i64 n, i64 dc, i64 c0) {
+  const bool in_dc = c0 < dc;
+  for (i64 h0 = 0; h0 < n; h0 += 4) {
+    const i64 nh = std::min<i64>(4, n - h0);
+    V qa[4], ga[4];
+    for (i64 u = 0; u < 4; ++u) {
+      qa[u] = u < nh ? ld(qt + (h0 + u) * D + c0) : V{};
+      ga[u] = u < nh && in_dc ? ld(gt + (h0 + u) * dc + c0) : V{};
+    }
+    const float* s0 = ds + h0 * K;
+    const float* p0 = p + h0 * K;
+    for (i64 j = j0; j < j1; ++j) {  // heads past n: ds = p = 0, qa = ga = 0
+      const i64 i = id[j];
+      if (i < 0) continue;
+      float* drow = dl + i * D + c0;
+      V g = ld(drow), e = splat(s0[j]) * qa[0];  // two chains of four FMAs
+      g += splat(p0[j]) * ga[0];
+      e += splat(s0[K + j]) * qa[1];
+      g += splat(p0[K + j]) * ga[1];
+      e += splat(s0[2 * K + j]) * qa[2];
+      g += splat(p0[2 * K + j]) * ga[2];
+      e += splat(s0[3 * K + j]) * qa[3];
+      g += splat(p0[3 * K + j]) * ga[3];
+      st(drow, g + e);
+    }
+  }
 }
 
 // Backward of glm5_sparse_latent_fwd from its out and lse: dq [S, n, D] (written), dlat [T, D]
@@ -466,7 +557,6 @@ void glm5_sparse_latent_bwd(const float* q, const float* lat, const i64* idx, co
       const i64* id = idx + t * K;
       const float* qt = q + t * n * D;
       const float* gt = dout + t * n * dc;
-      float* dqt = dq + t * n * D;
       for (i64 hh = 0; hh < n; ++hh) delta[hh] = vdot(gt + hh * dc, out + (t * n + hh) * dc, dc);
       // p = scale q_h·row - lse_h, ds = dout_h·row[:dc] - delta_h; one load of each row chunk
       for (i64 j = 0; j < K; ++j) {
@@ -501,34 +591,10 @@ void glm5_sparse_latent_bwd(const float* q, const float* lat, const i64* idx, co
         }
       }
       probs_and_dscores(p.data(), ds.data(), n * K, scale);
-      // dq_h[c] = sum_j ds[h,j] row_j[c];  drow_j[c] += sum_h ds[h,j] q_h[c] + p[h,j] dout_h[c]
-      for (i64 c = 0; c < D; c += W) {
-        const bool in_dc = c < dc;
-        for (i64 h0 = 0; h0 < n; h0 += 4) {
-          const i64 nh = std::min<i64>(4, n - h0);
-          V qa[4], ga[4], acc[4] = {};
-          for (i64 u = 0; u < 4; ++u) {
-            qa[u] = u < nh ? ld(qt + (h0 + u) * D + c) : V{};
-            ga[u] = u < nh && in_dc ? ld(gt + (h0 + u) * dc + c) : V{};
-          }
-          const float* s0 = ds.data() + h0 * K;
-          const float* p0 = p.data() + h0 * K;
-          for (i64 j = 0; j < K; ++j) {
-            const i64 i = id[j];
-            if (i < 0) continue;
-            const V r = ld(lat + i * D + c);
-            float* drow = dl + i * D + c;
-            V g = ld(drow);
-            for (i64 u = 0; u < 4; ++u) {  // heads past n: ds = p = 0, qa = ga = 0
-              const V sv = splat(s0[u * K + j]);
-              acc[u] += sv * r;
-              g += sv * qa[u] + splat(p0[u * K + j]) * ga[u];
-            }
-            st(drow, g);
-          }
-          for (i64 u = 0; u < nh; ++u) st(dqt + (h0 + u) * D + c, acc[u]);
-        }
-      }
+      // dq_h = sum_j ds[h,j] row_j;  drow_j += sum_h ds[h,j] q_h + p[h,j] dout_h[:dc], by blocks of JB rows
+      weighted_rows_all(lat, D, id, K, ds.data(), n, D, dq + t * n * D, D);
+      for (i64 j0 = 0; j0 < K; j0 += JB)
+        for (i64 c = 0; c < D; c += W) scatter_rows(dl, D, id, j0, std::min(K, j0 + JB), ds.data(), p.data(), K, qt, gt, n, dc, c);
     }
   });
   for (auto& v : part) vaxpy(dlat, 1.f, v.data(), T * D);

@@ -17,6 +17,7 @@ Legend: S query rows, T key rows, b batch, n heads, h head dim, K top-k, C query
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -72,6 +73,13 @@ class GLM5SparseAttention(MegatronModule):
                         if computes_topk else None)
         self._topk_source: list = []
         self.last_topk: Optional[torch.Tensor] = None
+        """This forward's top-k [b, S, K], held after it only where something reads it: on a full layer
+        IndexShare layers read (``feeds_sharers``, set by ``link_index_share``: their forward and their
+        recompute), or inside ``keeping_topk`` (parity, RL's top-k agreement). Elsewhere None: held on
+        every layer it would outlive the backward (under full recompute, s·K·8 bytes per layer the
+        planner would not see)."""
+        self.feeds_sharers = False
+        self.keep_topk = False
         self._latent: Optional[torch.Tensor] = None  # kv_layernorm output of this forward (absorbed path)
         self.warmup_coeff = 0.0  # > 0: indexer warm-up (dense attention + KL indexer loss), set_indexer_warmup
         if (config.dsa_indexer_loss_coeff or 0.0) > 0 and not config.dsa_indexer_use_sparse_loss:
@@ -157,7 +165,7 @@ class GLM5SparseAttention(MegatronModule):
         selected = topk
         if self.index_topk >= skv:
             topk = None
-        self.last_topk = topk
+        self.last_topk = topk if self.keep_topk or self.feeds_sharers else None
 
         if topk is None:
             out = dense_attention(query, key, value, q_pos, doc_start, self.softmax_scale, plain_causal)
@@ -301,6 +309,25 @@ def link_index_share(modules) -> None:
                              "on this pipeline stage")
         else:
             m._topk_source = [last_full]
+            last_full.feeds_sharers = True
+
+
+@contextlib.contextmanager
+def keeping_topk(model: torch.nn.Module):
+    """Inside the block every DSA core of ``model`` holds ``last_topk`` after its forward, for a reader
+    inside the block after the forward (parity's per-layer top-k, RL's trainer/engine top-k
+    agreement); on leaving, the cores that hold it for no IndexShare layer drop it."""
+    cores = [m for m in model.modules() if isinstance(m, GLM5SparseAttention)]
+    old = [m.keep_topk for m in cores]
+    for m in cores:
+        m.keep_topk = True
+    try:
+        yield
+    finally:
+        for m, k in zip(cores, old):
+            m.keep_topk = k
+            if not (k or m.feeds_sharers):
+                m.last_topk = None
 
 
 def link_absorbed_mla(model: torch.nn.Module) -> int:

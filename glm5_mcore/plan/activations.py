@@ -16,7 +16,10 @@ r = s' · top-k · ETP tokens routed to this rank's experts on average):
     last stage s·H + 2·4·s·V/TP bytes (logits, their softmax in the loss) per output head (+ MTP)
 
 With full recompute (Megatron's ``recompute_granularity="full"``, uniform, one layer per chunk) a
-layer keeps only its input (s'·H), and one layer's full set lives again while it is recomputed.
+layer keeps only its input (s'·H), and one layer's full set lives again while it is recomputed;
+a full DSA layer that IndexShare layers on the stage read keeps its top-k (``last_topk``, the
+selected-indices bytes above) through the forward and backward, for their recompute (``topk_held``).
+No other layer holds its top-k past its own backward (``GLM5SparseAttention.last_topk``).
 With selective recompute (``"selective"``, ``recompute_modules=["core_attn"]``) a layer drops the core
 attention's internals (``core_attention_bytes``: the core's inputs and output stay, being saved by the
 projections around it), and one layer's core lives again while it is recomputed.
@@ -48,10 +51,12 @@ class ActivationBytes:
     dispatch: int
     recompute_layer: int
     """One layer's full activations, alive while it is recomputed (0 without recompute)."""
+    held_topk: int = 0
+    """Under full recompute: the top-k IndexShare sources hold for their sharers (one micro-batch's)."""
 
     @property
     def peak(self) -> int:
-        return (self.saved_per_microbatch * self.in_flight + self.recompute_layer
+        return (self.saved_per_microbatch * self.in_flight + self.recompute_layer + self.held_topk
                 + max(self.indexer_scores, self.dispatch))
 
 
@@ -80,6 +85,19 @@ def indexer_transient(m: GLM5Config, L: Layout, tokens: int) -> int:
     return min(4 * (tokens // L.cp) * tokens, CHUNK_BYTES)
 
 
+def topk_bytes(m: GLM5Config, L: Layout, tokens: int, fused_dsa: bool = True) -> int:
+    """One DSA layer's selected key indices [s, K]: int64, the fused path's int32."""
+    return (4 if fused_dsa else 8) * (tokens // L.cp) * min(m.index_topk, tokens)
+
+
+def topk_held(m: GLM5Config, layers) -> int:
+    """How many of ``layers`` (one stage's, in order) are full DSA layers read by a later IndexShare
+    ("shared") layer of the same stage (``link_index_share``): each holds its top-k for them."""
+    layers = list(layers)
+    return sum(1 for a, b in zip(layers, layers[1:])
+               if m.indexer_types[a] == "full" and m.indexer_types[b] == "shared")
+
+
 def layer_bytes(m: GLM5Config, L: Layout, tokens: int, moe: bool, b: int, fused_dsa: bool = True) -> tuple[int, int]:
     """(attention + MLP bytes saved for backward by one layer, MoE routed tokens r) for ``tokens``."""
     s = tokens // L.cp
@@ -88,7 +106,7 @@ def layer_bytes(m: GLM5Config, L: Layout, tokens: int, moe: bool, b: int, fused_
     H = m.hidden_size
     att = b * (s_sp * H + s * H + 2 * s * m.q_lora_rank + s * (2 * m.kv_lora_rank + m.qk_rope_head_dim)
                + s * h * m.qk_head_dim + s * h * m.v_head_dim)
-    att += core_attention_bytes(m, L, tokens, b, fused_dsa) + (4 if fused_dsa else 8) * s * min(m.index_topk, tokens)
+    att += core_attention_bytes(m, L, tokens, b, fused_dsa) + topk_bytes(m, L, tokens, fused_dsa)
     if not moe:
         return att + b * (s * H + 3 * s * (m.intermediate_size // L.tp)), 0
     r = s_sp * m.num_experts_per_tok * L.etp
@@ -131,4 +149,6 @@ def stage_activations(m: GLM5Config, L: Layout, stage: int, tokens: int, *, bf16
         indexer_scores=indexer_transient(m, L, tokens) if has_indexer else 0,
         dispatch=2 * b * r * H,
         recompute_layer=biggest if recompute else core,
+        # without recompute the held top-k is the one the source layer saves for backward (counted)
+        held_topk=topk_held(m, layers) * topk_bytes(m, L, tokens, fused_dsa) if recompute else 0,
     )

@@ -150,3 +150,54 @@ def test_dense_attention_per_document_equals_masked():
         q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), attn_mask=mask, scale=0.3)
     ref = ref.permute(2, 0, 1, 3).reshape(S, b, -1)
     assert (got - ref).abs().max() <= 1e-6
+
+
+def test_last_topk_held_only_for_its_readers(single_rank):
+    """A DSA core's [b, S, K] top-k outlives the forward only where it is read: on a full layer an
+    IndexShare layer reads (pattern FFSF: layer 1 feeds layer 2), or inside ``keeping_topk``
+    (parity, RL's top-k agreement). Held on every layer it would be s·K·8 bytes per layer past the
+    backward, unplanned under full recompute."""
+    from glm5_mcore.config import glm5_tiny
+    from glm5_mcore.mcore_settings import ParallelConfig
+    from glm5_mcore.model.build import build_model, forward_logits
+    from glm5_mcore.model.dsa import GLM5SparseAttention, keeping_topk
+
+    m = build_model(glm5_tiny(index_share=True), ParallelConfig())
+    cores = [x for x in m.modules() if isinstance(x, GLM5SparseAttention)]
+    assert [c.computes_topk for c in cores] == [True, True, False, True]
+    ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(0))  # 32 tokens > top-k 8
+    forward_logits(m, ids).square().mean().backward()
+    assert [c.last_topk is not None for c in cores] == [False, True, False, False]
+    with torch.no_grad(), keeping_topk(m):
+        forward_logits(m, ids)
+        held = [c.last_topk for c in cores]
+        assert all(t is not None and t.shape == (1, 32, 8) for t in held)
+        assert held[2] is held[1]  # the IndexShare layer's is its source's
+    assert [c.last_topk is not None for c in cores] == [False, True, False, False]
+
+
+def test_held_topk_is_the_planners(single_rank):
+    """The bytes of top-k DSA cores hold after a forward + backward are the planner's ``held_topk``
+    under full recompute (where nothing else counts them): FFSF, 32 tokens, top-k 8, int64 = 2 KiB,
+    layer 1's, for layer 2 (whose recompute reads it; Megatron's full recompute needs CUDA RNG
+    state, tensor_parallel/random.py:118, so it is not run here)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from glm5_mcore.config import glm5_tiny
+    from glm5_mcore.mcore_settings import ParallelConfig
+    from glm5_mcore.model.build import build_model, forward_logits
+    from glm5_mcore.model.dsa import GLM5SparseAttention
+    from glm5_mcore.plan.activations import stage_activations
+    from glm5_mcore.plan.layout import Layout
+
+    glm5 = glm5_tiny(index_share=True)
+    m = build_model(glm5, ParallelConfig())
+    ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(0))
+    forward_logits(m, ids).square().mean().backward()
+    kept = {StorageWeakRef(c.last_topk.untyped_storage()): c.last_topk.untyped_storage().nbytes()
+            for c in m.modules() if isinstance(c, GLM5SparseAttention) and c.last_topk is not None}
+    plan = stage_activations(glm5, Layout(world=1), 0, 32, bf16=False, recompute="full", mtp=False,
+                             microbatches=1, fused_dsa=False)
+    assert sum(kept.values()) == plan.held_topk == 32 * 8 * 8
+    assert stage_activations(glm5, Layout(world=1), 0, 32, bf16=False, recompute=None, mtp=False,
+                             microbatches=1, fused_dsa=False).held_topk == 0  # saved for backward: counted there

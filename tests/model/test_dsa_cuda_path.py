@@ -51,6 +51,7 @@ def test_dsa_layer_forward_backward_reads_nothing_back_from_the_device(tiny_dir,
         m, attn = _attention_layer(tiny_dir, dev)
         core = attn.core_attention
         assert isinstance(core, GLM5SparseAttention) and core._kv_up
+        core.keep_topk = True  # read below: the sparse path ran
         m.train()
         if stage == "sparse_loss":
             set_indexer_frozen(m, False)
@@ -381,6 +382,8 @@ def test_fused_hooks_plumbing_equals_the_pytorch_core(tiny_dir, single_rank, mon
     monkeypatch.setattr(dsa_backend.dsa_kernels, "run_fused_qk_topk", qk_topk)
     monkeypatch.setattr(dsa_backend.dsa_kernels, "run_fused_absorbed_sparse_attention", absorbed)
     x0 = torch.randn(S, 1, m.config.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    core.keep_topk = True  # the top-k sets compared below
 
     def run(fused):
         core.fused = fused
