@@ -257,6 +257,15 @@ class TrainerCfg:
     """1: one-step-off-policy (verl's recipe of that name): the engines generate step n+1's batch with the
     previous adapter while the trainer updates on step n; the trainer's old log-probs and IcePop / TIS
     correct the staleness. 0: synchronous."""
+    max_staleness: int = 0
+    """K >= 1: fully asynchronous (``rl.async_rollout``): the engines generate without pause into a buffer of
+    at most K steps' prompt groups; the trainer takes a step's batch as soon as that many groups are complete;
+    a group holding a token sampled more than K adapter versions before the trainer's is dropped (counted in
+    ``rollout/dropped_stale``). 0: ``off_policy_steps`` decides (today's loop)."""
+    partial_rollout: bool = True
+    """With ``max_staleness``: a weight push interrupts the requests in flight at a token boundary and
+    continues them under the new adapter (each token keeps its behaviour log-prob and version); false: they
+    finish under the adapter they started with and the push waits for them."""
 
 
 @dataclass
@@ -315,4 +324,6 @@ def run_settings(c: RLConfig) -> dict:
                     "targets": sorted(c.critic.lora.targets)} if c.use_critic else None),
         "model": model_fingerprint(c.model.hf_dir, c.model.ckpt),
         "layout": {"world_size": t.world_size, "tp": t.tp, "ep": t.ep, **({"etp": t.etp} if t.etp > 1 else {})},
+        **({"async": {"max_staleness": t.max_staleness, "partial_rollout": t.partial_rollout}}
+           if t.max_staleness else {}),  # the saved buffer of prompt groups and its seeds follow these
     }

@@ -32,6 +32,32 @@ KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
+def check_async(c) -> None:
+    """``trainer.max_staleness`` (``rl.async_rollout``): the settings it cannot serve, refused in one line."""
+    t, r, a = c.trainer, c.rollout, c.algorithm
+    if isinstance(t.max_staleness, bool) or t.max_staleness < 0:
+        raise ValueError(f"trainer.max_staleness={t.max_staleness!r}: an integer >= 0 (0: off)")
+    if not t.max_staleness:
+        return
+    why = [(t.off_policy_steps, "trainer.off_policy_steps=1 (max_staleness already generates ahead; set it to 0)"),
+           (r.colocate.enable, "rollout.colocate.enable=true (colocated engines and trainer share the GPUs, so "
+                               "generation cannot run while the trainer updates)"),
+           (a.filter_groups.enable, "algorithm.filter_groups.enable=true (DAPO's refill rounds are per step; "
+                                    "the asynchronous buffer has no step to refill)"),
+           (r.multi_turn.enable, "rollout.multi_turn.enable=true (a tool episode's turns are not resumable "
+                                 "across an interrupted generation yet)"),
+           (a.router_replay and t.partial_rollout, "algorithm.router_replay=true with trainer.partial_rollout="
+                                                   "true (a continued response's routes are re-prefilled "
+                                                   "under the new adapter, not those that sampled its prefix; "
+                                                   "set partial_rollout=false)"),
+           (t.partial_rollout and r.engine.endswith("VLLMRolloutEngine"),
+            f"rollout.engine={r.engine} and trainer.partial_rollout=true (vLLM's abort and prefix resubmission "
+            "are not wired yet; set partial_rollout=false)")]
+    for bad, what in why:
+        if bad:
+            raise ValueError(f"trainer.max_staleness={t.max_staleness}: not with {what}")
+
+
 def check_config(c) -> None:
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
@@ -231,6 +257,7 @@ def validate(c) -> None:
         raise ValueError("trainer.steps must be >= 1")
     if t.off_policy_steps not in (0, 1):
         raise ValueError(f"trainer.off_policy_steps={t.off_policy_steps}: 0 (synchronous) or 1 (one step off-policy)")
+    check_async(c)
     if c.reward.num_workers < 0 or c.reward.timeout_s <= 0:
         raise ValueError(f"reward.num_workers={c.reward.num_workers} must be >= 0, reward.timeout_s > 0")
     resolve(fn_path(c.reward.fn), "reward.fn")
