@@ -124,7 +124,11 @@ class AsyncSource:
                 self.cv.wait(timeout=1.0)
             groups = [self.groups.pop(k) for k in ready[: self.P]]
             dropped, self.dropped = self.dropped, []
-            self.ledger["trained"].update(g * self.P + j for g, j in ready[: self.P])
+            slots = [g * self.P + j for g, j in ready[: self.P]]
+            twice = self.ledger["trained"].intersection(slots)
+            if twice:
+                raise RuntimeError(f"generation-batch slots {sorted(twice)[:3]} handed to the trainer twice")
+            self.ledger["trained"].update(slots)
             self.ledger["dropped"].update(grp.g * self.P + grp.order for grp in dropped)
             version = self.version
             state["async"] = self.snapshot()

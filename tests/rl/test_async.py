@@ -327,3 +327,50 @@ def test_hf_engine_interrupt_when_idle_is_a_no_op(engine):
     assert engine.interrupt() is True
     res = engine.generate(_requests()[:1], params)
     assert res[0].finish_reason != "interrupted"
+
+
+@pytest.mark.slow
+def test_sigkill_mid_generation_then_resume_loses_and_repeats_no_prompt(tiny_dir, tmp_path):
+    """``glm5 rl`` in async mode (K=2) SIGKILLed while the engines generate past the step-2 checkpoint, then
+    the same command again: the run completes; its last checkpoint's ledger holds every slot of the prompt
+    stream once (trained, still pending, or dropped as stale), with steps x prompts_per_step trained (so
+    none twice: ``AsyncSource.take`` refuses a slot handed out twice), the killed run's trained slots among
+    them, and the resumed run's log says the buffered groups were regenerated."""
+    import json
+    import os
+    import signal
+    import subprocess
+
+    from tests.support.launch import child_env, glm5, torchrun_cmd
+
+    out = tmp_path / "rl"
+    args = ["rl", f"model.hf_dir={tiny_dir}", f"trainer.out={out}", "trainer.steps=4", "trainer.save_every=2",
+            "trainer.max_staleness=2", "trainer.eval_every=0", "trainer.progress=false", "data.val=null",
+            "data.prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=6", "actor.ppo_mini_batch_size=4",
+            "wandb.mode=disabled"]
+    log = tmp_path / "killed.log"
+    with open(log, "w") as f:  # its own session: the kill takes Ray's processes with it
+        proc = subprocess.Popen(torchrun_cmd("-m recipes.main", *args, nproc=1), env=child_env(WANDB_SILENT="true"),
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path)
+    metrics = out / "metrics.jsonl"
+    try:
+        deadline = time.time() + 600
+        while proc.poll() is None and time.time() < deadline and not (
+                (out / "latest").is_file() and metrics.is_file() and '"step": 3' in metrics.read_text()):
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, log.read_text()[-3000:]
+    assert int((out / "latest").read_text()) == 2
+    killed = json.loads((out / "iter_0000002" / "trainer_state.json").read_text())["async"]
+    assert killed["pending"]  # groups were buffered / in flight at the checkpoint
+    p = glm5(*args, cwd=tmp_path, env=child_env(WANDB_SILENT="true"), timeout=600)
+    assert "prompt group(s) that were buffered or being generated at the checkpoint: regenerated first" in \
+        p.stdout + p.stderr
+    end = json.loads((out / "iter_0000004" / "trainer_state.json").read_text())["async"]
+    trained = expand(end["trained"])
+    assert len(trained) == len(set(trained)) == 4 * 4
+    assert set(expand(killed["trained"])) <= set(trained)
+    every = trained + [g * 4 + j for g, j, _ in end["pending"]] + expand(end["dropped"])
+    assert sorted(every) == list(range(end["next_batch"] * 4))
