@@ -120,7 +120,7 @@ class PackedMicroBatch:
         self.real_tokens = off
         self.pad_id = pad_id
         used = cp.padded_len(lengths) if cp is not None else off
-        self.packed_tokens = max(pad_to, used)  # of the unsplit pack (every CP rank's share)
+        self.used_tokens, self.packed_tokens = used, max(pad_to, used)  # unsplit: documents (CP-padded), all
         if pad_to > used:  # filler document (masked out) so EP ranks see equal token counts
             extra = pad_to - used
             ids += [pad_id] * extra

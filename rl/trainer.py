@@ -241,8 +241,8 @@ class PolicyTrainer:
                 n_micro += len(micro)
                 packed = sum(m.packed_tokens for m in micro)
                 plan = {"actor/micro_batches": (len(micro), 1.0),  # per mini-batch (every rank alike)
-                        "actor/micro_batch_fill": (sum(m.real_tokens for m in micro) / packed, packed)}
-                for k, (v, w) in plan.items():  # fill: the samples' share of the packed tokens (no filler, CP pad)
+                        "actor/micro_batch_fill": (sum(m.used_tokens for m in micro) / packed, packed)}
+                for k, (v, w) in plan.items():  # fill: the share of packed tokens that is not filler
                     sums[k], weights[k] = sums.get(k, 0.0) + v * w, weights.get(k, 0.0) + w
                 self.ddp.zero_grad_buffer()
                 self.opt.zero_grad()

@@ -125,20 +125,26 @@ def test_loss_is_the_same_under_any_split_at_dp1_and_dp2(tiny_dir, mode):
                 assert abs(got[3][k] - ref[3][k]) <= 1e-6, (dp, plan, k, got[3][k], ref[3][k])
 
 
+SECTIONS = {"rollout": {"n": 2, "temperature": 1.0, "max_new_tokens": 24}, "data": {"prompts_per_step": 4},
+            "actor": {"ppo_mini_batch_size": 4, "lr": 1e-3}}
+
+
 @pytest.fixture(scope="module")
 def trained(tiny_dir):
-    """A one-rank trainer (perturbed adapter) and a filled, corrected batch of 8 samples (2 per prompt)."""
+    """A one-rank trainer, its perturbed adapter (full (A, B) per module) and a filled, corrected batch
+    of 8 samples (2 per prompt, responses of up to 24 tokens)."""
     from transformers import AutoTokenizer
 
+    from glm5_mcore.lora.apply import lora_layers
     from rl.driver import fill_log_probs, make_batch
     from rl.rollout.hf_engine import HFRolloutEngine
     from rl.trainer import PolicyTrainer
     from tests.support.rl_setup import rollout
 
-    cfg = rl_cfg(tiny_dir, rollout={"n": 2, "temperature": 1.0, "max_new_tokens": 24},
-                 data={"prompts_per_step": 4}, actor={"ppo_mini_batch_size": 4, "lr": 1e-3})
+    cfg = rl_cfg(tiny_dir, **SECTIONS)
     trainer = PolicyTrainer(cfg)
     perturb(trainer)
+    adapter = {lora.module_name: lora.full("default") for _, _, lora in lora_layers(trainer.model)}
     engine = HFRolloutEngine(tiny_dir)
     engine.load_adapter(trainer.export_adapter(1))
     prompts, results = rollout(cfg, engine, AutoTokenizer.from_pretrained(tiny_dir), n=2, count=4, t=1.0)
@@ -147,47 +153,81 @@ def trained(tiny_dir):
     fill_log_probs(batch, [trainer.compute_log_probs(batch)])
     algos.rollout_correction(cfg, batch)
     algos.compute_advantages(cfg, batch, 0.0)
-    return cfg, trainer, batch
+    return cfg, trainer, batch, adapter
 
 
 def _set_budgets(trainer, update, log_prob=None):
     trainer.cfg.actor.micro_batch_tokens, trainer.cfg.actor.log_prob_micro_batch_tokens = update, log_prob
 
 
+def _budgets(batch) -> tuple[int, int, int]:
+    """One micro-batch, about four, one sample each (the longest sample's length)."""
+    longest = max(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses))
+    return 4096, 2 * longest, longest
+
+
+def _close(got: dict, ref: dict, what) -> None:
+    for k in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        assert abs(got[k] - ref[k]) <= 1e-6 * max(abs(ref[k]), 1.0), (what, k, got[k], ref[k])
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_trainer_update_is_the_same_under_dynamic_splits(trained, mode):
     """``PolicyTrainer.update`` (one mini-batch) from the same adapter at budgets giving 1 to 8
-    micro-batches: the same loss terms and gradient norm (≤ 1e-6 relative), fill reported."""
-    from glm5_mcore.lora.apply import adapter_parameters
+    micro-batches: the same loss terms and gradient norm (≤ 1e-6 relative)."""
+    from tests.workers.rl_dynmb_check import updates
 
-    cfg, trainer, batch = trained
+    cfg, trainer, batch, adapter = trained
     trainer.cfg.actor.loss_agg_mode = mode
-    start = [p.detach().clone() for p in adapter_parameters(trainer.model, "default")]
-    longest = max(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses))
-    out = {}
     try:
-        for budget in (4096, 2 * longest, longest):
-            _set_budgets(trainer, budget)
-            with torch.no_grad():
-                for p, s in zip(adapter_parameters(trainer.model, "default"), start):
-                    p.copy_(s)
-            out[budget] = trainer.update(batch, step=0)
+        out = {b: m for b, (m, _) in updates(trainer, {"batch": batch, "adapter": adapter,
+                                                       "budgets": _budgets(batch)}).items()}
     finally:
         _set_budgets(trainer, 4096)
+        trainer.cfg.actor.loss_agg_mode = "token-mean"
+    one, some, each = _budgets(batch)
     counts = {b: m["actor/micro_batches"] for b, m in out.items()}
-    assert counts[4096] == 1 and counts[longest] > counts[2 * longest] > 1, counts
+    assert counts[one] == 1 and counts[each] > counts[some] > 1, counts
     for b, m in out.items():
-        assert 0 < m["actor/micro_batch_fill"] <= 1
-        for k in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
-            ref = out[4096][k]
-            assert abs(m[k] - ref) <= 1e-6 * max(abs(ref), 1.0), (b, k, m[k], ref)
-    print({b: (m["actor/micro_batches"], m["actor/micro_batch_fill"], m["actor/grad_norm"]) for b, m in out.items()})
+        assert m["actor/micro_batch_fill"] == 1.0  # one rank: nothing to equalise
+        _close(m, out[one], b)
+
+
+@pytest.mark.slow
+def test_trainer_update_at_dp2_equals_dp1_under_dynamic_splits(trained, tmp_path):
+    """DP 2 (gloo ``torchrun``): at each budget both ranks run the same number of micro-batches (with
+    fillers where a rank has fewer samples) and the update's loss terms and gradient norm equal one rank's
+    with one micro-batch (≤ 1e-6 relative)."""
+    import json
+
+    from tests.support.launch import torchrun
+    from tests.workers.rl_dynmb_check import updates
+
+    cfg, trainer, batch, adapter = trained
+    case = {"batch": batch, "adapter": adapter, "budgets": _budgets(batch)}
+    try:
+        ref = updates(trainer, {**case, "budgets": case["budgets"][:1]})[4096][0]
+    finally:
+        _set_budgets(trainer, 4096)
+    torch.save(case, tmp_path / "case.pt")
+    d = {"model": {"hf_dir": cfg.model.hf_dir}, "wandb": {"mode": "disabled"}, **SECTIONS,
+         "trainer": {"world_size": 2}}
+    (tmp_path / "cfg.json").write_text(json.dumps(d))
+    torchrun("rl_dynmb_check.py", tmp_path / "cfg.json", tmp_path / "case.pt", tmp_path / "out.pt")
+    two = torch.load(tmp_path / "out.pt", weights_only=False)
+    fills = {}
+    for b, (m, counts) in two.items():
+        assert len(set(counts)) == 1 and m["actor/micro_batches"] == counts[0], (b, counts)
+        fills[b] = m["actor/micro_batch_fill"]
+        _close(m, ref, b)
+    assert min(fills.values()) < 1.0, fills  # equalising padding / fillers exercised
+    print({b: (c, round(m["actor/micro_batch_fill"], 3)) for b, (m, c) in two.items()})
 
 
 def test_log_prob_pass_has_its_own_budget_and_the_same_log_probs(trained):
     """``actor.log_prob_micro_batch_tokens`` packs the forward-only passes (here smaller than the update's
     budget: more forwards), with the same old / reference log-probs per sample."""
-    cfg, trainer, batch = trained
+    cfg, trainer, batch, _ = trained
     rows = list(range(batch.size))
     longest = max(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses))
     try:
@@ -207,7 +247,7 @@ def test_log_prob_pass_has_its_own_budget_and_the_same_log_probs(trained):
 
 def test_a_sample_longer_than_the_budget_is_refused_naming_the_field(trained):
     """Was: packed alone into a micro-batch past the budget (a long response ran out of memory there)."""
-    cfg, trainer, batch = trained
+    cfg, trainer, batch, _ = trained
     i = max(range(batch.size), key=lambda j: len(batch.prompts[j]) + len(batch.responses[j]))
     n = len(batch.prompts[i]) + len(batch.responses[i])
     try:
