@@ -12,7 +12,8 @@ file or setting, instead of a ``ray::Actor.method()`` stack at the first update 
   (a Megatron-LM / Bridge checkpoint checked against ``model.hf_dir``), MTP weights for ``actor.mtp_loss_scale``
   / ``actor.mtp_accept``, the trainer layout against the model (heads, experts, vocabulary rows per TP
   rank), stop tokens (strings known to the tokenizer, ids inside the vocabulary), and
-  the longest prompt + ``rollout.max_new_tokens`` inside the model's context. Returns the stop ids.
+  the longest prompt + ``rollout.max_new_tokens`` inside the model's context and inside one micro-batch
+  (``actor.micro_batch_tokens``, ``actor.log_prob_micro_batch_tokens``). Returns the stop ids.
 - ``token_ids(tokenizer, tokens, field, vocab)``: ids or token strings as ids, each checked.
 """
 
@@ -129,6 +130,10 @@ def preflight(c, tokenizer, prompt_sets: dict) -> tuple[int, ...]:
     if r.multi_turn.enable:
         token_ids(tokenizer, r.multi_turn.tool_call_stop_tokens, "rollout.multi_turn.tool_call_stop_tokens", vocab)
     ctx = glm5.max_position_embeddings
+    a = c.actor
+    budgets = [("actor.micro_batch_tokens", a.micro_batch_tokens)]
+    if a.log_prob_micro_batch_tokens is not None:
+        budgets.append(("actor.log_prob_micro_batch_tokens", a.log_prob_micro_batch_tokens))
     for key, prompts in prompt_sets.items():
         if not prompts:
             continue
@@ -137,6 +142,13 @@ def preflight(c, tokenizer, prompt_sets: dict) -> tuple[int, ...]:
             raise ValueError(f"{key}: {p.where or f'prompt {p.index}'} has {len(p.ids)} tokens; + rollout."
                              f"max_new_tokens={r.max_new_tokens} exceeds the model's context "
                              f"(max_position_embeddings={ctx}); lower data.max_prompt_tokens or rollout.max_new_tokens")
+        longest = len(p.ids) + r.max_new_tokens
+        for field, budget in budgets:
+            if not r.multi_turn.enable and longest > budget:  # episodes: checked per sample by the trainer
+                raise ValueError(f"{field}={budget}: {key}: {p.where or f'prompt {p.index}'} has {len(p.ids)} "
+                                 f"tokens; + rollout.max_new_tokens={r.max_new_tokens} = {longest} would not fit "
+                                 f"one micro-batch (a sample is never split): raise {field} or lower "
+                                 "rollout.max_new_tokens")
     return tuple(stop_ids)
 
 
@@ -213,6 +225,10 @@ def validate(c) -> None:
     if c.data.prompts_per_step % act.ppo_mini_batch_size:
         raise ValueError(f"actor.ppo_mini_batch_size={act.ppo_mini_batch_size} must divide "
                          f"data.prompts_per_step={c.data.prompts_per_step}")
+    for key, v in (("actor.micro_batch_tokens", act.micro_batch_tokens),
+                   ("actor.log_prob_micro_batch_tokens", act.log_prob_micro_batch_tokens)):
+        if v is not None and v < 1:
+            raise ValueError(f"{key}={v} must be >= 1 (tokens per micro-batch)")
     if act.mtp_loss_scale < 0:
         raise ValueError(f"actor.mtp_loss_scale={act.mtp_loss_scale} must be >= 0")
     if act.clip_ratio_c <= 1:
