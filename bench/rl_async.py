@@ -24,6 +24,7 @@ Usage: .venv/bin/python bench/rl_async.py [--steps 6] [--warmup 2] [--short 16] 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -45,6 +46,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 MODES = [
     ("sync", ["trainer.off_policy_steps=0"]),
     ("one_step_off", ["trainer.off_policy_steps=1"]),
+    ("fully_async", ["trainer.max_staleness=2", "trainer.partial_rollout=true"]),
 ]
 """(name, overrides) of each mode measured; the first is the synchronous reference the ideal comes from. The
 fully asynchronous mode is one more entry, ``("fully_async", ["trainer.max_staleness=2"])``; a target
@@ -62,7 +64,8 @@ def forced_length(seed: int, short: int, long: int, long_fraction: float) -> int
 
 class LongTailEngine(HFRolloutEngine):
     """The HF engine with each response exactly ``forced_length`` tokens (stop tokens ignored): a batch
-    decodes until its longest target, each response is then cut to its own."""
+    decodes until its longest target, each response is then cut to its own. Partial rollouts: a prefix
+    counts towards the target, and a response interrupted short of it stays ``"interrupted"``."""
 
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, short: int = 16, long_fraction: float = 0.1,
                  **kwargs):
@@ -76,8 +79,11 @@ class LongTailEngine(HFRolloutEngine):
         out = {}
         for reqs in groups.values():
             want = [forced_length(r.seed, self.short, params.max_new_tokens, self.long_fraction) for r in reqs]
-            forced = SamplingParams(params.temperature, params.top_p, max(want), ())
+            forced = dataclasses.replace(params, max_new_tokens=max(want), stop_token_ids=())
             for r, n, res in zip(reqs, want, super().generate(reqs, forced, batched)):
+                if res.finish_reason == "interrupted" and len(res.response_ids) < n:
+                    out[r.key] = res
+                    continue
                 res.response_ids, res.logprobs, res.finish_reason = res.response_ids[:n], res.logprobs[:n], "length"
                 seen = len(r.prompt_ids) + n - 1  # tokens the engine processed for this response
                 if res.routes is not None:
@@ -147,12 +153,15 @@ def main() -> None:
     ideal = max(rollout, train)
     res = {m: summarise(h, ideal) for m, h in hist.items()}
     tokens = {m: r.pop("tokens") for m, r in res.items()}
-    same = len({tuple(t) for t in tokens.values()}) == 1
+    fixed = [m for m, o in modes if not any(x.startswith("trainer.max_staleness=") and not x.endswith("=0") for x in o)]
+    same = len({tuple(tokens[m]) for m in fixed}) == 1  # async batches: whichever groups completed first
     print(f"\nlong-tailed responses ({1 - a.long_fraction:.0%} of 1..{a.short} tokens, {a.long_fraction:.0%} up to "
           f"{a.long}), {a.actors} rollout actor(s) + 1 trainer rank, {os.cpu_count()} cores, {a.steps} steps per run "
           f"({a.warmup} warm-up), {a.repeats} pass(es); load average {load0[0]:.2f} -> {load1[0]:.2f}")
     print(f"synchronous phases: rollout {rollout:.3f}s, train {train:.3f}s -> ideal step max = {ideal:.3f}s; "
-          f"tokens generated per step {tokens[modes[0][0]]} ({'the same' if same else 'NOT the same'} in every mode)")
+          f"tokens generated per step {tokens[modes[0][0]]} ({'the same' if same else 'NOT the same'} in "
+          f"{', '.join(fixed)}; fully async trains whichever groups complete first: "
+          f"{ {m: t for m, t in tokens.items() if m not in fixed} })")
     print(f"{'mode':<14} {'steps/s':>8} {'step s':>8} {'idle':>6} {'of ideal':>9} {'rollout s':>10} {'wait s':>8}")
     for m, r in res.items():
         print(f"{m:<14} {r['steps_per_s']:>8.3f} {r['step_s']:>8.3f} {r['trainer_idle_fraction']:>6.0%} "
