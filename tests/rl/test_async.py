@@ -104,6 +104,7 @@ def _run(cfg, steps, pool=None, state=None, src_state=None, train_s=0.0):
             state["step"] = step + 1
             src.push(AdapterPayload(step + 1))
         snap = src.snapshot()
+        pool.before_close = pool.interrupts  # close() interrupts what is still generating
     finally:
         src.close()
     return taken, snap, pool, state
@@ -136,6 +137,16 @@ def test_buffer_hands_out_the_stream_with_sync_seeds_and_token_versions():
     assert len(seen) == len(set(seen))
     assert pool.interrupts > 0 and any(got.metrics["rollout/interrupted"] for got in taken)
     assert any(got.metrics["rollout/mixed_version_fraction"] > 0 for got in taken)
+
+
+def test_without_partial_rollouts_a_push_never_interrupts():
+    """``trainer.partial_rollout=false``: the generation in flight finishes under its adapter (one version per
+    sample), the new adapter waits behind it."""
+    cfg = _cfg(trainer={"max_staleness": 2, "partial_rollout": False})
+    taken, _, pool, _ = _run(cfg, 4, TokenPool(tick=0.002), train_s=0.01)
+    assert pool.before_close == 0
+    assert all(len(set(r.versions)) == 1 for got in taken for r in got.results)
+    assert all(got.metrics["rollout/interrupted"] == 0 for got in taken)
 
 
 def test_stale_groups_are_dropped_and_counted():
