@@ -95,6 +95,7 @@ class AsyncSource:
         """Generation-batch slots ``g · prompts_per_step + j`` trained / dropped so far (saved as ranges):
         with the pending groups they account for every prompt the stream handed out, each once."""
         self.groups: dict[tuple, Group] = {(g, j): Group(g, j, p) for g, j, p in todo}  # admitted, not taken
+        self._order = {(g, p.index): j for g, j, p in todo}  # (generation batch, prompt index) → position
         self.version: Optional[int] = None
         self.dropped: list[Group] = []
         self.busy = self.paused = self.closing = False
@@ -102,6 +103,7 @@ class AsyncSource:
         self.cv = threading.Condition()
         self.thread: Optional[threading.Thread] = None
         self.last_dropped: list[tuple] = []
+        self.gen_s = 0.0  # engine time (generation + scoring) since the last take
 
     # ------------------------------------------------------------------ the driver's calls
     def take(self, step: int, state: dict) -> StepSamples:
@@ -123,6 +125,8 @@ class AsyncSource:
                     break
                 self.cv.wait(timeout=1.0)
             groups = [self.groups.pop(k) for k in ready[: self.P]]
+            for grp in groups:
+                del self._order[(grp.g, grp.prompt.index)]
             dropped, self.dropped = self.dropped, []
             slots = [g * self.P + j for g, j in ready[: self.P]]
             twice = self.ledger["trained"].intersection(slots)
@@ -134,6 +138,7 @@ class AsyncSource:
             state["async"] = self.snapshot()
             state["epoch"], state["cursor"] = self.pos["epoch"], self.pos["cursor"]
             buffered = len(ready) - self.P
+            gen_s, self.gen_s = self.gen_s, 0.0
             self.cv.notify_all()  # room for admission
         wait_s = time.perf_counter() - t0
         prompts = [grp.prompt for grp in groups]
@@ -151,7 +156,7 @@ class AsyncSource:
         self.last_dropped = [(grp.g, grp.prompt.index) for grp in dropped]
         t1 = time.perf_counter()
         batch = self.build(prompts, results) if self.build is not None else None
-        metrics.update({"timing_s/pack": time.perf_counter() - t1, "timing_s/gen": wait_s, "timing_s/gen_wait": wait_s})
+        metrics.update({"timing_s/pack": time.perf_counter() - t1, "timing_s/gen": gen_s, "timing_s/gen_wait": wait_s})
         return StepSamples(prompts, results, shaped, oldest, metrics, batch)
 
     def push(self, payload) -> None:
@@ -206,6 +211,7 @@ class AsyncSource:
             g = self.next_batch
             for j, p in enumerate(next_prompts(self.train, self.P, self.cfg.data.seed, self.pos)):
                 self.groups[(g, j)] = Group(g, j, p)
+                self._order[(g, p.index)] = j
             self.next_batch += 1
 
     def _requests(self) -> list[Request]:
@@ -238,11 +244,13 @@ class AsyncSource:
                         self.cv.wait(timeout=1.0)
                     job = self.rollouts.submit(reqs, self.sampling)
                     self.busy = True
+                t0 = time.perf_counter()
                 try:
                     self._absorb(reqs, self.rollouts.collect(job), job["version"])
                 finally:  # busy covers the scoring too: an evaluation's scoring never runs beside it
                     with self.cv:
                         self.busy = False
+                        self.gen_s += time.perf_counter() - t0
                         self.cv.notify_all()
         except BaseException as e:  # surfaces in the driver's next take
             with self.cv:
@@ -256,7 +264,7 @@ class AsyncSource:
         with self.cv:
             for req, res in zip(reqs, results):
                 p_index, k, g = res.key
-                grp = self.groups.get((g, self._order(g, p_index)))
+                grp = self.groups[(g, self._order[(g, p_index)])]
                 prev = grp.partial.pop(k, None)
                 base = list(prev.versions) if prev is not None else []
                 res.versions = base + [version] * (len(res.response_ids) - len(base))
@@ -277,14 +285,12 @@ class AsyncSource:
                     grp.raw = raw[i * self.n: (i + 1) * self.n]
                 self.cv.notify_all()
 
-    def _order(self, g: int, p_index: int) -> int:
-        return next(j for (gg, j), grp in self.groups.items() if gg == g and grp.prompt.index == p_index)
-
     def _drop_stale(self) -> None:
         """Complete groups holding a token more than K versions older than the trainer's: dropped."""
         for k, grp in list(self.groups.items()):
             if grp.raw is not None and min(min(r.versions) for r in grp.done.values()) < self.version - self.K:
                 self.dropped.append(self.groups.pop(k))
+                del self._order[(grp.g, grp.prompt.index)]
 
 
 def ranges(ints) -> list[list[int]]:

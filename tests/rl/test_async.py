@@ -172,7 +172,7 @@ def test_stale_groups_are_dropped_and_counted():
     assert got.metrics["rollout/dropped_stale"] == P * N and {r.round for r in got.results} == {2}
     assert set(min(r.versions) for r in got.results) == {2} and got.metrics["rollout/staleness"] == 0
     assert sorted(expand(snap["dropped"])) == list(range(P, 2 * P))
-    assert {g for g, _, _ in snap["pending"]} == {3}  # admitted after the take
+    assert {g for g, _, _ in snap["pending"]} <= {3}  # batch 3 is admitted after the take (or not yet)
     assert src.last_dropped and all(g == 1 for g, _ in src.last_dropped)
 
 
@@ -181,11 +181,11 @@ def test_resumed_source_regenerates_the_untrained_groups_once():
     (with their seeds) before drawing new ones: the killed run's trained groups plus the resumed run's are
     every slot of the stream once, the same ledger an uninterrupted run ends with."""
     cfg = _cfg(trainer={"max_staleness": 2})
-    full, full_snap, _, _ = _run(cfg, 5)
-    first, snap, _, state = _run(cfg, 3)
+    full, full_snap, _, _ = _run(cfg, 5, train_s=0.01)
+    first, snap, _, state = _run(cfg, 3, train_s=0.01)
     assert snap["pending"]  # something was buffered or in flight at the "kill"
     state = {**state, "async": snap}
-    rest, end, _, _ = _run(cfg, 5, state=state)
+    rest, end, _, _ = _run(cfg, 5, state=state, train_s=0.01)
     ids = [(r.round, r.key) for got in first + rest for r in got.results]
     assert len(ids) == len(set(ids)) == 5 * P * N
     trained = expand(end["trained"])
