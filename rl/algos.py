@@ -70,13 +70,15 @@ class ActorLoss:
 
         mask = sel(batch.response_mask)
         ntok = float(mask.sum())
-        if not rows:  # a filler micro-batch (equal counts across ranks): zero loss, graph kept
-            return log_prob.sum() * 0.0, {}
+        share = 1.0 / (num_micro * gbi["dp_size"])
+        if not rows:  # a filler micro-batch (equal counts across ranks): zero loss, graph kept, its share 0
+            terms = ["actor/pg_loss", "actor/entropy"] + ["actor/kl_loss"] * a.use_kl_loss + \
+                ["critic/vf_loss"] * (vpreds is not None)
+            return log_prob.sum() * 0.0, {k: (0.0, share) for k in terms}
         log_prob, entropy = log_prob.float(), entropy.float()
         pg_loss, pg_m = policy_loss(self.cfg, sel(batch.old_log_probs), log_prob, sel(batch.advantages), mask,
                                     sel(batch.rollout_is_weights), gbi, self.actor_cfg)
         loss = pg_loss
-        share = 1.0 / (num_micro * gbi["dp_size"])
 
         def part(v):
             return (float(v.detach()) * num_micro, share)

@@ -8,7 +8,7 @@ Key names follow verl where verl has the concept (``algorithm.adv_estimator``,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from glm5_mcore.training.schema import LoRACfg, ModelCfg, PlanCfg, WandbCfg, build
 from glm5_mcore.training.resume import file_fingerprint, model_fingerprint
@@ -181,6 +181,15 @@ class AlgorithmCfg:
 
 @dataclass
 class ActorCfg:
+    foreign_names: ClassVar[dict] = {  # verl's micro-batch keys: refused, naming ours
+        "ppo_max_token_len_per_gpu": "verl's name; here actor.micro_batch_tokens, counted per pack before the "
+                                     "trainer.cp split",
+        "log_prob_max_token_len_per_gpu": "verl's name; here actor.log_prob_micro_batch_tokens",
+        "max_tokens_per_micro_batch": "here actor.micro_batch_tokens",
+        "use_dynamic_bsz": "always on here: micro-batches are filled to actor.micro_batch_tokens",
+        "ppo_micro_batch_size_per_gpu": "no fixed micro-batch size here: micro-batches are filled to "
+                                        "actor.micro_batch_tokens",
+    }
     policy_loss: str = "vanilla"
     """A verl policy loss (``vanilla`` = PPO-clip with asymmetric and dual clip, ``gspo``, ``cispo``, ...)."""
     clip_ratio_low: float = 0.2
@@ -191,6 +200,15 @@ class ActorCfg:
     """Prompts per optimizer step (× rollout.n samples), as in verl."""
     ppo_epochs: int = 1
     micro_batch_tokens: int = 4096
+    """Token budget of one THD-packed micro-batch of the update pass (verl's ``use_dynamic_bsz`` with
+    ``ppo_max_token_len_per_gpu``, counted per pack: under ``trainer.cp`` each rank holds 1/cp of it). A
+    mini-batch's samples are balanced over the DP ranks and cut into the fewest micro-batches that fit
+    (verl's ``rearrange_micro_batches``), the same number on every rank (``rl.micro_batch``); the loss is the
+    same under any split. A sample is never split: one longer than the budget is refused."""
+    log_prob_micro_batch_tokens: Optional[int] = None
+    """The budget of the forward-only passes (old / reference log-probs, critic values), which keep no
+    activations for a backward, so it can be larger (verl's ``log_prob_max_token_len_per_gpu``); null:
+    ``micro_batch_tokens``."""
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
@@ -257,6 +275,15 @@ class TrainerCfg:
     """1: one-step-off-policy (verl's recipe of that name): the engines generate step n+1's batch with the
     previous adapter while the trainer updates on step n; the trainer's old log-probs and IcePop / TIS
     correct the staleness. 0: synchronous."""
+    max_staleness: int = 0
+    """K >= 1: fully asynchronous (``rl.async_rollout``): the engines generate without pause into a buffer of
+    at most K steps' prompt groups; the trainer takes a step's batch as soon as that many groups are complete;
+    a group holding a token sampled more than K adapter versions before the trainer's is dropped (counted in
+    ``rollout/dropped_stale``). 0: ``off_policy_steps`` decides (today's loop)."""
+    partial_rollout: bool = True
+    """With ``max_staleness``: a weight push interrupts the requests in flight at a token boundary and
+    continues them under the new adapter (each token keeps its behaviour log-prob and version); false: they
+    finish under the adapter they started with and the push waits for them."""
 
 
 @dataclass
@@ -315,4 +342,6 @@ def run_settings(c: RLConfig) -> dict:
                     "targets": sorted(c.critic.lora.targets)} if c.use_critic else None),
         "model": model_fingerprint(c.model.hf_dir, c.model.ckpt),
         "layout": {"world_size": t.world_size, "tp": t.tp, "ep": t.ep, **({"etp": t.etp} if t.etp > 1 else {})},
+        **({"async": {"max_staleness": t.max_staleness, "partial_rollout": t.partial_rollout}}
+           if t.max_staleness else {}),  # the saved buffer of prompt groups and its seeds follow these
     }

@@ -24,6 +24,7 @@ from glm5_mcore.training.checkpointing import SaveSchedule, refuse_restart_over
 from glm5_mcore.training.resume import claim_run_dir, guard_resume
 from glm5_mcore.training.run_log import RunLogger
 from rl import algos, shaping
+from rl.async_rollout import AsyncSource
 from rl.batch import RolloutBatch
 from rl.colocate import Colocation
 from rl.config import RLConfig, run_settings
@@ -156,10 +157,18 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
         batch = make_batch(prompts, results, r.n)
         return batch, (shaping.mask_truncated(batch, results) if cfg.algorithm.mask_truncated_responses else {})
 
-    source = StepSource(cfg, train, rollouts, sampling, rewards, state, resume_payload, build=build)
+    if cfg.trainer.max_staleness:
+        source = AsyncSource(cfg, train, rollouts, sampling, rewards, state, build=build)
+        if source.resumed:
+            log.note(f"resuming with {source.resumed} prompt group(s) that were buffered or being generated at the "
+                     "checkpoint: regenerated first, from their seeds, under the resumed adapter")
+    else:
+        source = StepSource(cfg, train, rollouts, sampling, rewards, state, resume_payload, build=build)
     push = coloc.push if coloc is not None else source.push  # colocated: held for the next wake-up
 
     def save() -> None:
+        if cfg.trainer.max_staleness:
+            state["async"] = source.snapshot()  # the groups admitted and not trained: regenerated on resume
         trainers.call("save", cfg.trainer.out, state["step"], dict(state), rollout_adapter=source.inflight_payload)
         saves.done(state["step"])
 
@@ -208,6 +217,9 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
             if cfg.algorithm.use_kl_in_reward:
                 kl_ctrl.update(metrics.get("actor/reward_kl_penalty", 0.0), batch.size)
                 state["kl_coef"] = kl_ctrl.value
+            for g, index in getattr(source, "last_dropped", []):
+                log.note(f"step {state['step']}: prompt {index} (generation batch {g}) dropped: a sample held a token "
+                         f"more than trainer.max_staleness={cfg.trainer.max_staleness} versions old")
             for why in metrics.pop("skip_reasons", []):
                 log.note(f"step {state['step']}: update skipped ({why})")
             events, rollouts.events = rollouts.events, []  # a gather in flight may add more
@@ -236,6 +248,9 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
                 break
         if saves.final_due(state["step"]):  # the last step (or the early stop), whatever save_every
             save()
+        if cfg.trainer.max_staleness and source.outstanding():
+            log.note(f"run ended with {source.outstanding()} prompt group(s) buffered or being generated, not "
+                     "trained; the checkpoint lists them, so a longer run resumed from it regenerates them first")
     finally:
         source.close()
         rewards.close()

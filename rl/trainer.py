@@ -3,7 +3,10 @@ critic: a value head + its own adapter "critic" on the same frozen base), the in
 
 It runs in-process (tests) or inside a Ray actor (``rl.workers``); all ranks of a run form one
 torch.distributed group (gloo on CPU, NCCL on GPU) with Megatron's TP/EP/DP groups. Sequences are
-THD-packed (prompt + response per document) into micro-batches of ``actor.micro_batch_tokens``.
+THD-packed (prompt + response per document) into micro-batches filled to a token budget
+(``rl.micro_batch``: verl's ``use_dynamic_bsz``): ``actor.log_prob_micro_batch_tokens`` for the forward-only
+passes, ``actor.micro_batch_tokens`` for the update; samples balanced over DP ranks, the same number of
+micro-batches on every rank.
 
 - ``compute_log_probs``: old log-probs (policy adapter), reference log-probs (adapters disabled —
   the same weights, no second model), critic values; forward only.
@@ -52,7 +55,7 @@ from rl.config import RLConfig
 from rl.offload import TrainerOffload
 from rl.cp import RLContextParallel
 from rl.critic import ValueHead
-from rl.micro_batch import PackedMicroBatch, pack_micro_batches
+from rl.micro_batch import PackedMicroBatch, check_fits, pack_micro_batches
 from rl.mtp import DraftAcceptance, drafted_positions, freeze_mtp_adapters, mtp_layers, mtp_loss_off, real_token_mask
 from rl.rollout.base import AdapterPayload
 from rl.routing import TrainerRouting, index_topk_counts
@@ -121,12 +124,22 @@ class PolicyTrainer:
     def _dp(self) -> tuple[int, int]:
         return ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
 
-    def _micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[PackedMicroBatch]:
-        """``rows`` packed into ``actor.micro_batch_tokens`` micro-batches (``rl.micro_batch``)."""
-        return pack_micro_batches(batch, rows, self.cfg.actor.micro_batch_tokens, self.pad_id,
-                                  self.cp if self.cp.size > 1 else None,
+    def _micro_batches(self, batch: RolloutBatch, rows: list[int], forward_only: bool = False
+                       ) -> list[PackedMicroBatch]:
+        """This DP rank's micro-batches of ``rows`` (every DP rank's samples: the whole batch or a
+        mini-batch), planned by ``rl.micro_batch`` within ``actor.micro_batch_tokens`` (the update) or
+        ``actor.log_prob_micro_batch_tokens`` (``forward_only``); a sample longer than the budget is refused
+        with one line."""
+        a = self.cfg.actor
+        budget, field = a.micro_batch_tokens, "actor.micro_batch_tokens"
+        if forward_only and a.log_prob_micro_batch_tokens is not None:
+            budget, field = a.log_prob_micro_batch_tokens, "actor.log_prob_micro_batch_tokens"
+        cp = self.cp if self.cp.size > 1 else None
+        check_fits(batch, rows, budget, field, cp)  # every rank holds the same batch: all refuse together
+        dp, dp_rank = self._dp()
+        return pack_micro_batches(batch, rows, budget, self.pad_id, cp,
                                   self.parallel.tp if self.model.config.sequence_parallel else 1,
-                                  (len(self.routing.instances), self.routing.top_k))
+                                  (len(self.routing.instances), self.routing.top_k), dp, dp_rank)
 
     def _logprobs(self, model, mb: PackedMicroBatch, temperature: float):
         """(log p [n, R], entropy [n, R]) of each response token under ``model``'s active adapter."""
@@ -168,13 +181,11 @@ class PolicyTrainer:
     def compute_log_probs(self, batch: RolloutBatch, ref: bool = True) -> Optional[dict]:
         """{"rows": sample indices, "old_log_probs", "ref_log_probs", "values": [n, R]} for this
         rank's DP share (None on non-reporting ranks)."""
-        dp, dp_rank = self._dp()
-        rows = list(range(batch.size))[dp_rank::dp]
         T = self.cfg.rollout.temperature
         self.ddp.eval()
         out = {"rows": [], "old_log_probs": [], "ref_log_probs": [], "values": []}
         agree, index_agree = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
-        for mb in self._micro_batches(batch, rows):
+        for mb in self._micro_batches(batch, list(range(batch.size)), forward_only=True):
             if self.mtp is not None:  # rollout/mtp_accept from the MTP logits this forward computes anyway
                 self.mtp.arm(mb.input_ids.to(training_device()),
                              drafted_positions(mb.pos, [len(batch.responses[i]) for i in mb.rows]))
@@ -207,7 +218,7 @@ class PolicyTrainer:
     def update(self, batch: RolloutBatch, step: int) -> Optional[dict]:
         """PPO epochs × mini-batches of ``actor.ppo_mini_batch_size`` prompts; returns averaged metrics."""
         a = self.cfg.actor
-        dp, dp_rank = self._dp()
+        dp, _ = self._dp()
         n = self.cfg.rollout.n
         n_prompts = batch.size // n
         sums: dict[str, float] = {}
@@ -228,8 +239,13 @@ class PolicyTrainer:
                     skipped += 1
                     reasons.append("no response token left in the loss (masked or rejected)")
                     continue
-                micro = self._micro_batches(batch, mb_rows[dp_rank::dp])
+                micro = self._micro_batches(batch, mb_rows)
                 n_micro += len(micro)
+                packed = sum(m.packed_tokens for m in micro)
+                plan = {"actor/micro_batches": (len(micro), 1.0),  # per mini-batch (every rank alike)
+                        "actor/micro_batch_fill": (sum(m.used_tokens for m in micro) / packed, packed)}
+                for k, (v, w) in plan.items():  # fill: the share of packed tokens that is not filler
+                    sums[k], weights[k] = sums.get(k, 0.0) + v * w, weights.get(k, 0.0) + w
                 self.ddp.zero_grad_buffer()
                 self.opt.zero_grad()
                 reports = forward_backward(self.ddp, self._train_step(batch, gbi, len(micro)), micro,

@@ -12,7 +12,8 @@ file or setting, instead of a ``ray::Actor.method()`` stack at the first update 
   (a Megatron-LM / Bridge checkpoint checked against ``model.hf_dir``), MTP weights for ``actor.mtp_loss_scale``
   / ``actor.mtp_accept``, the trainer layout against the model (heads, experts, vocabulary rows per TP
   rank), stop tokens (strings known to the tokenizer, ids inside the vocabulary), and
-  the longest prompt + ``rollout.max_new_tokens`` inside the model's context. Returns the stop ids.
+  the longest prompt + ``rollout.max_new_tokens`` inside the model's context and inside one micro-batch
+  (``actor.micro_batch_tokens``, ``actor.log_prob_micro_batch_tokens``). Returns the stop ids.
 - ``token_ids(tokenizer, tokens, field, vocab)``: ids or token strings as ids, each checked.
 """
 
@@ -30,6 +31,32 @@ from rl.rewards import fn_path
 ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "gae")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def check_async(c) -> None:
+    """``trainer.max_staleness`` (``rl.async_rollout``): the settings it cannot serve, refused in one line."""
+    t, r, a = c.trainer, c.rollout, c.algorithm
+    if isinstance(t.max_staleness, bool) or t.max_staleness < 0:
+        raise ValueError(f"trainer.max_staleness={t.max_staleness!r}: an integer >= 0 (0: off)")
+    if not t.max_staleness:
+        return
+    why = [(t.off_policy_steps, "trainer.off_policy_steps=1 (max_staleness already generates ahead; set it to 0)"),
+           (r.colocate.enable, "rollout.colocate.enable=true (colocated engines and trainer share the GPUs, so "
+                               "generation cannot run while the trainer updates)"),
+           (a.filter_groups.enable, "algorithm.filter_groups.enable=true (DAPO's refill rounds are per step; "
+                                    "the asynchronous buffer has no step to refill)"),
+           (r.multi_turn.enable, "rollout.multi_turn.enable=true (a tool episode's turns are not resumable "
+                                 "across an interrupted generation yet)"),
+           (a.router_replay and t.partial_rollout, "algorithm.router_replay=true with trainer.partial_rollout="
+                                                   "true (a continued response's routes are re-prefilled "
+                                                   "under the new adapter, not those that sampled its prefix; "
+                                                   "set partial_rollout=false)"),
+           (t.partial_rollout and r.engine.endswith("VLLMRolloutEngine"),
+            f"rollout.engine={r.engine} and trainer.partial_rollout=true (vLLM's abort and prefix resubmission "
+            "are not wired yet; set partial_rollout=false)")]
+    for bad, what in why:
+        if bad:
+            raise ValueError(f"trainer.max_staleness={t.max_staleness}: not with {what}")
 
 
 def check_config(c) -> None:
@@ -103,6 +130,10 @@ def preflight(c, tokenizer, prompt_sets: dict) -> tuple[int, ...]:
     if r.multi_turn.enable:
         token_ids(tokenizer, r.multi_turn.tool_call_stop_tokens, "rollout.multi_turn.tool_call_stop_tokens", vocab)
     ctx = glm5.max_position_embeddings
+    a = c.actor
+    budgets = [("actor.micro_batch_tokens", a.micro_batch_tokens)]
+    if a.log_prob_micro_batch_tokens is not None:
+        budgets.append(("actor.log_prob_micro_batch_tokens", a.log_prob_micro_batch_tokens))
     for key, prompts in prompt_sets.items():
         if not prompts:
             continue
@@ -111,6 +142,13 @@ def preflight(c, tokenizer, prompt_sets: dict) -> tuple[int, ...]:
             raise ValueError(f"{key}: {p.where or f'prompt {p.index}'} has {len(p.ids)} tokens; + rollout."
                              f"max_new_tokens={r.max_new_tokens} exceeds the model's context "
                              f"(max_position_embeddings={ctx}); lower data.max_prompt_tokens or rollout.max_new_tokens")
+        longest = len(p.ids) + r.max_new_tokens
+        for field, budget in budgets:
+            if not r.multi_turn.enable and longest > budget:  # episodes: checked per sample by the trainer
+                raise ValueError(f"{field}={budget}: {key}: {p.where or f'prompt {p.index}'} has {len(p.ids)} "
+                                 f"tokens; + rollout.max_new_tokens={r.max_new_tokens} = {longest} would not fit "
+                                 f"one micro-batch (a sample is never split): raise {field} or lower "
+                                 "rollout.max_new_tokens")
     return tuple(stop_ids)
 
 
@@ -187,6 +225,10 @@ def validate(c) -> None:
     if c.data.prompts_per_step % act.ppo_mini_batch_size:
         raise ValueError(f"actor.ppo_mini_batch_size={act.ppo_mini_batch_size} must divide "
                          f"data.prompts_per_step={c.data.prompts_per_step}")
+    for key, v in (("actor.micro_batch_tokens", act.micro_batch_tokens),
+                   ("actor.log_prob_micro_batch_tokens", act.log_prob_micro_batch_tokens)):
+        if v is not None and v < 1:
+            raise ValueError(f"{key}={v} must be >= 1 (tokens per micro-batch)")
     if act.mtp_loss_scale < 0:
         raise ValueError(f"actor.mtp_loss_scale={act.mtp_loss_scale} must be >= 0")
     if act.clip_ratio_c <= 1:
@@ -231,6 +273,7 @@ def validate(c) -> None:
         raise ValueError("trainer.steps must be >= 1")
     if t.off_policy_steps not in (0, 1):
         raise ValueError(f"trainer.off_policy_steps={t.off_policy_steps}: 0 (synchronous) or 1 (one step off-policy)")
+    check_async(c)
     if c.reward.num_workers < 0 or c.reward.timeout_s <= 0:
         raise ValueError(f"reward.num_workers={c.reward.num_workers} must be >= 0, reward.timeout_s > 0")
     resolve(fn_path(c.reward.fn), "reward.fn")

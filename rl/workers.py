@@ -129,7 +129,7 @@ class TrainerGroup:
 # --------------------------------------------------------------------------------------------------
 # rollout actors
 # --------------------------------------------------------------------------------------------------
-@ray.remote
+@ray.remote(concurrency_groups={"control": 1})
 class RolloutActor:
     def __init__(self, engine: str, hf_dir: str, deterministic_topk: bool, kwargs: dict, multi_turn=None,
                  nice: int = 0):
@@ -148,6 +148,12 @@ class RolloutActor:
     def ready(self) -> bool:
         """Returns once ``__init__`` (the engine's start-up) has finished."""
         return True
+
+    @ray.method(concurrency_group="control")
+    def interrupt(self) -> bool:
+        """Runs beside a ``generate`` (its own concurrency group): the engine stops at the next token
+        boundary (``RolloutEngine.interrupt``); calls of the default group stay one at a time, in order."""
+        return self.engine.interrupt()
 
     def load_adapter(self, payload: Optional[AdapterPayload]) -> dict:
         self.engine.load_adapter(payload)
@@ -231,7 +237,7 @@ class RolloutPool:
                 self.pg, placement_group_bundle_index=i * (t.world_size // r.num_actors)))
         else:
             opts = dict(num_cpus=1, num_gpus=r.gpus_per_actor)
-        shared = t.off_policy_steps > 0 and not r.gpus_per_actor and not t.gpus_per_rank
+        shared = (t.off_policy_steps > 0 or t.max_staleness > 0) and not r.gpus_per_actor and not t.gpus_per_rank
         return RolloutActor.options(max_concurrency=1, **opts).remote(
             r.engine, serving_dir(self.cfg.model.hf_dir, self.cfg.model.ckpt, self.cfg.rollout.hf_dir),
             r.deterministic_topk, kwargs, r.multi_turn,
@@ -258,6 +264,16 @@ class RolloutPool:
             return [got for _, got in self._each(lambda a: a.load_adapter.remote(data))]
         self.loading = [a.load_adapter.remote(data) for a in self.actors]
         return []
+
+    def interrupt(self) -> None:
+        """Every engine's running generation stops at its next token boundary (partial rollouts: the
+        caller continues the interrupted responses); an actor that died is left to ``collect``."""
+        refs = [a.interrupt.remote() for a in self.actors]
+        for ref in refs:
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
+                pass
 
     def _each(self, fn):
         out = []

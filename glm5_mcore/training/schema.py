@@ -129,8 +129,9 @@ def _strict(schema, d: dict, path: str) -> dict:
     for k, v in d.items():
         key = f"{path}{k}"
         t = _hints(schema).get(k) if isinstance(k, str) else None
-        if t is None:
-            raise ConfigError(f"config: unknown field {key}")
+        if t is None:  # a schema's ``foreign_names``: another framework's name for one of its fields
+            hint = getattr(schema, "foreign_names", {}).get(k) if isinstance(k, str) else None
+            raise ConfigError(f"config: unknown field {key}" + (f" ({hint})" if hint else ""))
         if isinstance(v, str) and v == "???":
             raise ConfigError(f"config: {key} is missing (???): give it, e.g. {key}=...")
         if isinstance(t, type) and dataclasses.is_dataclass(t):

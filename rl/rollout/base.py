@@ -23,14 +23,24 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 16
     stop_token_ids: tuple = ()
+    seed_per_token: bool = False
+    """True: token ``t`` of a response is drawn with its own generator seeded by ``token_seed(seed, t)``
+    (not a generator's running state), so a response interrupted after any token and continued from
+    its prefix (``Request.prefix_ids``) samples what an uninterrupted engine would (``rl.async_rollout``)."""
 
 
 @dataclass
 class Request:
     key: tuple
-    """(prompt index, sample index): unique within a step."""
+    """(prompt index, sample index[, generation batch]): unique within a job."""
     prompt_ids: list[int]
     seed: int
+    prefix_ids: list[int] = field(default_factory=list)
+    """Partial rollouts: response tokens already sampled (under earlier adapters); the engine continues
+    from prompt + prefix with ``max_new_tokens - len(prefix_ids)`` tokens left, and the ``Result`` holds
+    the whole response (prefix first)."""
+    prefix_logprobs: list[float] = field(default_factory=list)
+    """The behaviour log-probs of ``prefix_ids`` (as sampled), carried into the ``Result`` unchanged."""
 
 
 @dataclass
@@ -39,7 +49,8 @@ class Result:
     response_ids: list[int]
     logprobs: list[float]
     finish_reason: str = "length"
-    """"stop" (a stop token was sampled; it is part of the response) or "length"."""
+    """"stop" (a stop token was sampled; it is part of the response), "length", or "interrupted"
+    (``RolloutEngine.interrupt`` at a weight push: the response so far, to be continued)."""
     mask: Optional[list] = None
     """Multi-turn episodes (``rl.episodes``): 1 for each token the policy sampled, 0 for observation
     tokens the environment appended (their ``logprobs`` are 0); None: every token is the policy's."""
@@ -62,6 +73,11 @@ class AdapterPayload:
     @property
     def nbytes(self) -> int:
         return sum(len(v) for v in self.files.values())
+
+
+def token_seed(seed: int, position: int) -> int:
+    """The seed of response token ``position`` of a sample seeded ``seed`` (``SamplingParams.seed_per_token``)."""
+    return (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & ((1 << 63) - 1)
 
 
 def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> int:
@@ -119,6 +135,15 @@ class RolloutEngine(ABC):
     @abstractmethod
     def load_adapter(self, payload: Optional[AdapterPayload]) -> None:
         ...
+
+    INTERRUPTIBLE = False
+    """True: ``interrupt`` ends a running ``generate`` at the next token boundary (partial rollouts)."""
+
+    def interrupt(self) -> bool:
+        """Called from another thread (a weight push): the running ``generate`` returns at the next token
+        boundary, unfinished responses with ``finish_reason="interrupted"``; no-op when idle. Returns
+        whether this engine can interrupt (the default cannot: its requests run to the end)."""
+        return False
 
     def last_push(self) -> dict:
         """How the last ``load_adapter`` reached the engine ({} when there is nothing to say)."""

@@ -11,6 +11,7 @@ to the lower index), the same rule as the trainer.
 from __future__ import annotations
 
 import tempfile
+import threading
 from collections import defaultdict
 from pathlib import Path
 from typing import Optional
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 from rl.offload import HostCopy, device_memory
 from rl.rollout.base import (AdapterPayload, Request, Result, RolloutEngine, SamplingParams, check_sleep_level,
-                             check_wake_tags)
+                             check_wake_tags, token_seed)
 
 
 def _deterministic_indexer_class():
@@ -72,6 +73,7 @@ def _top_p_probs(logits_BV: torch.Tensor, temperature: float, top_p: float) -> t
 
 class HFRolloutEngine(RolloutEngine):
     DTYPES = ("float32", "bfloat16", "float16")
+    INTERRUPTIBLE = True
 
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, dtype: str = "float32", threads: int = 1,
                  index_row_stride: int = 1024):
@@ -97,6 +99,8 @@ class HFRolloutEngine(RolloutEngine):
         self.peft = None
         self.adapter_version: Optional[int] = None
         self._asleep: Optional[HostCopy] = None
+        self._interrupt = threading.Event()
+        self._running = threading.Lock()  # held by generate: interrupt() outside it is a no-op
 
     @classmethod
     def check_kwargs(cls, kwargs: dict) -> None:
@@ -107,6 +111,11 @@ class HFRolloutEngine(RolloutEngine):
             v = kwargs.get(key, 1)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"rollout.engine_kwargs.{key}={v!r} must be an integer >= 1")
+
+    def interrupt(self) -> bool:
+        if self._running.locked():
+            self._interrupt.set()
+        return True
 
     # ------------------------------------------------------------------ weights
     def load_adapter(self, payload: Optional[AdapterPayload]) -> None:
@@ -169,33 +178,51 @@ class HFRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------ sampling
     @torch.no_grad()
     def generate(self, requests: list[Request], params: SamplingParams, batched: bool = True) -> list[Result]:
+        """Requests batched by prompt + prefix length. After ``interrupt`` the groups not started yet come
+        back with their prefix as ``"interrupted"`` results (continued later, like the started ones)."""
         groups: dict = defaultdict(list)
         for r in requests:
             if len(r.prompt_ids) + params.max_new_tokens > self.max_positions:
                 raise ValueError(f"request {r.key}: prompt {len(r.prompt_ids)} + max_new_tokens "
                                  f"{params.max_new_tokens} exceeds max_position_embeddings={self.max_positions}")
-            groups[len(r.prompt_ids) if batched else (len(r.prompt_ids), r.key[0])].append(r)
+            if len(r.prefix_ids) >= params.max_new_tokens:
+                raise ValueError(f"request {r.key}: a prefix of {len(r.prefix_ids)} tokens leaves nothing of "
+                                 f"max_new_tokens={params.max_new_tokens}")
+            n = len(r.prompt_ids) + len(r.prefix_ids)
+            groups[n if batched else (n, r.key[0])].append(r)
         out = {}
-        for reqs in groups.values():
-            for res in self._decode(reqs, params):
-                out[res.key] = res
+        with self._running:
+            self._interrupt.clear()
+            for reqs in groups.values():
+                if self._interrupt.is_set():
+                    done = [Result(r.key, list(r.prefix_ids), list(r.prefix_logprobs), "interrupted") for r in reqs]
+                else:
+                    done = self._decode(reqs, params)
+                for res in done:
+                    out[res.key] = res
+            self._interrupt.clear()
         return [out[r.key] for r in requests]
 
     def _decode(self, reqs: list[Request], p: SamplingParams) -> list[Result]:
+        """Rows of equal prompt + prefix length. ``p.seed_per_token``: token ``t`` of row ``i`` is drawn
+        with a generator seeded ``token_seed(seed_i, t)`` (t counts the prefix); otherwise one running
+        generator per request (its state after t draws), as before partial rollouts existed."""
         B = len(reqs)
         gens = [torch.Generator().manual_seed(r.seed) for r in reqs]
         stop = set(int(t) for t in p.stop_token_ids)
-        ids = torch.tensor([r.prompt_ids for r in reqs], dtype=torch.long, device=self.device)
+        start = [len(r.prefix_ids) for r in reqs]
+        budget = p.max_new_tokens - min(start)  # rows of one group may hold prefixes of other lengths
+        ids = torch.tensor([r.prompt_ids + list(r.prefix_ids) for r in reqs], dtype=torch.long, device=self.device)
         out = self._net(input_ids=ids, use_cache=True)
         chunks = [self.routes.step(B, ids.shape[1])]
         index_steps = [self.index_rows.step(0, B, ids.shape[1])]
         cache = out.past_key_values
         logits = out.logits[:, -1].float()
-        toks: list[list[int]] = [[] for _ in range(B)]
-        lps: list[list[float]] = [[] for _ in range(B)]
+        toks: list[list[int]] = [list(r.prefix_ids) for r in reqs]
+        lps: list[list[float]] = [list(r.prefix_logprobs) for r in reqs]
         done = [False] * B
         reason = ["length"] * B
-        for t in range(p.max_new_tokens):
+        for t in range(budget):
             # sampled on the CPU with each request's CPU generator: the same tokens on any device
             logp = torch.log_softmax(logits / p.temperature, dim=-1).cpu()
             probs = _top_p_probs(logits, p.temperature, p.top_p).cpu()
@@ -203,13 +230,20 @@ class HFRolloutEngine(RolloutEngine):
             for i in range(B):
                 if done[i]:
                     continue
+                if p.seed_per_token:
+                    gens[i].manual_seed(token_seed(reqs[i].seed, start[i] + t))
                 tok = int(torch.multinomial(probs[i], 1, generator=gens[i]))
                 nxt[i] = tok
                 toks[i].append(tok)
                 lps[i].append(float(logp[i, tok]))
                 if tok in stop:
                     done[i], reason[i] = True, "stop"
-            if all(done) or t == p.max_new_tokens - 1:
+                elif len(toks[i]) == p.max_new_tokens:
+                    done[i] = True
+            if all(done) or t == budget - 1:
+                break
+            if self._interrupt.is_set():  # a weight push: stop at this token boundary
+                reason = ["interrupted" if not d else why for d, why in zip(done, reason)]
                 break
             out = self._net(input_ids=nxt[:, None].to(self.device), cache=cache, use_cache=True)
             chunks.append(self.routes.step(B, 1))

@@ -47,11 +47,12 @@ def _prompts(path, rows):
     return str(path)
 
 
-@pytest.mark.parametrize("case", ["stop_string", "stop_id", "context", "mtp_accept", "ground_truth"])
+@pytest.mark.parametrize("case", ["stop_string", "stop_id", "context", "micro_batch", "mtp_accept", "ground_truth"])
 def test_preflight_refusals_before_ray(tiny_dir, tmp_path, case):
     """Was: an unknown stop string found at the first generate, a stop id past the vocabulary sampled
     against, the engine's "exceeds max_position_embeddings" inside the actor (no file:line),
-    ``mtp_accept`` on a model without MTP weights logging nothing, rows without ``ground_truth`` scored 0."""
+    ``mtp_accept`` on a model without MTP weights logging nothing, rows without ``ground_truth`` scored 0,
+    a prompt + response longer than a micro-batch packed past the budget."""
     import ray
 
     from rl.config import RLConfig
@@ -70,6 +71,11 @@ def test_preflight_refusals_before_ray(tiny_dir, tmp_path, case):
         sections = {"data": {"max_prompt_tokens": 1024}, "rollout": {"max_new_tokens": 4}}
         msg = "data.train: {train}:3 has 509 tokens; + rollout.max_new_tokens=4 exceeds the model's context " \
               "(max_position_embeddings=512)"
+    elif case == "micro_batch":
+        rows[2] = {"prompt": " ".join(["w1"] * 30), "ground_truth": 0}
+        sections = {"actor": {"ppo_mini_batch_size": 4, "micro_batch_tokens": 4096, "log_prob_micro_batch_tokens": 32}}
+        msg = "actor.log_prob_micro_batch_tokens=32: data.train: {train}:3 has 30 tokens; + rollout.max_new_tokens=4 " \
+              "= 34 would not fit one micro-batch (a sample is never split)"
     elif case == "mtp_accept":
         sections, msg = {"actor": {"mtp_accept": True}}, \
             f"actor.mtp_accept=true: {tiny_dir} stores no MTP layer weights"

@@ -13,13 +13,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def mtp_cfg(hf_dir: str, **trainer):
-    """Every response row its own micro-batch (``micro_batch_tokens=1``), one mini-batch: ``mtp/loss``
-    (Megatron's per-micro-batch mean, averaged) is then the same quantity under any DP split."""
+    """Every response row its own micro-batch (``micro_batch_tokens=17``: the case's samples have 11..17
+    tokens, so no two fit one), one mini-batch: ``mtp/loss`` (Megatron's per-micro-batch mean, averaged) is
+    then the same quantity under any DP split."""
     from rl.config import RLConfig
 
     return RLConfig.from_dict({"model": {"hf_dir": hf_dir}, "wandb": {"mode": "disabled"},
                                "rollout": {"n": 2, "temperature": 0.8},
-                               "actor": {"mtp_loss_scale": 0.3, "ppo_mini_batch_size": 4, "micro_batch_tokens": 1},
+                               "actor": {"mtp_loss_scale": 0.3, "ppo_mini_batch_size": 4, "micro_batch_tokens": 17},
                                "trainer": trainer})
 
 

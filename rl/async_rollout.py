@@ -1,0 +1,322 @@
+"""Fully asynchronous rollouts with partial rollouts (``trainer.max_staleness = K >= 1``; verl's
+``fully_async``, slime's ``--partial-rollout``): ``AsyncSource`` keeps the engines generating into a
+bounded buffer of prompt groups while the trainer works, and hands the driver a step's batch as soon as
+``data.prompts_per_step`` groups are complete (a group's ``rollout.n`` samples always travel together,
+GRPO normalises within it).
+
+- **Admission.** Prompts come from the epoch stream in units of one step's prompts (generation batch
+  ``g`` holds exactly the prompts step ``g`` of a synchronous run draws, with the same seeds:
+  ``sample_seed(trainer.seed, g, prompt, sample)``). A unit is admitted while at most ``(K - 1) ·
+  prompts_per_step`` groups are admitted and not yet taken, so at most K steps' groups are ahead of the
+  trainer.
+- **Partial rollouts.** ``push`` (after each update) interrupts the generation in flight at a token
+  boundary (``RolloutPool.interrupt``), queues the new adapter, and the unfinished responses go back to
+  the engines as ``Request.prefix_ids`` (+ their behaviour log-probs) with the rest of the token budget,
+  under the new adapter. Each token keeps the log-prob of the policy that sampled it and its adapter
+  version (``Result.versions``, [R] ints), so IcePop / TIS correct a mixed-version response per token.
+  Sampling is keyed by (sample seed, token position) (``SamplingParams.seed_per_token``), so a response
+  continued after an interruption is the response an uninterrupted engine draws under the same
+  versions at the same tokens. ``trainer.partial_rollout=false``: the push waits for the generation in
+  flight (its responses finish under the adapter they started with).
+- **Staleness.** A sample's staleness is the trainer's version minus the oldest version among its
+  tokens. A group with a sample staler than K when the trainer would take it is dropped (not
+  regenerated: a response longer than K updates' worth of generation would otherwise never finish),
+  counted in ``rollout/dropped_stale`` (samples) and named in the log. ``rollout/staleness`` (mean over
+  the batch's samples), ``_min``, ``_max`` and ``rollout/staleness_tokens/<d>`` (the fraction of response
+  tokens d versions old) describe the batch.
+- **Resume.** ``snapshot()`` (saved in the checkpoint's state) lists every group admitted and not taken
+  by the trainer (buffered or in flight) and the stream position after them; a resumed run regenerates
+  those groups first, from their seeds, under the resumed adapter, then continues the stream: no prompt
+  is lost or trained twice. Their tokens are regenerated, not restored (the versions they were sampled
+  with are gone with the killed engines).
+
+Timing-dependent (and only this): which complete groups make a batch (the oldest complete ones, by
+generation batch then stream position), where an interruption falls (so which version each token
+has), and hence which groups are dropped as stale. Prompts, seeds and the per-token randomness are not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from rl.overlap import StepSamples
+from rl.rollout.base import Request, Result, sample_seed
+from rl.shaping import shape_scores
+from rl.tasks import next_prompts
+
+
+@dataclass
+class Group:
+    """One prompt's ``n`` samples as they are generated."""
+    g: int
+    """Generation batch (the synchronous step whose prompts and seeds these are)."""
+    order: int
+    """Position of the prompt in its generation batch."""
+    prompt: object
+    done: dict = field(default_factory=dict)
+    """sample index → finished ``Result`` (with ``versions``)."""
+    partial: dict = field(default_factory=dict)
+    """sample index → interrupted ``Result`` (prefix so far, with ``versions``)."""
+    interrupts: int = 0
+    raw: Optional[torch.Tensor] = None
+    """[n] rewards once every sample is done and scored."""
+
+    @property
+    def key(self) -> tuple:
+        return (self.g, self.order)
+
+
+class AsyncSource:
+    """``StepSource``'s interface (``take``, ``push``, ``settle``, ``close``) for ``trainer.max_staleness``;
+    ``snapshot()`` is what a checkpoint keeps of the buffer (``state["async"]``)."""
+
+    inflight_payload = None  # nothing to save: the buffer is regenerated from its seeds on resume
+
+    def __init__(self, cfg, train: list, rollouts, sampling, rewards, state: dict, build=None):
+        self.cfg, self.train, self.rollouts, self.rewards, self.build = cfg, train, rollouts, rewards, build
+        self.sampling = dataclasses.replace(sampling, seed_per_token=True) if sampling is not None else None
+        self.K, self.P, self.n = cfg.trainer.max_staleness, cfg.data.prompts_per_step, cfg.rollout.n
+        self.partial = cfg.trainer.partial_rollout
+        saved = state.get("async")
+        by_index = {p.index: p for p in train}
+        if saved:
+            self.pos, self.next_batch = dict(saved["pos"]), saved["next_batch"]
+            todo = [(g, j, by_index[i]) for g, j, i in saved["pending"]]
+        else:
+            self.pos, self.next_batch, todo = {"epoch": state["epoch"], "cursor": state["cursor"]}, state["step"], []
+        self.resumed = len(todo)
+        self.ledger = {k: set(expand(saved.get(k, []))) if saved else set() for k in ("trained", "dropped")}
+        """Generation-batch slots ``g · prompts_per_step + j`` trained / dropped so far (saved as ranges):
+        with the pending groups they account for every prompt the stream handed out, each once."""
+        self.groups: dict[tuple, Group] = {(g, j): Group(g, j, p) for g, j, p in todo}  # admitted, not taken
+        self._order = {(g, p.index): j for g, j, p in todo}  # (generation batch, prompt index) → position
+        self.version: Optional[int] = None
+        self.dropped: list[Group] = []
+        self.busy = self.paused = self.closing = False
+        self.error: Optional[BaseException] = None
+        self.cv = threading.Condition()
+        self.thread: Optional[threading.Thread] = None
+        self.last_dropped: list[tuple] = []
+        self.gen_s = 0.0  # engine time (generation + scoring) since the last take
+
+    # ------------------------------------------------------------------ the driver's calls
+    def take(self, step: int, state: dict) -> StepSamples:
+        """The next batch: the ``prompts_per_step`` oldest complete groups, stale ones dropped first."""
+        t0 = time.perf_counter()
+        with self.cv:
+            if self.thread is None:
+                self.version = self._payload_version()
+                self.thread = threading.Thread(target=self._produce, name="glm5-async-rollout", daemon=True)
+                self.thread.start()
+            self.paused = False
+            self.cv.notify_all()
+            while True:
+                if self.error is not None:
+                    raise self.error
+                self._drop_stale()
+                ready = sorted(k for k, grp in self.groups.items() if grp.raw is not None)
+                if len(ready) >= self.P:
+                    break
+                self.cv.wait(timeout=1.0)
+            groups = [self.groups.pop(k) for k in ready[: self.P]]
+            for grp in groups:
+                del self._order[(grp.g, grp.prompt.index)]
+            dropped, self.dropped = self.dropped, []
+            slots = [g * self.P + j for g, j in ready[: self.P]]
+            twice = self.ledger["trained"].intersection(slots)
+            if twice:
+                raise RuntimeError(f"generation-batch slots {sorted(twice)[:3]} handed to the trainer twice")
+            self.ledger["trained"].update(slots)
+            self.ledger["dropped"].update(grp.g * self.P + grp.order for grp in dropped)
+            version = self.version
+            state["async"] = self.snapshot()
+            state["epoch"], state["cursor"] = self.pos["epoch"], self.pos["cursor"]
+            buffered = len(ready) - self.P
+            gen_s, self.gen_s = self.gen_s, 0.0
+            self.cv.notify_all()  # room for admission
+        wait_s = time.perf_counter() - t0
+        prompts = [grp.prompt for grp in groups]
+        results = [grp.done[k] for grp in groups for k in range(self.n)]
+        raw = torch.cat([grp.raw for grp in groups])
+        lengths = torch.tensor([len(r.response_ids) for r in results])
+        shaped, metrics = shape_scores(self.cfg, raw, lengths)
+        if hasattr(self.rewards, "take_metrics"):
+            metrics.update(self.rewards.take_metrics())
+        oldest = torch.tensor([min(r.versions) for r in results], dtype=torch.float32)
+        metrics.update(staleness_metrics(results, version))
+        metrics.update({"rollout/dropped_stale": float(sum(self.n for _ in dropped)),
+                        "rollout/interrupted": float(sum(grp.interrupts for grp in groups)),
+                        "rollout/buffer_groups": float(buffered)})
+        self.last_dropped = [(grp.g, grp.prompt.index) for grp in dropped]
+        t1 = time.perf_counter()
+        batch = self.build(prompts, results) if self.build is not None else None
+        metrics.update({"timing_s/pack": time.perf_counter() - t1, "timing_s/gen": gen_s, "timing_s/gen_wait": wait_s})
+        return StepSamples(prompts, results, shaped, oldest, metrics, batch)
+
+    def push(self, payload) -> None:
+        """The adapter of the update just made: with partial rollouts the generation in flight is
+        interrupted and continued under it; either way it is queued on the engines (``sync(wait=False)``)
+        behind that generation, and every later request uses it."""
+        with self.cv:
+            self.version = payload.version
+            if self.busy and self.partial:
+                self.rollouts.interrupt()
+            self.rollouts.sync(payload, wait=False)
+            self.cv.notify_all()
+
+    def settle(self) -> None:
+        """Pause generation (interrupting what is in flight, continued on the next ``take``) so the engines
+        are free for an evaluation; they hold the newest pushed adapter."""
+        with self.cv:
+            self.paused = True
+            if self.busy:
+                self.rollouts.interrupt()
+            while self.busy and self.error is None:
+                self.cv.wait(timeout=1.0)
+
+    def close(self) -> None:
+        with self.cv:
+            self.closing = True
+            if self.busy:
+                self.rollouts.interrupt()
+            self.cv.notify_all()
+        if self.thread is not None:
+            self.thread.join()
+
+    def snapshot(self) -> dict:
+        """Every group admitted and not taken ([generation batch, position, prompt index]) and the stream
+        position after them: what a resumed run regenerates first."""
+        with self.cv:
+            return {"pos": dict(self.pos), "next_batch": self.next_batch,
+                    "pending": [[g, j, grp.prompt.index] for (g, j), grp in sorted(self.groups.items())],
+                    **{k: ranges(v) for k, v in self.ledger.items()}}
+
+    def outstanding(self) -> int:
+        with self.cv:
+            return len(self.groups)
+
+    # ------------------------------------------------------------------ the generation thread
+    def _payload_version(self) -> int:
+        p = self.rollouts.payload
+        return p.version if p is not None else -1
+
+    def _admit(self) -> None:
+        while len(self.groups) <= (self.K - 1) * self.P:
+            g = self.next_batch
+            for j, p in enumerate(next_prompts(self.train, self.P, self.cfg.data.seed, self.pos)):
+                self.groups[(g, j)] = Group(g, j, p)
+                self._order[(g, p.index)] = j
+            self.next_batch += 1
+
+    def _requests(self) -> list[Request]:
+        out = []
+        for grp in self.groups.values():
+            if grp.raw is not None or len(grp.done) == self.n:
+                continue
+            p = grp.prompt
+            for k in range(self.n):
+                if k in grp.done:
+                    continue
+                seed = sample_seed(self.cfg.trainer.seed, grp.g, p.index, k)
+                prev = grp.partial.get(k)
+                out.append(Request((p.index, k, grp.g), p.ids, seed,
+                                   list(prev.response_ids) if prev else [], list(prev.logprobs) if prev else []))
+        return out
+
+    def _produce(self) -> None:
+        try:
+            while True:
+                with self.cv:
+                    while True:
+                        if self.closing:
+                            return
+                        if not self.paused:
+                            self._admit()
+                            reqs = self._requests()
+                            if reqs:
+                                break
+                        self.cv.wait(timeout=1.0)
+                    job = self.rollouts.submit(reqs, self.sampling)
+                    self.busy = True
+                t0 = time.perf_counter()
+                try:
+                    self._absorb(reqs, self.rollouts.collect(job), job["version"])
+                finally:  # busy covers the scoring too: an evaluation's scoring never runs beside it
+                    with self.cv:
+                        self.busy = False
+                        self.gen_s += time.perf_counter() - t0
+                        self.cv.notify_all()
+        except BaseException as e:  # surfaces in the driver's next take
+            with self.cv:
+                self.error = e
+                self.cv.notify_all()
+
+    def _absorb(self, reqs: list[Request], results: list[Result], version: int) -> None:
+        """Book a finished job: each new token gets the job's version; interrupted responses wait for the
+        next job; groups whose samples are all done are scored (outside the lock)."""
+        complete = []
+        with self.cv:
+            for req, res in zip(reqs, results):
+                p_index, k, g = res.key
+                grp = self.groups[(g, self._order[(g, p_index)])]
+                prev = grp.partial.pop(k, None)
+                base = list(prev.versions) if prev is not None else []
+                res.versions = base + [version] * (len(res.response_ids) - len(base))
+                res.round = g
+                res.key = (p_index, k)
+                if res.finish_reason == "interrupted":
+                    grp.partial[k] = res
+                    grp.interrupts += 1
+                else:
+                    grp.done[k] = res
+                if len(grp.done) == self.n and grp.raw is None and grp not in complete:
+                    complete.append(grp)
+        if complete:
+            raw = self.rewards([grp.prompt for grp in complete],
+                               [grp.done[k] for grp in complete for k in range(self.n)], self.n)
+            with self.cv:
+                for i, grp in enumerate(complete):
+                    grp.raw = raw[i * self.n: (i + 1) * self.n]
+                self.cv.notify_all()
+
+    def _drop_stale(self) -> None:
+        """Complete groups holding a token more than K versions older than the trainer's: dropped."""
+        for k, grp in list(self.groups.items()):
+            if grp.raw is not None and min(min(r.versions) for r in grp.done.values()) < self.version - self.K:
+                self.dropped.append(self.groups.pop(k))
+                del self._order[(grp.g, grp.prompt.index)]
+
+
+def ranges(ints) -> list[list[int]]:
+    """Sorted ints as [[first, last], ...] runs (a checkpoint's ledger stays small)."""
+    out: list[list[int]] = []
+    for i in sorted(ints):
+        if out and out[-1][1] == i - 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return out
+
+
+def expand(runs) -> list[int]:
+    return [i for a, b in runs for i in range(a, b + 1)]
+
+
+def staleness_metrics(results: list[Result], version: int) -> dict:
+    """``rollout/staleness`` (mean), ``_min``, ``_max`` over samples (trainer version − the sample's oldest
+    token version) and ``rollout/staleness_tokens/<d>``: the histogram of token staleness (fractions)."""
+    oldest = torch.tensor([version - min(r.versions) for r in results], dtype=torch.float32)
+    tok = torch.tensor([version - v for r in results for v in r.versions], dtype=torch.long)
+    out = {"rollout/staleness": float(oldest.mean()), "rollout/staleness_min": float(oldest.min()),
+           "rollout/staleness_max": float(oldest.max()),
+           "rollout/mixed_version_fraction": float(sum(len(set(r.versions)) > 1 for r in results) / len(results))}
+    if tok.numel():
+        counts = torch.bincount(tok.clamp(min=0))
+        out.update({f"rollout/staleness_tokens/{d}": float(c) / tok.numel() for d, c in enumerate(counts.tolist())})
+    return out

@@ -1,0 +1,387 @@
+"""Fully asynchronous RL (``trainer.max_staleness``, ``rl.async_rollout``) and partial rollouts: the
+buffer hands out every prompt of the stream once, with the synchronous run's seeds; interrupted responses
+continue under the new adapter with each token's version and behaviour log-prob; stale groups are dropped
+and counted; a resumed source regenerates exactly the groups that were not trained; the HF engine's
+continued response equals the uninterrupted one (per-token RNG); settings that cannot run are refused."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from rl.async_rollout import AsyncSource, expand
+from rl.config import RLConfig
+from rl.rollout.base import AdapterPayload, Request, Result, SamplingParams, sample_seed, token_seed
+from rl.tasks import Prompt, next_prompts
+
+P, N = 4, 2
+
+
+def _cfg(**sections):
+    d = {"wandb": {"mode": "disabled"}, "data": {"prompts_per_step": P}, "rollout": {"n": N, "max_new_tokens": 12},
+         "actor": {"ppo_mini_batch_size": 2}, "trainer": {"steps": 6, "max_staleness": 1}}
+    for k, v in sections.items():
+        d.setdefault(k, {}).update(v)
+    return RLConfig.from_dict(d)
+
+
+def _prompts(count=40):
+    return [Prompt(i, [5, i], f"p{i}") for i in range(count)]
+
+
+def fake_length(seed: int, budget: int = 12) -> int:
+    return 1 + seed % budget
+
+
+class TokenPool:
+    """``RolloutPool``'s submit / collect / sync / interrupt over a fake engine that decodes all requests of a
+    job together, one token per ``tick`` s: token t of a sample seeded s is ``token_seed(s, t) % 1000`` (so it
+    depends on the position only, as ``seed_per_token`` sampling), its log-prob ``-(version + 1)`` (whose
+    policy sampled it shows), its length ``fake_length(s)``. ``interrupt`` stops a running job at the next
+    token (a no-op when idle)."""
+
+    def __init__(self, tick=0.0):
+        self.payload, self.tick = AdapterPayload(0), tick
+        self.jobs, self.interrupts = [], 0
+        self._stop, self._lock, self.running = threading.Event(), threading.Lock(), False
+
+    def submit(self, requests, params):
+        assert params.seed_per_token
+        job = {"requests": requests, "version": self.payload.version}
+        self.jobs.append(job)
+        return job
+
+    def collect(self, job):
+        with self._lock:
+            self.running = True
+            self._stop.clear()
+        out = {r.key: Result(r.key, list(r.prefix_ids), list(r.prefix_logprobs), "length") for r in job["requests"]}
+        try:
+            while True:
+                live = [r for r in job["requests"] if len(out[r.key].response_ids) < fake_length(r.seed)]
+                if not live:
+                    return [out[r.key] for r in job["requests"]]
+                for r in live:
+                    res = out[r.key]
+                    res.response_ids.append(token_seed(r.seed, len(res.response_ids)) % 1000)
+                    res.logprobs.append(-(job["version"] + 1.0))
+                time.sleep(self.tick)
+                if self._stop.is_set():
+                    for r in live:
+                        if len(out[r.key].response_ids) < fake_length(r.seed):
+                            out[r.key].finish_reason = "interrupted"
+                    return [out[r.key] for r in job["requests"]]
+        finally:
+            with self._lock:
+                self.running = False
+
+    def interrupt(self):
+        with self._lock:
+            if self.running:
+                self.interrupts += 1
+                self._stop.set()
+
+    def sync(self, payload, wait=True):
+        self.payload = payload
+
+
+def _score(prompts, results, n):
+    return torch.tensor([float(len(r.response_ids) % 2) for r in results])
+
+
+def _run(cfg, steps, pool=None, state=None, src_state=None, train_s=0.0):
+    """Drive an ``AsyncSource`` like the driver: take, "train" ``train_s``, push version step + 1."""
+    pool = pool or TokenPool()
+    state = state or {"step": 0, "epoch": 0, "cursor": 0}
+    src = AsyncSource(cfg, _prompts(), pool, SamplingParams(max_new_tokens=12), _score, state)
+    taken = []
+    try:
+        for step in range(state["step"], steps):
+            got = src.take(step, state)
+            taken.append(got)
+            time.sleep(train_s)
+            state["step"] = step + 1
+            src.push(AdapterPayload(step + 1))
+        snap = src.snapshot()
+        pool.before_close = pool.interrupts  # close() interrupts what is still generating
+    finally:
+        src.close()
+    return taken, snap, pool, state
+
+
+def _stream(cfg, batches):
+    pos = {"epoch": 0, "cursor": 0}
+    return [next_prompts(_prompts(), P, cfg.data.seed, pos) for _ in range(batches)]
+
+
+def test_buffer_hands_out_the_stream_with_sync_seeds_and_token_versions():
+    """Every group taken is a prompt of generation batch g with the synchronous step g's seeds; each token's
+    version is the adapter it was sampled under (its fake log-prob says so); interrupted responses were
+    continued, never restarted; staleness stays <= K."""
+    cfg = _cfg(trainer={"max_staleness": 2})
+    taken, snap, pool, _ = _run(cfg, 5, TokenPool(tick=0.002), train_s=0.01)
+    stream = _stream(cfg, snap["next_batch"])
+    seen = []
+    for step, got in enumerate(taken):
+        assert len(got.prompts) == P and len(got.results) == P * N
+        for i, (p, res) in enumerate(zip([p for p in got.prompts for _ in range(N)], got.results)):
+            g = res.round
+            assert p in stream[g]
+            seed = sample_seed(cfg.trainer.seed, g, p.index, res.key[1])
+            assert res.response_ids == [token_seed(seed, t) % 1000 for t in range(fake_length(seed))]
+            assert res.logprobs == [-(v + 1.0) for v in res.versions] and len(res.versions) == len(res.response_ids)
+            assert res.versions == sorted(res.versions) and step - 2 <= min(res.versions) <= max(res.versions) <= step
+            seen.append((g, p.index, res.key[1]))
+        assert got.metrics["rollout/staleness_max"] <= 2
+    assert len(seen) == len(set(seen))
+    assert pool.interrupts > 0 and any(got.metrics["rollout/interrupted"] for got in taken)
+    assert any(got.metrics["rollout/mixed_version_fraction"] > 0 for got in taken)
+
+
+def test_without_partial_rollouts_a_push_never_interrupts():
+    """``trainer.partial_rollout=false``: the generation in flight finishes under its adapter (one version per
+    sample), the new adapter waits behind it."""
+    cfg = _cfg(trainer={"max_staleness": 2, "partial_rollout": False})
+    taken, _, pool, _ = _run(cfg, 4, TokenPool(tick=0.002), train_s=0.01)
+    assert pool.before_close == 0
+    assert all(len(set(r.versions)) == 1 for got in taken for r in got.results)
+    assert all(got.metrics["rollout/interrupted"] == 0 for got in taken)
+
+
+def test_stale_groups_are_dropped_and_counted():
+    """Two pushes with no take in between: the groups generated under version 0 are 2 > K=1 versions old at
+    the take, so they are dropped (counted, ledgered), and the batch comes from the next generation batch."""
+    cfg = _cfg(trainer={"max_staleness": 1})
+    state = {"step": 0, "epoch": 0, "cursor": 0}
+    pool = TokenPool()
+    src = AsyncSource(cfg, _prompts(), pool, SamplingParams(max_new_tokens=12), _score, state)
+    try:
+        first = src.take(0, state)
+        deadline = time.time() + 10
+        while not (len(src.groups) == P and all(grp.raw is not None for grp in src.groups.values())) \
+                and time.time() < deadline:
+            time.sleep(0.01)  # batch 1 finished under version 0
+        src.push(AdapterPayload(1))
+        src.push(AdapterPayload(2))
+        got = src.take(1, state)
+        snap = src.snapshot()
+    finally:
+        src.close()
+    assert {r.round for r in first.results} == {0}
+    assert got.metrics["rollout/dropped_stale"] == P * N and {r.round for r in got.results} == {2}
+    assert set(min(r.versions) for r in got.results) == {2} and got.metrics["rollout/staleness"] == 0
+    assert sorted(expand(snap["dropped"])) == list(range(P, 2 * P))
+    assert {g for g, _, _ in snap["pending"]} <= {3}  # batch 3 is admitted after the take (or not yet)
+    assert src.last_dropped and all(g == 1 for g, _ in src.last_dropped)
+
+
+def test_resumed_source_regenerates_the_untrained_groups_once():
+    """A source resumed from a snapshot taken after step 2 regenerates the groups admitted and not trained
+    (with their seeds) before drawing new ones: the killed run's trained groups plus the resumed run's are
+    every slot of the stream once, the same ledger an uninterrupted run ends with."""
+    cfg = _cfg(trainer={"max_staleness": 2})
+    full, full_snap, _, _ = _run(cfg, 5, train_s=0.01)
+    first, snap, _, state = _run(cfg, 3, train_s=0.01)
+    assert snap["pending"]  # something was buffered or in flight at the "kill"
+    state = {**state, "async": snap}
+    rest, end, _, _ = _run(cfg, 5, state=state, train_s=0.01)
+    ids = [(r.round, r.key) for got in first + rest for r in got.results]
+    assert len(ids) == len(set(ids)) == 5 * P * N
+    trained = expand(end["trained"])
+    assert sorted(trained) == sorted(set(trained)) and len(trained) == 5 * P
+    assert sorted(trained + [g * P + j for g, j, _ in end["pending"]] + expand(end["dropped"])) == \
+        list(range(end["next_batch"] * P))
+    assert {r.round for r in rest[0].results} <= {g for g, _, _ in snap["pending"]}
+    want = {(r.round, r.key): r.response_ids for got in full for r in got.results}
+    for got in rest:  # regenerated from the same seeds: the same samples (this fake ignores the adapter)
+        for r in got.results:
+            if (r.round, r.key) in want:
+                assert r.response_ids == want[(r.round, r.key)]
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"trainer": {"off_policy_steps": 1}}, "trainer.off_policy_steps=1"),
+    ({"rollout": {"colocate": {"enable": True}}}, "rollout.colocate.enable=true"),
+    ({"algorithm": {"filter_groups": {"enable": True}}}, "algorithm.filter_groups.enable=true"),
+    ({"rollout": {"multi_turn": {"enable": True, "env": "rl.envs.lookup_env",
+                                 "tool_call_stop_tokens": [3]}}}, "rollout.multi_turn.enable=true"),
+    ({"algorithm": {"router_replay": True}}, "algorithm.router_replay=true"),
+    ({"rollout": {"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine"}}, "rollout.engine=rl.rollout.vllm_engine"),
+])
+def test_async_refuses_what_it_cannot_serve(extra, field):
+    with pytest.raises(ValueError, match=f"trainer.max_staleness=1: not with {field}".replace(".", r"\.")
+                       .replace("[", r"\[")):
+        _cfg(**extra)
+    with pytest.raises(ValueError, match="trainer.max_staleness=-1"):
+        _cfg(trainer={"max_staleness": -1})
+
+
+def test_resume_guard_covers_async_settings():
+    from rl.config import run_settings
+
+    base = run_settings(_cfg(trainer={"max_staleness": 0}))
+    assert "async" not in base  # today's runs resume as before
+    assert run_settings(_cfg(trainer={"max_staleness": 2}))["async"] == {"max_staleness": 2, "partial_rollout": True}
+    assert run_settings(_cfg())["async"] != run_settings(_cfg(trainer={"max_staleness": 2}))["async"]
+
+
+# ---------------------------------------------------------------------------------------------- HF engine
+class StopAfter:
+    """An ``Event`` stand-in that turns set after ``m`` tokens: the engine checks it once before each group
+    of equal-length requests (one group here) and once per token boundary."""
+
+    def __init__(self, m):
+        self.m, self.calls = m + 1, 0
+
+    def is_set(self):
+        self.calls += 1
+        return self.calls >= self.m
+
+    def clear(self):
+        pass
+
+    def set(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    from rl.rollout.hf_engine import HFRolloutEngine
+
+    return HFRolloutEngine(tiny_dir)
+
+
+def _continue(engine, reqs, params, m, before=None):
+    """Generate ``reqs`` interrupted after token ``m`` (per row), run ``before`` (a weight change), continue."""
+    real = engine._interrupt
+    engine._interrupt = StopAfter(m)
+    try:
+        first = engine.generate(reqs, params)
+    finally:
+        engine._interrupt = real
+    if before is not None:
+        before()
+    cont = [Request(r.key, r.prompt_ids, r.seed, res.response_ids, res.logprobs) if res.finish_reason == "interrupted"
+            else None for r, res in zip(reqs, first)]
+    again = engine.generate([c for c in cont if c is not None], params)
+    it = iter(again)
+    return first, [next(it) if c is not None else res for c, res in zip(cont, first)]
+
+
+def _requests():
+    return [Request((p, k), [3 + p, 9, 4, 7 + p] * 3, sample_seed(5, 0, p, k)) for p in range(2) for k in range(2)]
+
+
+def test_hf_engine_interrupted_then_continued_equals_uninterrupted(engine):
+    """Same adapter on both sides of the interruption: tokens and behaviour log-probs equal to an engine
+    never interrupted (tokens exactly; log-probs to float rounding, since the continuation re-prefills
+    prompt + prefix where the other decoded from its KV cache), because token t's draw is seeded by (sample seed, t). With the running generator
+    (``seed_per_token=False``, as before) the continued tokens differ: that is what the per-token RNG fixes."""
+    params = SamplingParams(temperature=1.5, max_new_tokens=10, seed_per_token=True)
+    whole = engine.generate(_requests(), params)
+    first, cont = _continue(engine, _requests(), params, m=3)
+    assert all(r.finish_reason == "interrupted" and len(r.response_ids) == 3 for r in first)
+    for a, b in zip(whole, cont):
+        assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
+        assert b.logprobs[:3] == a.logprobs[:3]  # the prefix's, carried as sampled
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)  # re-prefilled vs KV-cached: float order only
+    old = SamplingParams(temperature=1.5, max_new_tokens=10)
+    whole_old = engine.generate(_requests(), old)
+    _, cont_old = _continue(engine, _requests(), old, m=3)
+    assert any(a.response_ids != b.response_ids for a, b in zip(whole_old, cont_old))
+
+
+def test_hf_engine_mixed_version_response_keeps_each_tokens_behaviour_logprob(engine):
+    """Interrupted after 4 tokens, the weights change (version 1), the response continues: the prefix is the
+    version-0 engine's, token for token, and every continued token's log-prob is version 1's
+    log_softmax(logits / T) at that position (a teacher-forced forward of prompt + response), so IcePop /
+    TIS see per token the policy that sampled it; the padded batch carries exactly those rows."""
+    from rl.batch import RolloutBatch
+
+    params = SamplingParams(temperature=1.5, max_new_tokens=10, seed_per_token=True)
+    reqs = _requests()
+    v0 = engine.generate(reqs, params)
+    head = engine.model.lm_head.weight
+    saved = head.detach().clone()
+    g = torch.Generator().manual_seed(3)
+
+    def bump():
+        with torch.no_grad():
+            head.add_(torch.randn(head.shape, generator=g) * head.std())
+
+    try:
+        first, mixed = _continue(engine, reqs, params, m=4, before=bump)
+        for r, a, b in zip(reqs, v0, mixed):
+            assert b.response_ids[:4] == a.response_ids[:4] and b.logprobs[:4] == a.logprobs[:4]
+            ids = torch.tensor([r.prompt_ids + b.response_ids])
+            with torch.no_grad():
+                logits = engine.model(input_ids=ids).logits[0].float()
+            engine.routes.step(1, ids.shape[1])  # the recorders consume this forward's router / indexer calls
+            engine.index_rows.step(0, 1, ids.shape[1])
+            lp = torch.log_softmax(logits / params.temperature, -1)
+            L = len(r.prompt_ids)
+            tf = [float(lp[L - 1 + t, b.response_ids[t]]) for t in range(4, len(b.response_ids))]
+            assert b.logprobs[4:] == pytest.approx(tf, abs=1e-5)
+        assert any(a.response_ids != b.response_ids for a, b in zip(v0, mixed))  # version 1 really sampled
+        batch = RolloutBatch.build([r.prompt_ids for r in reqs], [b.response_ids for b in mixed],
+                                   [b.logprobs for b in mixed], [0, 0, 1, 1])
+        for i, b in enumerate(mixed):
+            assert batch.rollout_log_probs[i, : len(b.logprobs)].tolist() == pytest.approx(b.logprobs, abs=0)
+    finally:
+        with torch.no_grad():
+            head.copy_(saved)
+
+
+def test_hf_engine_interrupt_when_idle_is_a_no_op(engine):
+    params = SamplingParams(max_new_tokens=5, seed_per_token=True)
+    assert engine.interrupt() is True
+    res = engine.generate(_requests()[:1], params)
+    assert res[0].finish_reason != "interrupted"
+
+
+@pytest.mark.slow
+def test_sigkill_mid_generation_then_resume_loses_and_repeats_no_prompt(tiny_dir, tmp_path):
+    """``glm5 rl`` in async mode (K=2) SIGKILLed while the engines generate past the step-2 checkpoint, then
+    the same command again: the run completes; its last checkpoint's ledger holds every slot of the prompt
+    stream once (trained, still pending, or dropped as stale), with steps x prompts_per_step trained (so
+    none twice: ``AsyncSource.take`` refuses a slot handed out twice), the killed run's trained slots among
+    them, and the resumed run's log says the buffered groups were regenerated."""
+    import json
+    import os
+    import signal
+    import subprocess
+
+    from tests.support.launch import child_env, glm5, torchrun_cmd
+
+    out = tmp_path / "rl"
+    args = ["rl", f"model.hf_dir={tiny_dir}", f"trainer.out={out}", "trainer.steps=4", "trainer.save_every=2",
+            "trainer.max_staleness=2", "trainer.eval_every=0", "trainer.progress=false", "data.val=null",
+            "data.prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=6", "actor.ppo_mini_batch_size=4",
+            "wandb.mode=disabled"]
+    log = tmp_path / "killed.log"
+    with open(log, "w") as f:  # its own session: the kill takes Ray's processes with it
+        proc = subprocess.Popen(torchrun_cmd("-m recipes.main", *args, nproc=1), env=child_env(WANDB_SILENT="true"),
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path)
+    metrics = out / "metrics.jsonl"
+    try:
+        deadline = time.time() + 600
+        while proc.poll() is None and time.time() < deadline and not (
+                (out / "latest").is_file() and metrics.is_file() and '"step": 3' in metrics.read_text()):
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, log.read_text()[-3000:]
+    assert int((out / "latest").read_text()) == 2
+    killed = json.loads((out / "iter_0000002" / "trainer_state.json").read_text())["async"]
+    assert killed["pending"]  # groups were buffered / in flight at the checkpoint
+    p = glm5(*args, cwd=tmp_path, env=child_env(WANDB_SILENT="true"), timeout=600)
+    assert "prompt group(s) that were buffered or being generated at the checkpoint: regenerated first" in \
+        p.stdout + p.stderr
+    end = json.loads((out / "iter_0000004" / "trainer_state.json").read_text())["async"]
+    trained = expand(end["trained"])
+    assert len(trained) == len(set(trained)) == 4 * 4
+    assert set(expand(killed["trained"])) <= set(trained)
+    every = trained + [g * 4 + j for g, j, _ in end["pending"]] + expand(end["dropped"])
+    assert sorted(every) == list(range(end["next_batch"] * 4))
