@@ -3,11 +3,11 @@
 
 - ``plan_micro_batches``: a mini-batch's samples (their token counts ``[n]``) → ``[dp][k][rows]``: the
   samples balanced over the DP ranks by verl's workload estimate (Karmarkar-Karp, verl's
-  ``_balance_batch``: equal sample counts where DP divides them), each rank's share cut into the fewest micro-batches that fit the budget, balanced
-  (verl's ``rearrange_micro_batches``), the same count ``k`` on every rank (a rank with fewer samples than
-  ``k`` gets empty filler micro-batches), largest first so micro-batch i is alike across ranks. Every rank
-  holds the whole batch, so each computes every rank's plan, with no collective. A sample is never split:
-  one longer than the budget is refused (``check_fits``).
+  ``_balance_batch``: equal sample counts where DP divides them), each rank's share cut into the fewest
+  micro-batches that fit the budget, balanced (verl's ``rearrange_micro_batches``), the same count ``k`` on
+  every rank (a rank with fewer samples than ``k`` gets empty filler micro-batches), largest first so
+  micro-batch i is alike across ranks. Every rank holds the whole batch, so each computes every rank's
+  plan, with no collective. A sample is never split: one longer than the budget is refused (``check_fits``).
 - ``PackedMicroBatch``: the documents of some samples back to back (``input_ids [1, T]``, ``targets [T]``,
   ``position_ids [1, T]``), ``pos [n, R]`` the logit position of each response token, a masked filler
   document up to ``pad_to``; R3 routes and the CP split (``rl.cp``) when asked.
@@ -16,6 +16,7 @@
 
 The loss does not depend on the split: verl's ``agg_loss`` divides by the *mini-batch's* token / sequence
 counts (``global_batch_info``), so token-mean and seq-mean-token-mean are the same under any plan.
+verl (and its ``tensordict``) are imported where used, as in ``rl.algos``.
 """
 
 from __future__ import annotations

@@ -144,7 +144,8 @@ def preflight(c, tokenizer, prompt_sets: dict) -> tuple[int, ...]:
                              f"(max_position_embeddings={ctx}); lower data.max_prompt_tokens or rollout.max_new_tokens")
         longest = len(p.ids) + r.max_new_tokens
         for field, budget in budgets:
-            if not r.multi_turn.enable and longest > budget:  # episodes: checked per sample by the trainer
+            # trained samples only (held-out prompts are generated, never packed); episodes: per sample, by the trainer
+            if key == "data.train" and not r.multi_turn.enable and longest > budget:
                 raise ValueError(f"{field}={budget}: {key}: {p.where or f'prompt {p.index}'} has {len(p.ids)} "
                                  f"tokens; + rollout.max_new_tokens={r.max_new_tokens} = {longest} would not fit "
                                  f"one micro-batch (a sample is never split): raise {field} or lower "
