@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import sys
@@ -23,9 +24,14 @@ _ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_SILENT
 
 def start_ray(address: Optional[str], num_cpus: Optional[int], min_cpus: int = 0) -> None:
     """Local Ray by default (``num_cpus``, else at least ``min_cpus``: the actors the job reserves); join
-    ``address`` ("auto", "ray://host:10001") when given."""
+    ``address`` ("auto", "ray://host:10001") when given. A second job in one process (a notebook, a
+    sweep, the tests) starts after a ``gc.collect()`` of the first one's leftovers."""
     if ray.is_initialized():
         return
+    # actor handles left in reference cycles by an earlier job of this process are finalized now, not
+    # inside the new job: Ray derives actor ids from (job id, counter), so a late finalizer would drop
+    # the new job's actor of the same id ("all references to the actor were removed", never ran)
+    gc.collect()
     path = [p for p in (os.environ.get("PYTHONPATH", ""), os.getcwd()) if p]
     runtime_env = {"env_vars": {**_ENV, "PYTHONPATH": os.pathsep.join(path)}}
     if address:

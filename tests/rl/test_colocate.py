@@ -20,6 +20,10 @@ START = ["trainer.offload_memory", "engines.start", "engines.sleep(level=1)", "t
 def rl_cfg(tiny_dir, out, **sections):
     from rl.config import RLConfig
 
+    return RLConfig.from_dict(rl_dict(tiny_dir, out, **sections))
+
+
+def rl_dict(tiny_dir, out, **sections) -> dict:
     d = {"model": {"hf_dir": str(tiny_dir)}, "wandb": {"mode": "disabled"},
          "data": {"prompts_per_step": 4, "val": None},
          "rollout": {"n": 2, "max_new_tokens": 4, "num_actors": 1},
@@ -28,7 +32,7 @@ def rl_cfg(tiny_dir, out, **sections):
          "trainer": {"out": str(out), "progress": False, "eval_every": 0, "steps": 2}}
     for k, v in sections.items():
         d.setdefault(k, {}).update(v)
-    return RLConfig.from_dict(d)
+    return d
 
 
 def same_history(a: list, b: list) -> float:

@@ -1,9 +1,15 @@
 """Two Ray "nodes" on this machine (``ray start --head`` + ``ray start --address`` with resources of its
 own, every node at 127.0.0.1; Ray's driver resolves a 127.0.0.1 bootstrap address to this machine's own
 interface address, services.py:799): the RL job's trainer ranks spread over both as the placement group says (one
-``torch.distributed`` group across the nodes), engines colocated in their rank's bundle. A failure carries
-the tails of the cluster's raylet and worker logs. The test stops exactly the Ray processes it started (their process groups)."""
+``torch.distributed`` group across the nodes), engines colocated in their rank's bundle; the job's driver runs in a process of its own. A failure carries
+the tails of the cluster's raylet and worker logs. The test stops exactly the Ray processes it started (their process groups).
 
+It lives in ``tests/cluster/`` so that it runs before every other Ray test of the suite: run after
+``tests/rl/test_ray_failures.py::test_trainer_rank_death_ends_the_wait_and_says_the_command_resumes``, the
+trainer's first actor is cancelled before it runs ("all references to the actor were removed"), even with
+this job's driver and node checks in processes of their own; alone, or first, it passes."""
+
+import json
 import math
 import os
 import signal
@@ -32,6 +38,16 @@ def _log_tails(temp: str, n: int = 15) -> str:
         if lines:
             out.append(f"--- {f.name}\n" + "\n".join(lines[-n:]))
     return "\n".join(out)[-6000:]
+
+
+def _alive_nodes(address: str, env: dict) -> dict:
+    """{"node_a" | "node_b": node id} of the cluster's alive nodes, asked from a process of its own: the
+    pytest process never connects to this cluster (connected after an earlier test's Ray job, its first
+    trainer actor was cancelled before it ran)."""
+    code = ("import json, ray; ray.init(address=%r, log_to_driver=False); print(json.dumps({next(k for k in "
+            "n['Resources'] if k.startswith('node_')): n['NodeID'] for n in ray.nodes() if n['Alive']}))" % address)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 and r.stdout.strip() else {}
 
 
 def _free_port() -> int:
@@ -86,19 +102,17 @@ def two_nodes(tmp_path):
                 if s.connect_ex(("127.0.0.1", port)) == 0:
                     break
             time.sleep(0.5)
-        ray.init(address=address, log_to_driver=False)
         for attempt in range(2):  # `ray start` gives up after a fixed 30 s for its raylet (node.py:428): once more
             procs.append(subprocess.Popen([RAY, "start", "--address", address, "--resources", '{"node_b": 1}',
                                            *common], env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                                           stderr=open(tmp_path / f"worker{attempt}.log", "w")))
-            for _ in range(240):
-                if len([n for n in ray.nodes() if n["Alive"]]) == 2 or procs[-1].poll() is not None:
+            for _ in range(120):
+                nodes = _alive_nodes(address, env)
+                if len(nodes) == 2 or procs[-1].poll() is not None:
                     break
-                time.sleep(0.5)
-            if len([n for n in ray.nodes() if n["Alive"]]) == 2:
+                time.sleep(1)
+            if len(nodes) == 2:
                 break
-        nodes = {next(k for k in n["Resources"] if k.startswith("node_")): n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        ray.shutdown()
         assert sorted(nodes) == ["node_a", "node_b"], (tmp_path / f"worker{attempt}.log").read_text()[-2000:]
         assert not os.path.exists("/tmp/ray/ray_current_cluster") or f":{port}" not in open(
             "/tmp/ray/ray_current_cluster").read()  # nobody else's ray.init() finds this cluster
@@ -112,26 +126,18 @@ def two_nodes(tmp_path):
 @pytest.mark.slow
 def test_rl_job_over_two_ray_nodes_colocated(tiny_dir, tmp_path, two_nodes):
     """Trainer ranks spread one per node (one gloo group across them), engine i in rank i's bundle on
-    its node. (Colocated equals separate on one node: ``tests/rl/test_colocate.py``.)"""
-    import ray
-
-    from rl.driver import run
-    from rl.ray_jobs import RayJobError
-    from tests.rl.test_colocate import rl_cfg
+    its node; the driver is a process of its own (``tests/workers/rl_driver.py``). (Colocated equals
+    separate on one node: ``tests/rl/test_colocate.py``.)"""
+    from tests.rl.test_colocate import rl_dict
+    from tests.support.launch import child_env, last_json, torchrun
 
     address, nodes, temp = two_nodes
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(REPO)
-    try:
-        cfg = rl_cfg(tiny_dir, tmp_path / "run", ray={"address": address, "placement_strategy": "STRICT_SPREAD"},
-                     trainer={"world_size": 2, "steps": 1}, rollout={"num_actors": 2, "colocate": {"enable": True}})
-        try:
-            res = run(cfg)
-        except RayJobError as e:
-            raise AssertionError(f"{e}\n{_log_tails(temp)}") from None
-    finally:
-        ray.shutdown()
-        os.environ.pop("PYTHONPATH") if before is None else os.environ.update(PYTHONPATH=before)
+    d = rl_dict(tiny_dir, tmp_path / "run", ray={"address": address, "placement_strategy": "STRICT_SPREAD"},
+                trainer={"world_size": 2, "steps": 1}, rollout={"num_actors": 2, "colocate": {"enable": True}})
+    r = torchrun("rl_driver.py", json.dumps(d), nproc=1, ok=False, timeout=900,
+                 env=child_env(PYTHONPATH=str(REPO), WANDB_SILENT="true"))
+    assert r.returncode == 0, f"{r.stderr[-3000:]}\n{_log_tails(temp)}"
+    res = last_json(r.stdout)
     pl = res["placement"]
     assert set(pl["trainer"]) == set(nodes.values()), pl  # STRICT_SPREAD: one rank per node
     assert pl["engines"] == pl["trainer"], pl  # engine i in rank i's bundle, on its node

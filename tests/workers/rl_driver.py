@@ -1,0 +1,12 @@
+"""An RL job's driver in a process of its own, as a multi-node job's driver is: ``argv[1]`` is the RL
+config as JSON (``rl.config.RLConfig.from_dict``); prints ``{"placement", "history"}`` as one JSON line.
+(Run in the pytest process after other Ray jobs, the trainer's first actor was cancelled before it ran.)"""
+
+import json
+import sys
+
+from rl.config import RLConfig
+from rl.driver import run
+
+res = run(RLConfig.from_dict(json.loads(sys.argv[1])))
+print(json.dumps({"placement": res["placement"], "history": res["history"]}))
