@@ -3,6 +3,7 @@
 - ``ParallelConfig``: the model-parallel layout (TP / EP / ETP / CP / PP, the MoE token dispatcher),
   checked against a ``GLM5Config`` by ``GLM5Config.to_mcore_config``;
 - ``recompute_overrides``: activation recompute as Megatron-Core's recompute fields (SFT and RL);
+- ``grouped_gemm``: ``model.moe_grouped_gemm`` resolved for a layer-spec backend;
 - ``dsa_loss_scale``: the schedule hook that scales the DSA indexer loss's backward.
 """
 
@@ -24,6 +25,16 @@ def recompute_overrides(mode) -> dict:
     if mode in (True, "full"):
         return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     raise ValueError(f"recompute={mode!r}: one of null, selective, full")
+
+
+def grouped_gemm(setting, backend: str) -> bool:
+    """``model.moe_grouped_gemm`` (Megatron-Core's ``moe_grouped_gemm``): None (the default) is on for the TE
+    spec, where the routed experts are ``TEGroupedMLP`` (one TE grouped GEMM per layer for all local experts),
+    and off for the local spec (``SequentialMLP``: a GEMM per expert). True on the local spec builds
+    ``TEGroupedMLP`` over ``cpu_compat.GroupedLinear`` (the grouped layout on the CPU, its GEMMs per expert)."""
+    if setting not in (None, True, False):
+        raise ValueError(f"model.moe_grouped_gemm={setting!r}: null, true or false")
+    return backend == "te" if setting is None else setting
 
 
 @dataclass

@@ -27,12 +27,12 @@ from megatron.core import parallel_state as ps
 from transformers import AutoTokenizer
 
 from glm5_mcore.config import GLM5Config
-from glm5_mcore.mcore_settings import ParallelConfig, recompute_overrides
+from glm5_mcore.mcore_settings import ParallelConfig, grouped_gemm, recompute_overrides
 from glm5_mcore.data.indexed import check_data, check_tokenizer, is_jsonl, parse_blend, resolve_prefix
 from glm5_mcore.data.sft import PackedBatch
 from glm5_mcore.data.stream import SFTDocuments, SFTStream, is_indexed
 from glm5_mcore.device import training_device
-from glm5_mcore.lora.config import INDEXER, check_expert_tp
+from glm5_mcore.lora.config import INDEXER, check_expert_tp, check_grouped_experts
 from glm5_mcore.lora.apply import apply_lora
 from glm5_mcore.model.build import build_model
 from glm5_mcore.model.indexer_stages import (check_indexer_learns, indexer_metrics, set_indexer_frozen,
@@ -105,6 +105,7 @@ def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConf
                          f"world size {world}")
     if cfg.lora.enabled:
         check_expert_tp(cfg.lora.targets, parallel.etp, "parallel.etp")
+        check_grouped_experts(cfg.lora.targets, grouped_gemm(cfg.model.moe_grouped_gemm, "local"))
     if world % (parallel.etp * parallel.ep * parallel.pp):
         raise ValueError(f"parallel.etp*ep*pp={parallel.etp * parallel.ep * parallel.pp} does not divide the "
                          f"world size {world}")
@@ -217,7 +218,8 @@ def build(cfg: SFTConfig, source: ModelSource, parallel: ParallelConfig):
     if t.bf16:
         overrides.update(bf16=True, params_dtype=torch.bfloat16)
     overrides.update(recompute_overrides(t.recompute))
-    model = build_model(source.glm5, parallel, dsa_kernel_backend=cfg.model.dsa_kernel_backend, **overrides)
+    model = build_model(source.glm5, parallel, dsa_kernel_backend=cfg.model.dsa_kernel_backend,
+                        moe_grouped_gemm=cfg.model.moe_grouped_gemm, **overrides)
     source.load_weights(model)
     if t.indexer_warmup:
         if cfg.lora.enabled:

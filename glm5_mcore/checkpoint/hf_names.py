@@ -6,6 +6,10 @@ layer, ``{e}`` the global expert index. The MTP layer ``mtp.layers.{m}`` maps to
 ``model.layers.{num_hidden_layers + m}``: its own four tensors below, and every decoder-layer row under
 ``mtp.layers.{m}.mtp_model_layer.``.
 
+Routed experts have two Megatron layouts: ``SequentialMLP``'s ``mlp.experts.local_experts.{e}.linear_fc1.weight``
+(the rows below) and, under ``moe_grouped_gemm``, ``TEGroupedMLP``'s ``mlp.experts.linear_fc1.weight{e}`` (one
+grouped linear, a parameter per local expert), read as the former (``sequential_name``).
+
 Rules with two HF names are gated MLPs: Megatron's ``linear_fc1`` is ``cat[gate_proj; up_proj]`` on
 dim 0 (and each TP shard is ``cat[gate_shard; up_shard]``, see ``shard_for_rank``).
 """
@@ -62,6 +66,13 @@ FP32_HF_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"local_experts\.(\d+)\.")
+_GROUPED = re.compile(r"(^|\.)mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+
+
+def sequential_name(name: str) -> str:
+    """A ``TEGroupedMLP`` expert weight's name as ``SequentialMLP`` spells it (other names unchanged):
+    ``...mlp.experts.linear_fc1.weight3`` -> ``...mlp.experts.local_experts.3.linear_fc1.weight``."""
+    return _GROUPED.sub(lambda m: f"{m.group(1)}mlp.experts.local_experts.{m.group(3)}.{m.group(2)}.weight", name)
 
 
 @dataclass(frozen=True)
@@ -96,6 +107,7 @@ def hf_source(mcore_name: str, num_hidden_layers: int, layer_offset: int = 0,
     ``layer_offset`` is this pipeline stage's first decoder layer, ``expert_offset`` this EP rank's
     first global expert. Raises ``KeyError`` for a name the table does not know.
     """
+    asked, mcore_name = mcore_name, sequential_name(mcore_name)
     for mcore, hf in GLOBAL_RULES:
         if mcore_name == mcore:
             return HFSource((hf,))
@@ -117,7 +129,7 @@ def hf_source(mcore_name: str, num_hidden_layers: int, layer_offset: int = 0,
                 src = _layer_rule(rest[len(inner):], f"model.layers.{layer}.", expert_offset)
                 if src:
                     return src
-    raise KeyError(f"{mcore_name}: not in the GLM-5 HF↔Megatron name table")
+    raise KeyError(f"{asked}: not in the GLM-5 HF↔Megatron name table")
 
 
 def tp_slice(full: torch.Tensor, dim: int, tp_rank: int, tp_size: int, is_glu: bool) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from glm5_mcore.lora.config import INDEXER, LoRAConfig, family_of
+from glm5_mcore.lora.config import GROUPED_REFUSAL, INDEXER, LoRAConfig, family_of
 from glm5_mcore.lora.layers import LoRALayer, attach
 from glm5_mcore.model.dsa import GLM5SparseAttention
 from glm5_mcore.model.indexer_stages import set_indexer_frozen
@@ -68,6 +68,8 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, adapter_name: str = "def
     n_added = 0
     for name, mod in list(model.named_modules()):
         fam = family_of(name)
+        if fam is not None and fam in cfg.targets and hasattr(mod, "num_gemms"):  # TEGroupedMLP's linears
+            raise ValueError(GROUPED_REFUSAL.format(targets=fam))
         if fam is None or fam not in cfg.targets or not isinstance(getattr(mod, "weight", None), torch.Tensor):
             continue
         if not isinstance(getattr(mod, "lora", None), LoRALayer):

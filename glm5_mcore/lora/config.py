@@ -63,13 +63,27 @@ class LoRAConfig:
 def family_of(module_name: str) -> Optional[str]:
     """The LoRA family of a Megatron module path, or None if it is not a targetable linear."""
     last = module_name.rsplit(".", 1)[-1]
-    if ".experts.local_experts." in f".{module_name}" and last in ("linear_fc1", "linear_fc2"):
+    routed = ".experts.local_experts." in f".{module_name}" or f".{module_name}".endswith(
+        (".mlp.experts.linear_fc1", ".mlp.experts.linear_fc2"))  # SequentialMLP / TEGroupedMLP
+    if routed and last in ("linear_fc1", "linear_fc2"):
         return f"experts.{last}"
     if ".core_attention.indexer." in module_name and last in INDEXER:
         return last
     if last in MLA or last in MLP:
         return last
     return None
+
+
+GROUPED_REFUSAL = ("lora.targets: {targets} adapt the routed experts, which under model.moe_grouped_gemm=true are "
+                   "Megatron-Core's TEGroupedMLP (one grouped linear per layer, no per-expert module to wrap); "
+                   "set model.moe_grouped_gemm=false or drop them")
+
+
+def check_grouped_experts(targets, grouped: bool) -> None:
+    """Adapters on the routed experts need ``SequentialMLP``'s per-expert linears: refused under grouped GEMM."""
+    experts = sorted(t for t in targets if str(t).startswith("experts."))
+    if grouped and experts:
+        raise ValueError(GROUPED_REFUSAL.format(targets=", ".join(experts)))
 
 
 def check_expert_tp(targets, etp: int, field: str) -> None:

@@ -1,7 +1,8 @@
 """Build GLM-5 as a Megatron-Core ``GPTModel`` at any TP/EP/CP/PP layout.
 
 ``build_model`` builds the decoder and MTP block specs from ``layer_spec`` on the groups
-``model.parallel.init_parallel`` made and links IndexShare layers; ``forward_logits`` returns
+``model.parallel.init_parallel`` made (routed experts grouped or not: ``moe_grouped_gemm``, resolved by
+``mcore_settings.grouped_gemm``) and links IndexShare layers; ``forward_logits`` returns
 full-vocabulary logits gathered over TP; ``packed_seq_params_from_lengths`` is the THD metadata of
 documents packed back to back. HF weights load through ``glm5_mcore.checkpoint.hf_load``.
 """
@@ -14,7 +15,7 @@ import torch
 
 from glm5_mcore import cpu_compat
 from glm5_mcore.config import GLM5Config
-from glm5_mcore.mcore_settings import ParallelConfig
+from glm5_mcore.mcore_settings import ParallelConfig, grouped_gemm
 from glm5_mcore.device import training_device
 from glm5_mcore.model.dsa_backend import resolve as resolve_dsa_backend
 from glm5_mcore.model.dsa import GLM5SparseAttention, link_absorbed_mla, link_index_share
@@ -46,6 +47,7 @@ def build_model(glm5: GLM5Config, parallel: Optional[ParallelConfig] = None, bac
     parallel = parallel or ParallelConfig()
     config_overrides.setdefault("transformer_impl", "local" if backend == "local" else "transformer_engine")
     config_overrides.setdefault("expert_tensor_parallel_size", parallel.etp)
+    config_overrides["moe_grouped_gemm"] = grouped_gemm(config_overrides.get("moe_grouped_gemm"), backend)
     config_overrides["dsa_kernel_backend"] = resolve_dsa_backend(config_overrides.get("dsa_kernel_backend", "auto"),
                                                                  training_device() if device is None else device)
     if pre_process is None:

@@ -51,6 +51,11 @@ class ModelCfg:
     """DSA's fused kernels (Megatron-Core's ``dsa_kernel_backend``): "auto" = "tilelang" on CUDA, "none" on the
     CPU; "none" = this project's kernels (fused C++ on the CPU, the sync-free PyTorch path elsewhere); "tilelang"
     or "cudnn" (CUDA only; bf16, index_topk % 64 == 0, heads per TP rank a power of two). See docs/dsa.md."""
+    moe_grouped_gemm: Optional[bool] = None
+    """Megatron-Core's ``moe_grouped_gemm``: the routed experts as ``TEGroupedMLP`` (all local experts in one
+    grouped GEMM) instead of ``SequentialMLP``. None: on for the TE spec (``trainer.backend=te``), off for the
+    local spec. Checkpoints are the same either way; LoRA on the routed experts (``experts.linear_fc1/2``)
+    needs it off. See docs/gpu.md."""
 
 
 @dataclass

@@ -1,0 +1,151 @@
+"""Grouped expert GEMM (issue 28 D3): ``model.moe_grouped_gemm`` builds Megatron-Core's ``TEGroupedMLP`` (on the
+CPU over ``cpu_compat.GroupedLinear``), whose per-expert ``weight{i}`` parameters every consumer of expert names
+handles: the HF name table, the checkpoint bridge both ways, LoRA (refused on the routed experts), the planner's
+fake ranks."""
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.helpers import hf_model
+
+IDS = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def _experts(model, layer=1):
+    return model.decoder.layers[layer].mlp.experts
+
+
+def _sharded_layout(model) -> dict:
+    """Sharded key -> (global shape, global offset, replica id) of every routed-expert entry of the
+    checkpoint Megatron-Core would write (SwiGLU factories built into their two ShardedTensors)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    out = {}
+    for v in model.sharded_state_dict().values():
+        if ".mlp.experts." not in v.key:
+            continue
+        built = v.build() if isinstance(v, ShardedTensorFactory) else v
+        for sh in (built.values() if isinstance(built, dict) else built if isinstance(built, list) else [built]):
+            out.setdefault(sh.key, set()).add((tuple(sh.global_shape), tuple(sh.global_offset),
+                                               tuple(sh.replica_id)))
+    return out
+
+
+def test_grouped_experts_are_te_grouped_mlp_and_compute_sequential_mlp(tiny_dir, single_rank):
+    """``moe_grouped_gemm=True``: the routed experts are Megatron-Core's ``TEGroupedMLP`` with TE's parameter
+    names (``linear_fc1.weight{i}`` [2I, H], ``linear_fc2.weight{i}`` [H, I]), loaded from HF through the name
+    table; logits and every expert gradient equal ``SequentialMLP``'s bit for bit."""
+    from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
+
+    from glm5_mcore.model.build import forward_logits
+
+    models, logits, grads = {}, {}, {}
+    for grouped in (False, True):
+        m, glm5 = hf_model(tiny_dir, moe_grouped_gemm=grouped)
+        models[grouped] = m
+        logits[grouped] = forward_logits(m, IDS)
+        logits[grouped].float().pow(2).mean().backward()
+        grads[grouped] = {n: p.grad for n, p in m.named_parameters() if ".mlp.experts." in n}
+    g, s = _experts(models[True]), _experts(models[False])
+    assert isinstance(g, TEGroupedMLP) and isinstance(s, SequentialMLP)
+    E, H, I = glm5.n_routed_experts, glm5.hidden_size, glm5.moe_intermediate_size
+    assert g.linear_fc1.weight0.shape == (2 * I, H) and getattr(g.linear_fc2, f"weight{E - 1}").shape == (H, I)
+    for e in range(E):
+        assert torch.equal(getattr(g.linear_fc1, f"weight{e}"), s.local_experts[e].linear_fc1.weight)
+    assert torch.equal(logits[True], logits[False])
+    seq = grads[False]
+    for n, gr in grads[True].items():
+        i, fc, e = n.split(".")[2], n.split(".")[-2], n.rsplit("weight", 1)[1]
+        assert torch.equal(gr, seq[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{fc}.weight"]), n
+
+
+def test_grouped_checkpoint_layout_is_sequential_mlps(tiny_dir, single_rank):
+    """What Megatron-Core's save writes for the grouped experts (``TEGroupedMLP.sharded_state_dict`` over the
+    grouped linear, moe/experts.py:912-954) is ``SequentialMLP``'s: the same keys on the global expert axis,
+    shapes, offsets and replicas, so either layout resumes the other's checkpoint."""
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    model, _ = hf_model(tiny_dir, moe_grouped_gemm=True)
+    assert isinstance(_experts(model), TEGroupedMLP)
+    grouped, sequential = _sharded_layout(model), _sharded_layout(hf_model(tiny_dir)[0])
+    assert "decoder.layers.1.mlp.experts.experts.linear_fc1.weight" in grouped
+    assert grouped == sequential
+
+
+def _tree_hash(d) -> dict:
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(d).rglob("*")) if p.is_file()}
+
+
+def test_grouped_round_trip_hf_megatron_hf_is_byte_identical(tiny_dir, tiny_converted, single_rank, tmp_path):
+    """HF -> ``glm5 convert hf-to-mcore`` -> the grouped model (logits = the HF weights' ``SequentialMLP``), its
+    own Megatron checkpoint -> ``mcore-to-hf``: every tensor equal to the source, and the exported folder
+    byte-identical to the export of the ``SequentialMLP`` model's checkpoint."""
+    from glm5_mcore.checkpoint.dist import load_model
+    from glm5_mcore.checkpoint.hf_io import HFCheckpoint
+    from glm5_mcore.checkpoint.layout import model_dir, write_hf_meta
+    from glm5_mcore.convert.mcore_to_hf import mcore_to_hf
+    from glm5_mcore.model.build import forward_logits
+    from glm5_mcore.training.checkpointing import save_checkpoint
+
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    ref, glm5 = hf_model(tiny_dir)
+    grouped, _ = hf_model(tiny_dir, moe_grouped_gemm=True)
+    assert isinstance(_experts(grouped), TEGroupedMLP)
+    with torch.no_grad():
+        for p in grouped.parameters():
+            p.zero_()
+        load_model(grouped, model_dir(tiny_converted))
+        assert torch.equal(forward_logits(grouped, IDS), forward_logits(ref, IDS))
+    exports = {}
+    for name, m in (("grouped", grouped), ("sequential", ref)):
+        save_checkpoint(tmp_path / name, 1, m)
+        write_hf_meta(tmp_path / name / "hf", tiny_dir)
+        exports[name] = mcore_to_hf(tmp_path / name, tmp_path / f"{name}_hf", max_shard_size="200KB", progress=False)
+    src, back = HFCheckpoint(tiny_dir), HFCheckpoint(exports["grouped"])
+    assert sorted(src.keys()) == sorted(back.keys())
+    for k in src.keys():
+        assert src.get(k).dtype == back.get(k).dtype and torch.equal(src.get(k), back.get(k)), k
+    assert _tree_hash(exports["grouped"]) == _tree_hash(exports["sequential"])
+
+
+def test_lora_on_grouped_experts_is_refused_in_one_line(tiny_dir, single_rank, tmp_path):
+    """TEGroupedMLP has no per-expert linear to wrap: adapters on ``experts.linear_fc1/2`` are refused naming
+    ``model.moe_grouped_gemm`` (by ``apply_lora`` and by the SFT/RL config checks before any work); the default
+    targets (MLA, dense MLP, shared expert) adapt the same modules as under ``SequentialMLP``."""
+    from glm5_mcore.lora.apply import apply_lora
+    from glm5_mcore.lora.config import DEFAULT_TARGETS, LoRAConfig, family_of
+    from recipes.sft import validate
+    from tests.support.sft_setup import sft_cfg
+
+    assert family_of("decoder.layers.1.mlp.experts.linear_fc1") == "experts.linear_fc1"
+    assert family_of("decoder.layers.1.mlp.shared_experts.linear_fc1") == "linear_fc1"
+    grouped, glm5 = hf_model(tiny_dir, moe_grouped_gemm=True)
+    with pytest.raises(ValueError, match=r"^lora\.targets: experts\.linear_fc2 .*model\.moe_grouped_gemm=false"):
+        apply_lora(grouped, LoRAConfig(targets=("experts.linear_fc2",)))
+    n_grouped = apply_lora(grouped, LoRAConfig(targets=DEFAULT_TARGETS))
+    assert n_grouped == apply_lora(hf_model(tiny_dir)[0], LoRAConfig(targets=DEFAULT_TARGETS))
+    cfg = sft_cfg(tiny_dir, tmp_path, lora={"enabled": True, "targets": ["linear_proj", "experts.linear_fc1"]},
+                  model={"hf_dir": tiny_dir, "moe_grouped_gemm": True})
+    with pytest.raises(ValueError, match="model.moe_grouped_gemm=false"):
+        validate(cfg, glm5, 1)
+
+
+def test_grouped_gemm_setting_defaults_on_for_te_only(tiny_dir, single_rank):
+    """``model.moe_grouped_gemm``: null = on for the TE spec, off for the local spec; a bad value is named."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from glm5_mcore.mcore_settings import grouped_gemm
+    from glm5_mcore.training.schema import ModelCfg
+
+    assert ModelCfg().moe_grouped_gemm is None
+    assert grouped_gemm(None, "te") and not grouped_gemm(None, "local")
+    assert grouped_gemm(True, "local") and not grouped_gemm(False, "te")
+    with pytest.raises(ValueError, match="model.moe_grouped_gemm='yes'"):
+        grouped_gemm("yes", "te")
+    m, _ = hf_model(tiny_dir)
+    assert isinstance(_experts(m), SequentialMLP) and m.config.moe_grouped_gemm is False
