@@ -40,7 +40,7 @@ from glm5_mcore.model.indexer_stages import (check_indexer_learns, indexer_metri
 from glm5_mcore.model.mtp_loss import mtp_depth_losses
 from glm5_mcore.model.parallel import init_parallel
 from glm5_mcore.training.checkpointing import SaveSchedule, refuse_restart_over, restore_run, save_run
-from glm5_mcore.training.loop import MoELoad, build_trainer, forward_backward
+from glm5_mcore.training.loop import MoELoad, build_trainer, check_optimizer, forward_backward, synced_params
 from glm5_mcore.training.model_source import ModelSource, resolve_model
 from glm5_mcore.training.resume import claim_run_dir, file_fingerprint, guard_resume, model_fingerprint
 from glm5_mcore.training.run_log import RunLogger
@@ -110,6 +110,7 @@ def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConf
         raise ValueError(f"parallel.etp*ep*pp={parallel.etp * parallel.ep * parallel.pp} does not divide the "
                          f"world size {world}")
     dp = world // (parallel.tp * parallel.cp * parallel.pp)
+    check_optimizer(cfg.optim, dp, "optim")
     d = cfg.data
     if d.micro_batch_tokens < 2 or d.global_batch_tokens % (d.micro_batch_tokens * dp):
         raise ValueError(f"data.global_batch_tokens={d.global_batch_tokens} must be a multiple of "
@@ -270,11 +271,11 @@ def make_stream(cfg: SFTConfig, docs: SFTDocuments, state: dict, parallel: Paral
                      vocab_size=model.vocab_size)
 
 
-def evaluate(ddp, stream: SFTStream) -> float:
-    """Mean validation CE per loss token over DP."""
+def evaluate(ddp, opt, stream: SFTStream) -> float:
+    """Mean validation CE per loss token over DP (on the synced parameters: ``synced_params``)."""
     ddp.eval()
     mine = stream.valid()
-    with torch.no_grad():
+    with torch.no_grad(), synced_params(ddp, opt):
         s, n = step_losses(ddp, mine, forward_only=True)
     ddp.train()
     return s / max(n, 1)
@@ -334,22 +335,24 @@ def run(cfg: SFTConfig, record: Optional[Callable[[], None]] = None) -> dict:
     ddp.train()
     try:
         if eval_every and state["step"] == 0:
-            vals.append((0, evaluate(ddp, stream)))
+            vals.append((0, evaluate(ddp, opt, stream)))
             log.log_eval(0, {"val_loss": vals[-1][1]})
         while state["step"] < cfg.train.steps:
             m = train_step(ddp, opt, sched, stream, state, source.glm5, accum, model, moe_load)
             if eval_every and state["step"] % eval_every == 0:
-                m["val_loss"] = evaluate(ddp, stream)
+                m["val_loss"] = evaluate(ddp, opt, stream)
                 vals.append((state["step"], m["val_loss"]))
             history.append(m)
             log.log(state["step"], m)
             if saves.due(state["step"]):
-                save(cfg, source, model, opt, sched, dict(state))
+                with synced_params(ddp, opt):
+                    save(cfg, source, model, opt, sched, dict(state))
                 saves.done(state["step"])
         if stream.val_mine and (not vals or vals[-1][0] != state["step"]):
-            vals.append((state["step"], evaluate(ddp, stream)))
+            vals.append((state["step"], evaluate(ddp, opt, stream)))
         if saves.final_due(state["step"]):  # the last step, whatever save_every
-            save(cfg, source, model, opt, sched, dict(state))
+            with synced_params(ddp, opt):
+                save(cfg, source, model, opt, sched, dict(state))
     finally:
         log.close()
     return {"history": history, "val": vals, "data": asdict(docs.stats), "valid_data": asdict(docs.val_stats),

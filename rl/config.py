@@ -220,6 +220,9 @@ class ActorCfg:
     adam_beta2: float = 0.99
     overlap_grad_reduce: bool = False
     """Megatron DDP's ``overlap_grad_reduce`` (``glm5_mcore.training.loop.OptimCfg``, SFT's ``optim``)."""
+    overlap_param_gather: bool = False
+    """Megatron DDP's ``overlap_param_gather`` (as SFT's ``optim``; the distributed optimizer, i.e. CUDA and
+    DP > 1): saves and adapter pushes sync the parameters first."""
     mtp_loss_scale: float = 0.0
     """> 0: build the MTP block and train it (LoRA on its linears) on the rollout sequences beside the
     PPO loss, so the speculative-decoding draft head follows the policy (as the SFT recipe's

@@ -47,7 +47,7 @@ from glm5_mcore.model.indexer_stages import check_indexer_learns
 from glm5_mcore.model.mtp_loss import fp32_output_layer, mtp_depth_losses, token_logprobs
 from glm5_mcore.model.parallel import init_parallel
 from glm5_mcore.training.checkpointing import restore_run, save_run
-from glm5_mcore.training.loop import MoELoad, OptimCfg, build_trainer, forward_backward
+from glm5_mcore.training.loop import MoELoad, OptimCfg, build_trainer, forward_backward, synced_params
 from glm5_mcore.training.model_source import resolve_model
 from rl.algos import ActorLoss
 from rl.batch import RolloutBatch
@@ -107,7 +107,8 @@ class PolicyTrainer:
         a = cfg.actor
         self.ddp, self.opt, self.sched = build_trainer(model, OptimCfg(
             lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad, adam_beta1=a.adam_beta1,
-            adam_beta2=a.adam_beta2, decay_style="constant", overlap_grad_reduce=a.overlap_grad_reduce), t.steps,
+            adam_beta2=a.adam_beta2, decay_style="constant", overlap_grad_reduce=a.overlap_grad_reduce,
+            overlap_param_gather=a.overlap_param_gather), t.steps,
             bf16=t.bf16)
         self.loss = ActorLoss(cfg)
         co = cfg.rollout.colocate
@@ -335,7 +336,8 @@ class PolicyTrainer:
         None: when it is trained (``actor.mtp_loss_scale > 0``), so the engines' draft head follows it."""
         if include_mtp is None:
             include_mtp = self.mtp is not None and self.cfg.actor.mtp_loss_scale > 0
-        state = gather_adapter(self.model, "default")
+        with synced_params(self.ddp, self.opt):
+            state = gather_adapter(self.model, "default")
         if state is None:
             return None
         with tempfile.TemporaryDirectory() as d:
@@ -349,9 +351,10 @@ class PolicyTrainer:
         generated with, kept in rank 0's state so a resume regenerates that batch exactly."""
         extra = {"value_head": self.value_head.state_dict() if self.value_head is not None else None,
                  "rollout_adapter": rollout_adapter if dist.get_rank() == 0 else None}
-        save_run(root, step, self.model, self.opt, self.sched, trainer_state, adapters=self.lora_cfg,
-                 save_base=False, hf_dir=self.cfg.model.hf_dir, keep_last=self.cfg.trainer.keep_last,
-                 base_ckpt=self.cfg.model.ckpt, rank_extra=extra)
+        with synced_params(self.ddp, self.opt):
+            save_run(root, step, self.model, self.opt, self.sched, trainer_state, adapters=self.lora_cfg,
+                     save_base=False, hf_dir=self.cfg.model.hf_dir, keep_last=self.cfg.trainer.keep_last,
+                     base_ckpt=self.cfg.model.ckpt, rank_extra=extra)
 
     @torch.no_grad()
     def restore(self, root: str) -> Optional[dict]:

@@ -26,6 +26,7 @@ from pathlib import Path
 from glm5_mcore.checkpoint.layout import serving_dir
 from glm5_mcore.lora.config import check_expert_tp, check_grouped_experts
 from glm5_mcore.mcore_settings import grouped_gemm
+from glm5_mcore.training.loop import OptimCfg, check_optimizer
 from rl.proc_pool import resolve
 from rl.rewards import fn_path
 
@@ -330,5 +331,7 @@ def validate(c) -> None:
     if gpu_flags and not torch.cuda.is_available():
         raise ValueError(f"{gpu_flags[0]}: needs CUDA (Transformer Engine / Megatron's bf16 optimizer / the CUDA "
                          "RNG state recompute restores); CPU runs are fp32 with local modules")
+    check_optimizer(OptimCfg(overlap_param_gather=c.actor.overlap_param_gather), t.world_size // (t.tp * t.cp),
+                    "actor")
     if c.model.hf_dir and (c.rollout.hf_dir or (Path(c.model.hf_dir) / "config.json").is_file()):
         serving_dir(c.model.hf_dir, c.model.ckpt, c.rollout.hf_dir)  # no model.hf_dir: the driver names it

@@ -2,6 +2,8 @@
 
 - ``build_trainer``: Megatron-Core ``DistributedDataParallel`` + ``get_megatron_optimizer`` + the
   ``OptimizerParamScheduler`` over the model's trainable parameters (LoRA adapters, or all of it).
+- ``synced_params``: every rank's full updated parameters for a block that reads them outside a forward (a
+  checkpoint save, an evaluation, an adapter export) under ``overlap_param_gather``.
 - ``forward_backward``: Megatron's own schedule (``get_forward_backward_func``) over a list of
   micro-batches with a caller's ``forward_step`` — gradient accumulation with DDP's no-sync and
   ``finalize_model_grads`` (DP all-reduce) exactly as Megatron training does.
@@ -12,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -33,12 +36,28 @@ class OptimCfg:
     warmup_steps: int = 0
     decay_style: str = "cosine"
     distributed: Optional[bool] = None
-    """Megatron's distributed optimizer (states sharded over DP). None: on with CUDA and DP > 1;
-    gloo has no reduce-scatter, so CPU runs keep a replicated optimizer."""
+    """Megatron's distributed optimizer (states sharded over DP). None: on with CUDA and DP > 1; CPU runs
+    keep a replicated optimizer unless this is true (it runs on gloo too)."""
     overlap_grad_reduce: bool = False
     """Megatron DDP's ``overlap_grad_reduce``: each gradient bucket is reduced (reduce-scattered with the
     distributed optimizer) as soon as the last micro-batch's backward fills it, overlapping the backward;
     the schedule's earlier micro-batches run under ``ddp.no_sync``."""
+    overlap_param_gather: bool = False
+    """Megatron DDP's ``overlap_param_gather`` (distributed optimizer only): the step updates each rank's
+    shard and each bucket's parameter all-gather runs during the next forward (DDP's forward pre-hooks), not
+    in the step. Checkpoint saves, evaluations and adapter exports sync the parameters first
+    (``synced_params``), as Megatron-LM's training loop does."""
+
+
+def check_optimizer(o: OptimCfg, dp: int, section: str) -> bool:
+    """Whether Megatron's distributed optimizer is on at data-parallel size ``dp``; ``overlap_param_gather``
+    without it (nothing to overlap) is a ValueError naming ``section``'s field."""
+    dist_opt = o.distributed if o.distributed is not None else (torch.cuda.is_available() and dp > 1)
+    if o.overlap_param_gather and not dist_opt:
+        raise ValueError(f"{section}.overlap_param_gather: needs Megatron's distributed optimizer (the parameter "
+                         f"all-gather it overlaps), which is off here: it is on with CUDA and DP > 1"
+                         + (f", or with {section}.distributed=true" if section == "optim" else ""))
+    return dist_opt
 
 
 def build_trainer(model, o: OptimCfg, total_steps: int, bf16: bool = False, cpu_offload: bool = False):
@@ -51,24 +70,43 @@ def build_trainer(model, o: OptimCfg, total_steps: int, bf16: bool = False, cpu_
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     model.config.finalize_model_grads_func = finalize_model_grads
-    dist_opt = o.distributed if o.distributed is not None else (
-        torch.cuda.is_available() and ps.get_data_parallel_world_size() > 1)
+    dist_opt = check_optimizer(o, ps.get_data_parallel_world_size(), "optim")
     bf16 = bf16 or bool(model.config.bf16)
     # Megatron-LM turns grad_reduce_in_fp32 on for bf16: gradients accumulate and are reduced in fp32
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=bf16, overlap_grad_reduce=o.overlap_grad_reduce), model)
+        use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=bf16, overlap_grad_reduce=o.overlap_grad_reduce,
+        overlap_param_gather=o.overlap_param_gather), model)
     if o.overlap_grad_reduce:  # as Megatron-LM's training.py: no reduce before the last micro-batch
         model.config.no_sync_func = ddp.no_sync
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
         adam_beta2=o.adam_beta2, clip_grad=o.clip_grad, bf16=bf16, optimizer_cpu_offload=cpu_offload,
-        use_distributed_optimizer=dist_opt), [ddp])
+        use_distributed_optimizer=dist_opt, overlap_param_gather=o.overlap_param_gather), [ddp])
     steps = max(1, total_steps)
     sched = OptimizerParamScheduler(opt, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
                                     lr_warmup_steps=o.warmup_steps, lr_decay_steps=steps,
                                     lr_decay_style=o.decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
                                     wd_incr_steps=steps, wd_incr_style="constant")
     return ddp, opt, sched
+
+
+@contextlib.contextmanager
+def synced_params(ddp, opt):
+    """Inside the block every rank's model holds the full updated parameters. Under ``overlap_param_gather`` an
+    optimizer step leaves the other ranks' shards of each parameter stale until the next forward gathers them,
+    so a save, evaluation or export first forces the all-gather and keeps the forward pre-hooks off meanwhile;
+    Megatron-LM does the same (core_v0.19.0 ``megatron/training/training.py``: ``force_param_sync`` before
+    every checkpoint save, 3022-3046; ``disable_forward_pre_hook`` around evaluation, 4010-4011 / 4056-4057).
+    Without the overlap it does nothing: the step has gathered them."""
+    if not ddp.ddp_config.overlap_param_gather:
+        yield
+        return
+    opt.prepare_model_params_for_param_sync()
+    ddp.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        ddp.enable_forward_pre_hook()
 
 
 def forward_backward(ddp, forward_step: Callable, batches: list, forward_only: bool, seq_length: int) -> list:

@@ -1,15 +1,20 @@
 """Everything Megatron-Core 0.19.2 needs to run on a CPU, in one place.
 
 Each workaround is named after the wall it answers (file:line in megatron-core 0.19.2) so it can be
-deleted when upstream is fixed. ``apply()`` installs the runtime patches only when CUDA is absent;
+deleted when upstream is fixed. ``grouped_linear``: TE's grouped expert linear in PyTorch (the
+grouped-GEMM expert layout without TE). ``apply()`` installs the runtime patches only when CUDA is absent;
 on a CUDA machine it does nothing. ``LocalBackend`` fills the gaps of Megatron-Core's local
 (non-Transformer-Engine) backend, which is the backend used on CPU.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from megatron.core.models.backends import LocalSpecProvider
+
+from glm5_mcore.cpu_compat.grouped_linear import ColumnParallelGroupedLinear, RowParallelGroupedLinear
 
 _applied = False
 
@@ -85,99 +90,6 @@ def mla_replicated_down_proj() -> type:
     return multi_latent_attention.Linear
 
 
-class GroupedLinear(torch.nn.Module):
-    """Transformer Engine's ``GroupedLinear`` as Megatron-Core's ``TEGroupedMLP`` uses it, in PyTorch: ``num_gemms``
-    local experts as parameters ``weight0 .. weight{n-1}`` ([out/etp, in] column-, [out, in/etp] row-parallel);
-    ``forward(x [T, in], m_splits) -> ([T, out], None)``, rows ``m_splits[i]`` through ``weight{i}``.
-
-    Answers: mcore 0.19.2 defines ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear`` only with TE
-    (extensions/transformer_engine.py:2104-2718) and ``LocalSpecProvider`` ignores ``moe_use_grouped_gemm``
-    (models/backends.py:133-142): without TE no grouped expert layout exists. With this one ``TEGroupedMLP``
-    itself (forward, ``sharded_state_dict``) runs on the CPU. The GEMMs run per expert: the CPU ``grouped_mm``
-    of torch 2.13 has no working backward ("Invalid strides/sizes"). Parameter attributes and the checkpoint
-    layout are TE's (transformer_engine.py:91-123, 2508-2610): ``SequentialMLP``'s keys on the global expert axis.
-    """
-
-    def __init__(self, num_gemms: int, input_size: int, output_size: int, *, parallel_mode: str, config,
-                 init_method, bias: bool, skip_bias_add: bool, is_expert: bool = True, pg_collection=None, **_):
-        super().__init__()
-        from megatron.core.transformer.moe.moe_utils import ProcessGroupCollection
-
-        if bias or not is_expert:
-            raise ValueError("cpu_compat.GroupedLinear: routed experts without bias only (as GLM-5's)")
-        self.config, self.num_gemms, self.parallel_mode = config, num_gemms, parallel_mode
-        self._pg = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
-        tp = self._pg.expt_tp.size()
-        output_size, input_size = (output_size // tp, input_size) if parallel_mode == "column" else \
-            (output_size, input_size // tp)
-        self.in_features, self.out_features = input_size, output_size
-        expert_groups = config.expert_model_parallel_size > 1 or \
-            config.expert_tensor_parallel_size != config.tensor_model_parallel_size
-        for i in range(num_gemms):
-            w = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
-            if config.perform_initialization:
-                init_method(w.data)
-            w.allreduce, w.tensor_model_parallel = not expert_groups, True
-            w.partition_dim, w.partition_stride = int(parallel_mode == "row"), 1
-            self.register_parameter(f"weight{i}", w)
-        self._register_load_state_dict_pre_hook(self._drop_split_extra_states)
-
-    def forward(self, x: torch.Tensor, m_splits: list[int]):
-        ws = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
-        outs = [torch.nn.functional.linear(xi, w) for xi, w in zip(torch.split(x, list(m_splits)), ws)]
-        return (torch.cat(outs) if outs else x.new_zeros(0, self.out_features)), None
-
-    def backward_dw(self) -> None:
-        """``TEGroupedMLP.backward_dw`` calls it; weight gradients are never delayed here."""
-
-    def get_extra_state(self):
-        return None
-
-    def set_extra_state(self, state) -> None:
-        pass
-
-    def _drop_split_extra_states(self, state_dict, prefix, *args) -> None:
-        for i in range(1, self.num_gemms):  # the per-expert objects of the sharded checkpoint
-            state_dict.pop(f"{prefix}_extra_state{i}", None)
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
-        """``{prefix}weight{i}`` at global expert ``ep_rank * n + i`` on a new leading axis, TP-sharded on dim 0
-        (column) or 1 (row), one replica per expert-DP group (TE's rule)."""
-        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
-        if (metadata or {}).get("singleton_local_shards"):
-            raise ValueError("cpu_compat.GroupedLinear: singleton_local_shards is not supported")
-        ep, edp = self._pg.ep, self._pg.expt_dp
-        n_global, first, out = ep.size() * self.num_gemms, ep.rank() * self.num_gemms, {}
-        for i in range(self.num_gemms):
-            sub = make_sharded_tensors_for_checkpoint(
-                {f"{i}.weight": getattr(self, f"weight{i}"), f"{i}._extra_state": None}, "",
-                {f"{i}.weight": int(self.parallel_mode == "row")},
-                (*sharded_offsets, (len(sharded_offsets), first + i, n_global)),
-                tp_group=self._pg.expt_tp, dp_cp_group=(metadata or {}).get("dp_cp_group") or edp)
-            replace_prefix_for_sharding(sub, f"{i}.", prefix)
-            out[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
-            out[f"{prefix}_extra_state{i or ''}"] = sub[f"{i}._extra_state"]
-        for sh in out.values():
-            sh.replica_id = (*sh.replica_id[:2], edp.rank())
-        return out
-
-
-class ColumnParallelGroupedLinear(GroupedLinear):
-    """``TEGroupedMLP.linear_fc1`` (built as moe/experts.py:214-226 builds it)."""
-
-    def __init__(self, num_gemms, input_size, output_size, **kw):
-        super().__init__(num_gemms, input_size, output_size, parallel_mode="column", **kw)
-
-
-class RowParallelGroupedLinear(GroupedLinear):
-    """``TEGroupedMLP.linear_fc2`` (moe/experts.py:236-250)."""
-
-    def __init__(self, num_gemms, input_size, output_size, **kw):
-        super().__init__(num_gemms, input_size, output_size, parallel_mode="row", **kw)
-
-
 class LocalBackend(LocalSpecProvider):
     """Megatron-Core's local backend plus ``linear()``, an SP-capable torch norm and grouped experts.
 
@@ -196,11 +108,9 @@ class LocalBackend(LocalSpecProvider):
     def grouped_mlp_modules(self, moe_use_grouped_gemm: bool):
         if not moe_use_grouped_gemm:
             return super().grouped_mlp_modules(False)
-        from functools import partial
-
         from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 
-        return partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
+        return functools.partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
             linear_fc1=ColumnParallelGroupedLinear, linear_fc2=RowParallelGroupedLinear))
 
 
@@ -343,6 +253,29 @@ def _embedding_copy_sync_on_cpu() -> None:
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
 
+def _distributed_optimizer_on_cpu() -> None:
+    """distrib_optimizer.py:401,466-483,758 sort parameters by ``param.type()`` against the CUDA names
+    ("torch.cuda.FloatTensor", ...) and refuse any other: a CPU parameter of that dtype is the same case, so
+    while ``DistributedOptimizer.__init__`` runs ``Tensor.type()`` answers the CUDA name for CPU tensors."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    init, real = DistributedOptimizer.__init__, torch.Tensor.type
+
+    def cuda_named(self, *a, **k):
+        t = real(self, *a, **k)
+        return t.replace("torch.", "torch.cuda.", 1) if not (a or k) and self.device.type == "cpu" else t
+
+    @functools.wraps(init)
+    def on_cpu(self, *a, **k):
+        torch.Tensor.type = cuda_named
+        try:
+            init(self, *a, **k)
+        finally:
+            torch.Tensor.type = real
+
+    DistributedOptimizer.__init__ = on_cpu
+
+
 def _disable_torch_compile_jit() -> None:
     """jit.py: ``jit_fuser`` is ``torch.compile``, ~20 s cold per fused function on CPU."""
     import torch._dynamo
@@ -362,6 +295,7 @@ def apply() -> None:
     _dist_checkpointing_on_cpu()
     _ddp_grad_sync_on_cpu()
     _embedding_copy_sync_on_cpu()
+    _distributed_optimizer_on_cpu()
     _disable_torch_compile_jit()
     _applied = True
 
