@@ -128,9 +128,6 @@ def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConf
     elif d.valid and not is_jsonl(d.valid):
         raise ValueError(f"data.valid={d.valid}: jsonl training data needs jsonl validation data")
     if not torch.cuda.is_available():
-        if cfg.optim.distributed:
-            raise ValueError("optim.distributed: the distributed optimizer reduce-scatters gradients, which "
-                             "gloo (CPU) does not implement")
         for flag, why in (("bf16", "Megatron's Float16Optimizer wraps CUDA tensors"),
                           ("recompute", "activation recompute restores the CUDA RNG state"),
                           ("cpu_offload", "optimizer offload moves CUDA states to host")):

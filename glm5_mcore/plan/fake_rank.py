@@ -60,15 +60,17 @@ def init_fake(layout: Layout, rank: int) -> None:
 
 
 def build_rank(model: GLM5Config, layout: Layout, rank: int, *, mtp: bool = True, bf16: bool = True,
-               lora: Optional[tuple[tuple, int]] = None, freeze_indexer: bool = True):
+               lora: Optional[tuple[tuple, int]] = None, freeze_indexer: bool = True, moe_grouped_gemm: bool = False):
     """The ``GPTModel`` of global ``rank`` in ``layout`` on the meta device. ``mtp=False`` builds it
     without MTP layers (as the RL trainer does); ``lora=(targets, rank)`` applies adapters as the
-    recipes do (base frozen); otherwise the indexer is frozen as in full fine-tuning."""
+    recipes do (base frozen); otherwise the indexer is frozen as in full fine-tuning. ``moe_grouped_gemm``:
+    the routed experts as ``TEGroupedMLP`` (the TE spec's default), whose tensors and buffers the planner's
+    expert rows count as ``SequentialMLP``'s."""
     _import_megatron()
     init_fake(layout, rank)
     dtype = torch.bfloat16 if bf16 else torch.float32
     kw = dict(params_dtype=dtype, bf16=bf16, use_cpu_initialization=True, perform_initialization=False,
-              expert_tensor_parallel_size=layout.etp)
+              expert_tensor_parallel_size=layout.etp, moe_grouped_gemm=moe_grouped_gemm)
     if not mtp:
         kw["mtp_num_layers"] = None
     with torch.device("meta"):

@@ -149,3 +149,4 @@ def test_grouped_gemm_setting_defaults_on_for_te_only(tiny_dir, single_rank):
         grouped_gemm("yes", "te")
     m, _ = hf_model(tiny_dir)
     assert isinstance(_experts(m), SequentialMLP) and m.config.moe_grouped_gemm is False
+
