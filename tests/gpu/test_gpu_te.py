@@ -25,6 +25,7 @@ TF32_RTOL = 4e-3
 
 
 def test_te_spec_matches_local_spec(tiny_dir, monkeypatch):
+    """The TE spec (its routed experts ``TEGroupedMLP``, loaded through the name table) against the local spec."""
     from glm5_mcore.device import training_device
     from glm5_mcore.model.build import build_model, forward_logits
     from glm5_mcore.model.parallel import init_parallel
@@ -40,6 +41,8 @@ def test_te_spec_matches_local_spec(tiny_dir, monkeypatch):
     for backend in ("local", "te"):
         m = build_model(glm5, ParallelConfig(), backend=backend)
         assert all(p.is_cuda for p in m.parameters()), backend  # build_model puts it on the device
+        experts = type(m.decoder.layers[1].mlp.experts).__name__  # TE: grouped GEMM by default (model.moe_grouped_gemm)
+        assert experts == ("TEGroupedMLP" if backend == "te" else "SequentialMLP"), (backend, experts)
         load_hf_weights(m, tiny_dir, glm5)
         m.eval()
         with torch.no_grad():
