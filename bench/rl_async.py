@@ -22,8 +22,8 @@ HF engine does): the slowest response sets the rollout time.
   responses of the forced lengths at once, no model) — the steps/s the training side alone allows.
 
 ideal steps/s = min(rollout_alone, train_alone) = 1 / max(rollout, train) per step. ``both`` does all of
-that work at once, so achieved / ideal <= 100 % (asserted: a figure over 100 % is a bench bug, e.g. an
-ideal taken under another mode's batching). Rates are totals over the steps after ``--warmup`` (steps
+that work at once, so achieved / ideal <= 100 % (asserted after the figures are printed: a figure over
+100 % is a bench bug, e.g. an ideal taken under another mode's batching or another machine load). Rates are totals over the steps after ``--warmup`` (steps
 over the sum of their wall times: an async run alternates waiting steps with buffered ones, so a median
 would not do). Passes (``--repeats``) run the (mode, phase) sequence forwards then backwards (ABBA), so a
 drifting machine load falls on every figure alike; each figure pools its runs of every pass.
@@ -45,6 +45,7 @@ import os
 import random
 import sys
 import tempfile
+import time
 from contextlib import nullcontext
 from pathlib import Path
 from unittest import mock
@@ -208,10 +209,17 @@ def mode_figures(runs: dict[str, list[dict]]) -> dict:
            "gen_wait_s": sum(h["timing_s/gen_wait"] for h in both) / len(both),
            "staleness": sum(h.get("rollout/staleness", 0.0) for h in both) / len(both),
            "dropped_stale": sum(h.get("rollout/dropped_stale", 0.0) for h in both)}
-    assert out["of_ideal"] <= 1.0, (
-        f"achieved {achieved:.4f} steps/s > ideal {ideal:.4f} (rollout alone {rollout:.4f}, train alone "
-        f"{train:.4f}): the ideal does not bound the mode, a bench bug")
     return out
+
+
+def check_bounded(figures: dict[str, dict]) -> None:
+    """Achieved / ideal <= 1 for every mode: a mode faster than its own ideal means the ideal was not that
+    mode's bound (another mode's batching, another load), i.e. a bench bug, not a result."""
+    over = {m: f for m, f in figures.items() if f["of_ideal"] > 1.0}
+    assert not over, "; ".join(
+        f"{m}: achieved {f['steps_per_s']:.4f} steps/s > ideal {f['ideal_steps_per_s']:.4f} (rollout alone "
+        f"{f['rollout_alone_steps_per_s']:.4f}, train alone {f['train_alone_steps_per_s']:.4f})" for m, f in over.items()
+    ) + ": the ideal does not bound the mode, a bench bug"
 
 
 def tokens_per_step(history: list[dict]) -> list[int]:
@@ -239,7 +247,11 @@ def main() -> None:
     hist: dict[str, dict[str, list[dict]]] = {m: {ph: [] for ph in PHASES} for m, _ in modes}
     for r in range(a.repeats):
         for i, (m, o, ph) in enumerate(runs if r % 2 == 0 else runs[::-1]):
-            hist[m][ph] += run_mode(hf, f"{tmp}/rl{r}_{i}", o, ph, a)
+            t0 = time.perf_counter()
+            got = run_mode(hf, f"{tmp}/rl{r}_{i}", o, ph, a)
+            hist[m][ph] += got
+            print(f"pass {r} {m} {ph}: {time.perf_counter() - t0:.0f} s, {steps_per_s(got):.4f} steps/s "
+                  f"(load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
     load1 = os.getloadavg()
     res = {m: mode_figures(h) for m, h in hist.items()}
     tokens = {m: {ph: tokens_per_step(h[ph]) for ph in PHASES} for m, h in hist.items()}
@@ -261,13 +273,16 @@ def main() -> None:
               f"{f['steps_per_s'] / res[ref]['steps_per_s']:>7.2f}x")
     print("(steps/s: both; ideal = min(rollout alone, train alone), each measured in the mode itself)")
     targets = {k: v for k, v in TARGETS.items() if k.rsplit("_of_ideal", 1)[0] in res}
-    met = same and bool(targets) and all(res[k.rsplit("_of_ideal", 1)[0]]["of_ideal"] >= v for k, v in targets.items())
-    print(json.dumps({"modes": res, "same_tokens": same, "tokens_per_step": tokens[ref]["both"],
+    bounded = all(f["of_ideal"] <= 1.0 for f in res.values())
+    met = same and bounded and bool(targets) and all(
+        res[k.rsplit("_of_ideal", 1)[0]]["of_ideal"] >= v for k, v in targets.items())
+    print(json.dumps({"modes": res, "same_tokens": same, "ideal_bounds_every_mode": bounded, "tokens_per_step": tokens[ref]["both"],
                       "lengths": {"short": a.short, "long": a.long, "long_fraction": a.long_fraction,
                                   "scale_vs_issue": 1024 / a.long},
                       "steps": a.steps, "warmup": a.warmup, "repeats": a.repeats,
                       "loadavg": [round(load0[0], 2), round(load1[0], 2)], "cores": os.cpu_count(),
                       "targets": targets, "target_met": met}))
+    check_bounded(res)  # after the figures are out, so a failing run still shows them
 
 
 if __name__ == "__main__":
