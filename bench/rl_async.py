@@ -6,9 +6,9 @@ bench's sampling settings (``LongTailEngine``): each request's length is drawn f
 ``--long-fraction`` (10 %) of the responses up to ``rollout.max_new_tokens`` (``--long``), the rest of
 1..``--short`` tokens, stop tokens ignored — so every run generates the same number of tokens per step
 (checked for the modes whose batches do not depend on timing). The issue's shape is 90 % <= 64 tokens,
-10 % up to 1,024; the default here is that scaled down 4x (16 / 256) for 2 CPU cores: one synchronous step
-then takes ~10-40 s (the load varies), and the rollout is several times the training, as it is with
-reasoning-length responses. The engine decodes a batch until its longest response (static batching, as the
+10 % up to 1,024; the default here is that scaled down 8x (8 / 128) for 2 CPU cores, so that the nine runs
+fit ~12 minutes: a synchronous step then takes ~9 s, and the rollout is ~4x the training (as it is, and
+more, with reasoning-length responses). The engine decodes a batch until its longest response (static batching, as the
 HF engine does): the slowest response sets the rollout time.
 
 **Each mode's ideal is measured in that mode** (three runs of the driver per mode, back to back):
@@ -31,7 +31,7 @@ drifting machine load falls on every figure alike; each figure pools its runs of
 Also per mode: the trainer's idle fraction in ``both`` (1 - (old log-probs + update) / step). The JSON
 line at the end carries every figure and ``target_met`` (fully async >= 85 % of its ideal).
 
-Usage: .venv/bin/python bench/rl_async.py [--steps 6] [--warmup 2] [--short 16] [--long 256]
+Usage: .venv/bin/python bench/rl_async.py [--steps 6] [--warmup 2] [--short 8] [--long 128]
        [--long-fraction 0.1] [--repeats 1] [--modes sync,one_step_off,fully_async]
 """
 
@@ -230,8 +230,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--short", type=int, default=16, help="the 90 %%: 1..short tokens")
-    p.add_argument("--long", type=int, default=256, help="the tail: up to this many tokens (rollout.max_new_tokens)")
+    p.add_argument("--short", type=int, default=8, help="the 90 %%: 1..short tokens")
+    p.add_argument("--long", type=int, default=128, help="the tail: up to this many tokens (rollout.max_new_tokens)")
     p.add_argument("--long-fraction", type=float, default=0.1)
     p.add_argument("--actors", type=int, default=2, help="rollout actors (quickstart: 2)")
     p.add_argument("--repeats", type=int, default=1, help="ABBA passes over the (mode, phase) runs")
