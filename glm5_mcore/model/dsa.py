@@ -156,6 +156,8 @@ class GLM5SparseAttention(MegatronModule):
                 k_i = self._gather_cp(k_i, reorder)
             topk, loss = self._select(q_i, k_i, w_i, q_pos, doc_start, natural, learn,
                                       (q_cat, lat) if absorbed else None, packed_seq_params)
+            if not learn:  # the indexer's outputs (q_i: s·32·128 bf16) die before the sparse core runs
+                q_i = k_i = w_i = None
         elif self.computes_topk:
             topk = None
         else:
