@@ -110,7 +110,7 @@ def dsa_backward_transient(m: GLM5Config, L: Layout, tokens: int, b: int, fused:
     if fused:
         return out + 2 * tokens * D + 4 * s * hk
     row = latent_backward_row_bytes(min(m.index_topk, tokens), D, dc, h)
-    return out + min(b * s, chunk_rows(row)) * row
+    return out + min(s, chunk_rows(row)) * row  # one sequence per micro-batch (THD)
 
 
 def dsa_core_peak(m: GLM5Config, L: Layout, tokens: int, b: int, fused: bool = True) -> int:
