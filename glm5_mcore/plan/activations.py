@@ -31,7 +31,9 @@ gradients, the fp32 latent-row accumulator and, on the PyTorch path, one query c
 dispatch buffers (send + receive, 2·r·H). Under
 1F1B, stage ``i`` of ``pp`` holds ``min(pp - i, micro-batches)`` micro-batches in flight.
 
-Checked against a measured forward+backward (``tests/plan/test_plan.py::test_activation_formula_*``).
+Checked against a measured forward+backward (``tests/plan/test_plan.py::test_activation_formula_*``, the
+PyTorch path at scaled-down widths) and one DSA layer's peak at full width, 32K and 128K tokens, on meta
+tensors (``tests/model/test_dsa_peak.py``).
 """
 
 from __future__ import annotations
