@@ -63,6 +63,7 @@ def ray_fresh():
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_colocated_sequence_and_same_losses_as_separate(tiny_dir, tmp_path, ray_fresh):
     import ray
 

@@ -11,6 +11,8 @@ import pytest
 from tests.support.launch import REPO, child_env, glm5
 from tests.support.rl_setup import killed_before_last_save
 
+pytestmark = pytest.mark.ray  # all in the one xdist group that runs Ray (tests/conftest.py)
+
 
 def _env():
     return child_env(WANDB_SILENT="true")
