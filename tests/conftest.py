@@ -79,6 +79,8 @@ def starts_ray(argv: list[str]) -> bool:
     """Whether a child command line starts (or runs a job on) a Ray cluster: Ray's own programs, an RL
     driver (``recipes.main rl``, ``glm5 rl``, ``tests/workers/rl_driver.py``), a shell running one."""
     words = [os.path.basename(str(a)) for a in argv]
+    if {"--cfg", "--help", "-h"} & set(words):  # Hydra prints the config or the help, nothing runs
+        return False
     return (bool(words) and words[0] in RAY_PROGRAMS) or "rl_driver.py" in words or \
         (("recipes.main" in words or words[:1] == ["glm5"]) and "rl" in words) or \
         (words[:1] in (["bash"], ["sh"]) and bool(RL_COMMAND.search(" ".join(map(str, argv)))))
