@@ -175,7 +175,8 @@ def test_async_rl_with_vllm_partial_rollouts_runs_three_steps(tiny576, tmp_path)
     cfg = RLConfig.from_dict({
         "model": {"hf_dir": tiny576}, "wandb": {"mode": "disabled"},
         "rollout": {"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine", "num_actors": 1, "n": 2,
-                    "temperature": T, "max_new_tokens": 96, "engine_kwargs": engine_kwargs()},
+                    "temperature": T, "max_new_tokens": 64,
+                    "engine_kwargs": {**engine_kwargs(), "max_num_seqs": 2}},  # generation outlasts a step
         "data": {"prompts_per_step": 4, "val": None}, "actor": {"ppo_mini_batch_size": 4},
         "trainer": {"steps": 3, "max_staleness": 2, "partial_rollout": True, "out": str(tmp_path / "run"),
                     "save_every": 0, "eval_every": 0, "progress": False}})
