@@ -53,20 +53,26 @@ class ParallelConfig:
         for name in ("tp", "ep", "cp", "pp", "etp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
-        if model.moe_intermediate_size % self.etp:
-            raise ValueError(f"etp: moe_intermediate_size={model.moe_intermediate_size} is not divisible by "
-                             f"etp={self.etp}")
-        if model.num_attention_heads % self.tp:
-            raise ValueError(f"tp: num_attention_heads={model.num_attention_heads} is not divisible by tp={self.tp}")
-        if model.vocab_size % self.tp:  # Megatron-LM pads it (make_vocab_size_divisible_by); not done here yet
-            raise ValueError(f"tp: vocab_size={model.vocab_size} is not divisible by tp={self.tp} (the output layer "
-                             "and embedding are split by vocabulary rows); use a tp that divides it")
-        if model.n_routed_experts % self.ep:
-            raise ValueError(f"ep: n_routed_experts={model.n_routed_experts} is not divisible by ep={self.ep}")
-        if model.num_hidden_layers % self.pp:
-            raise ValueError(f"pp: num_hidden_layers={model.num_hidden_layers} is not divisible by pp={self.pp}")
+        check_model_split(model, tp=self.tp, ep=self.ep, etp=self.etp, pp=self.pp)
         if self.dispatcher not in ("alltoall", "allgather"):
             raise ValueError("moe_token_dispatcher_type: 'alltoall' or 'allgather'")
+
+
+def check_model_split(model, *, tp: int, ep: int, etp: int, pp: int) -> None:
+    """ValueError naming the field where ``model`` (a ``GLM5Config``) does not split over the layout: heads
+    and vocabulary rows over TP, routed experts over EP, the expert FFN width over ETP, layers over PP.
+    ``ParallelConfig`` (the run) and the planner's ``Layout`` both call it."""
+    if model.num_attention_heads % tp:
+        raise ValueError(f"tp: num_attention_heads={model.num_attention_heads} is not divisible by tp={tp}")
+    if model.vocab_size % tp:  # Megatron-LM pads it (make_vocab_size_divisible_by); not done here yet
+        raise ValueError(f"tp: vocab_size={model.vocab_size} is not divisible by tp={tp} (the output layer "
+                         "and embedding are split by vocabulary rows); use a tp that divides it")
+    if model.n_routed_experts % ep:
+        raise ValueError(f"ep: n_routed_experts={model.n_routed_experts} is not divisible by ep={ep}")
+    if model.moe_intermediate_size % etp:
+        raise ValueError(f"etp: moe_intermediate_size={model.moe_intermediate_size} is not divisible by etp={etp}")
+    if model.num_hidden_layers % pp:
+        raise ValueError(f"pp: num_hidden_layers={model.num_hidden_layers} is not divisible by pp={pp}")
 
 
 def dsa_loss_scale(scale) -> None:

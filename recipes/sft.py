@@ -105,6 +105,12 @@ def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConf
                          f"world size {world}")
     if cfg.lora.enabled:
         check_expert_tp(cfg.lora.targets, parallel.etp, "parallel.etp")
+    if cfg.train.recompute and parallel.pp > 1 and "shared" in (glm5.indexer_types or []):
+        # an IndexShare layer reads its source layer's last top-k (dsa.py) in its forward and its recompute;
+        # under 1F1B later micro-batches' forwards run in between, so the recompute would read theirs
+        raise ValueError(f"train.recompute=true with parallel.pp={parallel.pp}: the model has IndexShare layers "
+                         "(indexer_types 'shared'), whose recompute under the pipeline schedule would read a later "
+                         "micro-batch's top-k; use parallel.pp=1 or train.recompute=false")
     if world % (parallel.etp * parallel.ep * parallel.pp):
         raise ValueError(f"parallel.etp*ep*pp={parallel.etp * parallel.ep * parallel.pp} does not divide the "
                          f"world size {world}")

@@ -21,6 +21,12 @@ import torch.distributed as dist
 from glm5_mcore.data.cp_split import cp_shard, cp_unsplit_index, gather_from_cp
 
 
+def cp_unit(cp: int, multiple: int) -> int:
+    """The length every document is padded to a multiple of under CP (``cp_split``'s 2·cp·m: two
+    load-balanced chunks per rank, ``multiple`` = the TP size under sequence parallelism); 1 at CP 1."""
+    return 2 * cp * multiple if cp > 1 else 1
+
+
 class RLContextParallel:
     def __init__(self, multiple: int):
         """``multiple``: the local length multiple sequence parallelism needs (the TP size, else 1)."""
@@ -33,7 +39,7 @@ class RLContextParallel:
 
     @property
     def unit(self) -> int:
-        return 2 * self.size * self.multiple
+        return cp_unit(self.size, self.multiple)
 
     def padded_len(self, lengths: list[int]) -> int:
         return sum(-(-n // self.unit) * self.unit for n in lengths)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from glm5_mcore.checkpoint.layout import serving_dir
 from glm5_mcore.lora.config import check_expert_tp
+from rl.cp import cp_unit
 from rl.proc_pool import resolve
 from rl.rewards import fn_path
 
@@ -140,12 +141,15 @@ def preflight(c, tokenizer, prompt_sets: dict) -> tuple[int, ...]:
                              f"max_new_tokens={r.max_new_tokens} exceeds the model's context "
                              f"(max_position_embeddings={ctx}); lower data.max_prompt_tokens or rollout.max_new_tokens")
         longest = len(p.ids) + r.max_new_tokens
+        unit = cp_unit(t.cp, t.tp if t.tp > 1 else 1)  # the trainer pads each sample for the CP split
+        padded = -(-longest // unit) * unit
+        pad = f", padded to {padded} for the trainer.cp={t.cp} split" if padded != longest else ""
         for field, budget in budgets:
             # trained samples only (held-out prompts are generated, never packed); episodes: per sample, by the trainer
-            if key == "data.train" and not r.multi_turn.enable and longest > budget:
+            if key == "data.train" and not r.multi_turn.enable and padded > budget:
                 raise ValueError(f"{field}={budget}: {key}: {p.where or f'prompt {p.index}'} has {len(p.ids)} "
-                                 f"tokens; + rollout.max_new_tokens={r.max_new_tokens} = {longest} would not fit "
-                                 f"one micro-batch (a sample is never split): raise {field} or lower "
+                                 f"tokens; + rollout.max_new_tokens={r.max_new_tokens} = {longest}{pad} would not "
+                                 f"fit one micro-batch (a sample is never split): raise {field} or lower "
                                  "rollout.max_new_tokens")
     return tuple(stop_ids)
 

@@ -1,7 +1,9 @@
-"""Session fixtures (the tiny checkpoints every module shares) and the rule behind ``-m "not slow"``:
-a test that starts a process is marked ``slow``."""
+"""Session fixtures (the tiny checkpoints every module shares), the rule behind ``-m "not slow"`` (a test
+that starts a process is marked ``slow``) and the one behind ``-n 2`` (a test that starts Ray is marked
+``ray``, and all of them run on one pytest-xdist worker)."""
 
 import os
+import re
 import subprocess
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -69,13 +71,41 @@ def single_rank():
     yield
 
 
+RAY_PROGRAMS = ("ray", "raylet", "gcs_server")
+RL_COMMAND = re.compile(r"(?:glm5|recipes\.main) rl\b")
+
+
+def starts_ray(argv: list[str]) -> bool:
+    """Whether a child command line starts (or runs a job on) a Ray cluster: Ray's own programs, an RL
+    driver (``recipes.main rl``, ``glm5 rl``, ``tests/workers/rl_driver.py``), a shell running one."""
+    words = [os.path.basename(str(a)) for a in argv]
+    if {"--cfg", "--help", "-h"} & set(words):  # Hydra prints the config or the help, nothing runs
+        return False
+    return (bool(words) and words[0] in RAY_PROGRAMS) or "rl_driver.py" in words or \
+        (("recipes.main" in words or words[:1] == ["glm5"]) and "rl" in words) or \
+        (words[:1] in (["bash"], ["sh"]) and bool(RL_COMMAND.search(" ".join(map(str, argv)))))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Every ``ray`` test in one pytest-xdist group (``-n 2 --dist loadgroup``): one worker runs them in
+    collection order (``tests/cluster`` first), so two Ray clusters never share the 2 cores, while the other
+    worker runs the rest."""
+    for item in items:
+        if item.get_closest_marker("ray") is not None:
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
 @pytest.fixture(autouse=True)
-def spawning_tests_are_marked_slow(request, monkeypatch):
+def spawning_tests_are_marked(request, monkeypatch):
     """A test that starts a Python process (a ``glm5`` CLI, torchrun, a worker script, Ray's or vLLM's
     processes) without the ``slow`` marker fails naming itself, so ``pytest -m "not slow"`` stays the
-    quick in-process loop. Tools the library runs in-process (``ldconfig``, ``g++`` for the kernels)
-    are not counted."""
-    if request.node.get_closest_marker("slow") is not None:
+    quick in-process loop; one that starts Ray (in-process ``ray.init``, an RL driver in a child) without
+    the ``ray`` marker fails too, so the xdist grouping above cannot miss a Ray test. Tools the library
+    runs in-process (``ldconfig``, ``g++`` for the kernels) are not counted."""
+    slow = request.node.get_closest_marker("slow") is not None
+    ray = request.node.get_closest_marker("ray") is not None
+    if slow and ray:
         yield
         return
     real = subprocess.Popen.__init__
@@ -83,9 +113,12 @@ def spawning_tests_are_marked_slow(request, monkeypatch):
     def guarded(self, args, *a, **k):
         argv = [args] if isinstance(args, (str, os.PathLike)) else list(args)
         exe = os.path.basename(str(argv[0])) if argv else ""
-        if exe.startswith(("python", "torchrun", "ray", "raylet", "gcs_server")):
+        if not slow and exe.startswith(("python", "torchrun", *RAY_PROGRAMS)):
             raise AssertionError(f"{request.node.nodeid} starts a process ({str(argv)[:120]}) but is not "
                                  "marked @pytest.mark.slow")
+        if not ray and starts_ray(argv):
+            raise AssertionError(f"{request.node.nodeid} starts Ray ({str(argv)[:120]}) but is not marked "
+                                 "@pytest.mark.ray")
         real(self, args, *a, **k)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", guarded)

@@ -19,7 +19,8 @@ from tests.support.launch import REPO, child_env
 MARK = "<!-- runs-in-test -->"
 SETUP = "./setup.sh && "
 MAIN_JOB = "./setup.sh && .venv/bin/glm5 tiny --out runs/tiny && .venv/bin/glm5 rl"
-TEST_COMMAND = "./setup.sh && OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests"
+TEST_COMMAND = "./setup.sh && OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2 --dist loadgroup tests"
+RL_COMMAND = re.compile(r"(?:glm5|recipes\.main) rl\b")
 
 
 def runnable_blocks(root: Path = REPO) -> list[tuple[str, str]]:
@@ -83,6 +84,7 @@ def fresh_copy(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_readme_main_job_learns_the_toy_task(fresh_copy, tmp_path):
     """The README's main job as written (``./setup.sh &&`` left out), stopped at the first held-out reward
     >= 0.9 (``trainer.stop_at_reward``) with no periodic saves: the reward rises from chance (1/2), W&B
@@ -111,8 +113,14 @@ def test_readme_main_job_learns_the_toy_task(fresh_copy, tmp_path):
     assert png.stat().st_size > 20_000
 
 
+def block_params() -> list:
+    """The marked blocks after README's main job, a block that runs ``glm5 rl`` marked ``ray``."""
+    return [pytest.param(w, b, id=w, marks=[pytest.mark.ray] if RL_COMMAND.search(b) else [])
+            for w, b in runnable_blocks()[1:]]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("where,block", runnable_blocks()[1:], ids=[w for w, _ in runnable_blocks()[1:]])
+@pytest.mark.parametrize("where,block", block_params())
 def test_marked_command_block_runs_as_written(where, block, fresh_copy):
     env = child_env(WANDB_MODE="disabled", WANDB_SILENT="true", PYTHONPATH=str(fresh_copy))
     r = subprocess.run(["bash", "-euo", "pipefail", "-c", quick(block)], cwd=fresh_copy, env=env,

@@ -1,7 +1,7 @@
 """What both converters (``convert.hf_to_mcore``, ``convert.mcore_to_hf``) share: the GLM-5 ``GPTModel`` on
 the meta device at TP1/EP1 that describes the Megatron side (``meta_model``: its ``sharded_state_dict()`` is
 exactly what Megatron-Core's own save would write), its named tensors, the dtype a distributed
-checkpoint stores, and the progress bar.
+checkpoint stores, the progress bar, and the failure path both share (``verified_run``).
 
 The design of ``glm5 convert`` (both directions stream, every check before anything is written, the output
 built under a temporary name) is in ``glm5_mcore.convert.hf_to_mcore``'s docstring.
@@ -10,14 +10,31 @@ built under a temporary name) is in ``glm5_mcore.convert.hf_to_mcore``'s docstri
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from glm5_mcore.checkpoint.manifest import StreamVerifier
 from glm5_mcore.config import GLM5Config
 from glm5_mcore.mcore_settings import ParallelConfig
 from glm5_mcore.model.build import build_model
 from glm5_mcore.model.parallel import init_parallel
+
+
+
+@contextmanager
+def verified_run(checks: StreamVerifier, bar: "Progress"):
+    """The body of a conversion: on a failure the checks of the bytes read so far decide first (a corrupt
+    input file explains a failure better than what it caused, and is named), and the bar closes either way.
+    The body itself calls ``checks.result()`` before its output is published."""
+    try:
+        yield
+    except BaseException:
+        checks.result()
+        raise
+    finally:
+        bar.close()
 
 
 class Progress:

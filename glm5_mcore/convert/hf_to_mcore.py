@@ -44,7 +44,7 @@ from glm5_mcore.checkpoint.hf_names import hf_source
 
 from glm5_mcore.checkpoint.folder_config import hf_dir_config
 from glm5_mcore.checkpoint.manifest import StreamVerifier, write_manifest
-from glm5_mcore.convert.common import Progress, meta_model, named_tensors
+from glm5_mcore.convert.common import Progress, meta_model, named_tensors, verified_run
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -131,7 +131,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, workers: int = 1, dtype: Op
     model = meta_model(glm5, td)
     plan = _HFSourcePlan(model, glm5, ckpt, allow_nonfinite)
     bar = Progress(plan.total_bytes, sum(len(s.names) for s in plan.sources.values()), "hf-to-mcore", progress)
-    try:
+    with verified_run(checks, bar):
         with output_dir(out, "convert hf-to-mcore", [hf_dir], overwrite, manifest=False) as tmp, bulk_io():
             try:
                 lazy_dcp_save(model, iter_dir(tmp, 0) / "model", plan, workers, bar.update)
@@ -147,9 +147,4 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, workers: int = 1, dtype: Op
             write_manifest(iter_dir(tmp, 0))
             (tmp / "latest").write_text("0\n")
             checks.result()  # before the output is renamed into place
-    except BaseException:
-        checks.result()  # a corrupt file explains a failure better than what it caused
-        raise
-    finally:
-        bar.close()
     return Path(out)

@@ -27,7 +27,7 @@ from glm5_mcore.checkpoint import megatron_lm
 from glm5_mcore.checkpoint.folder_config import checkpoint_config
 from glm5_mcore.checkpoint.layout import model_dir
 from glm5_mcore.checkpoint.manifest import StreamVerifier
-from glm5_mcore.convert.common import Progress, checkpoint_dtype, meta_model, named_tensors
+from glm5_mcore.convert.common import Progress, checkpoint_dtype, meta_model, named_tensors, verified_run
 
 # --------------------------------------------------------------------------------------------------
 # Megatron -> HF
@@ -207,7 +207,7 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
     bar = Progress(sum(t.numel() * t.element_size() for t in tensors.values()), len(plan), "mcore-to-hf",
                     progress)
     checks = StreamVerifier(model_path)  # checksums of the bytes the loader reads, decided before publishing
-    try:
+    with verified_run(checks, bar):
         with output_dir(out, kind, [root], overwrite) as tmp, contextlib.ExitStack() as stack, bulk_io():
             writer = PlannedSafetensorsWriter(tmp, plan, max_bytes)
             stack.callback(writer.close)
@@ -258,9 +258,4 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, max_shard_size: str | int = "
                 if name != "config.json" and meta_dir is not None and (meta_dir / name).is_file():
                     (tmp / name).write_bytes((meta_dir / name).read_bytes())
             checks.result()
-    except BaseException:
-        checks.result()  # a corrupt file explains a failure better than what it caused
-        raise
-    finally:
-        bar.close()
     return Path(out)

@@ -20,6 +20,7 @@ from glm5_mcore.lora.layers import LoRALayer, attach
 from glm5_mcore.model.dsa import GLM5SparseAttention
 from glm5_mcore.model.indexer_stages import set_indexer_frozen
 from glm5_mcore.model.parallel import rank_offsets
+from glm5_mcore.switches import switched
 
 # --------------------------------------------------------------------------------------------------
 # Model-level API
@@ -95,15 +96,8 @@ def set_adapter(model: torch.nn.Module, name: str) -> None:
 @contextlib.contextmanager
 def disable_adapters(model: torch.nn.Module):
     """Run the base model (the RL reference policy): no adapter is applied inside the block."""
-    layers = [lora for _, _, lora in lora_layers(model)]
-    before = [lora.disabled for lora in layers]
-    for lora in layers:
-        lora.disabled = True
-    try:
+    with switched((lora for _, _, lora in lora_layers(model)), "disabled", True):
         yield
-    finally:
-        for lora, b in zip(layers, before):
-            lora.disabled = b
 
 
 @torch.no_grad()

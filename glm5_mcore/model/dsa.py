@@ -40,6 +40,7 @@ from glm5_mcore.model.indexer_loss import (DenseIndexerKL, compute_sparse_attent
                                            compute_topk_recall, indexer_trainable)
 from glm5_mcore.model.sparse_attention import (CHUNK_BYTES, absorbed_query, compute_index_topk, dense_attention,
                                                latent_attention, sparse_attention)
+from glm5_mcore.switches import switched
 
 
 # --------------------------------------------------------------------------------------------------
@@ -156,6 +157,8 @@ class GLM5SparseAttention(MegatronModule):
                 k_i = self._gather_cp(k_i, reorder)
             topk, loss = self._select(q_i, k_i, w_i, q_pos, doc_start, natural, learn,
                                       (q_cat, lat) if absorbed else None, packed_seq_params)
+            if not learn:  # the indexer's outputs (q_i: s·32·128 bf16) die before the sparse core runs
+                q_i = k_i = w_i = None
         elif self.computes_topk:
             topk = None
         else:
@@ -318,15 +321,12 @@ def keeping_topk(model: torch.nn.Module):
     inside the block after the forward (parity's per-layer top-k, RL's trainer/engine top-k
     agreement); on leaving, the cores that hold it for no IndexShare layer drop it."""
     cores = [m for m in model.modules() if isinstance(m, GLM5SparseAttention)]
-    old = [m.keep_topk for m in cores]
-    for m in cores:
-        m.keep_topk = True
     try:
-        yield
+        with switched(cores, "keep_topk", True):
+            yield
     finally:
-        for m, k in zip(cores, old):
-            m.keep_topk = k
-            if not (k or m.feeds_sharers):
+        for m in cores:
+            if not (m.keep_topk or m.feeds_sharers):
                 m.last_topk = None
 
 

@@ -111,6 +111,8 @@ def compute_index_topk(
             scores = torch.einsum("cnd,td->cnt", q_SbnD[s0:s1, bi].float(), kf[:hi, bi]).relu_()
             scores = torch.bmm(w_Sbn[s0:s1, bi].float().unsqueeze(1), scores).squeeze(1)
             out[bi, s0:s1, :kk] = deterministic_topk(scores.masked_fill_(blocked, float("-inf")), kk)
+            del scores  # a chunk's transients die before the next chunk's are made (CHUNK_BYTES holds)
+        del blocked
     return out
 
 
@@ -144,6 +146,7 @@ class SparseMLAAttention(torch.autograd.Function):
             p = torch.exp(logits - lse_c[..., None])
             out[:, s0:s1] = torch.matmul(p[:, :, None], v[:, sel].float()).squeeze(2)
             lse[:, s0:s1] = lse_c
+            del valid, sel, logits, lse_c, p  # before the next chunk's are made
         ctx.save_for_backward(q, k, v, idx, out, lse)
         ctx.scale = scale
         return out
@@ -173,6 +176,7 @@ class SparseMLAAttention(torch.autograd.Function):
             flat = sel.reshape(-1)
             dk.index_add_(1, flat, (ds[..., None] * qc).reshape(n, -1, h))
             dv.index_add_(1, flat, (p[..., None] * do).reshape(n, -1, hv))
+            del valid, sel, kg, vg, qc, do, delta, logits, p, dp, ds, flat  # before the next chunk's are made
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
@@ -233,6 +237,7 @@ class SparseLatentAttention(torch.autograd.Function):
             p = torch.exp(logits - lse_c[..., None])
             out[s0:s1] = torch.bmm(p, lg[..., :dc])
             lse[s0:s1] = lse_c
+            del valid, lg, logits, lse_c, p  # before the next chunk's are made
         ctx.save_for_backward(q, lat, idx, out, lse)
         return out
 
@@ -247,7 +252,7 @@ class SparseLatentAttention(torch.autograd.Function):
             return dq.to(q.dtype), dlat.to(lat.dtype), None, None, None
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dlat = torch.zeros(lat.shape, dtype=torch.float32, device=q.device)
-        rows = chunk_rows(K * (14 * D + 20 * n))  # gathered rows (+ fp32), their grads (+ flat copy), p / dp / ds
+        rows = chunk_rows(latent_backward_row_bytes(K, D, dc, n))
         for s0 in range(0, S, rows):
             s1 = min(S, s0 + rows)
             valid = (idx[s0:s1] >= 0)[:, None, :]
@@ -263,7 +268,15 @@ class SparseLatentAttention(torch.autograd.Function):
             dlg = torch.bmm(ds.transpose(1, 2), qc)  # [C, K, D]
             dlg[..., :dc] += torch.bmm(p.transpose(1, 2), do)
             dlat.index_add_(0, sel.reshape(-1), dlg.reshape(-1, D))
+            del valid, sel, lg, qc, do, delta, logits, p, dp, ds, dlg  # before the next chunk's are made
         return dq, dlat.to(lat.dtype), None, None, None
+
+
+def latent_backward_row_bytes(K: int, D: int, dc: int, n: int) -> int:
+    """Working bytes of one query row in ``SparseLatentAttention.backward`` at its fullest (the planner's chunk
+    too): the gathered latent rows in fp32 and their gradient [K, D], the p·dout product [K, dc], and
+    p / dp / ds with their temporaries, fp32 over n heads."""
+    return K * (8 * D + 4 * dc + 20 * n)
 
 
 def absorbed_query(q_SbnH: torch.Tensor, w_kv_up: torch.Tensor, dn: int, dv: int) -> torch.Tensor:

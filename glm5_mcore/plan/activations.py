@@ -25,10 +25,15 @@ attention's internals (``core_attention_bytes``: the core's inputs and output st
 projections around it), and one layer's core lives again while it is recomputed.
 Transient, one layer at a time: the DSA indexer's scores of this rank's queries against every key
 of the sequence (4·s·T bytes, fp32), chunked by query rows within ``CHUNK_BYTES`` (fused and
-PyTorch paths alike), and the MoE dispatch buffers (send + receive, 2·r·H). Under
+PyTorch paths alike); the DSA core's backward (``dsa_backward_transient``: the query and latent
+gradients, the fp32 latent-row accumulator and, on the PyTorch path, one query chunk within
+``CHUNK_BYTES``), the larger of the two and one DSA layer's peak (``dsa_core_peak``); and the MoE
+dispatch buffers (send + receive, 2·r·H). Under
 1F1B, stage ``i`` of ``pp`` holds ``min(pp - i, micro-batches)`` micro-batches in flight.
 
-Checked against a measured forward+backward (``tests/plan/test_plan.py::test_activation_formula_*``).
+Checked against a measured forward+backward (``tests/plan/test_plan.py::test_activation_formula_*``, the
+PyTorch path at scaled-down widths) and one DSA layer's peak at full width, 32K and 128K tokens, on meta
+tensors (``tests/model/test_dsa_peak.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from glm5_mcore.config import GLM5Config
-from glm5_mcore.model.sparse_attention import CHUNK_BYTES
+from glm5_mcore.model.sparse_attention import CHUNK_BYTES, chunk_rows, latent_backward_row_bytes
 from glm5_mcore.plan.layout import Layout
 
 SPARSE_MLA_MIN_HEADS = 16  # TileLang's SparseMLA pads fewer query heads to 16 (ops/tilelang_dsa.py:788-794)
@@ -53,11 +58,13 @@ class ActivationBytes:
     """One layer's full activations, alive while it is recomputed (0 without recompute)."""
     held_topk: int = 0
     """Under full recompute: the top-k IndexShare sources hold for their sharers (one micro-batch's)."""
+    dsa_backward: int = 0
+    """One DSA layer's backward transients above what it keeps (``dsa_backward_transient``)."""
 
     @property
     def peak(self) -> int:
         return (self.saved_per_microbatch * self.in_flight + self.recompute_layer + self.held_topk
-                + max(self.indexer_scores, self.dispatch))
+                + max(self.indexer_scores, self.dsa_backward, self.dispatch))
 
 
 def core_attention_bytes(m: GLM5Config, L: Layout, tokens: int, b: int, fused: bool = True) -> int:
@@ -83,6 +90,40 @@ def core_attention_bytes(m: GLM5Config, L: Layout, tokens: int, b: int, fused: b
 def indexer_transient(m: GLM5Config, L: Layout, tokens: int) -> int:
     """The indexer's scoring of this rank's queries against every key, at most ``CHUNK_BYTES`` per chunk."""
     return min(4 * (tokens // L.cp) * tokens, CHUNK_BYTES)
+
+
+def dsa_backward_transient(m: GLM5Config, L: Layout, tokens: int, b: int, fused: bool = True) -> int:
+    """What one DSA layer's absorbed core makes in its backward on top of what it keeps, D = kv_lora + rope:
+
+        b·s·h'·D + b·s·h·kv_lora     the absorbed query's gradient, the attention-weighted latent's (W_uv's)
+        + 4·T·D                      the fp32 accumulator of the latent rows' gradient (all of the sequence)
+        + rows·row bytes             PyTorch path: one query chunk within ``CHUNK_BYTES``
+                                     (``SparseLatentAttention.backward``, ``latent_backward_row_bytes``)
+        or + 2·T·D + 4·s·h'          fused path: TileLang's bf16 copy of that gradient and its fp32 delta
+                                     (tilelang_sparse_mla_bwd.py:518-523, by reading; its chunks stay on chip)
+
+    h' = local heads, padded to 16 on the fused path. Measured (PyTorch path, meta tensors at full width,
+    32K and 128K tokens): tests/model/test_dsa_peak.py."""
+    s = tokens // L.cp
+    h = m.num_attention_heads // L.tp
+    D, dc = m.kv_lora_rank + m.qk_rope_head_dim, m.kv_lora_rank
+    hk = max(h, SPARSE_MLA_MIN_HEADS) if fused else h
+    out = b * s * hk * D + b * s * h * dc + 4 * tokens * D
+    if fused:
+        return out + 2 * tokens * D + 4 * s * hk
+    row = latent_backward_row_bytes(min(m.index_topk, tokens), D, dc, h)
+    return out + min(s, chunk_rows(row)) * row  # one sequence per micro-batch (THD)
+
+
+def dsa_core_peak(m: GLM5Config, L: Layout, tokens: int, b: int, fused: bool = True) -> int:
+    """Peak bytes one DSA layer's core holds above its inputs over its forward and backward: what it keeps
+    (``core_attention_bytes``, ``topk_bytes``), its output b·s·h·v (the output projection's saved input,
+    counted in the attention line) and its backward's transients (``dsa_backward_transient``; the
+    forward's, the indexer's chunk and the sparse core's, are smaller). Frozen indexer, no CP gather."""
+    s = tokens // L.cp
+    h = m.num_attention_heads // L.tp
+    keep = core_attention_bytes(m, L, tokens, b, fused) + topk_bytes(m, L, tokens, fused) + b * s * h * m.v_head_dim
+    return keep + dsa_backward_transient(m, L, tokens, b, fused)
 
 
 def topk_bytes(m: GLM5Config, L: Layout, tokens: int, fused_dsa: bool = True) -> int:
@@ -147,6 +188,7 @@ def stage_activations(m: GLM5Config, L: Layout, stage: int, tokens: int, *, bf16
         saved_per_microbatch=saved,
         in_flight=max(1, min(L.pp - stage, microbatches)),
         indexer_scores=indexer_transient(m, L, tokens) if has_indexer else 0,
+        dsa_backward=dsa_backward_transient(m, L, tokens, b, fused_dsa) if m.index_topk < tokens else 0,
         dispatch=2 * b * r * H,
         recompute_layer=biggest if recompute else core,
         # without recompute the held top-k is the one the source layer saves for backward (counted)

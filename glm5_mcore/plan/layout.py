@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from glm5_mcore.config import GLM5Config
+from glm5_mcore.mcore_settings import check_model_split
 
 
 @dataclass(frozen=True)
@@ -47,17 +48,7 @@ class Layout:
             raise ValueError(f"tp*cp*pp={self.tp * self.cp * self.pp} does not divide the world size {self.world}")
         if self.world % (self.etp * self.ep * self.pp):
             raise ValueError(f"etp*ep*pp={self.etp * self.ep * self.pp} does not divide the world size {self.world}")
-        if model.num_attention_heads % self.tp:
-            raise ValueError(f"tp: num_attention_heads={model.num_attention_heads} is not divisible by tp={self.tp}")
-        if model.vocab_size % self.tp:
-            raise ValueError(f"tp: vocab_size={model.vocab_size} is not divisible by tp={self.tp}")
-        if model.n_routed_experts % self.ep:
-            raise ValueError(f"ep: n_routed_experts={model.n_routed_experts} is not divisible by ep={self.ep}")
-        if model.moe_intermediate_size % self.etp:
-            raise ValueError(f"etp: moe_intermediate_size={model.moe_intermediate_size} is not divisible by "
-                             f"etp={self.etp}")
-        if model.num_hidden_layers % self.pp:
-            raise ValueError(f"pp: num_hidden_layers={model.num_hidden_layers} is not divisible by pp={self.pp}")
+        check_model_split(model, tp=self.tp, ep=self.ep, etp=self.etp, pp=self.pp)
 
     def stage_layers(self, model: GLM5Config, stage: int) -> range:
         """Decoder layer indices (0-based) on pipeline ``stage`` (Megatron's even split)."""

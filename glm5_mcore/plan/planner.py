@@ -44,7 +44,8 @@ class RankPlan:
                 "main_params_dist_gib": g(s.main_params_dist), "optimizer_dist_gib": g(s.optimizer_dist),
                 "activations_gib": g(self.act.peak), "activations_no_recompute_gib": g(self.act_no_recompute.peak),
                 "activations_recompute_gib": g(self.act_recompute.peak),
-                "indexer_scores_gib": g(self.act.indexer_scores), "moe_dispatch_gib": g(self.act.dispatch),
+                "indexer_scores_gib": g(self.act.indexer_scores), "dsa_backward_gib": g(self.act.dsa_backward),
+                "moe_dispatch_gib": g(self.act.dispatch),
                 "total_gib": g(self.total), "capacity_gib": g(self.capacity), "fits": self.fits}
 
 

@@ -40,6 +40,7 @@ def format_plan(plan: Plan) -> str:
     row("activations, no recompute", lambda r: _g(r.act_no_recompute.peak).strip())
     row("activations, full recompute", lambda r: _g(r.act_recompute.peak).strip())
     row("  DSA indexer scores", lambda r: _g(r.act.indexer_scores).strip())
+    row("  DSA core backward", lambda r: _g(r.act.dsa_backward).strip())
     row("  MoE dispatch buffers", lambda r: _g(r.act.dispatch).strip())
     row("  micro-batches in flight", lambda r: str(r.act.in_flight))
     row("TOTAL (this job)", lambda r: _g(r.total).strip())

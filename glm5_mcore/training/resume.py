@@ -23,11 +23,19 @@ SWITCH = "allow_resume_mismatch"
 
 
 def file_fingerprint(path: Optional[str]) -> Any:
-    """{"size", "xxh3"} of a data file (a moved but unchanged file is the same data); None or a
-    non-file name such as ``toy`` as is."""
-    if not path or not Path(path).is_file():
+    """{"size", "xxh3"} of a data file (a moved but unchanged file is the same data); of a folder (an HF
+    ``save_to_disk`` dataset, a dataset dict's split folders) {"files": {relative path: {"size", "xxh3"}}}
+    of every file under it, so a rewritten arrow shard or ``state.json`` counts as changed data; None or
+    a name such as ``toy`` as is."""
+    if not path:
         return path
-    return {"size": Path(path).stat().st_size, "xxh3": file_digest(path)}
+    p = Path(path)
+    if p.is_dir():
+        return {"files": {f.relative_to(p).as_posix(): file_fingerprint(str(f))
+                          for f in sorted(p.rglob("*")) if f.is_file()}}
+    if not p.is_file():
+        return path
+    return {"size": p.stat().st_size, "xxh3": file_digest(path)}
 
 
 def model_fingerprint(hf_dir: Optional[str], ckpt: Optional[str] = None) -> dict:

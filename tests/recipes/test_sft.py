@@ -134,6 +134,20 @@ def test_config_that_cannot_work_fails_before_work_naming_the_field(tiny_dir, tm
     assert not (tmp_path / "o").exists()
 
 
+def test_recompute_with_pp_on_an_index_share_model_is_refused(tiny_share_dir, tmp_path):
+    """Was: accepted; a shared layer's recompute would read the top-k its source layer computed for a later
+    micro-batch (1F1B runs their forwards before this one's backward)."""
+    from glm5_mcore.config import GLM5Config
+    from recipes.sft import SFTConfig, validate
+
+    glm5 = GLM5Config.from_hf_dir(tiny_share_dir)
+    assert "shared" in glm5.indexer_types
+    cfg = SFTConfig.from_dict({"model": {"hf_dir": tiny_share_dir}, "data": {"train": str(tmp_path / "t.jsonl")},
+                               "parallel": {"pp": 2}, "train": {"recompute": True}})
+    with pytest.raises(ValueError, match=r"^train.recompute=true with parallel.pp=2: the model has IndexShare layers"):
+        validate(cfg, glm5, 2)
+
+
 def test_mtp_loss_equals_hand_written_reference_and_reaches_mtp_grads(tiny_mtp_dir, tmp_path, single_rank):
     import torch.nn.functional as F
 

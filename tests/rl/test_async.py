@@ -350,6 +350,7 @@ def test_hf_engine_interrupt_when_idle_is_a_no_op(engine):
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_sigkill_mid_generation_then_resume_loses_and_repeats_no_prompt(tiny_dir, tmp_path):
     """``glm5 rl`` in async mode (K=2) SIGKILLed while the engines generate past the step-2 checkpoint, then
     the same command again: the run completes; its last checkpoint's ledger holds every slot of the prompt

@@ -4,13 +4,10 @@ restore, and the same log-probs and losses as the separate-engine run on the sam
 vLLM-CPU in ``tests/rl/test_vllm_cpu.py::test_colocated_vllm_matches_separate``). The trainer's offload is real on
 CPU (grad buffers and frozen weights freed and restored), so a wrong restore changes the losses."""
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.rl_setup import local_ray, ray_run_dict
 
 PHASE = ["trainer.offload_memory", "engines.wake_up(weights)", "engines.push", "engines.wake_up(kv_cache)",
          "engines.generate", "engines.sleep(level=1)", "trainer.restore_memory"]
@@ -24,15 +21,9 @@ def rl_cfg(tiny_dir, out, **sections):
 
 
 def rl_dict(tiny_dir, out, **sections) -> dict:
-    d = {"model": {"hf_dir": str(tiny_dir)}, "wandb": {"mode": "disabled"},
-         "data": {"prompts_per_step": 4, "val": None},
-         "rollout": {"n": 2, "max_new_tokens": 4, "num_actors": 1},
-         "actor": {"ppo_mini_batch_size": 4},
-         "ray": {"num_cpus": 2},
-         "trainer": {"out": str(out), "progress": False, "eval_every": 0, "steps": 2}}
-    for k, v in sections.items():
-        d.setdefault(k, {}).update(v)
-    return d
+    return ray_run_dict(tiny_dir, out, {
+        "data": {"prompts_per_step": 4}, "rollout": {"n": 2, "max_new_tokens": 4, "num_actors": 1},
+        "actor": {"ppo_mini_batch_size": 4}, "ray": {"num_cpus": 2}, "trainer": {"steps": 2}}, **sections)
 
 
 def same_history(a: list, b: list) -> float:
@@ -49,20 +40,12 @@ def same_history(a: list, b: list) -> float:
 
 @pytest.fixture
 def ray_fresh():
-    import ray
-
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(REPO)
-    ray.shutdown()
-    yield
-    ray.shutdown()
-    if before is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = before
+    with local_ray():
+        yield
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_colocated_sequence_and_same_losses_as_separate(tiny_dir, tmp_path, ray_fresh):
     import ray
 

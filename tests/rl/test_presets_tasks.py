@@ -58,12 +58,14 @@ def _run_and_resume(preset, tiny_dir, verl_math, tmp_path, *extra):
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_math_verl_preset_runs_scores_and_resumes(tiny_dir, verl_math, tmp_path, ray_local):
     rows = _run_and_resume("math_verl_tiny", tiny_dir, verl_math, tmp_path)
     assert all("critic/score/mean" in r for r in rows)
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_code_tool_preset_runs_masked_episodes_and_resumes(tiny_dir, verl_math, tmp_path, ray_local):
     rows = _run_and_resume("code_tool_tiny", tiny_dir, verl_math, tmp_path, "rollout.max_new_tokens=6")
     calls = sum(r["tool/calls"] for r in rows)

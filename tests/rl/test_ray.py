@@ -3,13 +3,14 @@ mid-step is replaced with every sample kept once, and resume reproduces the next
 GRPO run learning the toy task is ``tests/test_docs.py``.)"""
 
 import json
-import os
 import shutil
 
 import pytest
 
-from tests.support.launch import REPO, child_env, glm5
-from tests.support.rl_setup import killed_before_last_save
+from tests.support.launch import child_env, glm5
+from tests.support.rl_setup import killed_before_last_save, local_ray, ray_run_dict
+
+pytestmark = pytest.mark.ray  # all in the one xdist group that runs Ray (tests/conftest.py)
 
 
 def _env():
@@ -18,29 +19,16 @@ def _env():
 
 @pytest.fixture(scope="module")
 def ray_local():
-    import ray
-
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(REPO)  # Ray workers import tests.support.rl_fault_engine
-    yield
-    ray.shutdown()
-    if before is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = before
+    with local_ray():
+        yield
 
 
 def _cfg(tiny_dir, out, **sections):
     from rl.config import RLConfig
 
-    d = {"model": {"hf_dir": str(tiny_dir)}, "wandb": {"mode": "disabled"},
-         "data": {"prompts_per_step": 8, "val": None},
-         "rollout": {"n": 4, "max_new_tokens": 4},
-         "actor": {"ppo_mini_batch_size": 4},
-         "trainer": {"out": str(out), "progress": False, "eval_every": 0}}
-    for k, v in sections.items():
-        d.setdefault(k, {}).update(v)
-    return RLConfig.from_dict(d)
+    return RLConfig.from_dict(ray_run_dict(tiny_dir, out, {
+        "data": {"prompts_per_step": 8}, "rollout": {"n": 4, "max_new_tokens": 4},
+        "actor": {"ppo_mini_batch_size": 4}}, **sections))
 
 
 @pytest.mark.slow

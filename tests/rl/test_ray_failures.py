@@ -5,43 +5,27 @@ that dies while starting, an engine that raises, a trainer rank that dies while 
 
 import os
 import time
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
+from tests.support.rl_setup import local_ray, ray_run_dict
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
 @pytest.fixture(scope="module")
 def ray3():
     """A local Ray of 3 CPUs whose workers import tests.support.rl_fault_engine."""
-    import ray
-
-    from rl.ray_jobs import start_ray
-
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(REPO)
-    ray.shutdown()
-    start_ray(None, 3)
-    yield
-    ray.shutdown()
-    if before is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = before
+    with local_ray(3):
+        yield
 
 
 def _cfg(tiny_dir, out, **sections):
     from rl.config import RLConfig
 
-    d = {"model": {"hf_dir": str(tiny_dir)}, "wandb": {"mode": "disabled"},
-         "data": {"prompts_per_step": 2, "val": None}, "rollout": {"n": 2, "max_new_tokens": 2, "num_actors": 1},
-         "actor": {"ppo_mini_batch_size": 2}, "trainer": {"out": str(out), "progress": False, "eval_every": 0,
-                                                           "steps": 1}}
-    for k, v in sections.items():
-        d.setdefault(k, {}).update(v)
-    return RLConfig.from_dict(d)
+    return RLConfig.from_dict(ray_run_dict(tiny_dir, out, {
+        "data": {"prompts_per_step": 2}, "rollout": {"n": 2, "max_new_tokens": 2, "num_actors": 1},
+        "actor": {"ppo_mini_batch_size": 2}, "trainer": {"steps": 1}}, **sections))
 
 
 def test_more_cpus_than_the_local_cluster_is_refused_and_waits_time_out(tiny_dir, tmp_path, ray3):

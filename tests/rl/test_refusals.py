@@ -47,12 +47,14 @@ def _prompts(path, rows):
     return str(path)
 
 
-@pytest.mark.parametrize("case", ["stop_string", "stop_id", "context", "micro_batch", "mtp_accept", "ground_truth"])
+@pytest.mark.parametrize("case", ["stop_string", "stop_id", "context", "micro_batch", "micro_batch_cp", "mtp_accept",
+                                  "ground_truth"])
 def test_preflight_refusals_before_ray(tiny_dir, tmp_path, case):
     """Was: an unknown stop string found at the first generate, a stop id past the vocabulary sampled
     against, the engine's "exceeds max_position_embeddings" inside the actor (no file:line),
     ``mtp_accept`` on a model without MTP weights logging nothing, rows without ``ground_truth`` scored 0,
-    a prompt + response longer than a micro-batch packed past the budget."""
+    a prompt + response longer than a micro-batch packed past the budget, or one that fits only before the
+    trainer pads it for the CP split (34 tokens, 36 at CP 2: refused by the trainer's first update)."""
     import ray
 
     from rl.config import RLConfig
@@ -76,6 +78,12 @@ def test_preflight_refusals_before_ray(tiny_dir, tmp_path, case):
         sections = {"actor": {"ppo_mini_batch_size": 4, "micro_batch_tokens": 4096, "log_prob_micro_batch_tokens": 32}}
         msg = "actor.log_prob_micro_batch_tokens=32: data.train: {train}:3 has 30 tokens; + rollout.max_new_tokens=4 " \
               "= 34 would not fit one micro-batch (a sample is never split)"
+    elif case == "micro_batch_cp":
+        rows[2] = {"prompt": " ".join(["w1"] * 30), "ground_truth": 0}
+        sections = {"actor": {"ppo_mini_batch_size": 4, "micro_batch_tokens": 34},
+                    "trainer": {"world_size": 2, "cp": 2}}
+        msg = "actor.micro_batch_tokens=34: data.train: {train}:3 has 30 tokens; + rollout.max_new_tokens=4 " \
+              "= 34, padded to 36 for the trainer.cp=2 split would not fit one micro-batch"
     elif case == "mtp_accept":
         sections, msg = {"actor": {"mtp_accept": True}}, \
             f"actor.mtp_accept=true: {tiny_dir} stores no MTP layer weights"

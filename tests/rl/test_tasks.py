@@ -210,3 +210,22 @@ def test_math_verifier_scores_as_verls_math_verify(tmp_path):
         ["openai/gsm8k"] * 2, ["#### 1,234", "\\boxed{72}"], ["so 1000 + 234 #### 1,234", "3 * 24 = 72\n#### 72"],
         [{}, {}])
     assert gsm == [1.0, 1.0]
+
+
+def test_resume_fingerprint_of_an_hf_folder_follows_its_data(tmp_path):
+    """Was: an HF ``save_to_disk`` folder's fingerprint was its path, so a resume on a folder rewritten with
+    other rows passed the resume guard; now it is every file's size and digest (moving it is no change)."""
+    import datasets
+
+    from glm5_mcore.training.resume import compare, file_fingerprint
+
+    rows = _verl_rows()
+    hf = _write_all(tmp_path, rows)[2]
+    before = file_fingerprint(str(hf))
+    assert "state.json" in before["files"] and any(k.endswith(".arrow") for k in before["files"])
+    moved = tmp_path / "moved"
+    hf.rename(moved)
+    assert file_fingerprint(str(moved)) == before
+    datasets.Dataset.from_list(rows[::-1]).save_to_disk(str(hf))
+    changed = compare({"data": {"train": before}}, {"data": {"train": file_fingerprint(str(hf))}})
+    assert any(line.startswith("data.train.files.data-00000-of-00001.arrow.xxh3: ") for line in changed), changed

@@ -26,7 +26,7 @@ from tests.support.rl_setup import assert_observations_inert, observation_positi
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = os.environ.get("GLM5_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
 
-pytestmark = [pytest.mark.slow,  # each test starts vLLM's CPU server in .venv-vllm
+pytestmark = [pytest.mark.slow, pytest.mark.ray,  # each test starts vLLM's CPU server in .venv-vllm (and most, Ray)
               pytest.mark.skipif(not Path(VLLM_PYTHON).is_file(),
                                  reason=f"no vLLM CPU environment at {VLLM_PYTHON} (./setup_vllm_cpu.sh makes it)")]
 

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from glm5_mcore.config import GLM5Config
@@ -61,3 +62,12 @@ def peft_model(hf_dir, adapter_dir):
     res = set_peft_model_state_dict(pm, load_file(str(Path(adapter_dir) / "adapter_model.safetensors")))
     missing_lora = [k for k in res.missing_keys if "lora_" in k]
     return pm, res.unexpected_keys, missing_lora
+
+
+def save_on_rank0_and_finish(obj, path) -> None:
+    """The end of a torchrun check: rank 0 writes ``obj`` to ``path`` (``torch.save``), every rank waits
+    for it and leaves the process group."""
+    if dist.get_rank() == 0:
+        torch.save(obj, path)
+    dist.barrier()
+    dist.destroy_process_group()

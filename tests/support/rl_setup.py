@@ -1,10 +1,14 @@
 """RL set-ups shared by the RL tests, the GPU tests and ``tests/workers/rl_cp_check.py``: the tiny
 model's RL config, a seeded adapter perturbation (so policy != reference), a toy rollout, an engine
 whose routers disagree with the trainer's, the MTP layer's merged weights, the observation-token
-checks of tool episodes and vLLM's draft-model view of an HF tensor."""
+checks of tool episodes, vLLM's draft-model view of an HF tensor, and the Ray runs' config and local
+cluster."""
 
+import os
 import re
 import shutil
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -20,6 +24,40 @@ def rl_cfg(tiny_dir, **sections):
     d = {"model": {"hf_dir": tiny_dir}, "wandb": {"mode": "disabled"}}
     d.update(sections)
     return RLConfig.from_dict(d)
+
+
+def ray_run_dict(tiny_dir, out, base: dict, **sections) -> dict:
+    """A Ray run's config of the tiny model as a dict: W&B and held-out evaluation off, no progress bar,
+    ``trainer.out`` = ``out``; ``base`` then ``sections`` merged into their sections."""
+    d = {"model": {"hf_dir": str(tiny_dir)}, "wandb": {"mode": "disabled"}, "data": {"val": None},
+         "trainer": {"out": str(out), "progress": False, "eval_every": 0}}
+    for part in (base, sections):
+        for k, v in part.items():
+            d.setdefault(k, {}).update(v)
+    return d
+
+
+@contextmanager
+def local_ray(num_cpus=None):
+    """A fresh local Ray whose workers import this checkout (``tests.support.rl_fault_engine``): started
+    here with ``num_cpus`` when given, else by the job; shut down and ``PYTHONPATH`` restored after."""
+    import ray
+
+    from rl.ray_jobs import start_ray
+
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    ray.shutdown()
+    if num_cpus is not None:
+        start_ray(None, num_cpus)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if before is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 def perturb(trainer, name="default", seed=0, scale=0.05):

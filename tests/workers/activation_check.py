@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from glm5_mcore import kernels
 from glm5_mcore.config import GLM5Config
 from glm5_mcore.mcore_settings import ParallelConfig
 from glm5_mcore.model.build import build_model, packed_seq_params_from_lengths
@@ -36,7 +37,7 @@ def measure(m: GLM5Config, tokens: int) -> dict:
     psp = packed_seq_params_from_lengths([tokens])
     tracker = MemTracker()
     tracker.track_external(model)
-    with tracker:
+    with tracker, kernels.disabled():  # the PyTorch (device) path, the one ``fused_dsa=False`` plans
         model(ids, pos, None, labels=ids, packed_seq_params=psp).sum().backward()
     peak = {str(k).split(".")[-1]: v for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
     est = stage_activations(m, Layout(1), 0, tokens, bf16=False, recompute=False, mtp=False, microbatches=1,

@@ -92,18 +92,13 @@ def _broadcast(batch):
 
 def main(cfg_path: str, batch_path: str, out_path: str) -> None:
     from rl.config import RLConfig
+    from tests.support.helpers import save_on_rank0_and_finish
 
     torch.set_num_threads(1)
     cfg = RLConfig.from_dict(json.loads(open(cfg_path).read()))
     batch = torch.load(batch_path, weights_only=False)
     trainer = build(cfg)
-    res = run(trainer, cfg, batch)
-    import torch.distributed as dist
-
-    if dist.get_rank() == 0:
-        torch.save(res, out_path)
-    dist.barrier()
-    dist.destroy_process_group()
+    save_on_rank0_and_finish(run(trainer, cfg, batch), out_path)
 
 
 if __name__ == "__main__":

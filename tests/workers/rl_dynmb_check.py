@@ -42,15 +42,12 @@ def updates(trainer, case: dict) -> dict:
 def main(cfg_path: str, case_path: str, out_path: str) -> None:
     from rl.config import RLConfig
     from rl.trainer import PolicyTrainer
+    from tests.support.helpers import save_on_rank0_and_finish
 
     torch.set_num_threads(1)
     cfg = RLConfig.from_dict(json.loads(Path(cfg_path).read_text()))
     case = torch.load(case_path, weights_only=False)
-    res = updates(PolicyTrainer(cfg), case)
-    if dist.get_rank() == 0:
-        torch.save(res, out_path)
-    dist.barrier()
-    dist.destroy_process_group()
+    save_on_rank0_and_finish(updates(PolicyTrainer(cfg), case), out_path)
 
 
 if __name__ == "__main__":

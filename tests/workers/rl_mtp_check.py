@@ -63,6 +63,7 @@ def measure(trainer, cfg, batch) -> dict:
 def main(hf_dir: str, case_path: str, out: str) -> None:
     torch.set_num_threads(1)
     from rl.trainer import PolicyTrainer
+    from tests.support.helpers import save_on_rank0_and_finish
 
     case = torch.load(case_path)
     res = {}
@@ -72,9 +73,7 @@ def main(hf_dir: str, case_path: str, out: str) -> None:
         m = measure(trainer, cfg, load_case(trainer, case))
         if m is not None:
             res[name] = m
-    if dist.get_rank() == 0:
-        torch.save(res, out)
-    dist.destroy_process_group()
+    save_on_rank0_and_finish(res, out)
 
 
 if __name__ == "__main__":
