@@ -20,7 +20,7 @@ import torch
 from rl.rollout.base import Request, SamplingParams, sample_seed
 from tests.rl.test_vllm_cpu import ROOT, T, VLLM_PYTHON, _peft_diff, _perturb, engine_kwargs, tiny576  # noqa: F401
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.ray,  # vLLM's CPU server; the async run starts Ray
               pytest.mark.skipif(not os.path.isfile(VLLM_PYTHON),
                                  reason=f"no vLLM CPU environment at {VLLM_PYTHON} (./setup_vllm_cpu.sh makes it)")]
 
