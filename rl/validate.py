@@ -53,10 +53,7 @@ def check_async(c) -> None:
            (a.router_replay and t.partial_rollout, "algorithm.router_replay=true with trainer.partial_rollout="
                                                    "true (a continued response's routes are re-prefilled "
                                                    "under the new adapter, not those that sampled its prefix; "
-                                                   "set partial_rollout=false)"),
-           (t.partial_rollout and r.engine.endswith("VLLMRolloutEngine"),
-            f"rollout.engine={r.engine} and trainer.partial_rollout=true (vLLM's abort and prefix resubmission "
-            "are not wired yet; set partial_rollout=false)")]
+                                                   "set partial_rollout=false)")]
     for bad, what in why:
         if bad:
             raise ValueError(f"trainer.max_staleness={t.max_staleness}: not with {what}")

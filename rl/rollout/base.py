@@ -26,7 +26,9 @@ class SamplingParams:
     seed_per_token: bool = False
     """True: token ``t`` of a response is drawn with its own generator seeded by ``token_seed(seed, t)``
     (not a generator's running state), so a response interrupted after any token and continued from
-    its prefix (``Request.prefix_ids``) samples what an uninterrupted engine would (``rl.async_rollout``)."""
+    its prefix (``Request.prefix_ids``) samples what an uninterrupted engine would (``rl.async_rollout``).
+    vLLM cannot reseed per token: it seeds per (sample seed, start position) instead
+    (``rl.rollout.vllm_engine.request_seed``)."""
 
 
 @dataclass

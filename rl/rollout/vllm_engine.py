@@ -18,6 +18,12 @@ from): with ``top_p < 1`` vLLM renormalises over the nucleus, so this engine ref
 rather than hand IcePop a different quantity. vLLM picks its own DSA top-k kernel; its tie rule is
 not ours, so ``deterministic_topk`` is reported as unsupported (a warning), and IcePop's mismatch
 metrics show the effect.
+
+Partial rollouts (``trainer.partial_rollout``, ``rl.async_rollout``): ``interrupt`` (another thread) ends a
+running ``generate`` at vLLM's next step — the server aborts the unfinished requests
+(``vllm_server.Server.generate``) and they return what they sampled, ``"interrupted"``; a request with
+``prefix_ids`` is resubmitted as prompt + prefix with the rest of the token budget, under the adapter loaded
+since, seeded ``request_seed(seed, len(prefix))``. The channel to the server is ``rl.rollout.vllm_client``.
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import tempfile
 import threading
 import warnings
@@ -36,68 +41,21 @@ from typing import Optional
 import numpy as np
 import torch
 
-from rl.rollout.base import AdapterPayload, Request, Result, RolloutEngine, SamplingParams
+from rl.rollout.base import AdapterPayload, Request, Result, RolloutEngine, SamplingParams, token_seed
+from rl.rollout.vllm_client import LocalServer, RemoteServer
 from rl.rollout.vllm_weights import (HF_LAYER, MLA_UP_KV, default_push_threads, is_mla_up_kv, is_mtp_tensor,
                                      iter_merged_weights)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+def request_seed(seed: int, start: int) -> int:
+    """vLLM's seed for a request that starts at response token ``start`` of a sample seeded ``seed``: ``seed``
+    for a new response, ``token_seed(seed, start)`` for a continued one (partial rollouts), both mod 2^31.
 
-
-class _RemoteServer:
-    """``vllm_server.Server`` in a child process under another Python; same methods via ``call``."""
-
-    def __init__(self, python: str, args: tuple, kwargs: dict, env: dict, start_timeout: float = 900.0):
-        from multiprocessing.connection import Listener
-
-        if not Path(python).is_file():
-            raise FileNotFoundError(f"vllm_python={python}: no such interpreter (CPU tests: ./setup_vllm_cpu.sh)")
-        key = os.urandom(16)
-        self._dir = tempfile.mkdtemp(prefix="glm5_vllm_sock_")
-        address = os.path.join(self._dir, "socket")
-        self._listener = Listener(address, family="AF_UNIX", authkey=key)
-        child_env = {k: v for k, v in os.environ.items()  # the trainer's process group is not vLLM's
-                     if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONPATH",
-                                  "VIRTUAL_ENV", "PYTHONHOME")}
-        child_env.update(env, GLM5_VLLM_AUTHKEY=key.hex(), PYTHONPATH=str(REPO_ROOT))
-        self.proc = subprocess.Popen([python, "-m", "rl.rollout.vllm_server", address], env=child_env,
-                                     cwd=str(REPO_ROOT))
-        got: dict = {}
-        t = threading.Thread(target=lambda: got.setdefault("conn", self._listener.accept()), daemon=True)
-        t.start()
-        t.join(start_timeout)
-        if "conn" not in got:
-            self.close()
-            raise RuntimeError(f"vLLM server ({python}) did not connect within {start_timeout:.0f}s")
-        self.conn = got["conn"]
-        self.call("init", *args, **kwargs)
-
-    def call(self, method: str, *args, **kwargs):
-        try:
-            self.conn.send((method, args, kwargs))
-            status, result = self.conn.recv()
-        except (EOFError, OSError, BrokenPipeError):
-            code = self.proc.poll()
-            raise RuntimeError(f"vLLM server process ended (exit code {code}) during {method}") from None
-        if status != "ok":
-            raise RuntimeError(f"vLLM server: {method} failed: {result}")
-        return result
-
-    def close(self) -> None:
-        conn = getattr(self, "conn", None)
-        if conn is not None and self.proc.poll() is None:
-            try:
-                conn.send(("close", (), {}))
-                conn.recv()
-            except (EOFError, OSError):
-                pass
-        if self.proc.poll() is None:
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._listener.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+    vLLM samples every token of a request from one generator seeded once (its state after t draws is not
+    something a new request can start from), so ``SamplingParams.seed_per_token`` is served per (sample
+    seed, start position): the same seeds interrupted at the same tokens give the same run, token for
+    token; an interrupted and continued response is a different sample from the same per-token distributions
+    as the uninterrupted one, not the same tokens (greedy decoding: the same tokens)."""
+    return (seed if start == 0 else token_seed(seed, start)) % (2 ** 31)
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -124,6 +82,7 @@ class VLLMRolloutEngine(RolloutEngine):
     LoRA mode alike; the LoRARequest carries the decoder's adapter only."""
 
     FORWARDS_KWARGS = True  # the rest go to vllm.LLM, whose EngineArgs refuses unknown keys
+    INTERRUPTIBLE = True
 
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, merge: bool = False, max_lora_rank: int = 64,
                  dtype: str = "bfloat16", gpu_memory_utilization: float = 0.8, tensor_parallel_size: int = 1,
@@ -158,6 +117,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self.transport = weight_transport
         self.n_experts = int(config.get("n_routed_experts") or 1)
         self.sync_log: list[dict] = []  # per push: buckets and bytes (handles transport)
+        self._call_lock = threading.Lock()  # generate's call number vs interrupt (another thread)
+        self._calls, self._running, self._stop_after = 0, None, None
         self._discarded = False  # a level-2 sleep: the next push brings every weight back
         env: dict = {}
         llm = dict(model=str(hf_dir), dtype=dtype, enable_lora=not merge, tensor_parallel_size=tensor_parallel_size,
@@ -182,13 +143,13 @@ class VLLMRolloutEngine(RolloutEngine):
             llm["disable_log_stats"] = False  # vLLM's spec-decode counters (``spec_decode_counts``)
         llm.update(kwargs)
         if vllm_python:
-            self.server = _RemoteServer(vllm_python, (llm,), {"dense_mla": dense_mla}, env)
+            self.server = RemoteServer(vllm_python, (llm,), {"dense_mla": dense_mla}, env)
         else:
             for k, v in env.items():
                 os.environ.setdefault(k, v)
             from rl.rollout.vllm_server import Server
 
-            self.server = _LocalServer(Server(llm, dense_mla=dense_mla))
+            self.server = LocalServer(Server(llm, dense_mla=dense_mla))
         self._dir = tempfile.mkdtemp(prefix="glm5_vllm_")  # adapters and merged files, this engine's own
 
     # ------------------------------------------------------------------ colocation (rl.colocate)
@@ -329,6 +290,10 @@ class VLLMRolloutEngine(RolloutEngine):
                                 group_of, torch.device("cuda", torch.cuda.current_device()) if cuda else None)
 
     def generate(self, requests: list[Request], params: SamplingParams, batched: bool = True) -> list[Result]:
+        """A request with ``prefix_ids`` (partial rollouts) goes to vLLM as prompt + prefix with
+        ``max_new_tokens - len(prefix_ids)`` tokens left and the seed ``request_seed(seed, len(prefix_ids))``;
+        its ``Result`` is the prefix (with ``prefix_logprobs``) then what vLLM sampled. ``interrupt`` from
+        another thread ends the call at vLLM's next step: unfinished responses come back ``"interrupted"``."""
         if params.top_p < 1.0:
             raise ValueError("VLLMRolloutEngine: rollout.top_p < 1 makes vLLM's log-probs nucleus-renormalised; "
                              "IcePop needs log_softmax(logits / T) over the full vocabulary")
@@ -336,17 +301,46 @@ class VLLMRolloutEngine(RolloutEngine):
             raise ValueError("VLLMRolloutEngine: vLLM-CPU 0.32's speculative sampling returns wrong processed "
                              "log-probs at temperature > 0 (uniform or NaN after the first token; greedy ones "
                              "are right); IcePop needs the true ones: sample greedily or without mtp_draft_tokens")
-        sps = [dict(temperature=params.temperature, top_p=1.0, max_tokens=params.max_new_tokens,
-                    stop_token_ids=list(params.stop_token_ids), ignore_eos=True, seed=r.seed % (2 ** 31),
-                    logprobs=0, detokenize=False) for r in requests]  # stops exactly at params.stop_token_ids
-        outs = self.server.call("generate", [list(r.prompt_ids) for r in requests], sps, self.lora)
+        for r in requests:
+            if len(r.prefix_ids) >= params.max_new_tokens or len(r.prefix_logprobs) != len(r.prefix_ids):
+                raise ValueError(f"request {r.key}: a prefix of {len(r.prefix_ids)} tokens ({len(r.prefix_logprobs)} "
+                                 f"log-probs) must be shorter than max_new_tokens={params.max_new_tokens}, one "
+                                 "log-prob per token")
+        sps = [dict(temperature=params.temperature, top_p=1.0, max_tokens=params.max_new_tokens - len(r.prefix_ids),
+                    stop_token_ids=list(params.stop_token_ids), ignore_eos=True,
+                    seed=request_seed(r.seed, len(r.prefix_ids)), logprobs=0, detokenize=False)
+               for r in requests]  # stops exactly at params.stop_token_ids
+        with self._call_lock:
+            self._calls += 1
+            self._running, stop_after, self._stop_after = self._calls, self._stop_after, None
+        try:
+            outs = self.server.call("generate", [list(r.prompt_ids) + list(r.prefix_ids) for r in requests], sps,
+                                    self.lora, call=self._running, stop_after=stop_after)
+        finally:
+            with self._call_lock:
+                self._running = None
         res = []
         for r, (ids, lps, reason, *routes) in zip(requests, outs):
+            ids, lps = list(r.prefix_ids) + list(ids), list(r.prefix_logprobs) + list(lps)
             rt = routes[0] if routes else None
             if rt is not None:  # the tokens the engine processed: prompt + all but the last sampled one
                 rt = np.ascontiguousarray(rt[: len(r.prompt_ids) + len(ids) - 1]).astype(self.route_dtype)
-            res.append(Result(r.key, ids, lps, "stop" if reason == "stop" else "length", routes=rt))
+            why = reason if reason in ("stop", "interrupted") else "length"
+            res.append(Result(r.key, ids, lps, why, routes=rt))
         return res
+
+    def interrupt(self) -> bool:
+        """The running ``generate`` (if any) ends at vLLM's next step (``vllm_server.Server.interrupt``; in
+        a child process through its reading thread, so it arrives while ``generate`` waits)."""
+        with self._call_lock:
+            if self._running is not None:
+                self.server.notify("interrupt", self._running)
+        return True
+
+    def interrupt_after(self, steps: int) -> None:
+        """The next ``generate`` is interrupted after ``steps`` vLLM engine steps (one token per running
+        request each, without speculative decoding): an interruption at a chosen token, for tests."""
+        self._stop_after = int(steps)
 
     def spec_decode_counts(self) -> dict:
         """vLLM's cumulative speculative-decoding counters: {"draft_tokens": n, "accepted_tokens": m}
@@ -361,16 +355,3 @@ class VLLMRolloutEngine(RolloutEngine):
     def close(self) -> None:
         self.server.close()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-class _LocalServer:
-    """``vllm_server.Server`` in this process, behind the same ``call`` as ``_RemoteServer``."""
-
-    def __init__(self, server):
-        self.server = server
-
-    def call(self, method: str, *args, **kwargs):
-        return getattr(self.server, method)(*args, **kwargs)
-
-    def close(self) -> None:
-        self.server = None

@@ -8,7 +8,8 @@ a ``multiprocessing.connection`` socket. It imports nothing of the project but t
 bucket handles): weights travel as safetensors files, or (colocated engines) as weight-sync buckets.
 
 - ``generate``: ``TokensPrompt`` in, token ids + ``processed_logprobs`` out (token-in/token-out, no
-  detokenisation); an adapter as a ``LoRARequest``.
+  detokenisation); an adapter as a ``LoRARequest``. ``interrupt`` (partial rollouts) ends it at a step
+  boundary: the unfinished requests are aborted and return what they sampled so far.
 - ``reload_draft``: the MTP layer's tensors into the speculative draft model (which ``reload`` never
   reaches), ``draft_weights`` reads them back, ``spec_decode_counts`` gives the draft's acceptance.
 - ``reload_handle`` / ``reload_draft_handle``: one ``rl.weight_sync`` bucket (CUDA IPC handle, or its CPU
@@ -218,28 +219,74 @@ class Server:
 
                 ModelRegistry.register_model(DENSE_MLA_MTP, _dense_mla_mtp_class())
         self.llm = LLM(**kw)
+        self.calls = 0  # generate calls so far (request ids; vLLM's own counter is LLM's)
+        self.interrupted: Optional[int] = None  # the engine's call number ``interrupt`` names
 
-    def generate(self, prompts: list[list[int]], params: list[dict], lora: Optional[tuple] = None) -> list:
+    def generate(self, prompts: list[list[int]], params: list[dict], lora: Optional[tuple] = None,
+                 call: Optional[int] = None, stop_after: Optional[int] = None) -> list:
         """[(token ids, log-probs of those tokens, finish reason, routed experts or None)] per prompt; ``params`` are
-        ``vllm.SamplingParams`` keyword dicts, ``lora`` = (name, int id, path) or None."""
+        ``vllm.SamplingParams`` keyword dicts, ``lora`` = (name, int id, path) or None.
+
+        vLLM's own loop (``LLM._run_engine``, entrypoints/common/offline.py:589: ``LLMEngine.step`` while
+        requests are unfinished), with DELTA outputs so the tokens and log-probs sampled so far are known
+        after every step. ``interrupt(call)`` from another thread ends it at the next step boundary: the
+        unfinished requests are aborted (``LLMEngine.abort_request``, v1/engine/llm_engine.py:224) and
+        come back with what they sampled, finish reason ``"interrupted"``. (The offline ``LLM`` has no
+        ``pause_generation``: that is ``AsyncLLM``'s, v1/engine/async_llm.py:952, whose ``mode="keep"``
+        would continue on the old weights' KV cache; an abort and a re-prefill under the new weights is what
+        the trainer's per-token log-probs of a continued response are.) ``stop_after``: interrupted after
+        that many engine steps that sampled (one token per running request each, without speculative
+        decoding): a deterministic interruption point."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+        from vllm.sampling_params import RequestOutputKind
 
         request = None
         if lora is not None:
             from vllm.lora.request import LoRARequest
 
             request = LoRARequest(lora_name=lora[0], lora_int_id=lora[1], lora_path=lora[2])
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                                 [SamplingParams(**p) for p in params], lora_request=request, use_tqdm=False)
-        results = []
-        for o in outs:
-            c = o.outputs[0]
-            ids = list(c.token_ids)
-            routes = getattr(c, "routed_experts", None)  # [tokens, moe_layers, top_k] with enable_return_routed_experts
-            results.append((ids, [float(step[t].logprob) for step, t in zip(c.logprobs, ids)],
-                            str(c.finish_reason), None if routes is None else np.asarray(routes)))
-        return results
+        engine, renderer = self.llm.llm_engine, self.llm.renderer
+        inputs = renderer.render_cmpl([parse_model_prompt(self.llm.model_config, TokensPrompt(prompt_token_ids=list(p)))
+                                       for p in prompts], renderer.default_cmpl_tok_params)
+        self.calls += 1
+        ids = [f"glm5-{self.calls}-{i}" for i in range(len(prompts))]
+        acc = {rid: ([], [], None, None) for rid in ids}
+        live: set = set()
+        steps = 0
+        try:
+            for rid, engine_input, p in zip(ids, inputs, params):
+                sp = SamplingParams(**p)
+                sp.output_kind = RequestOutputKind.DELTA
+                engine.add_request(rid, engine_input, sp, lora_request=request)
+                live.add(rid)
+            while live and engine.has_unfinished_requests():
+                if (call is not None and self.interrupted == call) or (stop_after is not None and steps >= stop_after):
+                    break
+                sampled = False
+                for o in engine.step():
+                    toks, lps, _, _ = acc[o.request_id]
+                    c = o.outputs[0]
+                    new = list(c.token_ids)
+                    sampled = sampled or bool(new)
+                    toks += new
+                    lps += [float(step[t].logprob) for step, t in zip(c.logprobs, new)]
+                    if o.finished:
+                        routes = getattr(c, "routed_experts", None)  # [tokens, moe_layers, top_k] (R3)
+                        acc[o.request_id] = (toks, lps, str(c.finish_reason),
+                                             None if routes is None else np.asarray(routes))
+                        live.discard(o.request_id)
+                steps += sampled
+        finally:
+            if live:  # interrupted (or failed): nothing of this call stays in the engine
+                engine.abort_request(sorted(live))
+        return [(toks, lps, reason or "interrupted", routes) for toks, lps, reason, routes in (acc[r] for r in ids)]
+
+    def interrupt(self, call: int) -> None:
+        """End ``generate`` number ``call`` at its next step boundary (a no-op once it has returned: an
+        interrupt that arrives late never reaches a later call)."""
+        self.interrupted = call
 
     def reload(self, path: str) -> int:
         """Reload the tensors of the safetensors file ``path`` (HF names) on every worker, then drop the
@@ -301,16 +348,38 @@ class Server:
 
 def main() -> int:
     """``python -m rl.rollout.vllm_server ADDRESS``: serve ``Server`` calls; the auth key is in
-    ``GLM5_VLLM_AUTHKEY`` (hex). Messages: (method, args, kwargs) → ("ok", result) | ("error", text)."""
+    ``GLM5_VLLM_AUTHKEY`` (hex). Messages: (method, args, kwargs) → ("ok", result) | ("error", text), one
+    call at a time, in order; except ``("interrupt", (call,), {})``, which gets no answer and is served by
+    the reading thread at once (``Server.interrupt``), so it reaches a ``generate`` that is running."""
+    import queue
+    import threading
     from multiprocessing.connection import Client
 
     conn = Client(sys.argv[1], authkey=bytes.fromhex(os.environ.pop("GLM5_VLLM_AUTHKEY")))
     server = None
+    calls: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                calls.put(None)
+                return
+            if msg[0] == "interrupt":
+                if server is not None:
+                    server.interrupt(*msg[1])
+                continue
+            calls.put(msg)
+            if msg[0] == "close":
+                return
+
+    threading.Thread(target=read, name="glm5-vllm-server-reader", daemon=True).start()
     while True:
-        try:
-            method, args, kwargs = conn.recv()
-        except EOFError:
+        msg = calls.get()
+        if msg is None:
             return 0
+        method, args, kwargs = msg
         if method == "close":
             conn.send(("ok", None))
             return 0

@@ -207,7 +207,6 @@ def test_resumed_source_regenerates_the_untrained_groups_once():
     ({"rollout": {"multi_turn": {"enable": True, "env": "rl.envs.lookup_env",
                                  "tool_call_stop_tokens": [3]}}}, "rollout.multi_turn.enable=true"),
     ({"algorithm": {"router_replay": True}}, "algorithm.router_replay=true"),
-    ({"rollout": {"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine"}}, "rollout.engine=rl.rollout.vllm_engine"),
 ])
 def test_async_refuses_what_it_cannot_serve(extra, field):
     with pytest.raises(ValueError, match=f"trainer.max_staleness=1: not with {field}".replace(".", r"\.")
@@ -215,6 +214,16 @@ def test_async_refuses_what_it_cannot_serve(extra, field):
         _cfg(**extra)
     with pytest.raises(ValueError, match="trainer.max_staleness=-1"):
         _cfg(trainer={"max_staleness": -1})
+
+
+def test_async_serves_the_vllm_engine_with_partial_rollouts():
+    """vLLM's abort + prefix resubmission (``VLLMRolloutEngine.interrupt``) serves partial rollouts: the
+    config is accepted (run on vLLM-CPU: ``tests/rl/test_vllm_partial.py``)."""
+    from rl.rollout.vllm_engine import VLLMRolloutEngine
+
+    cfg = _cfg(rollout={"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine"}, trainer={"max_staleness": 2})
+    assert cfg.trainer.partial_rollout and cfg.trainer.max_staleness == 2
+    assert VLLMRolloutEngine.INTERRUPTIBLE
 
 
 def test_resume_guard_covers_async_settings():

