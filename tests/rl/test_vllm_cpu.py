@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.support.rl_setup import assert_observations_inert, observation_positions, trainer_merged_mtp, vllm_draft_view
+from tests.support.rl_setup import (assert_observations_inert, local_ray, observation_positions, trainer_merged_mtp,
+                                   vllm_draft_view)
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = os.environ.get("GLM5_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
@@ -159,8 +160,6 @@ def test_engine_refuses_dense_mla_while_dsa_selects(tiny576):
 
 
 def test_rl_loop_runs_two_steps_with_the_vllm_engine(tiny576, tmp_path):
-    import ray
-
     from rl.config import RLConfig
     from rl.driver import run
 
@@ -170,14 +169,9 @@ def test_rl_loop_runs_two_steps_with_the_vllm_engine(tiny576, tmp_path):
                     "temperature": T, "max_new_tokens": 8, "engine_kwargs": engine_kwargs()},
         "data": {"prompts_per_step": 4, "val": None}, "actor": {"ppo_mini_batch_size": 4},
         "trainer": {"steps": 2, "out": str(tmp_path / "run"), "save_every": 0, "eval_every": 0, "progress": False}})
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(ROOT)  # Ray workers import rl
     t0 = time.perf_counter()
-    try:
+    with local_ray():  # Ray workers import rl
         out = run(cfg)
-    finally:
-        ray.shutdown()
-        os.environ.pop("PYTHONPATH") if before is None else os.environ.update(PYTHONPATH=before)
     FIGURES["rl_two_steps_s"] = time.perf_counter() - t0
     h = out["history"]
     assert len(h) == 2 and out["state"]["step"] == 2
@@ -403,8 +397,6 @@ def test_colocated_vllm_matches_separate(tiny576, tmp_path):
     ends in sleep(2) (merged pushes: level 2,
     so every push brings all weights back, through ``rl.weight_sync`` buckets of the shared-file stand-in),
     and the same log-probs and losses as the separate-engine run on the same seeds."""
-    import ray
-
     from rl.config import RLConfig
     from rl.driver import run
     from tests.rl.test_colocate import PHASE, START, same_history
@@ -418,15 +410,10 @@ def test_colocated_vllm_matches_separate(tiny576, tmp_path):
             "data": {"prompts_per_step": 4, "val": None}, "actor": {"ppo_mini_batch_size": 4}, "ray": {"num_cpus": 2},
             "trainer": {"steps": 2, "out": str(tmp_path / out), "save_every": 0, "eval_every": 0, "progress": False}})
 
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(ROOT)  # Ray workers import rl
-    try:
+    with local_ray():  # Ray workers import rl
         sep = run(cfg("sep", False))
-        ray.shutdown()
+    with local_ray():
         co = run(cfg("co", True))
-    finally:
-        ray.shutdown()
-        os.environ.pop("PYTHONPATH") if before is None else os.environ.update(PYTHONPATH=before)
     trace = co["colocate"]
     pushes = [e["out"]["engines"][0] for e in trace if e["call"] == "engines.push"]
     worst = same_history(sep["history"], co["history"])

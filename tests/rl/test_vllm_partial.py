@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from rl.rollout.base import Request, SamplingParams, sample_seed
-from tests.rl.test_vllm_cpu import ROOT, T, VLLM_PYTHON, _peft_diff, _perturb, engine_kwargs, tiny576  # noqa: F401
+from tests.rl.test_vllm_cpu import T, VLLM_PYTHON, _peft_diff, _perturb, engine_kwargs, tiny576  # noqa: F401
+from tests.support.rl_setup import local_ray
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray,  # vLLM's CPU server; the async run starts Ray
               pytest.mark.skipif(not os.path.isfile(VLLM_PYTHON),
@@ -167,8 +168,6 @@ def test_weights_change_mid_response_continued_tokens_are_the_new_weights(engine
 def test_async_rl_with_vllm_partial_rollouts_runs_three_steps(tiny576, tmp_path):  # noqa: F811
     """``trainer.max_staleness=2`` with the vLLM engine and partial rollouts (refused before): three steps
     complete, every token carries its version, staleness stays within K."""
-    import ray
-
     from rl.config import RLConfig
     from rl.driver import run
 
@@ -180,14 +179,9 @@ def test_async_rl_with_vllm_partial_rollouts_runs_three_steps(tiny576, tmp_path)
         "data": {"prompts_per_step": 4, "val": None}, "actor": {"ppo_mini_batch_size": 4},
         "trainer": {"steps": 3, "max_staleness": 2, "partial_rollout": True, "out": str(tmp_path / "run"),
                     "save_every": 0, "eval_every": 0, "progress": False}})
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(ROOT)  # Ray workers import rl
     t0 = time.perf_counter()
-    try:
+    with local_ray():  # Ray workers import rl
         out = run(cfg)
-    finally:
-        ray.shutdown()
-        os.environ.pop("PYTHONPATH") if before is None else os.environ.update(PYTHONPATH=before)
     h = out["history"]
     assert len(h) == 3 and out["state"]["step"] == 3
     for m in h:
