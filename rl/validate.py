@@ -176,8 +176,8 @@ def rollout_logprob_check(batch, step: int, engine: str) -> dict:
     return {"rollout/nonfinite_logprob_fraction": n_bad / max(total, 1)}
 
 
-def _check_importable(path: str, field_name: str) -> None:
-    """``module.Class`` exists (found before Ray starts, not under actor-restart tracebacks)."""
+def _check_importable(path: str, field_name: str):
+    """``module.Class`` exists (found before Ray starts, not under actor-restart tracebacks); returns it."""
     mod, _, name = str(path).rpartition(".")
     try:
         spec = importlib.util.find_spec(mod) if mod else None
@@ -186,7 +186,7 @@ def _check_importable(path: str, field_name: str) -> None:
     if spec is None:
         raise ValueError(f"{field_name}={path!r}: no module {mod!r} (expected a dotted path module.Class)")
     try:
-        getattr(importlib.import_module(mod), name)
+        return getattr(importlib.import_module(mod), name)
     except AttributeError:
         raise ValueError(f"{field_name}={path!r}: module {mod!r} has no {name!r}") from None
     except ImportError as e:
@@ -283,7 +283,11 @@ def validate(c) -> None:
     if c.reward.num_workers < 0 or c.reward.timeout_s <= 0:
         raise ValueError(f"reward.num_workers={c.reward.num_workers} must be >= 0, reward.timeout_s > 0")
     resolve(fn_path(c.reward.fn), "reward.fn")
-    _check_importable(r.engine, "rollout.engine")
+    engine = _check_importable(r.engine, "rollout.engine")
+    if t.max_staleness and t.partial_rollout and not getattr(engine, "INTERRUPTIBLE", False):
+        # a push's interrupt would be a no-op: responses would finish under the adapter they started with
+        raise ValueError(f"trainer.partial_rollout=true: rollout.engine={r.engine} cannot interrupt a generation "
+                         "(its INTERRUPTIBLE is False); set trainer.partial_rollout=false or use an engine that can")
     mt = r.multi_turn
     if mt.enable:
         resolve(mt.env, "rollout.multi_turn.env")

@@ -226,6 +226,15 @@ def test_async_serves_the_vllm_engine_with_partial_rollouts():
     assert VLLMRolloutEngine.INTERRUPTIBLE
 
 
+def test_partial_rollouts_on_an_engine_that_cannot_interrupt_are_refused():
+    """Was: accepted, and every push's interrupt a silent no-op (responses finished under the old adapter)."""
+    with pytest.raises(ValueError, match=r"^trainer.partial_rollout=true: rollout.engine=rl.rollout.base.RolloutEngine "
+                                         r"cannot interrupt a generation"):
+        _cfg(rollout={"engine": "rl.rollout.base.RolloutEngine"}, trainer={"max_staleness": 2})
+    assert not _cfg(rollout={"engine": "rl.rollout.base.RolloutEngine"},
+                    trainer={"max_staleness": 2, "partial_rollout": False}).trainer.partial_rollout
+
+
 def test_resume_guard_covers_async_settings():
     from rl.config import run_settings
 
