@@ -44,6 +44,14 @@ class Request:
     prefix_logprobs: list[float] = field(default_factory=list)
     """The behaviour log-probs of ``prefix_ids`` (as sampled), carried into the ``Result`` unchanged."""
 
+    def check_prefix(self, max_new_tokens: int) -> None:
+        """A ValueError naming the request unless its prefix leaves tokens of ``max_new_tokens`` to
+        generate and carries one behaviour log-prob per token (every engine's precondition)."""
+        if len(self.prefix_ids) >= max_new_tokens or len(self.prefix_logprobs) != len(self.prefix_ids):
+            raise ValueError(f"request {self.key}: a prefix of {len(self.prefix_ids)} tokens "
+                             f"({len(self.prefix_logprobs)} log-probs) must be shorter than max_new_tokens="
+                             f"{max_new_tokens}, one log-prob per token")
+
 
 @dataclass
 class Result:

@@ -185,9 +185,7 @@ class HFRolloutEngine(RolloutEngine):
             if len(r.prompt_ids) + params.max_new_tokens > self.max_positions:
                 raise ValueError(f"request {r.key}: prompt {len(r.prompt_ids)} + max_new_tokens "
                                  f"{params.max_new_tokens} exceeds max_position_embeddings={self.max_positions}")
-            if len(r.prefix_ids) >= params.max_new_tokens:
-                raise ValueError(f"request {r.key}: a prefix of {len(r.prefix_ids)} tokens leaves nothing of "
-                                 f"max_new_tokens={params.max_new_tokens}")
+            r.check_prefix(params.max_new_tokens)
             n = len(r.prompt_ids) + len(r.prefix_ids)
             groups[n if batched else (n, r.key[0])].append(r)
         out = {}

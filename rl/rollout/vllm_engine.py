@@ -302,10 +302,7 @@ class VLLMRolloutEngine(RolloutEngine):
                              "log-probs at temperature > 0 (uniform or NaN after the first token; greedy ones "
                              "are right); IcePop needs the true ones: sample greedily or without mtp_draft_tokens")
         for r in requests:
-            if len(r.prefix_ids) >= params.max_new_tokens or len(r.prefix_logprobs) != len(r.prefix_ids):
-                raise ValueError(f"request {r.key}: a prefix of {len(r.prefix_ids)} tokens ({len(r.prefix_logprobs)} "
-                                 f"log-probs) must be shorter than max_new_tokens={params.max_new_tokens}, one "
-                                 "log-prob per token")
+            r.check_prefix(params.max_new_tokens)
         sps = [dict(temperature=params.temperature, top_p=1.0, max_tokens=params.max_new_tokens - len(r.prefix_ids),
                     stop_token_ids=list(params.stop_token_ids), ignore_eos=True,
                     seed=request_seed(r.seed, len(r.prefix_ids)), logprobs=0, detokenize=False)
