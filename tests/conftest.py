@@ -3,7 +3,6 @@ that starts a process is marked ``slow``) and the one behind ``-n 2`` (a test th
 ``ray``, and all of them run on one pytest-xdist worker)."""
 
 import os
-import re
 import subprocess
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -14,6 +13,8 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import pytest
 import torch
+
+from tests.support.launch import RL_COMMAND
 
 torch.set_num_threads(1)
 
@@ -72,7 +73,6 @@ def single_rank():
 
 
 RAY_PROGRAMS = ("ray", "raylet", "gcs_server")
-RL_COMMAND = re.compile(r"(?:glm5|recipes\.main) rl\b")
 
 
 def starts_ray(argv: list[str]) -> bool:

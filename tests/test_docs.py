@@ -14,13 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.launch import REPO, child_env
+from tests.support.launch import REPO, RL_COMMAND, child_env
 
 MARK = "<!-- runs-in-test -->"
 SETUP = "./setup.sh && "
 MAIN_JOB = "./setup.sh && .venv/bin/glm5 tiny --out runs/tiny && .venv/bin/glm5 rl"
 TEST_COMMAND = "./setup.sh && OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2 --dist loadgroup tests"
-RL_COMMAND = re.compile(r"(?:glm5|recipes\.main) rl\b")
 
 
 def runnable_blocks(root: Path = REPO) -> list[tuple[str, str]]:

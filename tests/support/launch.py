@@ -9,6 +9,7 @@ A test that starts one of these is marked ``slow``."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 WORKERS = REPO / "tests" / "workers"
 _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+RL_COMMAND = re.compile(r"(?:glm5|recipes\.main) rl\b")
+"""A ``glm5 rl`` command in a command line or a doc block: it starts Ray (such tests are marked ``ray``)."""
 
 
 def child_env(**extra: str) -> dict[str, str]:
