@@ -181,11 +181,11 @@ def stage_rl_step(ctx: dict) -> dict:
 
     from tests.support.fake_device import assert_collectives_on
     from glm5_mcore.model.mtp_loss import token_logprobs
-    from rl import algos
-    from rl.batch import RolloutBatch
+    from rl.train import algos
+    from rl.train.batch import RolloutBatch
     from rl.config import RLConfig
     from rl.driver import fill_log_probs
-    from rl.trainer import PolicyTrainer
+    from rl.train.trainer import PolicyTrainer
 
     dev, hf_dir, cuda = ctx["device"], ctx["hf_dir"], ctx["device"].type == "cuda"
     cfg = RLConfig.from_dict({"model": {"hf_dir": hf_dir}, "wandb": {"mode": "disabled"}, "rollout": {"n": 2},

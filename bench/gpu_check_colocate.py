@@ -1,14 +1,14 @@
 """``bench/gpu_check.py`` stage: colocated RL on one GPU (issue 30), tiny widths, the HF engine (the lent
 machine's image has no vLLM).
 
-The trainer (``rl.trainer.PolicyTrainer``, ``rollout.colocate`` with ``offload_weights``) and the HF engine
-share the device in this one process; ``rl.colocate.Colocation`` runs its real sequence (offload → wake
+The trainer (``rl.train.trainer.PolicyTrainer``, ``rollout.colocate`` with ``offload_weights``) and the HF engine
+share the device in this one process; ``rl.schedule.colocate.Colocation`` runs its real sequence (offload → wake
 weights → push → wake KV → generate → sleep → restore) over in-process stand-ins for the Ray groups, for
 ``STEPS`` steps. Figures: CUDA memory (allocated) before the first offload, after the trainer's offload,
 after the engine's sleep, after the restore; the bytes each moved; the step time and each call's time.
 Checks: the offload frees at least the trainer's gradient + frozen-weight bytes, the restore brings the
 allocation back to within 1 MiB, the engine's sleep frees its weights, losses stay finite, and a
-``rl.weight_sync.CudaIPC`` bucket opened in a second process reads back bit-identical (the CUDA-IPC call
+``rl.rollout.weight_sync.CudaIPC`` bucket opened in a second process reads back bit-identical (the CUDA-IPC call
 the CPU tests leave to this stage).
 
 Contract (``bench/gpu_check.py``): ``BUDGET_S``; ``stage(ctx)`` with ctx ``device``, ``deadline``
@@ -33,7 +33,7 @@ MIB = float(1 << 20)
 
 
 class _Trainers:
-    """``rl.workers.TrainerGroup``'s ``call`` for one in-process rank."""
+    """``rl.cluster.workers.TrainerGroup``'s ``call`` for one in-process rank."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -43,7 +43,7 @@ class _Trainers:
 
 
 class _Engines:
-    """``rl.workers.RolloutPool``'s colocation calls for one in-process engine."""
+    """``rl.cluster.workers.RolloutPool``'s colocation calls for one in-process engine."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -62,7 +62,7 @@ class _Engines:
 def _ipc_child(handle, metas, q) -> None:
     import torch
 
-    from rl.weight_sync import receive
+    from rl.rollout.weight_sync import receive
 
     torch.cuda.set_device(0)
     got = receive(handle, metas, "cuda_ipc")
@@ -74,7 +74,7 @@ def _cuda_ipc_round_trip() -> dict:
     import torch
     import torch.multiprocessing as mp
 
-    from rl import weight_sync as ws
+    from rl.rollout import weight_sync as ws
 
     g = torch.Generator().manual_seed(0)
     tensors = {"a.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16).cuda(),
@@ -102,15 +102,15 @@ def stage(ctx: dict) -> dict:
     from transformers import AutoTokenizer
 
     from glm5_mcore.tiny import write_tiny
-    from rl import algos
-    from rl.colocate import Colocation
+    from rl.train import algos
+    from rl.schedule.colocate import Colocation
     from rl.config import RLConfig
     from rl.driver import fill_log_probs, make_batch
-    from rl.offload import device_memory
+    from rl.train.offload import device_memory
     from rl.rollout.base import Request, SamplingParams, sample_seed
     from rl.rollout.hf_engine import HFRolloutEngine
-    from rl.tasks import toy_prompts
-    from rl.trainer import PolicyTrainer
+    from rl.tasks.prompts import toy_prompts
+    from rl.train.trainer import PolicyTrainer
 
     out_dir = Path(ctx["out_dir"])
     cuda = torch.cuda.is_available()

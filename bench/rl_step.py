@@ -60,13 +60,13 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from glm5_mcore.tiny import write_tiny
-    from rl import algos
+    from rl.train import algos
     from rl.config import RLConfig
     from rl.driver import Rewards, fill_log_probs, make_batch
     from rl.rollout.base import Request, SamplingParams, sample_seed
     from rl.rollout.hf_engine import HFRolloutEngine
-    from rl.tasks import next_prompts, toy_prompts
-    from rl.trainer import PolicyTrainer
+    from rl.tasks.prompts import next_prompts, toy_prompts
+    from rl.train.trainer import PolicyTrainer
 
     tmp = tempfile.mkdtemp()
     hf = str(write_tiny(f"{tmp}/tiny"))

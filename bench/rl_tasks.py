@@ -2,12 +2,12 @@
 
 1. ``reward.fn=math`` (math-verify) on a batch of ``--samples`` generated answer strings (``\\boxed{}`` and
    GSM8K ``####`` forms, right and wrong): samples/s scored in the driver (``reward.num_workers=0``, this
-   thread) vs in the process pool (``--workers`` processes, ``rl.proc_pool``; started and warmed before
+   thread) vs in the process pool (``--workers`` processes, ``rl.tasks.proc_pool``; started and warmed before
    timing), the same strings in ABAB order, best of ``--repeats``; the pool's scores must equal the
    driver's. Target: the pool at least as fast as the driver with >= 2 free cores (it buys isolation
    and signal timeouts at no cost); on a loaded machine the ratio says what the cores allowed.
-2. The sandbox (``rl.sandbox.run_python``): median and p90 ms of ``--calls`` calls of ``print(1)``, and of
-   the code tool end to end (``rl.code_env.python_tool``: parse the GLM-5 tool call, run, describe).
+2. The sandbox (``rl.tasks.sandbox.run_python``): median and p90 ms of ``--calls`` calls of ``print(1)``, and of
+   the code tool end to end (``rl.tasks.code_env.python_tool``: parse the GLM-5 tool call, run, describe).
 
 Usage: .venv/bin/python bench/rl_tasks.py [--samples 1000] [--workers 2] [--repeats 2] [--calls 20]
 Ends with one JSON line of figures and targets.
@@ -48,10 +48,10 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=20)
     a = p.parse_args()
 
-    from rl.code_env import python_tool
+    from rl.tasks.code_env import python_tool
     from rl.config import RewardCfg
-    from rl.rewards import RewardScorer
-    from rl.sandbox import namespace_prefix, run_python
+    from rl.tasks.rewards import RewardScorer
+    from rl.tasks.sandbox import namespace_prefix, run_python
 
     pairs = answer_strings(a.samples)
     args = (["openai/gsm8k"] * len(pairs), [s for s, _ in pairs], [g for _, g in pairs], [{}] * len(pairs))

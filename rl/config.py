@@ -17,8 +17,8 @@ from rl.validate import validate
 @dataclass
 class DataCfg:
     train: Optional[str] = "toy"
-    """A jsonl, parquet or HF ``datasets`` folder with verl's columns (``rl.datasets``), or ``toy`` /
-    ``toy_tool`` (the built-in tasks a tiny random GLM-5 can learn, ``rl.tasks``)."""
+    """A jsonl, parquet or HF ``datasets`` folder with verl's columns (``rl.tasks.datasets``), or ``toy`` /
+    ``toy_tool`` (the built-in tasks a tiny random GLM-5 can learn, ``rl.tasks.prompts``)."""
     val: Optional[str] = "toy"
     columns: dict = field(default_factory=dict)
     """Other column names: field → column, e.g. ``{prompt: question, ground_truth: reward_model.answer}``
@@ -34,18 +34,18 @@ class DataCfg:
 
 @dataclass
 class MultiTurnCfg:
-    """Tool episodes (``rl.episodes``; verl's ``rollout.multi_turn`` keys where they exist): each assistant
+    """Tool episodes (``rl.tasks.episodes``; verl's ``rollout.multi_turn`` keys where they exist): each assistant
     turn runs until a tool-call stop token (or EOS / the turn's ``max_new_tokens``); a turn ending in a
     tool-call stop token goes to ``env``, whose observation is appended in the chat template's
     ``observation_role`` and the episode continues, up to ``max_assistant_turns``."""
     enable: bool = False
-    env: str = "rl.envs.toy_lookup_env"
+    env: str = "rl.tasks.envs.toy_lookup_env"
     """``module.fn`` / ``file.py:fn``: ``env(prompt, episode, **env_kwargs) -> str | None`` (texts decoded with
-    special tokens; None ends the episode); ``rl.code_env.python_tool``: the Python sandbox."""
-    env_kwargs: dict = field(default_factory=dict)  # of env (rl.code_env.python_tool: the sandbox limits)
+    special tokens; None ends the episode); ``rl.tasks.code_env.python_tool``: the Python sandbox."""
+    env_kwargs: dict = field(default_factory=dict)  # of env (rl.tasks.code_env.python_tool: the sandbox limits)
     tool_workers: int = 2
     tool_timeout_s: float = 60.0
-    """``env`` runs in ``tool_workers`` processes per rollout actor (``rl.proc_pool``; 0: in the actor, no
+    """``env`` runs in ``tool_workers`` processes per rollout actor (``rl.tasks.proc_pool``; 0: in the actor, no
     timeout); a call past ``tool_timeout_s`` wall seconds is stopped and the observation says so."""
     tool_call_stop_tokens: list = field(default_factory=list)
     """Token ids or token strings (e.g. GLM's ``<|observation|>``) that end a turn with a tool call."""
@@ -57,7 +57,7 @@ class MultiTurnCfg:
 
 @dataclass
 class ColocateCfg:
-    """Trainer and engines time-share the same GPUs (``rl.colocate``; verl's and slime's default): each
+    """Trainer and engines time-share the same GPUs (``rl.schedule.colocate``; verl's and slime's default): each
     engine actor sits in the trainer's placement-group bundles with a fraction of their GPU and CPU, and
     every step runs offload trainer → wake weights → push → wake KV cache → generate → sleep → restore
     trainer → the trainer's passes."""
@@ -112,7 +112,7 @@ class OverlongBufferCfg:
 
 @dataclass
 class RewardCfg:
-    fn: str = "rl.rewards.toy_residue"
+    fn: str = "rl.tasks.rewards.toy_residue"
     """Dotted path or verl's ``/path/file.py:compute_score``: ``fn(data_source, solution_str, ground_truth,
     extra_info) -> float`` (verl's ``compute_score`` signature), or with ``batched`` lists in, a list of
     floats out; or a built-in name: ``math`` (math-verify), ``exact_match``, ``math_answer``."""
@@ -120,7 +120,7 @@ class RewardCfg:
     kwargs: dict = field(default_factory=dict)
     num_workers: int = 2
     timeout_s: float = 30.0
-    """``num_workers`` processes score the samples (``rl.proc_pool``; 0: in the driver, no isolation), a
+    """``num_workers`` processes score the samples (``rl.tasks.proc_pool``; 0: in the driver, no isolation), a
     sample (a chunk with ``batched``) past ``timeout_s`` wall seconds is stopped."""
     timeout_score: float = 0.0
     error_score: float = 0.0
@@ -175,7 +175,7 @@ class AlgorithmCfg:
     still count in their group's statistics)."""
     rollout_correction: RolloutCorrectionCfg = field(default_factory=RolloutCorrectionCfg)
     router_replay: bool = False
-    """R3 (``rl.routing``): the trainer routes every token through the experts the rollout engine chose, in the
+    """R3 (``rl.train.routing``): the trainer routes every token through the experts the rollout engine chose, in the
     old-log-prob, reference and update forwards (Megatron-Core's ``RouterReplay``)."""
 
 
@@ -203,7 +203,7 @@ class ActorCfg:
     """Token budget of one THD-packed micro-batch of the update pass (verl's ``use_dynamic_bsz`` with
     ``ppo_max_token_len_per_gpu``, counted per pack: under ``trainer.cp`` each rank holds 1/cp of it). A
     mini-batch's samples are balanced over the DP ranks and cut into the fewest micro-batches that fit
-    (verl's ``rearrange_micro_batches``), the same number on every rank (``rl.micro_batch``); the loss is the
+    (verl's ``rearrange_micro_batches``), the same number on every rank (``rl.train.micro_batch``); the loss is the
     same under any split. A sample is never split: one longer than the budget is refused."""
     log_prob_micro_batch_tokens: Optional[int] = None
     """The budget of the forward-only passes (old / reference log-probs, critic values), which keep no
@@ -279,7 +279,7 @@ class TrainerCfg:
     previous adapter while the trainer updates on step n; the trainer's old log-probs and IcePop / TIS
     correct the staleness. 0: synchronous."""
     max_staleness: int = 0
-    """K >= 1: fully asynchronous (``rl.async_rollout``): the engines generate without pause into a buffer of
+    """K >= 1: fully asynchronous (``rl.schedule.async_source``): the engines generate without pause into a buffer of
     at most K steps' prompt groups; the trainer takes a step's batch as soon as that many groups are complete;
     a group holding a token sampled more than K adapter versions before the trainer's is dropped (counted in
     ``rollout/dropped_stale``). 0: ``off_policy_steps`` decides (today's loop)."""

@@ -1,10 +1,10 @@
 """``glm5 rl``: the GRPO / PPO driver loop. It reads top to bottom: the step's samples (prompts →
 rollout token ids + log-probs → rewards, DAPO dynamic sampling → the padded batch; with
 ``trainer.off_policy_steps=1`` all of that for the next step runs in a background thread, started here,
-while this thread drives the trainer, ``rl.overlap``) → old / reference log-probs
+while this thread drives the trainer, ``rl.schedule.step_source``) → old / reference log-probs
 (and values) on the trainer → rollout correction (IcePop) → advantages → policy update → push the
 adapter to the rollout engines. With ``rollout.colocate.enable`` each generation phase is one
-``rl.colocate.Colocation.phase`` (trainer offload → wake → push → generate → sleep → restore) and the
+``rl.schedule.colocate.Colocation.phase`` (trainer offload → wake → push → generate → sleep → restore) and the
 adapter push waits for it.
 
 ``run(cfg)`` takes a plain ``RLConfig`` (Hydra stops at the entry point, ``recipes.cli``).
@@ -23,18 +23,19 @@ import torch
 from glm5_mcore.training.checkpointing import SaveSchedule, refuse_restart_over
 from glm5_mcore.training.resume import claim_run_dir, guard_resume
 from glm5_mcore.training.run_log import RunLogger
-from rl import algos, shaping
-from rl.async_rollout import AsyncSource
-from rl.batch import RolloutBatch
-from rl.colocate import Colocation
+from rl.train import algos
+from rl.schedule import shaping
+from rl.schedule.async_source import AsyncSource
+from rl.train.batch import RolloutBatch
+from rl.schedule.colocate import Colocation
 from rl.config import RLConfig, run_settings
-from rl.episodes import tool_metrics
+from rl.tasks.episodes import tool_metrics
 from rl.logger import CONSOLE_KEYS
-from rl.rewards import RewardScorer
-from rl.overlap import StepSource
-from rl.routing import index_metrics, router_metrics
+from rl.tasks.rewards import RewardScorer
+from rl.schedule.step_source import StepSource
+from rl.train.routing import index_metrics, router_metrics
 from rl.rollout.base import Request, SamplingParams, sample_seed
-from rl.tasks import load_prompts
+from rl.tasks.prompts import load_prompts
 from rl.validate import preflight, rollout_logprob_check
 
 
@@ -47,13 +48,13 @@ def _timer(timing: dict, key: str):
 
 def make_batch(prompts, results, n: int) -> RolloutBatch:
     """The padded batch; observation tokens of tool episodes are out of ``response_mask``."""
-    from rl.episodes import apply_masks
+    from rl.tasks.episodes import apply_masks
 
     batch = RolloutBatch.build([p.ids for p in prompts for _ in range(n)], [r.response_ids for r in results],
                                [r.logprobs for r in results], [j for j, _ in enumerate(prompts) for _ in range(n)])
     apply_masks(batch, results)
     if results and all(getattr(r, "routes", None) is not None for r in results):
-        batch.routes = [r.routes for r in results]  # R3 (rl.routing)
+        batch.routes = [r.routes for r in results]  # R3 (rl.train.routing)
     if any(getattr(r, "index_topk", None) is not None for r in results):
         batch.index_topk = [r.index_topk for r in results]
     return batch
@@ -72,7 +73,7 @@ def fill_log_probs(batch: RolloutBatch, outputs: list[dict]) -> None:
 
 
 class Rewards:
-    """The samples' rewards (``rl.rewards.RewardScorer``); ``metrics`` sums ``reward/timeouts`` and
+    """The samples' rewards (``rl.tasks.rewards.RewardScorer``); ``metrics`` sums ``reward/timeouts`` and
     ``reward/errors`` since the last ``take_metrics``, ``events`` names the failed samples."""
 
     def __init__(self, cfg: RLConfig, tokenizer):
@@ -104,8 +105,8 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
     job's config there)."""
     from transformers import AutoTokenizer
 
-    from rl.ray_jobs import check_resources, resources_needed, start_ray
-    from rl.workers import RolloutPool, TrainerGroup
+    from rl.cluster.ray_jobs import check_resources, resources_needed, start_ray
+    from rl.cluster.workers import RolloutPool, TrainerGroup
 
     if not (Path(cfg.model.hf_dir) / "config.json").is_file():
         raise FileNotFoundError(f"model.hf_dir={cfg.model.hf_dir}: no config.json there (a tiny one: "
@@ -138,7 +139,7 @@ def run(cfg: RLConfig, record: Optional[Callable[[], None]] = None) -> dict:
     except BaseException:
         trainers.shutdown()
         raise
-    phase = coloc.phase if coloc is not None else (lambda what="generate": nullcontext())  # rl.colocate
+    phase = coloc.phase if coloc is not None else (lambda what="generate": nullcontext())  # rl.schedule.colocate
     placement = {"trainer": trainers.nodes(), "engines": rollouts.nodes()}  # Ray node ids, rank / actor order
     state = (trainers.first("restore", cfg.trainer.out) if cfg.trainer.resume else None) or {
         "step": 0, "epoch": 0, "cursor": 0, "kl_coef": cfg.algorithm.kl_ctrl.kl_coef}

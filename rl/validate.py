@@ -27,9 +27,9 @@ from glm5_mcore.checkpoint.layout import serving_dir
 from glm5_mcore.lora.config import check_expert_tp, check_grouped_experts
 from glm5_mcore.mcore_settings import grouped_gemm
 from glm5_mcore.training.loop import OptimCfg, check_optimizer
-from rl.cp import cp_unit
-from rl.proc_pool import resolve
-from rl.rewards import fn_path
+from rl.train.cp import cp_unit
+from rl.tasks.proc_pool import resolve
+from rl.tasks.rewards import fn_path
 
 ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "gae")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -37,7 +37,7 @@ AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-me
 
 
 def check_async(c) -> None:
-    """``trainer.max_staleness`` (``rl.async_rollout``): the settings it cannot serve, refused in one line."""
+    """``trainer.max_staleness`` (``rl.schedule.async_source``): the settings it cannot serve, refused in one line."""
     t, r, a = c.trainer, c.rollout, c.algorithm
     if isinstance(t.max_staleness, bool) or t.max_staleness < 0:
         raise ValueError(f"trainer.max_staleness={t.max_staleness!r}: an integer >= 0 (0: off)")
@@ -114,7 +114,7 @@ def preflight(c, tokenizer, prompt_sets: dict) -> tuple[int, ...]:
     {"data.train": prompts, "data.val": prompts}. Returns the rollout's stop ids."""
     from glm5_mcore.mcore_settings import ParallelConfig
     from glm5_mcore.training.model_source import resolve_model
-    from rl.mtp import mtp_layers
+    from rl.train.mtp import mtp_layers
 
     m, r = c.model, c.rollout
     glm5 = resolve_model(m).glm5  # as each trainer rank will (a Megatron-LM / Bridge config checked)

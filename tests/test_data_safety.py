@@ -297,7 +297,7 @@ def test_rows_cut_by_max_tokens_are_counted_or_bad_and_bad_utf8_is_named(tiny_di
     stats = DataStats()
     read_jsonl(path, tok, 32, skip_bad_rows=True, stats=stats)
     assert stats.skipped == 2 and any(":6: not valid UTF-8" in e for e in stats.errors)
-    from rl.tasks import PromptDataError, read_prompts
+    from rl.tasks.prompts import PromptDataError, read_prompts
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_bytes(b'{"prompt": "w1", "ground_truth": "w2"}\n{"prompt": "w1 \xfe", "ground_truth": "w2"}\n')
@@ -388,7 +388,7 @@ def test_rl_resume_with_changed_settings_is_refused_before_ray(tiny_dir, tmp_pat
 def test_config_and_reward_errors_name_the_field_or_function(tiny_dir, tmp_path, capsys):
     from recipes.sft import SFTConfig
     from rl.config import RLConfig
-    from rl.rewards import RewardError, score_batch
+    from rl.tasks.rewards import RewardError, score_batch
 
     _refused(capsys, ["sft", f"model.hf_dir={tiny_dir}", "data.train=x.jsonl", "train.steps=abc",
                       f"train.out={tmp_path / 'o'}"], "train.steps must be a number, got 'abc'")

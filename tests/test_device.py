@@ -92,11 +92,11 @@ def test_rl_trainer_on_a_device_matches_cpu(tiny_dir):
     """The RL trainer (policy + GAE critic with its value head) builds, computes log-probs / values and
     updates on the device; results equal the CPU trainer's."""
     from glm5_mcore.device import training_device
-    from rl import algos
-    from rl.batch import RolloutBatch
+    from rl.train import algos
+    from rl.train.batch import RolloutBatch
     from rl.config import RLConfig
     from rl.driver import fill_log_probs
-    from rl.trainer import PolicyTrainer
+    from rl.train.trainer import PolicyTrainer
 
     cfg = RLConfig.from_dict({"model": {"hf_dir": tiny_dir}, "wandb": {"mode": "disabled"},
                               "algorithm": {"adv_estimator": "gae"}, "rollout": {"n": 2},
@@ -144,5 +144,5 @@ def test_collectives_of_sft_rl_and_parity_get_training_device_tensors(tiny_dir, 
     print(json.dumps(res, indent=1))
     assert not res["violations"], "\n".join(res["violations"])
     callers = " ".join(res["callers"])
-    for where in ("recipes/sft.py", "rl/trainer.py", "glm5_mcore/parity.py", "megatron/core/distributed"):
+    for where in ("recipes/sft.py", "rl/train/trainer.py", "glm5_mcore/parity.py", "megatron/core/distributed"):
         assert where in callers, (where, res["callers"])

@@ -329,7 +329,7 @@ def vllm_cpu_env() -> dict:
 VLLM_CPU_NO_SLEEP = ("vLLM-CPU has no sleep mode (vllm/platforms/interface.py:231 is_sleep_mode_available: CUDA, "
                      "ROCm, XPU; config/model.py:655 refuses enable_sleep_mode elsewhere)")
 """Why ``VLLMRolloutEngine(device="cpu")`` serves ``sleep`` / ``wake_up`` as logged no-ops: colocated runs on
-the CPU still call them in order (``rl.colocate``), and a level-2 sleep still makes the next push bring every
+the CPU still call them in order (``rl.schedule.colocate``), and a level-2 sleep still makes the next push bring every
 weight back, so that path runs on CPU too."""
 
 VLLM_CPU_MOE_RELOAD = ("vLLM-CPU skips the routed experts' prepack on an in-place reload "

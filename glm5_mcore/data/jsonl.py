@@ -1,7 +1,7 @@
 """One jsonl line → its JSON value, with the one error wording every reader of rows uses.
 
 Shared by the SFT data reader (``glm5_mcore.data.sft.parse_line``, ``glm5 data preprocess``) and the RL
-prompt reader (``rl.tasks.read_prompts``): a line that is not UTF-8 or not JSON is a bad row named
+prompt reader (``rl.tasks.prompts.read_prompts``): a line that is not UTF-8 or not JSON is a bad row named
 ``file:line`` (and column), raised as the caller's own error type.
 """
 

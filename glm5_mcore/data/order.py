@@ -1,5 +1,5 @@
 """The order documents / prompts are drawn in and how a step's work is cut into micro-batches: one
-definition for SFT (``glm5_mcore.data.sft``, ``glm5_mcore.data.indexed``) and RL (``rl.tasks``, ``rl.trainer``).
+definition for SFT (``glm5_mcore.data.sft``, ``glm5_mcore.data.indexed``) and RL (``rl.tasks.prompts``, ``rl.train.trainer``).
 
 - ``epoch_order``: the reproducible shuffle of an epoch (NumPy's generator seeded with
   ``[seed, epoch]``): the SFT jsonl path, Megatron indexed datasets and the RL prompt stream.

@@ -1,4 +1,4 @@
-"""Colocated RL sized per GPU: the trainer and the rollout engine time-share every GPU (``rl.colocate``).
+"""Colocated RL sized per GPU: the trainer and the rollout engine time-share every GPU (``rl.schedule.colocate``).
 
 Each GPU holds one trainer rank and one engine shard (the engines span the trainer's world: ``engines ×
 engine GPUs = world``) and lives through two phases per step; it needs the larger of them:

@@ -26,7 +26,7 @@ class SamplingParams:
     seed_per_token: bool = False
     """True: token ``t`` of a response is drawn with its own generator seeded by ``token_seed(seed, t)``
     (not a generator's running state), so a response interrupted after any token and continued from
-    its prefix (``Request.prefix_ids``) samples what an uninterrupted engine would (``rl.async_rollout``).
+    its prefix (``Request.prefix_ids``) samples what an uninterrupted engine would (``rl.schedule.async_source``).
     vLLM cannot reseed per token: it seeds per (sample seed, start position) instead
     (``rl.rollout.vllm_engine.request_seed``)."""
 
@@ -62,15 +62,15 @@ class Result:
     """"stop" (a stop token was sampled; it is part of the response), "length", or "interrupted"
     (``RolloutEngine.interrupt`` at a weight push: the response so far, to be continued)."""
     mask: Optional[list] = None
-    """Multi-turn episodes (``rl.episodes``): 1 for each token the policy sampled, 0 for observation
+    """Multi-turn episodes (``rl.tasks.episodes``): 1 for each token the policy sampled, 0 for observation
     tokens the environment appended (their ``logprobs`` are 0); None: every token is the policy's."""
     routes: Optional[object] = None
     """R3: the experts the engine chose, numpy uint8 [len(prompt) + len(response) - 1, moe_layers, top_k]
-    (every token it processed; ``rl.routing``), or None when the engine does not report them."""
+    (every token it processed; ``rl.train.routing``), or None when the engine does not report them."""
     index_topk: Optional[tuple] = None
     """DSA: (positions int32 [m], selected keys int32 [m, indexer_layers, index_topk]) of sampled query rows."""
     tool_stats: Optional[dict] = None
-    """Tool episodes: counts of calls, errors, timeouts, cut and dropped observations (``rl.episodes``)."""
+    """Tool episodes: counts of calls, errors, timeouts, cut and dropped observations (``rl.tasks.episodes``)."""
 
 
 @dataclass
@@ -108,7 +108,7 @@ class RolloutEngine(ABC):
     """One engine per rollout actor. ``hf_dir`` is the base HF checkpoint; the adapter arrives
     through ``load_adapter``.
 
-    Colocated with the trainer (``rl.colocate``) the engine also ``sleep``s between generation phases
+    Colocated with the trainer (``rl.schedule.colocate``) the engine also ``sleep``s between generation phases
     and ``wake_up``s before them (vLLM's ``LLM.sleep(level)`` / ``LLM.wake_up(tags)``). The defaults
     here are logged no-ops returning what they did, for an engine that holds nothing worth freeing."""
 

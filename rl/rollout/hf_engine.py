@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from rl.offload import HostCopy, device_memory
+from rl.train.offload import HostCopy, device_memory
 from rl.rollout.base import (AdapterPayload, Request, Result, RolloutEngine, SamplingParams, check_sleep_level,
                              check_wake_tags, token_seed)
 
@@ -92,7 +92,7 @@ class HFRolloutEngine(RolloutEngine):
                 if type(m).__name__ == "GlmMoeDsaIndexer":
                     m.__class__ = cls
         self.max_positions = self.model.config.max_position_embeddings
-        from rl.routing import HFIndexRecorder, HFRouteRecorder
+        from rl.train.routing import HFIndexRecorder, HFRouteRecorder
 
         self.routes = HFRouteRecorder(self.model)  # R3: each token's experts travel with its sample
         self.index_rows = HFIndexRecorder(self.model, index_row_stride)  # DSA top-k of sampled query rows
@@ -124,7 +124,7 @@ class HFRolloutEngine(RolloutEngine):
         from peft import PeftModel, set_peft_model_state_dict
         from safetensors.torch import load as load_bytes
 
-        from rl.mtp import adapter_without_mtp
+        from rl.train.mtp import adapter_without_mtp
 
         if payload is None or not payload.files:
             if self.peft is not None:
@@ -145,9 +145,9 @@ class HFRolloutEngine(RolloutEngine):
                 raise ValueError(f"adapter v{payload.version}: unexpected keys {res.unexpected_keys[:3]}")
         self.adapter_version = payload.version
 
-    # ------------------------------------------------------------------ colocation (rl.colocate)
+    # ------------------------------------------------------------------ colocation (rl.schedule.colocate)
     def sleep(self, level: int) -> str:
-        """On CUDA: every weight (base and adapter) to pinned host memory (``rl.offload.HostCopy``); this
+        """On CUDA: every weight (base and adapter) to pinned host memory (``rl.train.offload.HostCopy``); this
         engine keeps no KV cache between calls, and level 2 is served as level 1 (no path reloads the base
         from disk here). On the CPU: the base class's logged no-op."""
         check_sleep_level(level)

@@ -19,7 +19,7 @@ rather than hand IcePop a different quantity. vLLM picks its own DSA top-k kerne
 not ours, so ``deterministic_topk`` is reported as unsupported (a warning), and IcePop's mismatch
 metrics show the effect.
 
-Partial rollouts (``trainer.partial_rollout``, ``rl.async_rollout``): ``interrupt`` (another thread) ends a
+Partial rollouts (``trainer.partial_rollout``, ``rl.schedule.async_source``): ``interrupt`` (another thread) ends a
 running ``generate`` at vLLM's next step — the server aborts the unfinished requests
 (``vllm_server.Server.generate``) and they return what they sampled, ``"interrupted"``; a request with
 ``prefix_ids`` is resubmitted as prompt + prefix with the rest of the token budget, under the adapter loaded
@@ -64,7 +64,7 @@ class VLLMRolloutEngine(RolloutEngine):
     ``cpu_compat.vllm_cpu_llm_kwargs``), ``dense_mla`` (serve without the DSA indexer: only while
     ``index_topk`` >= ``max_model_len``, where DSA selects every key), ``push_bytes`` (merged tensors per
     reload), ``sleep_mode`` (vLLM's, for colocated engines), ``weight_transport`` ("file": safetensors files,
-    separate engines; "handles": ``rl.weight_sync`` buckets, CUDA IPC on GPUs, colocated engines), ``return_routes`` (R3: vLLM's ``enable_return_routed_experts``, which in vLLM 0.32 needs model
+    separate engines; "handles": ``rl.rollout.weight_sync`` buckets, CUDA IPC on GPUs, colocated engines), ``return_routes`` (R3: vLLM's ``enable_return_routed_experts``, which in vLLM 0.32 needs model
     runner V2 and prefix caching, so GPU only; each ``Result.routes`` is then uint8 [tokens, moe_layers,
     top_k]), ``mtp_draft_tokens`` (> 0: speculative decoding, that many tokens drafted per step by the
     checkpoint's MTP layer — vLLM's ``speculative_config`` ``method="mtp"``), ``push_threads`` (CPU threads
@@ -100,7 +100,7 @@ class VLLMRolloutEngine(RolloutEngine):
         elif deterministic_topk:
             warnings.warn("vLLM selects DSA top-k with its own kernel; the trainer's tie rule is not enforced")
         self.merge = merge
-        from rl.routing import route_dtype
+        from rl.train.routing import route_dtype
 
         self.route_dtype = route_dtype(int(config.get("n_routed_experts") or config.get("num_local_experts") or 256))
         self.push_bytes = push_bytes
@@ -113,7 +113,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.sleep_mode = sleep_mode and device != "cpu"  # cpu_compat.VLLM_CPU_NO_SLEEP
         if weight_transport not in ("file", "handles"):
             raise ValueError(f"weight_transport={weight_transport!r}: file (separate engines) or handles "
-                             "(colocated: rl.weight_sync buckets, CUDA IPC on GPUs)")
+                             "(colocated: rl.rollout.weight_sync buckets, CUDA IPC on GPUs)")
         self.transport = weight_transport
         self.n_experts = int(config.get("n_routed_experts") or 1)
         self.sync_log: list[dict] = []  # per push: buckets and bytes (handles transport)
@@ -125,7 +125,7 @@ class VLLMRolloutEngine(RolloutEngine):
                    logprobs_mode="processed_logprobs", enable_prefix_caching=False)
         if return_routes:
             llm.update(enable_return_routed_experts=True, enable_prefix_caching=True)
-        if self.sleep_mode:  # colocated with the trainer (rl.colocate)
+        if self.sleep_mode:  # colocated with the trainer (rl.schedule.colocate)
             llm["enable_sleep_mode"] = True
         if not merge:
             llm["max_lora_rank"] = max_lora_rank
@@ -137,7 +137,7 @@ class VLLMRolloutEngine(RolloutEngine):
         else:
             llm["gpu_memory_utilization"] = gpu_memory_utilization
         if mtp_draft_tokens:  # speculative decoding with the checkpoint's MTP layer as the draft
-            from rl.mtp import mtp_speculative_config
+            from rl.train.mtp import mtp_speculative_config
 
             llm["speculative_config"] = mtp_speculative_config(config, mtp_draft_tokens, hf_dir)
             llm["disable_log_stats"] = False  # vLLM's spec-decode counters (``spec_decode_counts``)
@@ -152,7 +152,7 @@ class VLLMRolloutEngine(RolloutEngine):
             self.server = LocalServer(Server(llm, dense_mla=dense_mla))
         self._dir = tempfile.mkdtemp(prefix="glm5_vllm_")  # adapters and merged files, this engine's own
 
-    # ------------------------------------------------------------------ colocation (rl.colocate)
+    # ------------------------------------------------------------------ colocation (rl.schedule.colocate)
     def sleep(self, level: int) -> str:
         """vLLM's ``LLM.sleep(level)``: 1 = weights to host memory, KV cache dropped; 2 = both dropped, so
         the next ``load_adapter`` pushes every weight (base or merged) back. A logged no-op on vLLM-CPU."""
@@ -225,7 +225,7 @@ class VLLMRolloutEngine(RolloutEngine):
         L = self.num_hidden_layers
         self._push(iter_merged_weights(self.hf_dir, path, tuple(self._pushed), self.push_bytes, "all",
                                        merged=lambda h: self.drafts if is_mtp_tensor(h, L) else is_mla_up_kv(h)))
-        from rl.mtp import adapter_without_mtp
+        from rl.train.mtp import adapter_without_mtp
 
         for name, data in adapter_without_mtp(payload.files, L, drop_modules=(MLA_UP_KV,)).items():
             (path / name).write_bytes(data)
@@ -273,10 +273,10 @@ class VLLMRolloutEngine(RolloutEngine):
             self.sync_log.append({"buckets": [b["names"] for b in buckets], "bytes": sum(b["bytes"] for b in buckets)})
 
     def _send_buckets(self, method: str, part: dict) -> list[dict]:
-        """``part`` to vLLM as ``rl.weight_sync`` buckets of whole decoder layers (at most ``push_bytes``
+        """``part`` to vLLM as ``rl.rollout.weight_sync`` buckets of whole decoder layers (at most ``push_bytes``
         unless one layer is larger: the granularity the file path reloads), each handed over as a CUDA IPC handle on GPUs (the bucket built on the engine's GPU) or
         the shared-file stand-in on the CPU."""
-        from rl import weight_sync
+        from rl.rollout import weight_sync
 
         cuda = torch.cuda.is_available() and self.device != "cpu"
         codec = weight_sync.codec("cuda_ipc" if cuda else "shared_file")

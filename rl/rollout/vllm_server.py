@@ -4,7 +4,7 @@ It runs where vLLM is installed: in the engine's own process when the rollout en
 or as ``python -m rl.rollout.vllm_server`` under another interpreter (``vllm_python``: vLLM pins
 torch / transformers versions the trainer's environment need not share), answering the engine over
 a ``multiprocessing.connection`` socket. It imports nothing of the project but this file and
-``rl.weight_sync`` (torch only), and what crosses the socket is plain data (token ids, floats, file paths,
+``rl.rollout.weight_sync`` (torch only), and what crosses the socket is plain data (token ids, floats, file paths,
 bucket handles): weights travel as safetensors files, or (colocated engines) as weight-sync buckets.
 
 - ``generate``: ``TokensPrompt`` in, token ids + ``processed_logprobs`` out (token-in/token-out, no
@@ -12,7 +12,7 @@ bucket handles): weights travel as safetensors files, or (colocated engines) as 
   boundary: the unfinished requests are aborted and return what they sampled so far.
 - ``reload_draft``: the MTP layer's tensors into the speculative draft model (which ``reload`` never
   reaches), ``draft_weights`` reads them back, ``spec_decode_counts`` gives the draft's acceptance.
-- ``reload_handle`` / ``reload_draft_handle``: one ``rl.weight_sync`` bucket (CUDA IPC handle, or its CPU
+- ``reload_handle`` / ``reload_draft_handle``: one ``rl.rollout.weight_sync`` bucket (CUDA IPC handle, or its CPU
   stand-in) rebuilt as views on each worker and reloaded like ``reload``'s file.
 - ``reload``: vLLM 0.32's worker has no ``load_weights``, only ``reload_weights(weights_iterator=...,
   is_checkpoint_format=True)``, and tensors sent through ``collective_rpc`` arrive as nested lists;
@@ -132,9 +132,9 @@ def _reload_from_file(worker, path: str) -> int:
 
 
 def _reload_from_handle(worker, handle, metas, codec: str, draft: bool = False) -> int:
-    """Run on every vLLM worker: reload the tensors of one weight-sync bucket (``rl.weight_sync``: CUDA IPC
+    """Run on every vLLM worker: reload the tensors of one weight-sync bucket (``rl.rollout.weight_sync``: CUDA IPC
     on GPUs, the shared-file stand-in on CPU) as views of the sender's memory, no file in between."""
-    from rl.weight_sync import receive
+    from rl.rollout.weight_sync import receive
 
     tensors = receive(handle, metas, codec)
     if draft:
@@ -298,7 +298,7 @@ class Server:
         return n
 
     def reload_handle(self, handle, metas: list, codec: str) -> int:
-        """Reload one weight-sync bucket (``rl.weight_sync``) on every worker; the engine drops the prefix
+        """Reload one weight-sync bucket (``rl.rollout.weight_sync``) on every worker; the engine drops the prefix
         cache once the last bucket of a push is in (``reset_prefix_cache``)."""
         return sum(self.llm.collective_rpc(_reload_from_handle, kwargs={"handle": handle, "metas": metas,
                                                                         "codec": codec}))

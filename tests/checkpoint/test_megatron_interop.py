@@ -209,7 +209,7 @@ def test_sft_checks_a_bridge_folders_config_against_model_hf_dir(foreign, tiny_m
 def test_rl_trainer_starts_from_a_megatron_lm_folder(foreign, tiny_mtp_dir):
     """RL's ``model.ckpt``: the policy's base weights are the Megatron-LM folder's (router upcast)."""
     from rl.config import RLConfig
-    from rl.trainer import PolicyTrainer
+    from rl.train.trainer import PolicyTrainer
 
     def base(**model):
         t = PolicyTrainer(RLConfig.from_dict({"model": {"hf_dir": tiny_mtp_dir, **model},

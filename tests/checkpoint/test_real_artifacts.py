@@ -195,7 +195,7 @@ def test_saved_folder_lora_exports_and_is_an_rl_base(saved_dir, tmp_path):
     from rl.config import RLConfig
     from rl.rollout.base import Request, SamplingParams, sample_seed
     from rl.rollout.hf_engine import HFRolloutEngine
-    from rl.trainer import PolicyTrainer
+    from rl.train.trainer import PolicyTrainer
 
     from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
 
@@ -213,7 +213,7 @@ def test_saved_folder_lora_exports_and_is_an_rl_base(saved_dir, tmp_path):
     engine = HFRolloutEngine(saved_dir)
     engine.load_adapter(trainer.export_adapter(1))
     from rl.driver import fill_log_probs, make_batch
-    from rl.tasks import toy_prompts
+    from rl.tasks.prompts import toy_prompts
     from transformers import AutoTokenizer
 
     prompts = toy_prompts(AutoTokenizer.from_pretrained(saved_dir), 2, seed=0)

@@ -117,7 +117,7 @@ def perturbed_payload(tiny_dir):
     """The trainer's adapter with B != 0 on every target, and the trainer's merged kv_b_proj weights."""
     from glm5_mcore.checkpoint.hf_names import hf_source
     from glm5_mcore.lora.apply import lora_layers
-    from rl.trainer import PolicyTrainer
+    from rl.train.trainer import PolicyTrainer
 
     trainer = PolicyTrainer(_rl(tiny_dir))
     g = torch.Generator().manual_seed(5)
@@ -251,7 +251,7 @@ def test_process_groups_get_an_explicit_timeout(monkeypatch):
 # ---------------------------------------------------------------- D5: top-k agreement, no host copy per layer
 def test_index_topk_agreement_copies_to_the_host_once(monkeypatch):
     from glm5_mcore.model.dsa import GLM5SparseAttention
-    from rl.routing import index_topk_counts
+    from rl.train.routing import index_topk_counts
 
     S, K, n_layers = 12, 3, 4
     g = torch.Generator().manual_seed(0)

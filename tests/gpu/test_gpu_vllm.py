@@ -43,8 +43,8 @@ def test_vllm_engine_samples_with_logprobs_close_to_trainer(mla576_dir, merge):
     from rl.driver import fill_log_probs, make_batch
     from rl.rollout.base import Request, SamplingParams, sample_seed
     from rl.rollout.vllm_engine import VLLMRolloutEngine
-    from rl.tasks import toy_prompts
-    from rl.trainer import PolicyTrainer
+    from rl.tasks.prompts import toy_prompts
+    from rl.train.trainer import PolicyTrainer
 
     cfg = RLConfig.from_dict({"model": {"hf_dir": mla576_dir}, "wandb": {"mode": "disabled"},
                               "trainer": {"bf16": True}})
@@ -73,9 +73,9 @@ def test_vllm_returns_routes_and_trainer_replays_them(mla576_dir):
     from rl.driver import fill_log_probs, make_batch
     from rl.rollout.base import Request, SamplingParams, sample_seed
     from rl.rollout.vllm_engine import VLLMRolloutEngine
-    from rl.routing import router_metrics
-    from rl.tasks import toy_prompts
-    from rl.trainer import PolicyTrainer
+    from rl.train.routing import router_metrics
+    from rl.tasks.prompts import toy_prompts
+    from rl.train.trainer import PolicyTrainer
 
     cfg = RLConfig.from_dict({"model": {"hf_dir": mla576_dir}, "wandb": {"mode": "disabled"},
                               "trainer": {"bf16": True}, "algorithm": {"router_replay": True}})
@@ -117,8 +117,8 @@ def test_vllm_engine_drafts_with_the_mtp_layer(tmp_path, merge):
     from rl.config import RLConfig
     from rl.rollout.base import Request, SamplingParams, sample_seed
     from rl.rollout.vllm_engine import VLLMRolloutEngine
-    from rl.tasks import toy_prompts
-    from rl.trainer import PolicyTrainer
+    from rl.tasks.prompts import toy_prompts
+    from rl.train.trainer import PolicyTrainer
 
     from tests.support.rl_setup import perturb, trainer_merged_mtp, vllm_draft_view
 

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from rl import algos
-from rl.batch import RolloutBatch
+from rl.train import algos
+from rl.train.batch import RolloutBatch
 from rl.config import RLConfig
-from rl.rewards import RewardError, exact_match, math_answer, score_batch, toy_residue
+from rl.tasks.rewards import RewardError, exact_match, math_answer, score_batch, toy_residue
 
 
 def _cfg(**over):

@@ -1,4 +1,4 @@
-"""Fully asynchronous RL (``trainer.max_staleness``, ``rl.async_rollout``) and partial rollouts: the
+"""Fully asynchronous RL (``trainer.max_staleness``, ``rl.schedule.async_source``) and partial rollouts: the
 buffer hands out every prompt of the stream once, with the synchronous run's seeds; interrupted responses
 continue under the new adapter with each token's version and behaviour log-prob; stale groups are dropped
 and counted; a resumed source regenerates exactly the groups that were not trained; the HF engine's
@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from rl.async_rollout import AsyncSource, expand
+from rl.schedule.async_source import AsyncSource, expand
 from rl.config import RLConfig
 from rl.rollout.base import AdapterPayload, Request, Result, SamplingParams, sample_seed, token_seed
-from rl.tasks import Prompt, next_prompts
+from rl.tasks.prompts import Prompt, next_prompts
 
 P, N = 4, 2
 
@@ -204,7 +204,7 @@ def test_resumed_source_regenerates_the_untrained_groups_once():
     ({"trainer": {"off_policy_steps": 1}}, "trainer.off_policy_steps=1"),
     ({"rollout": {"colocate": {"enable": True}}}, "rollout.colocate.enable=true"),
     ({"algorithm": {"filter_groups": {"enable": True}}}, "algorithm.filter_groups.enable=true"),
-    ({"rollout": {"multi_turn": {"enable": True, "env": "rl.envs.lookup_env",
+    ({"rollout": {"multi_turn": {"enable": True, "env": "rl.tasks.envs.lookup_env",
                                  "tool_call_stop_tokens": [3]}}}, "rollout.multi_turn.enable=true"),
     ({"algorithm": {"router_replay": True}}, "algorithm.router_replay=true"),
 ])
@@ -315,7 +315,7 @@ def test_hf_engine_mixed_version_response_keeps_each_tokens_behaviour_logprob(en
     version-0 engine's, token for token, and every continued token's log-prob is version 1's
     log_softmax(logits / T) at that position (a teacher-forced forward of prompt + response), so IcePop /
     TIS see per token the policy that sampled it; the padded batch carries exactly those rows."""
-    from rl.batch import RolloutBatch
+    from rl.train.batch import RolloutBatch
 
     params = SamplingParams(temperature=1.5, max_new_tokens=10, seed_per_token=True)
     reqs = _requests()

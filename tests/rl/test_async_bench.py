@@ -12,7 +12,7 @@ import torch
 from bench.rl_async import FreeTrainerGroup, InstantEngine, check_bounded, forced_length, mode_figures, steps_per_s
 from rl.driver import fill_log_probs, make_batch
 from rl.rollout.base import AdapterPayload, Request, SamplingParams
-from rl.tasks import Prompt
+from rl.tasks.prompts import Prompt
 
 
 def history(steps: int, step_s, train_s: float, wait_s: float = 0.0) -> list[dict]:

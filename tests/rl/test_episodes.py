@@ -1,4 +1,4 @@
-"""Multi-turn tool episodes (``rl.episodes``) on a tiny GLM-5, in-process: the episode is the exact ids
+"""Multi-turn tool episodes (``rl.tasks.episodes``) on a tiny GLM-5, in-process: the episode is the exact ids
 the engine produced and consumed (observations in the chat template's role), observation tokens carry
 no loss, IcePop weight or KL (changing their log-probs changes nothing), and the trainer's log-probs on
 episode tokens match the engine's to 1e-5 in fp32."""
@@ -8,7 +8,7 @@ import torch
 
 from rl.config import RLConfig
 from rl.driver import fill_log_probs, make_batch
-from rl.episodes import load_env, observation_ids, run_episodes, tool_token_ids
+from rl.tasks.episodes import load_env, observation_ids, run_episodes, tool_token_ids
 from rl.rollout.base import Request, SamplingParams, sample_seed
 from tests.support.rl_setup import assert_observations_inert, perturb
 
@@ -26,9 +26,9 @@ def _cfg(tiny_dir, **over):
 def episodes(tiny_dir):
     from transformers import AutoTokenizer
 
-    from rl.tasks import toy_tool_prompts
+    from rl.tasks.prompts import toy_tool_prompts
     from rl.rollout.hf_engine import HFRolloutEngine
-    from rl.trainer import PolicyTrainer
+    from rl.train.trainer import PolicyTrainer
 
     cfg = _cfg(tiny_dir)
     tok = AutoTokenizer.from_pretrained(tiny_dir)
@@ -114,7 +114,7 @@ def test_trainer_and_engine_logprobs_agree_on_episode_tokens(episodes):
 
 def test_bad_multi_turn_settings_name_the_field(tiny_dir):
     with pytest.raises(ValueError, match="rollout.multi_turn.env"):
-        _cfg(tiny_dir, **{"rollout.multi_turn.env": "rl.envs.no_such_env"})
+        _cfg(tiny_dir, **{"rollout.multi_turn.env": "rl.tasks.envs.no_such_env"})
     with pytest.raises(ValueError, match="rollout.multi_turn.tool_call_stop_tokens"):
         _cfg(tiny_dir, **{"rollout.multi_turn.tool_call_stop_tokens": "[]"})
     with pytest.raises(ValueError, match="rollout.multi_turn.max_assistant_turns"):

@@ -1,4 +1,4 @@
-"""Dynamic micro-batches (``rl.micro_batch``, verl's ``use_dynamic_bsz``): the plan fits the token budget,
+"""Dynamic micro-batches (``rl.train.micro_batch``, verl's ``use_dynamic_bsz``): the plan fits the token budget,
 balances DP ranks and gives every rank the same count; the loss (token-mean, seq-mean-token-mean) is the
 same under any split of a mini-batch into micro-batches at DP 1 and DP 2; a sample longer than the budget
 is refused with one line; the forward-only passes use their own budget."""
@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from rl import algos
-from rl.batch import RolloutBatch
-from rl.micro_batch import plan_micro_batches
+from rl.train import algos
+from rl.train.batch import RolloutBatch
+from rl.train.micro_batch import plan_micro_batches
 from tests.support.rl_setup import perturb, rl_cfg
 
 
@@ -138,7 +138,7 @@ def trained(tiny_dir):
     from glm5_mcore.lora.apply import lora_layers
     from rl.driver import fill_log_probs, make_batch
     from rl.rollout.hf_engine import HFRolloutEngine
-    from rl.trainer import PolicyTrainer
+    from rl.train.trainer import PolicyTrainer
     from tests.support.rl_setup import rollout
 
     cfg = rl_cfg(tiny_dir, **SECTIONS)

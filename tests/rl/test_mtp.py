@@ -26,7 +26,7 @@ def mtp_setup(tiny_mtp_dir):
     from transformers import AutoTokenizer
 
     from rl.rollout.hf_engine import HFRolloutEngine
-    from rl.trainer import PolicyTrainer
+    from rl.train.trainer import PolicyTrainer
 
     cfg = rl_cfg(tiny_mtp_dir, rollout={"temperature": 0.8, "max_new_tokens": 12, "n": 2},
                actor={"mtp_loss_scale": 0.3, "ppo_mini_batch_size": 2})
@@ -55,7 +55,7 @@ def _mtp_logits(trainer, mb, train: bool):
 def test_mtp_on_leaves_ppo_logprobs_unchanged(mtp_setup, tiny_mtp_dir):
     """Against a trainer with the MTP loss off: built without the MTP block at all."""
     from glm5_mcore.lora.apply import lora_layers
-    from rl.trainer import PolicyTrainer
+    from rl.train.trainer import PolicyTrainer
 
     cfg, trainer, batch = mtp_setup
     off = PolicyTrainer(rl_cfg(tiny_mtp_dir, rollout={"temperature": 0.8}))
@@ -119,7 +119,7 @@ def test_rollout_mtp_accept_equals_hand_count(mtp_setup):
                 tot += 1
     assert tot > 20 and abs(got - hit / tot) < 1e-12, (got, hit, tot)
     # and the update reports it with the MTP loss
-    from rl import algos
+    from rl.train import algos
 
     batch.scores = torch.rand(batch.size)
     fill_log_probs(batch, [trainer.compute_log_probs(batch)])
@@ -166,14 +166,14 @@ def load_file_bytes(payload):
 
 
 def test_mtp_loss_refused_without_mtp_tensors(tiny_dir, tmp_path):
-    from rl.trainer import PolicyTrainer
+    from rl.train.trainer import PolicyTrainer
 
     with pytest.raises(ValueError, match="actor.mtp_loss_scale=0.1: .* stores no MTP layer weights"):
         PolicyTrainer(rl_cfg(tiny_dir, actor={"mtp_loss_scale": 0.1}))
 
 
 def test_vllm_mtp_speculative_settings(tiny_mtp_dir, tiny_dir):
-    from rl.mtp import mtp_speculative_config
+    from rl.train.mtp import mtp_speculative_config
 
     c = json.loads((Path(tiny_mtp_dir) / "config.json").read_text())
     assert mtp_speculative_config(c, 2, tiny_mtp_dir) == {"method": "mtp", "num_speculative_tokens": 2}
@@ -242,7 +242,7 @@ def test_mtp_loss_and_accept_at_tp2_and_dp2ep2_equal_one_rank(tiny_mtp_dir, tmp_
     import sys
     import time
 
-    from rl.trainer import PolicyTrainer
+    from rl.train.trainer import PolicyTrainer
     from tests.workers.rl_mtp_check import load_case, measure, mtp_cfg
 
     cfg = mtp_cfg(tiny_mtp_dir)

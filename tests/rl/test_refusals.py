@@ -113,7 +113,7 @@ def test_nonfinite_rollout_logprobs_are_counted_masked_or_refused():
     trained, no word. Some NaN: counted and out of the loss; all NaN: one line naming the engine."""
     import torch
 
-    from rl.batch import RolloutBatch
+    from rl.train.batch import RolloutBatch
     from rl.validate import rollout_logprob_check
 
     nan = float("nan")
@@ -158,7 +158,7 @@ def test_an_actor_whose_process_died_says_why_in_one_line():
     import ray
     from ray.core.generated.common_pb2 import ActorDiedErrorContext
 
-    from rl.ray_jobs import cause_line
+    from rl.cluster.ray_jobs import cause_line
 
     why = ("The actor is dead because its worker process has died. Worker exit type: NODE_OUT_OF_MEMORY "
            "Worker exit detail: Task was killed due to the node running low on memory.")

@@ -1,4 +1,4 @@
-"""Rollout Routing Replay (R3, ``rl.routing``) on a tiny GLM-5, in-process: routes travel from the HF
+"""Rollout Routing Replay (R3, ``rl.train.routing``) on a tiny GLM-5, in-process: routes travel from the HF
 engine with each sample, the trainer replays them with Megatron-Core's ``RouterReplay``, and
 ``rollout_corr/router_agree`` shows routing mismatch."""
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from rl import algos
+from rl.train import algos
 from rl.driver import fill_log_probs, make_batch
-from rl.routing import index_metrics, router_metrics
+from rl.train.routing import index_metrics, router_metrics
 
 from tests.support.rl_setup import perturb, perturbed_router_engine, rl_cfg, rollout
 
@@ -20,7 +20,7 @@ def setup(tiny_dir):
     from transformers import AutoTokenizer
 
     from rl.rollout.hf_engine import HFRolloutEngine
-    from rl.trainer import PolicyTrainer
+    from rl.train.trainer import PolicyTrainer
 
     cfg = rl_cfg(tiny_dir, rollout={"temperature": 0.8, "max_new_tokens": 12},
                algorithm={"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": "0.5_2.0"}})

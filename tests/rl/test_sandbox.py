@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from rl.code_env import python_tool
-from rl.episodes import ToolRunner, run_episodes
+from rl.tasks.code_env import python_tool
+from rl.tasks.episodes import ToolRunner, run_episodes
 from rl.rollout.base import Request, Result, SamplingParams
-from rl.sandbox import SandboxLimits, run_python
-from rl.tool_parse import ToolCall, ToolCallError, parse_tool_calls
+from rl.tasks.sandbox import SandboxLimits, run_python
+from rl.tasks.tool_parse import ToolCall, ToolCallError, parse_tool_calls
 
 
 def _nobody_processes() -> int:

@@ -1,4 +1,4 @@
-"""DAPO batch shaping and the step source (``rl.shaping``, ``rl.overlap``) without Ray: uniform groups
+"""DAPO batch shaping and the step source (``rl.schedule.shaping``, ``rl.schedule.step_source``) without Ray: uniform groups
 are dropped and the batch refilled from further prompts, the overlong penalty follows verl's DAPO
 formula, truncated responses can be masked, and one-step-off-policy prefetching keeps the prompt stream,
 seeds and adapter versions fixed by the step."""
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from rl.config import RLConfig
-from rl.overlap import StepSource
+from rl.schedule.step_source import StepSource
 from rl.rollout.base import AdapterPayload, Result
-from rl.shaping import GroupFilter, mask_truncated, overlong_penalty, uniform_groups
-from rl.tasks import Prompt
+from rl.schedule.shaping import GroupFilter, mask_truncated, overlong_penalty, uniform_groups
+from rl.tasks.prompts import Prompt
 
 
 def _cfg(**sections):
@@ -57,7 +57,7 @@ def _prompts(count=64):
 
 
 def _stream_rounds(cfg, k):
-    from rl.tasks import next_prompts
+    from rl.tasks.prompts import next_prompts
 
     pos = {"epoch": 0, "cursor": 0}
     return [[p.index for p in next_prompts(_prompts(), 4, cfg.data.seed, pos)] for _ in range(k)]

@@ -8,9 +8,9 @@ import textwrap
 import pytest
 
 from rl.config import RewardCfg
-from rl.datasets import PromptDataError
-from rl.rewards import RewardScorer
-from rl.tasks import read_prompts
+from rl.tasks.datasets import PromptDataError
+from rl.tasks.rewards import RewardScorer
+from rl.tasks.prompts import read_prompts
 
 GLM5_SPECIAL = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
                 "<|assistant|>", "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>", "<think>",

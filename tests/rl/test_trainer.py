@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from rl import algos
+from rl.train import algos
 from rl.driver import Rewards, fill_log_probs, make_batch
 from rl.rollout.base import Request, SamplingParams, sample_seed
-from rl.tasks import next_prompts, toy_prompts
+from rl.tasks.prompts import next_prompts, toy_prompts
 from tests.support.rl_setup import perturb, rl_cfg, rollout
 
 
@@ -18,7 +18,7 @@ def setup(tiny_dir):
     from transformers import AutoTokenizer
 
     from rl.rollout.hf_engine import HFRolloutEngine
-    from rl.trainer import PolicyTrainer
+    from rl.train.trainer import PolicyTrainer
 
     cfg = rl_cfg(tiny_dir, rollout={"temperature": 0.8, "max_new_tokens": 16})
     trainer = PolicyTrainer(cfg)
@@ -104,7 +104,7 @@ def test_gae_critic_value_loss_falls(tiny_dir):
     from transformers import AutoTokenizer
 
     from rl.rollout.hf_engine import HFRolloutEngine
-    from rl.trainer import PolicyTrainer
+    from rl.train.trainer import PolicyTrainer
 
     cfg = rl_cfg(tiny_dir, algorithm={"adv_estimator": "gae", "gamma": 1.0, "lam": 0.95},
                rollout={"n": 4, "max_new_tokens": 4}, actor={"lr": 5e-3, "ppo_mini_batch_size": 8},

@@ -59,7 +59,7 @@ def _perturb(trainer, seed: int, scale: float = 0.05) -> None:
 
 def _requests(tok, step: int):
     from rl.rollout.base import Request, sample_seed
-    from rl.tasks import toy_prompts
+    from rl.tasks.prompts import toy_prompts
 
     prompts = toy_prompts(tok, 4, seed=step)
     return prompts, [Request((p.index, k), p.ids, sample_seed(3, step, p.index, k)) for p in prompts for k in range(2)]
@@ -102,7 +102,7 @@ def test_engine_matches_trainer_and_peft_and_pushes_replace(tiny576, tmp_path):
     from rl.config import RLConfig
     from rl.rollout.base import SamplingParams
     from rl.rollout.vllm_engine import VLLMRolloutEngine
-    from rl.trainer import PolicyTrainer
+    from rl.train.trainer import PolicyTrainer
 
     cfg = RLConfig.from_dict({"model": {"hf_dir": tiny576}, "wandb": {"mode": "disabled"},
                               "rollout": {"temperature": T}})
@@ -197,12 +197,12 @@ def test_mtp_draft_head_follows_the_pushed_adapter(tiny576_mtp):
     Greedy (T=0) throughout: vLLM-CPU's speculative sampling at T>0 returns broken log-probs."""
     from transformers import AutoTokenizer
 
-    from rl import algos
+    from rl.train import algos
     from rl.config import RLConfig
     from rl.driver import fill_log_probs, make_batch
     from rl.rollout.base import SamplingParams
     from rl.rollout.vllm_engine import VLLMRolloutEngine
-    from rl.trainer import PolicyTrainer
+    from rl.train.trainer import PolicyTrainer
 
     cfg = RLConfig.from_dict({"model": {"hf_dir": tiny576_mtp}, "wandb": {"mode": "disabled"},
                               "rollout": {"temperature": T, "n": 2},
@@ -267,7 +267,7 @@ def test_mtp_draft_head_follows_the_pushed_adapter(tiny576_mtp):
 
 
 def test_tool_episodes_on_the_vllm_engine(tiny576, tmp_path):
-    """Multi-turn tool episodes (``rl.episodes``) over the vLLM engine's token-in/token-out ``generate``, with
+    """Multi-turn tool episodes (``rl.tasks.episodes``) over the vLLM engine's token-in/token-out ``generate``, with
     a trained-looking adapter pushed (merged weights): every turn's ids are the engine's, each observation is
     the chat template's ids appended after a tool-call stop token, the next turn continues from exactly those
     ids (replayed through the engine: same tokens), the trainer's batch holds exactly these ids, observation
@@ -278,11 +278,11 @@ def test_tool_episodes_on_the_vllm_engine(tiny576, tmp_path):
     from recipes.cli import compose
     from rl.config import RLConfig
     from rl.driver import fill_log_probs, make_batch
-    from rl.tasks import toy_tool_prompts
-    from rl.episodes import load_env, observation_ids, run_episodes, tool_token_ids
+    from rl.tasks.prompts import toy_tool_prompts
+    from rl.tasks.episodes import load_env, observation_ids, run_episodes, tool_token_ids
     from rl.rollout.base import Request, SamplingParams, sample_seed
     from rl.rollout.vllm_engine import VLLMRolloutEngine
-    from rl.trainer import PolicyTrainer
+    from rl.train.trainer import PolicyTrainer
 
     cfg = RLConfig.from_dict(compose("rl/tool_tiny", [f"model.hf_dir={tiny576}", "wandb.mode=disabled",
                                                       "rollout.max_new_tokens=3", f"rollout.temperature={T}",
@@ -364,8 +364,8 @@ def test_push_after_generation_reaches_cached_prompts_and_the_mla_up_projection(
     from rl.config import RLConfig
     from rl.rollout.base import Request, SamplingParams, sample_seed
     from rl.rollout.vllm_engine import VLLMRolloutEngine
-    from rl.tasks import toy_prompts
-    from rl.trainer import PolicyTrainer
+    from rl.tasks.prompts import toy_prompts
+    from rl.train.trainer import PolicyTrainer
 
     cfg = RLConfig.from_dict({"model": {"hf_dir": tiny576}, "wandb": {"mode": "disabled"},
                               "rollout": {"temperature": T}, "lora": {"targets": ["linear_kv_up_proj"]}})
@@ -395,7 +395,7 @@ def test_colocated_vllm_matches_separate(tiny576, tmp_path):
     """vLLM-CPU colocated with the trainer under Ray (engine_fraction 0.5 of the trainer's bundle): per step
     offload → wake(weights) → push → wake(kv_cache) → generate → sleep(2) → restore, after a start that
     ends in sleep(2) (merged pushes: level 2,
-    so every push brings all weights back, through ``rl.weight_sync`` buckets of the shared-file stand-in),
+    so every push brings all weights back, through ``rl.rollout.weight_sync`` buckets of the shared-file stand-in),
     and the same log-probs and losses as the separate-engine run on the same seeds."""
     from rl.config import RLConfig
     from rl.driver import run

@@ -116,10 +116,10 @@ def test_weights_change_mid_response_continued_tokens_are_the_new_weights(engine
     base engine's tokens and log-probs (the trainer's base log-softmax, 1e-4), every continued token's
     log-prob is v1's (the trainer with v1, 1e-4); in the batch the trainer's IcePop / TIS weight
     (verl's rollout correction) is 1 on the continued tokens and π_v1 / π_v0 on the prefix's."""
-    from rl.algos import rollout_correction
+    from rl.train.algos import rollout_correction
     from rl.config import RLConfig
     from rl.driver import fill_log_probs, make_batch
-    from rl.trainer import PolicyTrainer
+    from rl.train.trainer import PolicyTrainer
 
     cfg = RLConfig.from_dict({"model": {"hf_dir": tiny576}, "wandb": {"mode": "disabled"},
                               "rollout": {"temperature": T}})

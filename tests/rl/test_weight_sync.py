@@ -1,4 +1,4 @@
-"""``rl.weight_sync``: buckets of whole vLLM modules in push order, bit-exact pack/unpack for every dtype,
+"""``rl.rollout.weight_sync``: buckets of whole vLLM modules in push order, bit-exact pack/unpack for every dtype,
 and the handle protocol with the CPU stand-in (the CUDA-IPC codec runs in ``bench/gpu_check_colocate.py``;
 the cross-process round trip into vLLM in ``tests/rl/test_vllm_cpu.py::test_colocated_vllm_matches_separate``)."""
 
@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from rl import weight_sync as ws
+from rl.rollout import weight_sync as ws
 
 
 def _layer(i: int, experts: int = 4) -> dict:

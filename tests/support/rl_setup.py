@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from rl import algos
+from rl.train import algos
 from rl.config import RLConfig
 from rl.driver import make_batch
 from rl.rollout.base import Request, SamplingParams, sample_seed
-from rl.tasks import toy_prompts
+from rl.tasks.prompts import toy_prompts
 
 
 def rl_cfg(tiny_dir, **sections):
@@ -43,7 +43,7 @@ def local_ray(num_cpus=None):
     here with ``num_cpus`` when given, else by the job; shut down and ``PYTHONPATH`` restored after."""
     import ray
 
-    from rl.ray_jobs import start_ray
+    from rl.cluster.ray_jobs import start_ray
 
     before = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])

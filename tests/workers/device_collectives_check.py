@@ -29,11 +29,11 @@ def sft(hf_dir: str, data: str, out: str) -> None:
 
 
 def rl(hf_dir: str) -> None:
-    from rl import algos
-    from rl.batch import RolloutBatch
+    from rl.train import algos
+    from rl.train.batch import RolloutBatch
     from rl.config import RLConfig
     from rl.driver import fill_log_probs
-    from rl.trainer import PolicyTrainer
+    from rl.train.trainer import PolicyTrainer
 
     cfg = RLConfig.from_dict({"model": {"hf_dir": hf_dir}, "wandb": {"mode": "disabled"},
                               "algorithm": {"adv_estimator": "gae"}, "rollout": {"n": 2},

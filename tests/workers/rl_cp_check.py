@@ -12,7 +12,7 @@ import torch
 
 
 def build(cfg):
-    from rl.trainer import PolicyTrainer
+    from rl.train.trainer import PolicyTrainer
     from tests.support.rl_setup import perturb
 
     trainer = PolicyTrainer(cfg)
@@ -24,9 +24,9 @@ def run(trainer, cfg, batch) -> dict:
     """What CP must not change (on the reporting rank; None elsewhere)."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from rl import algos
+    from rl.train import algos
     from rl.driver import fill_log_probs
-    from rl.routing import index_metrics, router_metrics
+    from rl.train.routing import index_metrics, router_metrics
 
     routers = [m for n, m in trainer.model.named_modules() if isinstance(m, TopKRouter) and not n.startswith("mtp.")]
     maps = []

@@ -41,7 +41,7 @@ def updates(trainer, case: dict) -> dict:
 
 def main(cfg_path: str, case_path: str, out_path: str) -> None:
     from rl.config import RLConfig
-    from rl.trainer import PolicyTrainer
+    from rl.train.trainer import PolicyTrainer
     from tests.support.helpers import save_on_rank0_and_finish
 
     torch.set_num_threads(1)

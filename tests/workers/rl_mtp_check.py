@@ -27,7 +27,7 @@ def mtp_cfg(hf_dir: str, **trainer):
 def load_case(trainer, case: dict):
     """The case's adapter into ``trainer`` (each rank keeps its shard) and its batch."""
     from glm5_mcore.lora.apply import lora_layers
-    from rl.batch import RolloutBatch
+    from rl.train.batch import RolloutBatch
 
     for _, _, lora in lora_layers(trainer.model):
         a, b = case["adapter"][lora.module_name]
@@ -41,7 +41,7 @@ def load_case(trainer, case: dict):
 def measure(trainer, cfg, batch) -> dict:
     """One RL step's MTP figures: old log-probs [B, R], then the update's ``mtp/loss`` and
     ``rollout/mtp_accept`` (None on ranks that do not report)."""
-    from rl import algos
+    from rl.train import algos
     from rl.driver import fill_log_probs
 
     out = trainer.compute_log_probs(batch)
@@ -62,7 +62,7 @@ def measure(trainer, cfg, batch) -> dict:
 
 def main(hf_dir: str, case_path: str, out: str) -> None:
     torch.set_num_threads(1)
-    from rl.trainer import PolicyTrainer
+    from rl.train.trainer import PolicyTrainer
     from tests.support.helpers import save_on_rank0_and_finish
 
     case = torch.load(case_path)

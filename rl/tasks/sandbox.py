@@ -19,7 +19,7 @@ PYTHONPATH, no current folder on ``sys.path``; the code comes on stdin) with:
 
 ``SandboxResult.status``: ``ok`` (exit 0), ``error`` (non-zero exit: an exception, ``MemoryError``),
 ``killed`` (a signal: CPU limit, file-size limit), ``timeout`` (wall clock). The namespace setup runs in
-this same file as a small boot process (``python -I rl/sandbox.py SPEC``): PID 1 of the new namespace,
+this same file as a small boot process (``python -I rl/tasks/sandbox.py SPEC``): PID 1 of the new namespace,
 it mounts the private tmpfs, forks the limited interpreter and reports its exit.
 """
 

@@ -1,8 +1,8 @@
-"""The code tool for multi-turn episodes: the turn's tool call run in the Python sandbox (``rl.sandbox``).
+"""The code tool for multi-turn episodes: the turn's tool call run in the Python sandbox (``rl.tasks.sandbox``).
 
-``rollout.multi_turn.env=rl.code_env.python_tool`` with ``env_kwargs`` = the sandbox limits
+``rollout.multi_turn.env=rl.tasks.code_env.python_tool`` with ``env_kwargs`` = the sandbox limits
 (``cpu_s``, ``memory_mb``, ``file_mb``, ``processes``, ``wall_s``, ``max_output_bytes``). The last assistant
-turn of the episode (the text after the last assistant header) is parsed for tool calls (``rl.tool_parse``:
+turn of the episode (the text after the last assistant header) is parsed for tool calls (``rl.tasks.tool_parse``:
 GLM-5's ``<tool_call>`` format or JSON); each ``python`` call (argument ``code``) runs in a fresh sandbox
 and its output becomes the observation. A bad call — unparsable, an unknown tool, a missing argument,
 a timeout, a crash, a limit hit, output over the budget — becomes an observation that says so.
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import signal
 
-from rl.sandbox import SandboxLimits, SandboxResult, run_python
-from rl.tool_parse import ToolCallError, parse_tool_calls
+from rl.tasks.sandbox import SandboxLimits, SandboxResult, run_python
+from rl.tasks.tool_parse import ToolCallError, parse_tool_calls
 
 TOOLS = {"python": "code", "code_interpreter": "code", "execute_python": "code"}
 """Tool names this env runs, and the argument holding the code."""

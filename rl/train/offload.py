@@ -1,6 +1,6 @@
 """The trainer's accelerator memory handed to a colocated rollout engine while it generates, and back.
 
-Colocated RL (``rl.colocate``) runs the engine on the trainer's GPUs between the trainer's passes. What
+Colocated RL (``rl.schedule.colocate``) runs the engine on the trainer's GPUs between the trainer's passes. What
 the trainer does not touch during generation goes to host memory (pinned under CUDA) and comes back:
 
 - gradient buffers: Megatron-Core's ``DistributedDataParallel.offload_grad_buffers`` /

@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from rl.batch import RolloutBatch
+from rl.train.batch import RolloutBatch
 from rl.config import RLConfig
 
 

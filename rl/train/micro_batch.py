@@ -10,13 +10,13 @@
   plan, with no collective. A sample is never split: one longer than the budget is refused (``check_fits``).
 - ``PackedMicroBatch``: the documents of some samples back to back (``input_ids [1, T]``, ``targets [T]``,
   ``position_ids [1, T]``), ``pos [n, R]`` the logit position of each response token, a masked filler
-  document up to ``pad_to``; R3 routes and the CP split (``rl.cp``) when asked.
+  document up to ``pad_to``; R3 routes and the CP split (``rl.train.cp``) when asked.
 - ``pack_micro_batches``: this rank's micro-batches of the plan, each padded to the largest i-th one
   over ranks (Megatron's allgather dispatcher needs equal EP shares).
 
 The loss does not depend on the split: verl's ``agg_loss`` divides by the *mini-batch's* token / sequence
 counts (``global_batch_info``), so token-mean and seq-mean-token-mean are the same under any plan.
-verl (and its ``tensordict``) are imported where used, as in ``rl.algos``.
+verl (and its ``tensordict``) are imported where used, as in ``rl.train.algos``.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import torch
 
 from glm5_mcore.data.order import equal_micro_batch_sizes
 from glm5_mcore.model.build import packed_seq_params_from_lengths
-from rl.batch import RolloutBatch
-from rl.routing import pack_routes
+from rl.train.batch import RolloutBatch
+from rl.train.routing import pack_routes
 
 
 def sample_lengths(batch: RolloutBatch, rows: list[int], cp=None) -> list[int]:
-    """Tokens each of ``rows`` takes in a pack: prompt + response, padded for the CP split (``rl.cp``)."""
+    """Tokens each of ``rows`` takes in a pack: prompt + response, padded for the CP split (``rl.train.cp``)."""
     lengths = [len(batch.prompts[i]) + len(batch.responses[i]) for i in rows]
     return [cp.padded_len([n]) for n in lengths] if cp is not None else lengths
 
@@ -100,7 +100,7 @@ def plan_micro_batches(lengths: list[int], budget: int, dp: int = 1) -> list[lis
 class PackedMicroBatch:
     """Micro-batch: samples ``rows`` packed THD; ``pos`` [n, R] logit positions of each response
     token (its predecessor's position) in the unsplit pack. With context parallelism (``cp``, an
-    ``rl.cp.RLContextParallel`` of size > 1) the tensors hold this CP rank's share (``rl.cp``) and
+    ``rl.train.cp.RLContextParallel`` of size > 1) the tensors hold this CP rank's share (``rl.train.cp``) and
     ``pad_to`` counts the padded documents' tokens."""
 
     def __init__(self, batch: RolloutBatch, rows: list[int], pad_to: int, pad_id: int, route_shape=None, cp=None):
@@ -134,11 +134,11 @@ class PackedMicroBatch:
         self.targets = torch.tensor(targets)
         self.position_ids = torch.tensor([positions])
         self.lengths = lengths
-        self.routes = self.routes_valid = None  # R3: [T, L, k] engine experts in this THD order (rl.routing)
+        self.routes = self.routes_valid = None  # R3: [T, L, k] engine experts in this THD order (rl.train.routing)
         if batch.routes is not None and route_shape:
             self.routes, self.routes_valid = pack_routes(batch.routes, batch.prompts, batch.responses, rows,
                                                          self.num_tokens, *route_shape)
-        self.unsplit = None  # CP: see rl.cp
+        self.unsplit = None  # CP: see rl.train.cp
         if cp is not None:
             cp.split(self)
 
@@ -151,7 +151,7 @@ def pack_micro_batches(batch: RolloutBatch, rows: list[int], micro_batch_tokens:
     """This DP rank's micro-batches of ``rows`` (the whole mini-batch, every rank's share) planned by
     ``plan_micro_batches`` within ``micro_batch_tokens``; micro-batch i padded to the largest i-th one of
     any rank (rounded up to ``multiple``, the TP size under sequence parallelism). ``cp``: an
-    ``rl.cp.RLContextParallel`` of size > 1, or None."""
+    ``rl.train.cp.RLContextParallel`` of size > 1, or None."""
     lengths = sample_lengths(batch, rows, cp)
     plan = plan_micro_batches(lengths, micro_batch_tokens, dp)[dp_rank]
     own = [sum(lengths[j] for j in g) for g in plan]

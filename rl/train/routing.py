@@ -231,7 +231,7 @@ class HFIndexRecorder:
 def index_topk_counts(model, batch, rows: list[int], cp_split=None) -> torch.Tensor:
     """[agreeing, total] sampled query rows (× indexer layers) whose top-k key set the trainer's last
     forward (``GLM5SparseAttention.last_topk``, packed THD keys) shares with the engine's
-    (``batch.index_topk``); float64 [2]. ``cp_split``: the micro-batch split over CP ranks (``rl.cp``):
+    (``batch.index_topk``); float64 [2]. ``cp_split``: the micro-batch split over CP ranks (``rl.train.cp``):
     only the query rows this rank holds count, their keys mapped from the padded gathered order back
     to the unsplit pack (the caller sums the CP ranks' counts)."""
     from glm5_mcore.model.dsa import GLM5SparseAttention

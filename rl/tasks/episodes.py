@@ -10,7 +10,7 @@ after the prompt: ``response_ids``, ``logprobs`` (0 on observation tokens) and `
 the policy, 0 = observation), so the trainer scores exactly the ids the engine produced and consumed,
 and observation tokens carry no loss, no IcePop weight and no KL (``batch.response_mask``).
 
-The environment runs in ``tool_workers`` worker processes (``rl.proc_pool``) with a wall timeout per call
+The environment runs in ``tool_workers`` worker processes (``rl.tasks.proc_pool``) with a wall timeout per call
 (``tool_timeout_s``): a call that hangs, raises or crashes becomes an observation that says so and names
 the env, never an exception in the rollout actor. An observation is cut to ``max_tool_response_length``
 tokens inside its message (the role header and the assistant generation prompt after it are kept), and
@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
-from rl.proc_pool import Outcome, ProcessPool, resolve
+from rl.tasks.proc_pool import Outcome, ProcessPool, resolve
 from rl.rollout.base import Request, Result, SamplingParams, sample_seed
 from rl.validate import token_ids
 

@@ -1,5 +1,5 @@
 """Where each step's samples come from: ``StepSource`` gathers a step — draws its prompts, generates,
-scores, applies DAPO's dynamic sampling (``rl.shaping``: refill rounds until the batch is full) — and,
+scores, applies DAPO's dynamic sampling (``rl.schedule.shaping``: refill rounds until the batch is full) — and,
 with ``trainer.off_policy_steps=1``, gathers step n+1 in a background thread while the trainer works
 on step n (verl's one-step-off-policy recipe): the engines generate, the driver scores and refills
 step n+1's batch, all while the trainer computes log-probs, updates and exports the adapter; the
@@ -27,8 +27,8 @@ from typing import Optional
 import torch
 
 from rl.rollout.base import Request, sample_seed
-from rl.shaping import GroupFilter, shape_scores
-from rl.tasks import next_prompts
+from rl.schedule.shaping import GroupFilter, shape_scores
+from rl.tasks.prompts import next_prompts
 
 
 @dataclass

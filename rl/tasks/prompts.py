@@ -1,8 +1,8 @@
-"""Prompt sets for RL: a jsonl / parquet / HF datasets folder (``rl.datasets``), or the built-in toy task.
+"""Prompt sets for RL: a jsonl / parquet / HF datasets folder (``rl.tasks.datasets``), or the built-in toy task.
 
 The toy task (``data.train=toy``) is one a tiny random GLM-5 can learn on CPU in minutes and whose
 right answer depends on the prompt: the prompt is three random words ``w{b} w{c} w{a}``; a response
-whose first word ``w{j}`` has ``j ≡ a (mod m)`` (a: the last word, one of ``keys`` key words) scores 1, anything else 0 (``rl.rewards.toy_residue``).
+whose first word ``w{j}`` has ``j ≡ a (mod m)`` (a: the last word, one of ``keys`` key words) scores 1, anything else 0 (``rl.tasks.rewards.toy_residue``).
 A constant policy — or one that ignores the prompt — scores 1/m; the default m = 2.
 """
 
@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from glm5_mcore.data.order import epoch_order
-from rl.datasets import PromptDataError, iter_rows, render_prompt, row_fields
+from rl.tasks.datasets import PromptDataError, iter_rows, render_prompt, row_fields
 
 TOY_SOURCE = "glm5_toy_residue"
 
@@ -54,7 +54,7 @@ def toy_prompts(tokenizer, size: int, seed: int, modulus: int = 2, keys: int = 8
 
 def read_prompts(path: str | Path, tokenizer, chat_template: bool, max_tokens: int,
                  columns: Optional[dict] = None) -> list[Prompt]:
-    """The rows of a jsonl / parquet / HF ``datasets`` folder (``rl.datasets``: verl's columns as they are,
+    """The rows of a jsonl / parquet / HF ``datasets`` folder (``rl.tasks.datasets``: verl's columns as they are,
     ``columns`` for other names); errors name the file, row and column."""
     out = []
     for where, row in iter_rows(path):
@@ -111,7 +111,7 @@ def hidden_value(prompt_text: str) -> int:
 
 
 def toy_tool_prompts(tokenizer, size: int, seed: int) -> list[Prompt]:
-    """The toy prompts (``rl.tasks.toy_prompts``' words) with the hidden value's parity as ground truth."""
+    """The toy prompts (``rl.tasks.prompts.toy_prompts``' words) with the hidden value's parity as ground truth."""
     out = []
     for p in toy_prompts(tokenizer, size, seed):
         out.append(Prompt(p.index, p.ids, p.text, ground_truth=hidden_value(p.text) % 2, data_source=TOOL_SOURCE))

@@ -1,12 +1,12 @@
 """Colocated RL: the trainer and the rollout engines time-share the same GPUs (``rollout.colocate.enable``).
 
-The engines' actors sit in the trainer's placement-group bundles (``rl.workers``, Ray's fractional
+The engines' actors sit in the trainer's placement-group bundles (``rl.cluster.workers``, Ray's fractional
 resources), vLLM is started with sleep mode, and every generation phase of the driver
 (``rl.driver.run``: a step's samples, and held-out evaluation) runs this sequence, top to bottom (after
 ``Colocation.start``: the engines started on memory the trainer lent out, then put to sleep):
 
 1. the trainer offloads what only its passes need: gradient buffers, optimizer state, and the frozen
-   base weights where ``rollout.colocate.offload_weights`` says (``rl.offload``, Megatron-Core's own
+   base weights where ``rollout.colocate.offload_weights`` says (``rl.train.offload``, Megatron-Core's own
    offload calls where they exist);
 2. the engines wake their weights (``wake_up(["weights"])``);
 3. the newest adapter (or merged weights) is pushed: the weight sync waits for the wake-up;
@@ -42,7 +42,7 @@ def sleep_level(cfg) -> int:
 
 class Colocation:
     """The generation phase of colocated engines (``phase``) and the weight sync that waits for it
-    (``push``). ``trainers``: ``rl.workers.TrainerGroup``; ``rollouts``: ``rl.workers.RolloutPool``."""
+    (``push``). ``trainers``: ``rl.cluster.workers.TrainerGroup``; ``rollouts``: ``rl.cluster.workers.RolloutPool``."""
 
     def __init__(self, cfg, trainers, rollouts, note=None):
         self.trainers, self.rollouts = trainers, rollouts

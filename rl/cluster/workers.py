@@ -1,5 +1,5 @@
 """Ray placement and actors: the trainer group and the rollout pool (Ray start-up, resource checks and waits:
-``rl.ray_jobs``).
+``rl.cluster.ray_jobs``).
 
 - ``TrainerGroup``: ``trainer.world_size`` Ray actors (one per rank, in a placement group) that form
   one torch.distributed group — rank 0 picks the rendezvous address/port — each holding a
@@ -22,7 +22,7 @@ from typing import Optional
 import ray
 
 from glm5_mcore.checkpoint.layout import latest_iteration, serving_dir
-from rl.ray_jobs import RayJobError, cause_line, error_line, node_id, wait_for
+from rl.cluster.ray_jobs import RayJobError, cause_line, error_line, node_id, wait_for
 from rl.rollout.base import AdapterPayload, Request, Result, SamplingParams
 
 
@@ -46,7 +46,7 @@ class TrainerActor:
         return ray.util.get_node_ip_address(), port
 
     def init(self, cfg, rank: int, world: int, addr: str, port: int) -> bool:
-        from rl.trainer import PolicyTrainer
+        from rl.train.trainer import PolicyTrainer
 
         self.trainer = PolicyTrainer(cfg, rank, world, addr, port)
         return self.trainer.reports
@@ -140,7 +140,7 @@ class RolloutActor:
         if self.multi_turn is not None:
             from transformers import AutoTokenizer
 
-            from rl.episodes import ToolRunner
+            from rl.tasks.episodes import ToolRunner
 
             self.tok = AutoTokenizer.from_pretrained(hf_dir)
             self.env = ToolRunner.from_config(multi_turn)
@@ -169,10 +169,10 @@ class RolloutActor:
         return node_id()
 
     def generate(self, requests: list[Request], params: SamplingParams, batched: bool) -> list[Result]:
-        from rl.routing import stash_routes  # routes by ObjectRef (R3)
+        from rl.train.routing import stash_routes  # routes by ObjectRef (R3)
 
         if self.multi_turn is not None:
-            from rl.episodes import run_episodes
+            from rl.tasks.episodes import run_episodes
 
             return stash_routes(run_episodes(self.engine, self.tok, self.env, requests, params, self.multi_turn,
                                              batched))
@@ -232,7 +232,7 @@ class RolloutPool:
             f = r.colocate.engine_fraction
             if r.engine.endswith("VLLMRolloutEngine"):
                 kwargs.setdefault("sleep_mode", True)
-                kwargs.setdefault("weight_transport", "handles")  # same GPU: CUDA IPC, no file (rl.weight_sync)
+                kwargs.setdefault("weight_transport", "handles")  # same GPU: CUDA IPC, no file (rl.rollout.weight_sync)
             opts = dict(num_cpus=f, num_gpus=t.gpus_per_rank * f, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=i * (t.world_size // r.num_actors)))
         else:

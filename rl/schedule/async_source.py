@@ -45,10 +45,10 @@ from typing import Optional
 
 import torch
 
-from rl.overlap import StepSamples
+from rl.schedule.step_source import StepSamples
 from rl.rollout.base import Request, Result, sample_seed
-from rl.shaping import shape_scores
-from rl.tasks import next_prompts
+from rl.schedule.shaping import shape_scores
+from rl.tasks.prompts import next_prompts
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The critic of GAE runs: a value head on the policy model's final-norm hidden state, beside its own
-LoRA adapter "critic" on the same frozen base (``rl.trainer``)."""
+LoRA adapter "critic" on the same frozen base (``rl.train.trainer``)."""
 
 from __future__ import annotations
 

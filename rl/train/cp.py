@@ -5,7 +5,7 @@ old / reference log-probs, values, losses and metrics are those of CP 1.
 
 - ``RLContextParallel.padded_len``: a pack's token count once its documents are padded (what the
   trainer equalises across ranks, so EP ranks see equal local sizes).
-- ``RLContextParallel.split``: a ``rl.micro_batch.PackedMicroBatch`` cut to this rank's tokens — inputs, targets,
+- ``RLContextParallel.split``: a ``rl.train.micro_batch.PackedMicroBatch`` cut to this rank's tokens — inputs, targets,
   positions, the padded ``cu_seqlens``, and the R3 routes with the same index map (each CP rank
   replays the engine's experts of the tokens it holds; padding gets placeholder experts, not valid).
 - ``RLContextParallel.gather``: per-token [T_local, ...] results of all CP ranks in the unsplit order

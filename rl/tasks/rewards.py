@@ -8,10 +8,10 @@ wrong length) into a ``RewardError`` naming the function.
 Built in (``reward.fn`` may name them without a module): ``math`` (``math_verify_score``: math-verify,
 as verl's ``math_verify`` scorer; ``\\boxed{}`` and GSM8K ``####`` answers), ``exact_match``,
 ``math_answer`` (last ``\\boxed{}`` or last number, compared as numbers when both parse, fractions
-included) and ``toy_residue`` (the toy task of ``rl.tasks``). ``reward.fn`` may also be verl's
+included) and ``toy_residue`` (the toy task of ``rl.tasks.prompts``). ``reward.fn`` may also be verl's
 ``/path/to/file.py:compute_score``.
 
-``RewardScorer`` runs the function in ``reward.num_workers`` worker processes (``rl.proc_pool``): a sample
+``RewardScorer`` runs the function in ``reward.num_workers`` worker processes (``rl.tasks.proc_pool``): a sample
 whose call times out (``reward.timeout_s``), raises or kills its process scores ``reward.timeout_score`` /
 ``reward.error_score`` and is counted (``reward/timeouts``, ``reward/errors``) and named in the run's log;
 the run goes on. ``reward.num_workers=0`` calls it in the driver (no isolation: a raise stops the run).
@@ -24,10 +24,10 @@ import re
 from fractions import Fraction
 from typing import Any, Callable, Optional
 
-from rl.proc_pool import ProcessPool, resolve
+from rl.tasks.proc_pool import ProcessPool, resolve
 
-BUILTIN = {"math": "rl.rewards.math_verify_score", "exact_match": "rl.rewards.exact_match",
-           "math_answer": "rl.rewards.math_answer", "toy_residue": "rl.rewards.toy_residue"}
+BUILTIN = {"math": "rl.tasks.rewards.math_verify_score", "exact_match": "rl.tasks.rewards.exact_match",
+           "math_answer": "rl.tasks.rewards.math_answer", "toy_residue": "rl.tasks.rewards.toy_residue"}
 """Short names of the built-in rewards (``reward.fn=math``)."""
 MAX_EVENTS = 3
 """Failed samples named in the log per kind and scoring call (the rest are counted)."""
@@ -207,7 +207,7 @@ def math_verify_score(data_source, solution_str: str, ground_truth, extra_info=N
     """1.0 when math-verify finds the response's answer equal to the ground truth, else 0.0: the
     extraction and comparison of verl's ``verl.utils.reward_score.math_verify`` (gold as ``\\boxed{gt}``
     through LaTeX extraction; the response through expression then LaTeX extraction; any gold/pred pair
-    verifying), run in this process (signal-based timeouts need the main thread: ``rl.proc_pool`` gives
+    verifying), run in this process (signal-based timeouts need the main thread: ``rl.tasks.proc_pool`` gives
     every worker one). A GSM8K ground truth ``"... #### 72"`` is cut to its final number first."""
     from math_verify.grader import verify
     from math_verify.parser import ExprExtractionConfig, LatexExtractionConfig, parse

@@ -7,14 +7,14 @@ is returned only by the ``lookup`` tool, which the policy calls by sampling any 
 (the preset's tool-call stop tokens). The answer is the episode's last word ``w{j}``: reward 1 when the
 episode called the tool and j < 64 and j ≡ v (mod 2); an answer that did not consult the tool scores 0
 (so neither guessing nor memorising the training prompts pays). A random policy scores about 0.1.
-The task's prompts and hidden value are data (``rl.tasks``); the tool and the reward live here.
+The task's prompts and hidden value are data (``rl.tasks.prompts``); the tool and the reward live here.
 """
 
 from __future__ import annotations
 
 import re
 
-from rl.tasks import TOOL_WORDS, hidden_value
+from rl.tasks.prompts import TOOL_WORDS, hidden_value
 
 OBS_REPEAT = 6
 

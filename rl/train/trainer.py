@@ -1,10 +1,10 @@
 """One trainer rank: GLM-5 on Megatron-Core with the policy LoRA adapter (and, for GAE, the
 critic: a value head + its own adapter "critic" on the same frozen base), the indexer frozen.
 
-It runs in-process (tests) or inside a Ray actor (``rl.workers``); all ranks of a run form one
+It runs in-process (tests) or inside a Ray actor (``rl.cluster.workers``); all ranks of a run form one
 torch.distributed group (gloo on CPU, NCCL on GPU) with Megatron's TP/EP/DP groups. Sequences are
 THD-packed (prompt + response per document) into micro-batches filled to a token budget
-(``rl.micro_batch``: verl's ``use_dynamic_bsz``): ``actor.log_prob_micro_batch_tokens`` for the forward-only
+(``rl.train.micro_batch``: verl's ``use_dynamic_bsz``): ``actor.log_prob_micro_batch_tokens`` for the forward-only
 passes, ``actor.micro_batch_tokens`` for the update; samples balanced over DP ranks, the same number of
 micro-batches on every rank.
 
@@ -49,16 +49,16 @@ from glm5_mcore.model.parallel import init_parallel
 from glm5_mcore.training.checkpointing import restore_run, save_run
 from glm5_mcore.training.loop import MoELoad, OptimCfg, build_trainer, forward_backward, synced_params
 from glm5_mcore.training.model_source import resolve_model
-from rl.algos import ActorLoss
-from rl.batch import RolloutBatch
+from rl.train.algos import ActorLoss
+from rl.train.batch import RolloutBatch
 from rl.config import RLConfig
-from rl.offload import TrainerOffload
-from rl.cp import RLContextParallel
-from rl.critic import ValueHead
-from rl.micro_batch import PackedMicroBatch, check_fits, pack_micro_batches
-from rl.mtp import DraftAcceptance, drafted_positions, freeze_mtp_adapters, mtp_layers, mtp_loss_off, real_token_mask
+from rl.train.offload import TrainerOffload
+from rl.train.cp import RLContextParallel
+from rl.train.critic import ValueHead
+from rl.train.micro_batch import PackedMicroBatch, check_fits, pack_micro_batches
+from rl.train.mtp import DraftAcceptance, drafted_positions, freeze_mtp_adapters, mtp_layers, mtp_loss_off, real_token_mask
 from rl.rollout.base import AdapterPayload
-from rl.routing import TrainerRouting, index_topk_counts
+from rl.train.routing import TrainerRouting, index_topk_counts
 
 
 class PolicyTrainer:
@@ -129,7 +129,7 @@ class PolicyTrainer:
     def _micro_batches(self, batch: RolloutBatch, rows: list[int], forward_only: bool = False
                        ) -> list[PackedMicroBatch]:
         """This DP rank's micro-batches of ``rows`` (every DP rank's samples: the whole batch or a
-        mini-batch), planned by ``rl.micro_batch`` within ``actor.micro_batch_tokens`` (the update) or
+        mini-batch), planned by ``rl.train.micro_batch`` within ``actor.micro_batch_tokens`` (the update) or
         ``actor.log_prob_micro_batch_tokens`` (``forward_only``); a sample longer than the budget is refused
         with one line."""
         a = self.cfg.actor
@@ -320,10 +320,10 @@ class PolicyTrainer:
             return False, "non-finite gradient"
         return True, ""
 
-    # ------------------------------------------------------------------ colocation (rl.colocate)
+    # ------------------------------------------------------------------ colocation (rl.schedule.colocate)
     def offload_memory(self) -> dict:
         """Hand what only the passes need to host memory for the colocated engine's generation phase
-        (``rl.offload``)."""
+        (``rl.train.offload``)."""
         return self.offloader.offload()
 
     def restore_memory(self) -> dict:
