@@ -113,7 +113,7 @@ def core_figures(attn, forward, T: int) -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from glm5_mcore import kernels
-    from tests.support.host_reads import SYNC_OPS
+    from glm5_mcore.probes.host_reads import SYNC_OPS
 
     core = attn.core_attention
     syncs, saved, on = [0], {}, [False]

@@ -2,8 +2,8 @@
 
 GLM-5's DSA core (``GLM5SparseAttention``: Megatron-Core's indexer, the device path's chunked top-k, the
 absorbed sparse core, W_uv) runs forward and backward on meta tensors (nothing is allocated) at 64 heads /
-TP, the 576-wide latent, a 32 x 128 indexer and top-k 2048, with ``tests/support/live_bytes.py`` booking
-every tensor it makes (``tests/support/dsa_peak.py``). Printed per (tokens, TP): the measured peak above
+TP, the 576-wide latent, a 32 x 128 indexer and top-k 2048, with ``glm5_mcore/probes/live_bytes.py`` booking
+every tensor it makes (``glm5_mcore/probes/dsa_peak.py``). Printed per (tokens, TP): the measured peak above
 the core's inputs and where it falls, the bytes kept between forward and backward, the planner's
 ``dsa_core_peak`` (PyTorch path) and their ratio, and the planner's line for the fused TileLang path
 (not measurable here). The JSON line's target: every ratio within 10 %.
@@ -36,7 +36,7 @@ def main() -> None:
     from glm5_mcore.model.parallel import init_parallel
     from glm5_mcore.plan.activations import dsa_core_peak
     from glm5_mcore.plan.layout import Layout
-    from tests.support.dsa_peak import build_core, measure_core_peak
+    from glm5_mcore.probes.dsa_peak import build_core, measure_core_peak
 
     init_parallel(ParallelConfig())
     m = glm5_744b()

@@ -129,7 +129,7 @@ def stage_model_sft(ctx: dict) -> dict:
                         "step: finite loss, LoRA moved, collectives' tensors on the device"}
     import torch
 
-    from tests.support.fake_device import assert_collectives_on
+    from glm5_mcore.probes.fake_device import assert_collectives_on
     from glm5_mcore.config import GLM5Config
     from glm5_mcore.mcore_settings import ParallelConfig
     from glm5_mcore.data.sft import pack, read_jsonl
@@ -179,7 +179,7 @@ def stage_rl_step(ctx: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from tests.support.fake_device import assert_collectives_on
+    from glm5_mcore.probes.fake_device import assert_collectives_on
     from glm5_mcore.model.mtp_loss import token_logprobs
     from rl.train import algos
     from rl.train.batch import RolloutBatch

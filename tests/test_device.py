@@ -1,5 +1,5 @@
 """Device bugs caught on CPU: the model, the SFT and RL data paths and their losses run on a stand-in
-accelerator (``tests/support/fake_device.py``: tensors on ``meta`` holding CPU values), where a tensor made
+accelerator (``glm5_mcore/probes/fake_device.py``: tensors on ``meta`` holding CPU values), where a tensor made
 on the CPU inside them fails as it would on CUDA; collectives must get training-device tensors."""
 
 import json
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.support.fake_device import fake_device, host
+from glm5_mcore.probes.fake_device import fake_device, host
 
 from glm5_mcore.config import GLM5Config
 from glm5_mcore.mcore_settings import ParallelConfig

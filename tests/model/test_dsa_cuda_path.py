@@ -7,8 +7,8 @@ import contextlib
 import pytest
 import torch
 
-from tests.support.fake_device import fake_device, host
-from tests.support.host_reads import count_host_reads
+from glm5_mcore.probes.fake_device import fake_device, host
+from glm5_mcore.probes.host_reads import count_host_reads
 
 
 def _attention_layer(hf_dir, dev_ctx):

@@ -1,5 +1,5 @@
 """Issue 29 item 4: one DSA layer's peak memory at 32K and 128K tokens, full width (64 heads / TP, the
-576-wide latent, 32 x 128 indexer, top-k 2048), measured on meta tensors (``tests/support/dsa_peak.py``)
+576-wide latent, 32 x 128 indexer, top-k 2048), measured on meta tensors (``glm5_mcore/probes/dsa_peak.py``)
 against the planner's DSA line (``plan/activations.py::dsa_core_peak``)."""
 
 import pytest
@@ -11,7 +11,7 @@ def _check(T, tp):
     from glm5_mcore.config import glm5_744b
     from glm5_mcore.plan.activations import core_attention_bytes, dsa_core_peak, topk_bytes
     from glm5_mcore.plan.layout import Layout
-    from tests.support.dsa_peak import measure_core_peak
+    from glm5_mcore.probes.dsa_peak import measure_core_peak
 
     m, L = glm5_744b(), Layout(world=tp, tp=tp)
     got = measure_core_peak(m, T, tp)
@@ -53,7 +53,7 @@ def test_peak_check_catches_a_doubled_chunk(single_rank, monkeypatch):
     from glm5_mcore.config import glm5_744b
     from glm5_mcore.plan.activations import dsa_core_peak
     from glm5_mcore.plan.layout import Layout
-    from tests.support.dsa_peak import measure_core_peak
+    from glm5_mcore.probes.dsa_peak import measure_core_peak
 
     m = glm5_744b()
     want = dsa_core_peak(m, Layout(world=8, tp=8), 32768, 2, fused=False)

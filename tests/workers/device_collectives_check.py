@@ -1,4 +1,4 @@
-"""Run under torchrun (2 ranks, gloo) on the stand-in device (``tests/support/fake_device.py``): one SFT step
+"""Run under torchrun (2 ranks, gloo) on the stand-in device (``glm5_mcore/probes/fake_device.py``): one SFT step
 at EP 2 × DP 2 (loss totals, micro-batch equalisation, validation), the RL trainer at DP 2 (log-probs,
 update: micro-batch equalisation, metric reduction, the finite check) and parity at CP 2 and TP 2
 (gathers), with every collective's tensors required on the training device. Prints one JSON line:
@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.support.fake_device import assert_collectives_on, fake_device  # noqa: E402
+from glm5_mcore.probes.fake_device import assert_collectives_on, fake_device  # noqa: E402
 
 
 def sft(hf_dir: str, data: str, out: str) -> None:

@@ -74,7 +74,14 @@ def _is_meta_arg(d) -> bool:
     return d is not None and torch.device(d).type == "meta"
 
 
+OBSERVERS: list = []
+"""Callables ``(func, args, kwargs)`` shown every op that reaches the stand-in device, in any thread
+(``host_reads`` counts device→host reads through it)."""
+
+
 def _dispatch(func, args, kwargs):
+    for observe in OBSERVERS:
+        observe(func, args, kwargs)
     flat, _ = tree_flatten((args, kwargs))
     tensors = [t for t in flat if isinstance(t, torch.Tensor)]
     on_dev = any(isinstance(t, OnDevice) for t in tensors)

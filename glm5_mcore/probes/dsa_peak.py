@@ -15,7 +15,7 @@ import torch
 from glm5_mcore import cpu_compat
 from glm5_mcore.config import GLM5Config
 from glm5_mcore.model.layer_spec import get_backend, get_glm5_attention_spec
-from tests.support.live_bytes import LiveBytes
+from glm5_mcore.probes.live_bytes import LiveBytes
 
 
 def build_core(m: GLM5Config):

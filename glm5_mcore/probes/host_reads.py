@@ -1,4 +1,4 @@
-"""Count device→host reads under ``fake_device`` (``tests/fake_device.py``): every op that on CUDA
+"""Count device→host reads under ``fake_device`` (``glm5_mcore/probes/fake_device.py``): every op that on CUDA
 waits for the device to hand a value to the host (``.item()``, ``int()``, ``bool()``, ``.tolist()``,
 ``nonzero``, ``masked_select``, ``unique``, a device→CPU copy), when one of its arguments is a device
 tensor. ``HostReads.reads`` lists (op, the project/Megatron frame that asked); ``raise_on_read``
@@ -12,8 +12,8 @@ import traceback
 import torch
 from torch.utils._pytree import tree_flatten
 
-from tests.support import fake_device
-from tests.support.fake_device import OnDevice
+from glm5_mcore.probes import fake_device
+from glm5_mcore.probes.fake_device import OnDevice
 
 aten = torch.ops.aten
 SYNC_OPS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonzero.default,
@@ -24,7 +24,7 @@ SYNC_OPS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonz
 def _caller() -> str:
     for fr in reversed(traceback.extract_stack()[:-3]):
         f = fr.filename
-        if ("glm5_mcore" in f or "megatron" in f or "/rl/" in f or "/recipes/" in f) and "fake_device" not in f:
+        if ("glm5_mcore" in f or "megatron" in f or "/rl/" in f or "/recipes/" in f) and "/probes/" not in f:
             return f"{f.split('site-packages/')[-1].split('/wt/')[-1]}:{fr.lineno}"
     return "?"
 
@@ -57,21 +57,19 @@ class HostReads:
 @contextlib.contextmanager
 def count_host_reads(raise_on_read: bool = False):
     """Inside ``fake_device()``: yields a ``HostReads`` whose ``reads`` grows with each host read. It
-    wraps ``fake_device._dispatch``, which every op on a device tensor reaches, in any thread (the
+    observes ``fake_device.OBSERVERS``, which every op on a device tensor reaches, in any thread (the
     autograd engine runs a device's backward in its own thread, outside thread-local modes)."""
     rec = HostReads(raise_on_read)
-    real_tolist, real_dispatch = OnDevice.tolist, fake_device._dispatch
+    real_tolist = OnDevice.tolist
 
     def tolist(self):
         rec.hit("tolist")
         return real_tolist(self)
 
-    def dispatch(func, args, kwargs):
-        rec.check(func, args, kwargs)
-        return real_dispatch(func, args, kwargs)
-
-    OnDevice.tolist, fake_device._dispatch = tolist, dispatch
+    OnDevice.tolist = tolist
+    fake_device.OBSERVERS.append(rec.check)
     try:
         yield rec
     finally:
-        OnDevice.tolist, fake_device._dispatch = real_tolist, real_dispatch
+        OnDevice.tolist = real_tolist
+        fake_device.OBSERVERS.remove(rec.check)
