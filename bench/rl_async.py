@@ -55,7 +55,7 @@ if ROOT not in sys.path:  # ``bench.rl_async.LongTailEngine`` importable here an
     sys.path.insert(0, ROOT)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
 
-import rl.cluster.workers
+import rl.cluster.trainer_group
 from rl.rollout.base import AdapterPayload, Request, Result, RolloutEngine, SamplingParams
 from rl.rollout.hf_engine import HFRolloutEngine
 
@@ -143,7 +143,7 @@ class InstantEngine(RolloutEngine):
         return True
 
 
-class FreeTrainerGroup(rl.cluster.workers.TrainerGroup):
+class FreeTrainerGroup(rl.cluster.trainer_group.TrainerGroup):
     """``rollout_alone``: the trainer group with its per-step work removed. The rank starts (checkpoint
     restore and save still go to it) and exports the first adapter; later exports return those bytes under
     the new version (the engines still load each one, and each push still interrupts them), log-probs are
@@ -184,7 +184,7 @@ def run_mode(hf: str, out: str, overrides: list[str], phase: str, a) -> list[dic
         f"rollout.max_new_tokens={a.long}", f"rollout.engine=bench.rl_async.{engine}",
         f"+rollout.engine_kwargs.short={a.short}", f"+rollout.engine_kwargs.long_fraction={a.long_fraction}",
         *overrides])
-    free = mock.patch.object(rl.cluster.workers, "TrainerGroup", FreeTrainerGroup) if phase == "rollout_alone" else nullcontext()
+    free = mock.patch.object(rl.cluster.trainer_group, "TrainerGroup", FreeTrainerGroup) if phase == "rollout_alone" else nullcontext()
     with free:
         return run(RLConfig.from_dict(d))["history"][a.warmup:]
 

@@ -14,7 +14,6 @@ file or setting, instead of a ``ray::Actor.method()`` stack at the first update 
   rank), stop tokens (strings known to the tokenizer, ids inside the vocabulary), and
   the longest prompt + ``rollout.max_new_tokens`` inside the model's context and inside one micro-batch
   (``actor.micro_batch_tokens``, ``actor.log_prob_micro_batch_tokens``). Returns the stop ids.
-- ``token_ids(tokenizer, tokens, field, vocab)``: ids or token strings as ids, each checked.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from glm5_mcore.mcore_settings import grouped_gemm
 from glm5_mcore.training.loop import OptimCfg, check_optimizer
 from rl.train.cp import cp_unit
 from rl.tasks.proc_pool import resolve
+from rl.tasks.prompts import token_ids
 from rl.tasks.rewards import fn_path
 
 ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "gae")
@@ -88,25 +88,6 @@ def check_config(c) -> None:
     check = getattr(engine, "check_kwargs", None)
     if check is not None:
         check(dict(c.rollout.engine_kwargs))
-
-
-def token_ids(tokenizer, tokens, field: str, vocab: int) -> list[int]:
-    """``tokens`` (ints or token strings) as ids; a string the tokenizer does not know, or an id outside
-    [0, ``vocab``), is a ValueError naming ``field``."""
-    out = []
-    for t in tokens:
-        if isinstance(t, str):
-            i = tokenizer.convert_tokens_to_ids(t)
-            if i is None or i == tokenizer.unk_token_id:
-                raise ValueError(f"{field}: {t!r} is not a token of the tokenizer")
-        elif isinstance(t, bool) or not isinstance(t, int):
-            raise ValueError(f"{field}: {t!r} is neither a token id nor a token string")
-        else:
-            i = t
-        if not 0 <= int(i) < vocab:
-            raise ValueError(f"{field}: id {i} is outside the vocabulary [0, {vocab})")
-        out.append(int(i))
-    return out
 
 
 def preflight(c, tokenizer, prompt_sets: dict) -> tuple[int, ...]:

@@ -1,5 +1,6 @@
 """The package structure holds (issue 27): no import cycle, imports go one way (``recipes -> rl ->
-glm5_mcore``, Hydra only in ``recipes/``), no module past ~400 lines, no private name used across modules.
+glm5_mcore``, Hydra only in ``recipes/``; inside ``rl/``, down ``RL_LAYERS``), no module past ~400 lines, no
+private name used across modules.
 
 Every ``import`` in ``glm5_mcore/``, ``rl/`` and ``recipes/`` counts, function-local ones too (they are read
 with ``ast``, nothing is imported), so a late import cannot hide a cycle.
@@ -19,6 +20,16 @@ ABOVE = {  # package -> top-level names it must not import (they sit above it)
     "rl": {"recipes", "hydra", "launch", "bench"},
     "recipes": {"launch", "bench"},
 }
+
+RL_LAYERS = {  # rl sub-package -> the rl sub-packages below it, which it may import (and rl.config, the schema)
+    "rl.rollout": set(),                                   # the engines
+    "rl.train": {"rl.rollout"},                            # a trainer rank (makes the engines' adapter payload)
+    "rl.tasks": {"rl.rollout"},                            # prompts, rewards, tool episodes over any engine
+    "rl.cluster": {"rl.rollout", "rl.train", "rl.tasks"},  # Ray actors holding trainers and engines
+    "rl.schedule": {"rl.rollout", "rl.train", "rl.tasks"},  # where a step's samples come from
+}
+"""The top of ``rl/`` (``rl.driver``, ``rl.validate``, ``rl.metrics``) imports any of them; nothing in ``rl/``
+imports the driver."""
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
@@ -103,6 +114,23 @@ def upward_imports(root: Path = ROOT) -> list[str]:
     return bad
 
 
+def rl_upward_imports(root: Path = ROOT) -> list[str]:
+    """Imports inside ``rl/`` that go up or sideways against ``RL_LAYERS``."""
+    known = modules(root)
+    bad = []
+    for m, f in known.items():
+        if not m.startswith("rl."):
+            continue
+        pkg = ".".join(m.split(".")[:2])
+        for target, _, line in imports(m, f, known):
+            if not target.startswith("rl.") or target == "rl.config" or target.startswith(pkg + "."):
+                continue
+            where = ".".join(target.split(".")[:2])
+            if target == "rl.driver" or (pkg in RL_LAYERS and where not in RL_LAYERS[pkg]):
+                bad.append(f"{f.relative_to(root)}:{line} imports {target}")
+    return bad
+
+
 def long_modules(root: Path = ROOT) -> list[str]:
     out = []
     for m, f in modules(root).items():
@@ -150,6 +178,10 @@ def test_library_never_imports_recipes_rl_or_hydra():
     assert upward_imports() == []
 
 
+def test_rl_imports_go_down_its_layers():
+    assert rl_upward_imports() == []
+
+
 def test_no_module_over_420_lines():
     assert long_modules() == []
 
@@ -167,7 +199,13 @@ def test_the_checks_see_what_they_look_for(tmp_path):
     (tmp_path / "glm5_mcore" / "a.py").write_text("from glm5_mcore.b import f\n\n\ndef _g():\n    pass\n")
     (tmp_path / "glm5_mcore" / "b.py").write_text("def f():\n    from glm5_mcore.a import _g\n    import hydra\n")
     (tmp_path / "rl" / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    for sub in ("train", "schedule"):
+        (tmp_path / "rl" / sub).mkdir()
+        (tmp_path / "rl" / sub / "__init__.py").write_text("")
+    (tmp_path / "rl" / "schedule" / "s.py").write_text("x = 1\n")
+    (tmp_path / "rl" / "train" / "t.py").write_text("def f():\n    from rl.schedule.s import x\n")
     assert cycles(edges(tmp_path)) == [["glm5_mcore.a", "glm5_mcore.b"]]
     assert upward_imports(tmp_path) == ["glm5_mcore/b.py:3 imports hydra"]
     assert long_modules(tmp_path) == [f"rl/long.py: {MAX_LINES + 1} lines"]
     assert private_imports(tmp_path) == ["glm5_mcore/b.py:2 imports glm5_mcore.a._g"]
+    assert rl_upward_imports(tmp_path) == ["rl/train/t.py:2 imports rl.schedule.s"]

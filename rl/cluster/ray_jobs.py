@@ -1,4 +1,4 @@
-"""Ray start-up and waits shared by the trainer group and the rollout pool (``rl.cluster.workers``).
+"""Ray start-up and waits shared by the trainer group and the rollout pool (``rl.cluster.trainer_group``, ``rl.cluster.rollout_pool``).
 
 - ``start_ray``: a local Ray (or join ``ray.address``) whose workers get the run's quiet environment.
 - ``resources_needed`` / ``check_resources``: the CPUs / GPUs a job reserves, checked against a local cluster.

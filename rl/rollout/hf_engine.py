@@ -19,9 +19,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from rl.train.offload import HostCopy, device_memory
+from glm5_mcore.device import HostCopy, device_memory
 from rl.rollout.base import (AdapterPayload, Request, Result, RolloutEngine, SamplingParams, check_sleep_level,
                              check_wake_tags, token_seed)
+from rl.rollout.draft import adapter_without_mtp
+from rl.rollout.routes import HFIndexRecorder, HFRouteRecorder
 
 
 def _deterministic_indexer_class():
@@ -92,7 +94,6 @@ class HFRolloutEngine(RolloutEngine):
                 if type(m).__name__ == "GlmMoeDsaIndexer":
                     m.__class__ = cls
         self.max_positions = self.model.config.max_position_embeddings
-        from rl.train.routing import HFIndexRecorder, HFRouteRecorder
 
         self.routes = HFRouteRecorder(self.model)  # R3: each token's experts travel with its sample
         self.index_rows = HFIndexRecorder(self.model, index_row_stride)  # DSA top-k of sampled query rows
@@ -124,7 +125,6 @@ class HFRolloutEngine(RolloutEngine):
         from peft import PeftModel, set_peft_model_state_dict
         from safetensors.torch import load as load_bytes
 
-        from rl.train.mtp import adapter_without_mtp
 
         if payload is None or not payload.files:
             if self.peft is not None:
@@ -147,7 +147,7 @@ class HFRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ colocation (rl.schedule.colocate)
     def sleep(self, level: int) -> str:
-        """On CUDA: every weight (base and adapter) to pinned host memory (``rl.train.offload.HostCopy``); this
+        """On CUDA: every weight (base and adapter) to pinned host memory (``glm5_mcore.device.HostCopy``); this
         engine keeps no KV cache between calls, and level 2 is served as level 1 (no path reloads the base
         from disk here). On the CPU: the base class's logged no-op."""
         check_sleep_level(level)

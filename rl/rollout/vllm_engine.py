@@ -41,10 +41,15 @@ from typing import Optional
 import numpy as np
 import torch
 
-from rl.rollout.base import AdapterPayload, Request, Result, RolloutEngine, SamplingParams, token_seed
+from rl.rollout import weight_sync
+from rl.rollout.base import (AdapterPayload, Request, Result, RolloutEngine, SamplingParams, check_sleep_level,
+                             check_wake_tags, token_seed)
+from rl.rollout.draft import adapter_without_mtp, mtp_speculative_config
+from rl.rollout.routes import route_dtype
 from rl.rollout.vllm_client import LocalServer, RemoteServer
 from rl.rollout.vllm_weights import (HF_LAYER, MLA_UP_KV, default_push_threads, is_mla_up_kv, is_mtp_tensor,
                                      iter_merged_weights)
+
 
 def request_seed(seed: int, start: int) -> int:
     """vLLM's seed for a request that starts at response token ``start`` of a sample seeded ``seed``: ``seed``
@@ -100,7 +105,6 @@ class VLLMRolloutEngine(RolloutEngine):
         elif deterministic_topk:
             warnings.warn("vLLM selects DSA top-k with its own kernel; the trainer's tie rule is not enforced")
         self.merge = merge
-        from rl.train.routing import route_dtype
 
         self.route_dtype = route_dtype(int(config.get("n_routed_experts") or config.get("num_local_experts") or 256))
         self.push_bytes = push_bytes
@@ -137,7 +141,6 @@ class VLLMRolloutEngine(RolloutEngine):
         else:
             llm["gpu_memory_utilization"] = gpu_memory_utilization
         if mtp_draft_tokens:  # speculative decoding with the checkpoint's MTP layer as the draft
-            from rl.train.mtp import mtp_speculative_config
 
             llm["speculative_config"] = mtp_speculative_config(config, mtp_draft_tokens, hf_dir)
             llm["disable_log_stats"] = False  # vLLM's spec-decode counters (``spec_decode_counts``)
@@ -156,7 +159,6 @@ class VLLMRolloutEngine(RolloutEngine):
     def sleep(self, level: int) -> str:
         """vLLM's ``LLM.sleep(level)``: 1 = weights to host memory, KV cache dropped; 2 = both dropped, so
         the next ``load_adapter`` pushes every weight (base or merged) back. A logged no-op on vLLM-CPU."""
-        from rl.rollout.base import check_sleep_level
 
         check_sleep_level(level)
         if level == 2:
@@ -169,7 +171,6 @@ class VLLMRolloutEngine(RolloutEngine):
         return f"VLLMRolloutEngine.sleep(level={level})"
 
     def wake_up(self, tags: tuple = ("weights", "kv_cache")) -> str:
-        from rl.rollout.base import check_wake_tags
 
         check_wake_tags(tags)
         if not self.sleep_mode:
@@ -225,7 +226,6 @@ class VLLMRolloutEngine(RolloutEngine):
         L = self.num_hidden_layers
         self._push(iter_merged_weights(self.hf_dir, path, tuple(self._pushed), self.push_bytes, "all",
                                        merged=lambda h: self.drafts if is_mtp_tensor(h, L) else is_mla_up_kv(h)))
-        from rl.train.mtp import adapter_without_mtp
 
         for name, data in adapter_without_mtp(payload.files, L, drop_modules=(MLA_UP_KV,)).items():
             (path / name).write_bytes(data)
@@ -276,7 +276,6 @@ class VLLMRolloutEngine(RolloutEngine):
         """``part`` to vLLM as ``rl.rollout.weight_sync`` buckets of whole decoder layers (at most ``push_bytes``
         unless one layer is larger: the granularity the file path reloads), each handed over as a CUDA IPC handle on GPUs (the bucket built on the engine's GPU) or
         the shared-file stand-in on the CPU."""
-        from rl.rollout import weight_sync
 
         cuda = torch.cuda.is_available() and self.device != "cpu"
         codec = weight_sync.codec("cuda_ipc" if cuda else "shared_file")

@@ -1,6 +1,6 @@
 """Colocated RL: the trainer and the rollout engines time-share the same GPUs (``rollout.colocate.enable``).
 
-The engines' actors sit in the trainer's placement-group bundles (``rl.cluster.workers``, Ray's fractional
+The engines' actors sit in the trainer's placement-group bundles (``rl.cluster.rollout_pool``, Ray's fractional
 resources), vLLM is started with sleep mode, and every generation phase of the driver
 (``rl.driver.run``: a step's samples, and held-out evaluation) runs this sequence, top to bottom (after
 ``Colocation.start``: the engines started on memory the trainer lent out, then put to sleep):
@@ -42,7 +42,7 @@ def sleep_level(cfg) -> int:
 
 class Colocation:
     """The generation phase of colocated engines (``phase``) and the weight sync that waits for it
-    (``push``). ``trainers``: ``rl.cluster.workers.TrainerGroup``; ``rollouts``: ``rl.cluster.workers.RolloutPool``."""
+    (``push``). ``trainers``: ``rl.cluster.trainer_group.TrainerGroup``; ``rollouts``: ``rl.cluster.rollout_pool.RolloutPool``."""
 
     def __init__(self, cfg, trainers, rollouts, note=None):
         self.trainers, self.rollouts = trainers, rollouts

@@ -4,6 +4,9 @@ The toy task (``data.train=toy``) is one a tiny random GLM-5 can learn on CPU in
 right answer depends on the prompt: the prompt is three random words ``w{b} w{c} w{a}``; a response
 whose first word ``w{j}`` has ``j ≡ a (mod m)`` (a: the last word, one of ``keys`` key words) scores 1, anything else 0 (``rl.tasks.rewards.toy_residue``).
 A constant policy — or one that ignores the prompt — scores 1/m; the default m = 2.
+
+``token_ids(tokenizer, tokens, field, vocab)``: ids or token strings (stop tokens, tool-call tokens) as ids,
+each checked against the tokenizer and the vocabulary.
 """
 
 from __future__ import annotations
@@ -115,4 +118,23 @@ def toy_tool_prompts(tokenizer, size: int, seed: int) -> list[Prompt]:
     out = []
     for p in toy_prompts(tokenizer, size, seed):
         out.append(Prompt(p.index, p.ids, p.text, ground_truth=hidden_value(p.text) % 2, data_source=TOOL_SOURCE))
+    return out
+
+
+def token_ids(tokenizer, tokens, field: str, vocab: int) -> list[int]:
+    """``tokens`` (ints or token strings) as ids; a string the tokenizer does not know, or an id outside
+    [0, ``vocab``), is a ValueError naming ``field``."""
+    out = []
+    for t in tokens:
+        if isinstance(t, str):
+            i = tokenizer.convert_tokens_to_ids(t)
+            if i is None or i == tokenizer.unk_token_id:
+                raise ValueError(f"{field}: {t!r} is not a token of the tokenizer")
+        elif isinstance(t, bool) or not isinstance(t, int):
+            raise ValueError(f"{field}: {t!r} is neither a token id nor a token string")
+        else:
+            i = t
+        if not 0 <= int(i) < vocab:
+            raise ValueError(f"{field}: id {i} is outside the vocabulary [0, {vocab})")
+        out.append(int(i))
     return out

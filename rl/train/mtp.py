@@ -21,7 +21,7 @@ Megatron-Core's own ``process_mtp_loss`` trains it on the rollout sequences (lab
 - Weight sync: with the loss on, the adapter the trainer pushes carries the MTP layer's LoRA under
   ``model.layers.{num_hidden_layers}.*``. vLLM merges it into its draft model (``rl.rollout.vllm_engine``,
   merged and LoRARequest modes alike); an engine without an MTP module drops it
-  (``adapter_without_mtp``: transformers' GLM-5 has none, so the HF engine never drafts).
+  (``rl.rollout.draft.adapter_without_mtp``: transformers' GLM-5 has none, so the HF engine never drafts).
 """
 
 from __future__ import annotations
@@ -134,38 +134,3 @@ def mtp_loss_off(model):
         cfg.mtp_loss_scaling_factor = scale
         MTPLossLoggingHelper.tracker.clear()
         MTPLossLoggingHelper.tracker.update(saved)
-
-
-def mtp_speculative_config(config: dict, num_tokens: int, source: str) -> dict:
-    """vLLM's ``speculative_config`` drafting ``num_tokens`` tokens with the checkpoint's own MTP layer
-    (``method="mtp"``: vLLM 0.32 serves GLM-5's ``model.layers.{num_hidden_layers}`` as the draft
-    model); ``config`` is the folder's config.json. A folder declaring no MTP layer is refused."""
-    if num_tokens < 1:
-        raise ValueError(f"rollout.engine_kwargs.mtp_draft_tokens={num_tokens} must be >= 1")
-    if not config.get("num_nextn_predict_layers"):
-        raise ValueError(f"rollout.engine_kwargs.mtp_draft_tokens={num_tokens}: {source}/config.json declares "
-                         "num_nextn_predict_layers=0, there is no MTP layer to draft with")
-    return {"method": "mtp", "num_speculative_tokens": int(num_tokens)}
-
-
-def adapter_without_mtp(files: dict, num_hidden_layers: int, drop_modules: tuple = ()) -> dict:
-    """The PEFT payload ``files`` (adapter_config.json / adapter_model.safetensors bytes) without the MTP
-    layer's tensors (``model.layers.{>= num_hidden_layers}.*``): for a model that has no MTP module —
-    transformers' GLM-5, and vLLM's decoder under a ``LoRARequest`` (vLLM's LoRA never reaches the
-    speculative draft model; the engine merges the MTP layer's adapter into it instead) — and without
-    the tensors of the HF modules named in ``drop_modules`` (e.g. ``self_attn.kv_b_proj``, which the
-    vLLM engine merges instead). The same bytes back when there are none."""
-    import re
-
-    from safetensors.torch import load, save
-
-    name = "adapter_model.safetensors"
-    if name not in files:
-        return files
-    tensors = load(files[name])
-    layer = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.")
-    keep = {k: v for k, v in tensors.items() if not ((m := layer.search(k)) and int(m.group(1)) >= num_hidden_layers)
-            and not any(f".{d}." in k for d in drop_modules)}
-    if len(keep) == len(tensors):
-        return files
-    return {**files, name: save(keep, metadata={"format": "pt"})}

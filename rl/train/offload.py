@@ -8,7 +8,7 @@ the trainer does not touch during generation goes to host memory (pinned under C
 - optimizer state (fp32 main parameters, Adam moments): Megatron-Core's
   ``MegatronOptimizer.offload_to_cpu`` / ``restore_from_cpu`` (CUDA only: ``cpu_compat.optimizer_offload``);
 - the frozen base weights, when the planner says the generation phase needs their memory
-  (``rollout.offload_weights``): ``HostCopy``, the same storage trick as Megatron's
+  (``rollout.offload_weights``): ``glm5_mcore.device.HostCopy``, the same storage trick as Megatron's
   ``_ParamAndGradBuffer.offload_to_cpu`` (param_and_grad_buffer.py:1619) for parameters outside DDP's
   buffers (frozen ones have no buffer there).
 
@@ -19,74 +19,11 @@ weights are really freed and restored, so a wrong restore shows in the losses), 
 from __future__ import annotations
 
 import time
-from typing import Iterable
 
 import torch
 
 from glm5_mcore.cpu_compat import optimizer_offload
-
-
-def _cuda() -> bool:
-    return torch.cuda.is_available()
-
-
-class HostCopy:
-    """The storages of ``tensors`` moved to host memory (their accelerator storage resized to 0, every view
-    kept) and back, bit-identical. Storages shared by several tensors move once."""
-
-    def __init__(self, tensors: Iterable[torch.Tensor]):
-        seen, self.tensors = set(), []
-        for t in tensors:
-            key = t.untyped_storage().data_ptr()
-            if key not in seen and t.untyped_storage().nbytes():
-                seen.add(key)
-                self.tensors.append(t)
-        self.host: list = []
-
-    @property
-    def offloaded(self) -> bool:
-        return bool(self.host)
-
-    def offload(self) -> int:
-        """Bytes moved to the host."""
-        if self.host:
-            raise RuntimeError("HostCopy.offload: already offloaded")
-        moved = 0
-        for t in self.tensors:
-            st = t.untyped_storage()
-            dev = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
-            host = torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=_cuda() and st.device.type == "cuda")
-            host.copy_(dev, non_blocking=True)
-            self.host.append(host)
-            moved += st.nbytes()
-        if _cuda():
-            torch.cuda.synchronize()
-        for t in self.tensors:
-            t.untyped_storage().resize_(0)
-        return moved
-
-    def restore(self) -> int:
-        """Bytes moved back."""
-        if not self.host:
-            raise RuntimeError("HostCopy.restore: nothing offloaded")
-        moved = 0
-        for t, host in zip(self.tensors, self.host):
-            st = t.untyped_storage()
-            st.resize_(host.numel())
-            torch.empty(0, dtype=torch.uint8, device=st.device).set_(st).copy_(host, non_blocking=True)
-            moved += host.numel()
-        if _cuda():
-            torch.cuda.synchronize()
-        self.host = []
-        return moved
-
-
-def device_memory() -> dict:
-    """{"allocated_gib", "reserved_gib"} of the current CUDA device ({} on CPU)."""
-    if not _cuda():
-        return {}
-    g = float(1 << 30)
-    return {"allocated_gib": torch.cuda.memory_allocated() / g, "reserved_gib": torch.cuda.memory_reserved() / g}
+from glm5_mcore.device import HostCopy, device_memory
 
 
 class TrainerOffload:
@@ -107,10 +44,10 @@ class TrainerOffload:
             raise RuntimeError("TrainerOffload.offload: already offloaded (restore first)")
         t0 = time.perf_counter()
         grads = self._grad_bytes()
-        self.ddp.offload_grad_buffers(synchronize=_cuda(), empty_cache=False)
+        self.ddp.offload_grad_buffers(synchronize=torch.cuda.is_available(), empty_cache=False)
         optimizer_offload(self.opt, restore=False)
         moved = self.weights.offload() if self.weights is not None else 0
-        if _cuda():
+        if torch.cuda.is_available():
             torch.cuda.empty_cache()
         self.active = True
         what = ["grad_buffers", "optimizer"] + (["frozen_weights"] if self.weights is not None else [])
@@ -123,6 +60,6 @@ class TrainerOffload:
         t0 = time.perf_counter()
         moved = self.weights.restore() if self.weights is not None else 0
         optimizer_offload(self.opt, restore=True)
-        self.ddp.restore_grad_buffers(synchronize=_cuda())
+        self.ddp.restore_grad_buffers(synchronize=torch.cuda.is_available())
         self.active = False
         return {"weight_bytes": moved, "seconds": time.perf_counter() - t0, **device_memory()}

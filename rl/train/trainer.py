@@ -1,7 +1,7 @@
 """One trainer rank: GLM-5 on Megatron-Core with the policy LoRA adapter (and, for GAE, the
 critic: a value head + its own adapter "critic" on the same frozen base), the indexer frozen.
 
-It runs in-process (tests) or inside a Ray actor (``rl.cluster.workers``); all ranks of a run form one
+It runs in-process (tests) or inside a Ray actor (``rl.cluster.trainer_group``); all ranks of a run form one
 torch.distributed group (gloo on CPU, NCCL on GPU) with Megatron's TP/EP/DP groups. Sequences are
 THD-packed (prompt + response per document) into micro-batches filled to a token budget
 (``rl.train.micro_batch``: verl's ``use_dynamic_bsz``): ``actor.log_prob_micro_batch_tokens`` for the forward-only

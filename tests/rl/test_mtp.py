@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rl.driver import fill_log_probs, make_batch
+from rl.train.batch import fill_log_probs, make_batch
 
 from tests.support.rl_setup import perturb, rl_cfg, rollout, trainer_merged_mtp
 
@@ -173,7 +173,7 @@ def test_mtp_loss_refused_without_mtp_tensors(tiny_dir, tmp_path):
 
 
 def test_vllm_mtp_speculative_settings(tiny_mtp_dir, tiny_dir):
-    from rl.train.mtp import mtp_speculative_config
+    from rl.rollout.draft import mtp_speculative_config
 
     c = json.loads((Path(tiny_mtp_dir) / "config.json").read_text())
     assert mtp_speculative_config(c, 2, tiny_mtp_dir) == {"method": "mtp", "num_speculative_tokens": 2}

@@ -32,7 +32,7 @@ def test_more_cpus_than_the_local_cluster_is_refused_and_waits_time_out(tiny_dir
     """Was: ``ray.get(pg.ready())`` waiting forever, no message."""
     from rl.driver import run
     from rl.cluster.ray_jobs import RayJobError
-    from rl.cluster.workers import TrainerGroup
+    from rl.cluster.trainer_group import TrainerGroup
 
     cfg = _cfg(tiny_dir, tmp_path / "rl", trainer={"world_size": 4}, rollout={"num_actors": 2})
     with pytest.raises(ValueError, match=r"trainer.world_size=4 ranks .* \+ rollout.num_actors=2 engines .* need 6 "
@@ -49,7 +49,7 @@ def test_more_cpus_than_the_local_cluster_is_refused_and_waits_time_out(tiny_dir
 def test_engine_failing_at_start_up_is_one_line_not_restarted(tiny_dir, tmp_path, ray3):
     """Was: the actor restarted, then dying the same way, then a 106-line wall from ``_replace``."""
     from rl.cluster.ray_jobs import RayJobError
-    from rl.cluster.workers import RolloutPool
+    from rl.cluster.rollout_pool import RolloutPool
 
     cfg = _cfg(tiny_dir, tmp_path / "rl", rollout={"engine": "tests.support.rl_fault_engine.FailingEngine",
                                                    "engine_kwargs": {"reason": "bad weights"}})
@@ -66,7 +66,7 @@ def test_replacement_dying_while_starting_and_engine_errors_are_one_line(tiny_di
     an engine's exception as a ``ray::RolloutActor.generate()`` stack."""
     from rl.rollout.base import Request, SamplingParams
     from rl.cluster.ray_jobs import RayJobError
-    from rl.cluster.workers import RolloutPool
+    from rl.cluster.rollout_pool import RolloutPool
 
     reqs = [Request((0, k), [5, 6, 7], k) for k in range(2)]
     cfg = _cfg(tiny_dir, tmp_path / "rl", rollout={
@@ -93,7 +93,7 @@ def test_trainer_rank_death_ends_the_wait_and_says_the_command_resumes(tmp_path,
     import ray
 
     from rl.cluster.ray_jobs import RayJobError
-    from rl.cluster.workers import TrainerGroup
+    from rl.cluster.trainer_group import TrainerGroup
 
     @ray.remote(num_cpus=0)
     class Rank:
