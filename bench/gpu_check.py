@@ -184,7 +184,7 @@ def stage_rl_step(ctx: dict) -> dict:
     from rl.train import algos
     from rl.train.batch import RolloutBatch
     from rl.config import RLConfig
-    from rl.driver import fill_log_probs
+    from rl.train.batch import fill_log_probs
     from rl.train.trainer import PolicyTrainer
 
     dev, hf_dir, cuda = ctx["device"], ctx["hf_dir"], ctx["device"].type == "cuda"

@@ -33,7 +33,7 @@ MIB = float(1 << 20)
 
 
 class _Trainers:
-    """``rl.cluster.workers.TrainerGroup``'s ``call`` for one in-process rank."""
+    """``rl.cluster.trainer_group.TrainerGroup``'s ``call`` for one in-process rank."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -43,7 +43,7 @@ class _Trainers:
 
 
 class _Engines:
-    """``rl.cluster.workers.RolloutPool``'s colocation calls for one in-process engine."""
+    """``rl.cluster.rollout_pool.RolloutPool``'s colocation calls for one in-process engine."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -105,8 +105,8 @@ def stage(ctx: dict) -> dict:
     from rl.train import algos
     from rl.schedule.colocate import Colocation
     from rl.config import RLConfig
-    from rl.driver import fill_log_probs, make_batch
-    from rl.train.offload import device_memory
+    from rl.train.batch import fill_log_probs, make_batch
+    from glm5_mcore.device import device_memory
     from rl.rollout.base import Request, SamplingParams, sample_seed
     from rl.rollout.hf_engine import HFRolloutEngine
     from rl.tasks.prompts import toy_prompts
@@ -173,10 +173,13 @@ def stage(ctx: dict) -> dict:
 
 
 if __name__ == "__main__":
+    import argparse
     import tempfile
 
     import torch
 
+    argparse.ArgumentParser(description="bench/gpu_check.py's colocate stage alone (CPU: the same sequence, no "
+                                        "memory figures); one JSON line").parse_args()
     with tempfile.TemporaryDirectory() as d:
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         print(json.dumps(stage({"device": dev, "deadline": time.monotonic() + BUDGET_S, "dry_run": False,

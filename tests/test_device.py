@@ -95,7 +95,7 @@ def test_rl_trainer_on_a_device_matches_cpu(tiny_dir):
     from rl.train import algos
     from rl.train.batch import RolloutBatch
     from rl.config import RLConfig
-    from rl.driver import fill_log_probs
+    from rl.train.batch import fill_log_probs
     from rl.train.trainer import PolicyTrainer
 
     cfg = RLConfig.from_dict({"model": {"hf_dir": tiny_dir}, "wandb": {"mode": "disabled"},

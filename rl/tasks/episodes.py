@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 from rl.tasks.proc_pool import Outcome, ProcessPool, resolve
 from rl.rollout.base import Request, Result, SamplingParams, sample_seed
-from rl.validate import token_ids
+from rl.tasks.prompts import token_ids
 
 FIELD = "rollout.multi_turn.env"
 TOOL_STATS = ("calls", "errors", "timeouts", "cut", "dropped")
@@ -184,12 +184,3 @@ def tool_metrics(results: list[Result]) -> dict:
     batch's episodes (empty when none ran)."""
     stats = [r.tool_stats for r in results if getattr(r, "tool_stats", None)]
     return {f"tool/{k}": float(sum(s[k] for s in stats)) for k in TOOL_STATS} if stats else {}
-
-
-def apply_masks(batch, results: list[Result]) -> None:
-    """Zero ``batch.response_mask`` on observation tokens (rows with a ``mask``)."""
-    import torch
-
-    for i, r in enumerate(results):
-        if r.mask is not None:
-            batch.response_mask[i, : len(r.mask)] *= torch.tensor(r.mask, dtype=batch.response_mask.dtype)

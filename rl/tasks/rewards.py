@@ -15,6 +15,7 @@ included) and ``toy_residue`` (the toy task of ``rl.tasks.prompts``). ``reward.f
 whose call times out (``reward.timeout_s``), raises or kills its process scores ``reward.timeout_score`` /
 ``reward.error_score`` and is counted (``reward/timeouts``, ``reward/errors``) and named in the run's log;
 the run goes on. ``reward.num_workers=0`` calls it in the driver (no isolation: a raise stops the run).
+``Rewards`` is what a step's sources call: the responses decoded and scored, the failures counted.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import math
 import re
 from fractions import Fraction
 from typing import Any, Callable, Optional
+
+import torch
 
 from rl.tasks.proc_pool import ProcessPool, resolve
 
@@ -129,6 +132,35 @@ class RewardScorer:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+
+
+class Rewards:
+    """A step's samples scored: each response decoded with ``tokenizer`` and scored by ``RewardScorer``
+    against its prompt's ground truth; ``rewards(prompts, results, n)`` -> [len(prompts) * n] float32.
+    ``metrics`` sums ``reward/timeouts`` and ``reward/errors`` since the last ``take_metrics``, ``events``
+    names the failed samples."""
+
+    def __init__(self, cfg, tokenizer):
+        self.scorer, self.tok = RewardScorer(cfg.reward), tokenizer
+        self.metrics = {"reward/timeouts": 0.0, "reward/errors": 0.0}
+        self.events: list[str] = []
+
+    def __call__(self, prompts, results, n: int) -> torch.Tensor:
+        rows = [p for p in prompts for _ in range(n)]
+        text = [self.tok.decode(r.response_ids, skip_special_tokens=True) for r in results]
+        scores, counts, events = self.scorer.score([p.data_source for p in rows], text,
+                                                   [p.ground_truth for p in rows], [p.extra for p in rows])
+        for k, v in counts.items():
+            self.metrics[k] += v
+        self.events += events
+        return torch.tensor(scores)
+
+    def take_metrics(self) -> dict:
+        out, self.metrics = self.metrics, {k: 0.0 for k in self.metrics}
+        return out
+
+    def close(self) -> None:
+        self.scorer.close()
 
 
 def _batched_values(out: Any, name: str, n: int) -> list:

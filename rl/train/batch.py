@@ -12,6 +12,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+
 @dataclass
 class RolloutBatch:
     prompts: list[list[int]]
@@ -53,3 +54,33 @@ class RolloutBatch:
         for i, row in rows.items():
             t[i, : row.numel()] = row
         setattr(self, key, t)
+
+
+def make_batch(prompts, results, n: int) -> RolloutBatch:
+    """The padded batch of a step's samples: ``prompts`` (each with ``ids``) × ``n`` samples each, ``results``
+    the engines' ``rl.rollout.base.Result`` in (prompt, sample) order. Observation tokens of tool episodes
+    (a result's ``mask``: 0 on tool output) are out of ``response_mask``; R3's routes and the engines' DSA
+    top-k travel along when the results carry them."""
+    batch = RolloutBatch.build([p.ids for p in prompts for _ in range(n)], [r.response_ids for r in results],
+                               [r.logprobs for r in results], [j for j, _ in enumerate(prompts) for _ in range(n)])
+    for i, r in enumerate(results):
+        if r.mask is not None:
+            batch.response_mask[i, : len(r.mask)] *= torch.tensor(r.mask, dtype=batch.response_mask.dtype)
+    if results and all(getattr(r, "routes", None) is not None for r in results):
+        batch.routes = [r.routes for r in results]  # R3 (rl.train.routing)
+    if any(getattr(r, "index_topk", None) is not None for r in results):
+        batch.index_topk = [r.index_topk for r in results]
+    return batch
+
+
+def fill_log_probs(batch: RolloutBatch, outputs: list[dict]) -> None:
+    """Put the trainer ranks' old / ref log-probs and values ([n, R] rows, ``outputs[k]["rows"]`` naming the
+    samples) into ``batch``."""
+    for key in ("old_log_probs", "ref_log_probs", "values"):
+        rows = {}
+        for out in outputs:
+            if len(out[key]):
+                for i, row in zip(out["rows"], out[key]):
+                    rows[i] = row[: len(batch.responses[i])]
+        if rows:
+            batch.set_rows(key, rows)

@@ -212,7 +212,7 @@ def test_saved_folder_lora_exports_and_is_an_rl_base(saved_dir, tmp_path):
     trainer = PolicyTrainer(cfg)
     engine = HFRolloutEngine(saved_dir)
     engine.load_adapter(trainer.export_adapter(1))
-    from rl.driver import fill_log_probs, make_batch
+    from rl.train.batch import fill_log_probs, make_batch
     from rl.tasks.prompts import toy_prompts
     from transformers import AutoTokenizer
 

@@ -40,7 +40,7 @@ def test_vllm_engine_samples_with_logprobs_close_to_trainer(mla576_dir, merge):
     from transformers import AutoTokenizer
 
     from rl.config import RLConfig
-    from rl.driver import fill_log_probs, make_batch
+    from rl.train.batch import fill_log_probs, make_batch
     from rl.rollout.base import Request, SamplingParams, sample_seed
     from rl.rollout.vllm_engine import VLLMRolloutEngine
     from rl.tasks.prompts import toy_prompts
@@ -70,7 +70,7 @@ def test_vllm_returns_routes_and_trainer_replays_them(mla576_dir):
     from transformers import AutoTokenizer
 
     from rl.config import RLConfig
-    from rl.driver import fill_log_probs, make_batch
+    from rl.train.batch import fill_log_probs, make_batch
     from rl.rollout.base import Request, SamplingParams, sample_seed
     from rl.rollout.vllm_engine import VLLMRolloutEngine
     from rl.train.routing import router_metrics

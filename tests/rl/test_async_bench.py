@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bench.rl_async import FreeTrainerGroup, InstantEngine, check_bounded, forced_length, mode_figures, steps_per_s
-from rl.driver import fill_log_probs, make_batch
+from rl.train.batch import fill_log_probs, make_batch
 from rl.rollout.base import AdapterPayload, Request, SamplingParams
 from rl.tasks.prompts import Prompt
 

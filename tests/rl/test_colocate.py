@@ -92,7 +92,7 @@ def test_sleep_level_by_push_kind_and_config_errors(tiny_dir, tmp_path):
 
 def test_trainer_offload_restores_bit_identical_and_trains_the_same(tiny_dir, tmp_path):
     """In process: offload + restore between two updates leaves the same weights and losses as none."""
-    from rl.driver import fill_log_probs, make_batch
+    from rl.train.batch import fill_log_probs, make_batch
     from rl.rollout.base import Result
     from rl.tasks.prompts import toy_prompts
     from rl.train.trainer import PolicyTrainer

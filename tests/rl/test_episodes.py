@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rl.config import RLConfig
-from rl.driver import fill_log_probs, make_batch
+from rl.train.batch import fill_log_probs, make_batch
 from rl.tasks.episodes import load_env, observation_ids, run_episodes, tool_token_ids
 from rl.rollout.base import Request, SamplingParams, sample_seed
 from tests.support.rl_setup import assert_observations_inert, perturb

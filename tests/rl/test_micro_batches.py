@@ -136,7 +136,7 @@ def trained(tiny_dir):
     from transformers import AutoTokenizer
 
     from glm5_mcore.lora.apply import lora_layers
-    from rl.driver import fill_log_probs, make_batch
+    from rl.train.batch import fill_log_probs, make_batch
     from rl.rollout.hf_engine import HFRolloutEngine
     from rl.train.trainer import PolicyTrainer
     from tests.support.rl_setup import rollout

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rl.train import algos
-from rl.driver import fill_log_probs, make_batch
+from rl.train.batch import fill_log_probs, make_batch
 from rl.train.routing import index_metrics, router_metrics
 
 from tests.support.rl_setup import perturb, perturbed_router_engine, rl_cfg, rollout

@@ -132,7 +132,7 @@ def test_unlimited_filter_groups_on_uniform_rewards_stops_after_one_pass():
 
 
 def test_overlong_penalty_and_truncation_mask_in_the_step():
-    from rl.driver import make_batch
+    from rl.train.batch import make_batch
 
     cfg = _cfg(reward={"overlong_buffer": {"enable": True, "len": 8, "penalty_factor": 1.0}})
     state = {"epoch": 0, "cursor": 0}

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from rl.train import algos
-from rl.driver import Rewards, fill_log_probs, make_batch
+from rl.tasks.rewards import Rewards
+from rl.train.batch import fill_log_probs, make_batch
 from rl.rollout.base import Request, SamplingParams, sample_seed
 from rl.tasks.prompts import next_prompts, toy_prompts
 from tests.support.rl_setup import perturb, rl_cfg, rollout

@@ -66,7 +66,7 @@ def _requests(tok, step: int):
 
 
 def _trainer_diff(trainer, prompts, results) -> float:
-    from rl.driver import fill_log_probs, make_batch
+    from rl.train.batch import fill_log_probs, make_batch
 
     batch = make_batch(prompts, results, 2)
     fill_log_probs(batch, [trainer.compute_log_probs(batch, ref=False)])
@@ -199,7 +199,7 @@ def test_mtp_draft_head_follows_the_pushed_adapter(tiny576_mtp):
 
     from rl.train import algos
     from rl.config import RLConfig
-    from rl.driver import fill_log_probs, make_batch
+    from rl.train.batch import fill_log_probs, make_batch
     from rl.rollout.base import SamplingParams
     from rl.rollout.vllm_engine import VLLMRolloutEngine
     from rl.train.trainer import PolicyTrainer
@@ -277,7 +277,7 @@ def test_tool_episodes_on_the_vllm_engine(tiny576, tmp_path):
 
     from recipes.cli import compose
     from rl.config import RLConfig
-    from rl.driver import fill_log_probs, make_batch
+    from rl.train.batch import fill_log_probs, make_batch
     from rl.tasks.prompts import toy_tool_prompts
     from rl.tasks.episodes import load_env, observation_ids, run_episodes, tool_token_ids
     from rl.rollout.base import Request, SamplingParams, sample_seed

@@ -118,7 +118,7 @@ def test_weights_change_mid_response_continued_tokens_are_the_new_weights(engine
     (verl's rollout correction) is 1 on the continued tokens and π_v1 / π_v0 on the prefix's."""
     from rl.train.algos import rollout_correction
     from rl.config import RLConfig
-    from rl.driver import fill_log_probs, make_batch
+    from rl.train.batch import fill_log_probs, make_batch
     from rl.train.trainer import PolicyTrainer
 
     cfg = RLConfig.from_dict({"model": {"hf_dir": tiny576}, "wandb": {"mode": "disabled"},

@@ -14,7 +14,7 @@ import torch
 
 from rl.train import algos
 from rl.config import RLConfig
-from rl.driver import make_batch
+from rl.train.batch import make_batch
 from rl.rollout.base import Request, SamplingParams, sample_seed
 from rl.tasks.prompts import toy_prompts
 

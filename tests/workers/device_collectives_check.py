@@ -32,7 +32,7 @@ def rl(hf_dir: str) -> None:
     from rl.train import algos
     from rl.train.batch import RolloutBatch
     from rl.config import RLConfig
-    from rl.driver import fill_log_probs
+    from rl.train.batch import fill_log_probs
     from rl.train.trainer import PolicyTrainer
 
     cfg = RLConfig.from_dict({"model": {"hf_dir": hf_dir}, "wandb": {"mode": "disabled"},

@@ -25,7 +25,7 @@ def run(trainer, cfg, batch) -> dict:
     from megatron.core.transformer.moe.router import TopKRouter
 
     from rl.train import algos
-    from rl.driver import fill_log_probs
+    from rl.train.batch import fill_log_probs
     from rl.train.routing import index_metrics, router_metrics
 
     routers = [m for n, m in trainer.model.named_modules() if isinstance(m, TopKRouter) and not n.startswith("mtp.")]

@@ -42,7 +42,7 @@ def measure(trainer, cfg, batch) -> dict:
     """One RL step's MTP figures: old log-probs [B, R], then the update's ``mtp/loss`` and
     ``rollout/mtp_accept`` (None on ranks that do not report)."""
     from rl.train import algos
-    from rl.driver import fill_log_probs
+    from rl.train.batch import fill_log_probs
 
     out = trainer.compute_log_probs(batch)
     outs = [out]
