@@ -170,10 +170,13 @@ def stage(ctx: dict) -> dict:
 
 
 if __name__ == "__main__":
+    import argparse
     import json
     import pathlib
 
     import torch
 
+    argparse.ArgumentParser(description="bench/gpu_check.py's DSA stage alone (without CUDA: its plan); one JSON "
+                                        "line").parse_args()
     print(json.dumps(stage({"device": torch.device("cuda"), "deadline": time.monotonic() + BUDGET_S,
                             "dry_run": not torch.cuda.is_available(), "out_dir": pathlib.Path(".")})))

@@ -1,7 +1,7 @@
 """rollout/mtp_accept over a tiny RL run with the MTP loss on vs off, same seeds (issue 23).
 
-    glm5 tiny --out runs/tiny_mtp --mtp
-    python bench/rl_mtp_accept.py runs/tiny_mtp [steps] [scale]
+    .venv/bin/glm5 tiny --out runs/tiny_mtp --mtp
+    .venv/bin/python bench/rl_mtp_accept.py runs/tiny_mtp [--steps 40] [--scale 0.3]
 
 Two ``glm5 rl`` runs of the tiny GRPO preset (Ray local): ``actor.mtp_loss_scale=0`` with
 ``actor.mtp_accept=true`` (the draft head measured, not trained) and ``actor.mtp_loss_scale=scale``.
@@ -9,6 +9,7 @@ Prints each run's per-step acceptance and ends with one JSON line of figures. Me
 2 cores): off 0.0085 -> 0.0128 (chance 1/128: the tiny MTP head starts random), on 0.0101 -> 0.666
 (mean of steps 1-10 -> 31-40), MTP loss 5.30 -> 2.71."""
 
+import argparse
 import json
 import sys
 import tempfile
@@ -26,9 +27,13 @@ def run_one(hf_dir: str, out: str, scale: float, steps: int) -> list[dict]:
 
 
 def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("hf_dir", help="a tiny GLM-5 with an MTP layer (glm5 tiny --out DIR --mtp)")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--scale", type=float, default=0.3, help="actor.mtp_loss_scale of the 'on' run")
+    a = p.parse_args(argv)
     warnings.filterwarnings("ignore")
-    hf_dir, steps = argv[0], int(argv[1]) if len(argv) > 1 else 40
-    scale = float(argv[2]) if len(argv) > 2 else 0.3
+    hf_dir, steps, scale = a.hf_dir, a.steps, a.scale
     k = max(1, steps // 4)
     figures = {}
     with tempfile.TemporaryDirectory() as tmp:

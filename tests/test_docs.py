@@ -1,20 +1,20 @@
 """The docs' commands run as written: every fenced ``bash`` block right after a ``<!-- runs-in-test -->``
-line in README.md or docs/*.md runs, in order, in a fresh copy of the repository (its tracked and
+line in README.md or docs/*.md runs in a fresh copy of the repository of its own (its tracked and
 unignored files, no ``runs/``; ``.venv`` linked in) with quick step counts — ``train.steps`` /
 ``trainer.steps`` set to 2 on every ``glm5 sft`` / ``glm5 rl`` line — and ``./setup.sh &&`` left out
-(the suite runs in the environment it made). README's two commands stay exactly as they are; its main job
-(the first block) runs to its reward instead (``test_readme_main_job_learns_the_toy_task``)."""
+(the suite runs in the environment it made). Each block stands alone, in any order: first the ``glm5 tiny``
+commands of the blocks above it that make a folder it reads run (``prerequisites``), as a reader who ran
+those blocks has that folder. README's two commands stay exactly as they are; its main job (the first
+block) runs to its reward instead (``test_readme_main_job_learns_the_toy_task``)."""
 
 import json
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.support.launch import REPO, RL_COMMAND, child_env
+from tests.support.launch import REPO, RL_COMMAND, child_env, copy_repo
 
 MARK = "<!-- runs-in-test -->"
 SETUP = "./setup.sh && "
@@ -56,6 +56,22 @@ def quick(block: str) -> str:
     return "\n".join(out) + "\n"
 
 
+TINY = re.compile(r"(?:\.venv/bin/)?glm5 tiny --out (\S+)[^&\n#]*")
+
+
+def prerequisites(blocks: list[tuple[str, str]], i: int) -> list[str]:
+    """The ``glm5 tiny --out DIR ...`` commands of blocks ``[0, i)`` whose ``DIR`` block ``i`` reads and does
+    not make itself (a reader who ran the blocks above has it)."""
+    own = {m.group(1) for m in TINY.finditer(blocks[i][1])}
+    out = []
+    for _, block in blocks[:i]:
+        for m in TINY.finditer(block):
+            if m.group(1) not in own and re.search(rf"(?<![\w/.-]){re.escape(m.group(1))}(?![\w.-])", blocks[i][1]) \
+                    and m.group(0).strip() not in out:
+                out.append(m.group(0).strip())
+    return out
+
+
 def test_readme_keeps_the_two_commands_and_every_mark_is_on_a_bash_block():
     text = (REPO / "README.md").read_text()
     assert f"```bash\n{MAIN_JOB}\n```" in text and f"```bash\n{TEST_COMMAND}\n```" in text
@@ -65,21 +81,22 @@ def test_readme_keeps_the_two_commands_and_every_mark_is_on_a_bash_block():
     assert "train.steps=2 train.eval_every" in quick(".venv/bin/glm5 sft a=1 \\\n  train.steps=60 train.eval_every=20\n")
 
 
-@pytest.fixture(scope="module")
-def fresh_copy(tmp_path_factory):
-    """The repository as a clone would have it (tracked + unignored files), with this checkout's venvs."""
-    root = tmp_path_factory.mktemp("clone") / "glm5-mcore"
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.split("\0")
-    for f in filter(None, files):
-        src = REPO / f
-        if src.is_file() and not src.is_symlink():
-            (root / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, root / f)
-    for venv in (".venv", ".venv-vllm"):
-        if (REPO / venv).exists():
-            os.symlink((REPO / venv).resolve(), root / venv)
-    return root
+def test_a_block_gets_the_tiny_checkpoints_the_blocks_above_made():
+    blocks = [("a", ".venv/bin/glm5 tiny --out runs/tiny && .venv/bin/glm5 rl\n"),
+              ("b", ".venv/bin/glm5 sft model.hf_dir=runs/tiny train.out=runs/sft\n"),
+              ("c", ".venv/bin/glm5 tiny --out runs/tiny_mtp --mtp  # once\nglm5 sft model.hf_dir=runs/tiny_mtp\n"),
+              ("d", ".venv/bin/glm5 tiny --out runs/tiny  # again\n.venv/bin/glm5 sft model.hf_dir=runs/tiny_mtp\n")]
+    assert prerequisites(blocks, 0) == [] and prerequisites(blocks, 1) == [".venv/bin/glm5 tiny --out runs/tiny"]
+    assert prerequisites(blocks, 2) == []  # it makes runs/tiny_mtp itself, and never reads runs/tiny
+    assert prerequisites(blocks, 3) == [".venv/bin/glm5 tiny --out runs/tiny_mtp --mtp"]
+    blocks = runnable_blocks()
+    i = next(i for i, (w, _) in enumerate(blocks) if i and w.startswith("README.md"))  # README's SFT block
+    assert prerequisites(blocks, i) == [".venv/bin/glm5 tiny --out runs/tiny"]
+
+
+@pytest.fixture()
+def fresh_copy(tmp_path):
+    return copy_repo(tmp_path / "glm5-mcore")
 
 
 @pytest.mark.slow
@@ -113,16 +130,19 @@ def test_readme_main_job_learns_the_toy_task(fresh_copy, tmp_path):
 
 
 def block_params() -> list:
-    """The marked blocks after README's main job, a block that runs ``glm5 rl`` marked ``ray``."""
-    return [pytest.param(w, b, id=w, marks=[pytest.mark.ray] if RL_COMMAND.search(b) else [])
-            for w, b in runnable_blocks()[1:]]
+    """The marked blocks after README's main job, each with what it assumes (``prerequisites``); a block that
+    runs ``glm5 rl`` marked ``ray``."""
+    blocks = runnable_blocks()
+    return [pytest.param(w, b, prerequisites(blocks, i), id=w, marks=[pytest.mark.ray] if RL_COMMAND.search(b) else [])
+            for i, (w, b) in enumerate(blocks) if i]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where,block", block_params())
-def test_marked_command_block_runs_as_written(where, block, fresh_copy):
+@pytest.mark.parametrize("where,block,before", block_params())
+def test_marked_command_block_runs_as_written(where, block, before, fresh_copy):
     env = child_env(WANDB_MODE="disabled", WANDB_SILENT="true", PYTHONPATH=str(fresh_copy))
-    r = subprocess.run(["bash", "-euo", "pipefail", "-c", quick(block)], cwd=fresh_copy, env=env,
+    script = "".join(f"{cmd}\n" for cmd in before) + quick(block)
+    r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=fresh_copy, env=env,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "Traceback" not in r.stderr, \
-        f"{where}:\n{quick(block)}\nexit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+        f"{where}:\n{script}\nexit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"

@@ -10,6 +10,7 @@ A test that starts one of these is marked ``slow``."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -67,3 +68,19 @@ def glm5(*args, nproc: int = 1, ok: bool = True, timeout: int = 600, env: dict |
 def last_json(stdout: str) -> dict:
     """The last line of ``stdout`` that is a JSON object (how the workers and CLIs report)."""
     return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+
+
+def copy_repo(root: Path, skip: tuple = ()) -> Path:
+    """The repository as a clone would have it (tracked + unignored files, those under the ``skip`` prefixes
+    left out) in ``root``, with this checkout's venvs linked in."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    for f in filter(None, files):
+        src = REPO / f
+        if src.is_file() and not src.is_symlink() and not f.startswith(skip):
+            (root / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, root / f)
+    for venv in (".venv", ".venv-vllm"):
+        if (REPO / venv).exists():
+            os.symlink((REPO / venv).resolve(), root / venv)
+    return root
