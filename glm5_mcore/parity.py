@@ -18,21 +18,19 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from glm5_mcore.config import GLM5Config
-from glm5_mcore.mcore_settings import ParallelConfig
-from glm5_mcore.device import training_device
-from glm5_mcore.checkpoint.folder_config import checkpoint_config, hf_dir_config
-from glm5_mcore.checkpoint import megatron_lm as foreign_ckpt
 from glm5_mcore.checkpoint.atomic import check_output_file
-from glm5_mcore.checkpoint.dist import load_model
-from glm5_mcore.checkpoint.hf_load import load_hf_weights
-from glm5_mcore.checkpoint.layout import hf_source_dir, model_dir
+from glm5_mcore.checkpoint.layout import hf_source_dir
 from glm5_mcore.checkpoint.megatron_lm import is_foreign
+from glm5_mcore.config import GLM5Config
+from glm5_mcore.device import training_device
 from glm5_mcore.lora.peft import import_peft
 from glm5_mcore.lora.state import load_adapter_state
+from glm5_mcore.mcore_settings import ParallelConfig
 from glm5_mcore.model.build import build_model, forward_logits
 from glm5_mcore.model.dsa import GLM5SparseAttention, keeping_topk
 from glm5_mcore.model.parallel import init_parallel
+from glm5_mcore.training.model_source import ModelSource, resolve_model
+from glm5_mcore.training.schema import ModelCfg
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MIN_TRANSFORMERS = (5, 13)
@@ -85,24 +83,24 @@ def load_input_ids(path: Optional[str], vocab_size: int, batch: int, seq: int, s
     return ids.long()
 
 
-def megatron_forward(hf_dir: Optional[str], glm5: GLM5Config, input_ids: torch.Tensor,
-                     parallel: ParallelConfig, dtype: torch.dtype, ckpt: Optional[str] = None,
+def model_source(hf_dir: str, ckpt: Optional[str] = None) -> ModelSource:
+    """The model parity builds, resolved as training resolves it (``glm5_mcore.training.model_source``): config
+    and tokenizer from ``hf_dir``, weights from ``ckpt`` (ours, or a Megatron-LM / Bridge one whose config is
+    checked against ``hf_dir``'s) when given, else from ``hf_dir``; MTP layers as the weights store them."""
+    return resolve_model(ModelCfg(hf_dir=hf_dir, ckpt=ckpt))
+
+
+def megatron_forward(source: ModelSource, input_ids: torch.Tensor, parallel: ParallelConfig, dtype: torch.dtype,
                      adapter: Optional[str] = None):
-    """Run our model (weights from the Megatron checkpoint ``ckpt`` when given, else from the HF
-    folder) on this rank's tokens; return (logits [B,S,V], topk per layer [B,S,K] or None,
-    router sets per MoE layer [B*S, E] bool), all gathered to natural token order."""
+    """Run our model (``source``: ``model_source``) on this rank's tokens; return (logits [B,S,V], topk per
+    layer [B,S,K] or None, router sets per MoE layer [B*S, E] bool), all gathered to natural token order."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.experimental_attention_variant import dsa_layout
 
     init_parallel(parallel)
-    if ckpt is not None:
-        if foreign_ckpt.is_foreign(ckpt):  # their config checked against the HF one; MTP as stored
-            glm5 = foreign_ckpt.glm5_config(ckpt, glm5)
+    glm5 = source.glm5
     model = build_model(glm5, parallel)
-    if ckpt is not None:
-        load_model(model, model_dir(ckpt))
-    else:
-        load_hf_weights(model, hf_dir, glm5)
+    source.load_weights(model)
     if adapter is not None:
         load_adapter_state(model, import_peft(adapter, glm5.num_hidden_layers), "default", trainable=False)
     model = model.to(dtype).eval()
@@ -193,10 +191,11 @@ def run_parity(hf_dir: str, input_ids: torch.Tensor, parallel: ParallelConfig, d
                ckpt: Optional[str] = None, adapter: Optional[str] = None) -> Optional[dict]:
     """Compare and return the report dict (rank 0) or None (other ranks). With ``ckpt`` our model
     loads that Megatron checkpoint and the reference runs the HF weights in ``hf_dir``."""
-    glm5 = checkpoint_config(ckpt) if ckpt and Path(ckpt, "hf").is_dir() else hf_dir_config(hf_dir)
+    source = model_source(hf_dir, ckpt)
+    glm5 = source.glm5
     check_transformers_version()
     td = DTYPES[dtype]
-    logits, topks, routers = megatron_forward(hf_dir, glm5, input_ids, parallel, td, ckpt, adapter)
+    logits, topks, routers = megatron_forward(source, input_ids, parallel, td, adapter)
     if dist.get_rank() != 0:
         return None
     if save_logits:
@@ -251,9 +250,7 @@ def main(args) -> int:
     if args.save_logits:
         check_output_file(args.save_logits, SAVE_LOGITS_KIND, _logits_file_kind, [args.input_ids],
                           getattr(args, "overwrite", False), what="--save-logits")
-    glm5 = (checkpoint_config(ckpt, quiet=True) if ckpt and Path(ckpt, "hf").is_dir()
-            else hf_dir_config(hf_dir, quiet=True))
-    ids = load_input_ids(args.input_ids, glm5.vocab_size, args.batch, args.seq_len, args.seed)
+    ids = load_input_ids(args.input_ids, GLM5Config.from_hf_dir(hf_dir).vocab_size, args.batch, args.seq_len, args.seed)
     parallel = ParallelConfig(tp=args.tp, ep=args.ep, cp=args.cp)
     report = run_parity(hf_dir, ids, parallel, args.dtype, args.atol, args.save_logits, ckpt,
                         getattr(args, "adapter", None))

@@ -57,12 +57,12 @@ def rl(hf_dir: str) -> None:
 def parity(hf_dir: str) -> None:
     from glm5_mcore.config import GLM5Config
     from glm5_mcore.mcore_settings import ParallelConfig
-    from glm5_mcore.parity import load_input_ids, megatron_forward
+    from glm5_mcore.parity import load_input_ids, megatron_forward, model_source
 
     glm5 = GLM5Config.from_hf_dir(hf_dir)
     ids = load_input_ids(None, glm5.vocab_size, 1, 16, seed=5)
     for p in (ParallelConfig(cp=2), ParallelConfig(tp=2)):
-        megatron_forward(hf_dir, glm5, ids, p, torch.float32)
+        megatron_forward(model_source(hf_dir), ids, p, torch.float32)
 
 
 def main(hf_dir: str, data: str, out: str) -> None:

@@ -34,7 +34,7 @@ from glm5_mcore.lora.state import save_adapter  # noqa: E402
 from glm5_mcore.model.build import build_model, forward_logits  # noqa: E402
 from glm5_mcore.model.mtp_loss import model_token_logprobs  # noqa: E402
 from glm5_mcore.model.parallel import init_parallel  # noqa: E402
-from glm5_mcore.parity import load_input_ids, megatron_forward  # noqa: E402
+from glm5_mcore.parity import load_input_ids, megatron_forward, model_source  # noqa: E402
 
 from recipes.hydra_app import compose  # noqa: E402
 from recipes.sft import SFTConfig, run  # noqa: E402
@@ -51,7 +51,7 @@ def logits(hf_dir: str, parallel: ParallelConfig, out: str) -> dict:
     """{"logits": [2, 32, V]} of the tiny model at ``parallel``, after checking this rank's shards."""
     glm5 = GLM5Config.from_hf_dir(hf_dir)
     ids = load_input_ids(None, glm5.vocab_size, 2, 32, seed=11)
-    got, _, _ = megatron_forward(hf_dir, glm5, ids, parallel, torch.float32)
+    got, _, _ = megatron_forward(model_source(hf_dir), ids, parallel, torch.float32)
     model = build_model(glm5, parallel)
     ckpt = HFCheckpoint(hf_dir)
     n_experts = 0
