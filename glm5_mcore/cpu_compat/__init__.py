@@ -317,6 +317,15 @@ def vllm_cpu_llm_kwargs() -> dict:
             "enforce_eager": True, "distributed_executor_backend": "uni"}
 
 
+def vllm_cpu_speculative_kwargs() -> dict:
+    """``speculative_config`` entries for vLLM's CPU build: the draft model (GLM-5's MTP layer) picks its own
+    attention backend, never the target's (vllm/v1/spec_decode/llm_base_proposer.py:1283-1291 "Never inherit
+    the attention backend from base"), so on a CPU with AMX tiles it gets AMX_MLA (vllm/platforms/cpu.py:156),
+    which takes bf16 weights only and packs ``W_UK`` in 32-wide tiles ("expect weight to be bfloat16 ..." for
+    fp32, "invalid weight input features 16" for a 16-wide head): CPU_MLA is named for it as for the target."""
+    return {"attention_backend": "CPU_MLA"}
+
+
 def vllm_cpu_env() -> dict:
     """Environment for a vLLM-CPU process: the CPU platform, a 1 GiB KV cache (the default takes
     4 GiB, vllm/envs.py VLLM_CPU_KVCACHE_SPACE), no OpenMP thread binding to cores others use, and

@@ -141,8 +141,11 @@ class VLLMRolloutEngine(RolloutEngine):
         else:
             llm["gpu_memory_utilization"] = gpu_memory_utilization
         if mtp_draft_tokens:  # speculative decoding with the checkpoint's MTP layer as the draft
-
             llm["speculative_config"] = mtp_speculative_config(config, mtp_draft_tokens, hf_dir)
+            if device == "cpu":
+                from glm5_mcore.cpu_compat import vllm_cpu_speculative_kwargs
+
+                llm["speculative_config"].update(vllm_cpu_speculative_kwargs())
             llm["disable_log_stats"] = False  # vLLM's spec-decode counters (``spec_decode_counts``)
         llm.update(kwargs)
         if vllm_python:
