@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from glm5_mcore.config import GLM5Config
-from glm5_mcore.mcore_settings import ParallelConfig
+from glm5_mcore.mcore_settings import ParallelConfig, padded_vocab_size
 from glm5_mcore.device import training_device
 from glm5_mcore.checkpoint.folder_config import checkpoint_config, hf_dir_config
 from glm5_mcore.checkpoint import megatron_lm as foreign_ckpt
@@ -218,6 +218,7 @@ def run_parity(hf_dir: str, input_ids: torch.Tensor, parallel: ParallelConfig, d
         "pass": None if dtype != "fp32" else bool(diff.max() <= atol),
         "dtype": dtype,
         "tp": parallel.tp, "ep": parallel.ep, "cp": parallel.cp, "adapter": adapter,
+        "vocab_rows": padded_vocab_size(glm5.vocab_size, parallel.tp, parallel.make_vocab_size_divisible_by),
         "shape": list(logits.shape),
     }
     return report
@@ -254,7 +255,8 @@ def main(args) -> int:
     glm5 = (checkpoint_config(ckpt, quiet=True) if ckpt and Path(ckpt, "hf").is_dir()
             else hf_dir_config(hf_dir, quiet=True))
     ids = load_input_ids(args.input_ids, glm5.vocab_size, args.batch, args.seq_len, args.seed)
-    parallel = ParallelConfig(tp=args.tp, ep=args.ep, cp=args.cp)
+    parallel = ParallelConfig(tp=args.tp, ep=args.ep, cp=args.cp,
+                              make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", 1))
     report = run_parity(hf_dir, ids, parallel, args.dtype, args.atol, args.save_logits, ckpt,
                         getattr(args, "adapter", None))
     code = 0
