@@ -112,6 +112,12 @@ def _rl_logprobs(got, ref):
     assert (ref["old"] - ref["ref"])[mask].abs().max() > 1e-3  # the policy adapter is not the identity
     assert (ref["after"] - ref["old"])[mask].abs().max() > 1e-4  # and the update moved it
     assert ref["metrics"]["actor/entropy"] > 0 and ref["metrics"]["actor/updates_skipped"] == 0, ref["metrics"]
+    # the pushed adapter: the same PEFT tensors, none of them vocabulary-sized (the padding stays in the trainer)
+    assert sorted(got["pushed"]) == sorted(ref["pushed"]) and got["pushed"]
+    for k, t in ref["pushed"].items():
+        assert got["pushed"][k].shape == t.shape and 129 not in t.shape and 130 not in t.shape, k
+        # two Adam steps of lr 1e-3 moved each element by up to 2e-3; fp32 reduction order: a few 1e-6 (4.3e-6)
+        assert float((got["pushed"][k] - t).abs().max()) <= 1e-5, k
     assert set(got["metrics"]) == set(ref["metrics"])
     for k, v in ref["metrics"].items():
         if k.startswith("actor/micro_batch"):  # how the tokens were packed: TP 2 pads each pack for SP

@@ -14,7 +14,7 @@ at one rank for the reference (``tests/layouts/test_layouts.py``):
 - ``sft_losses``: the per-step losses of a 3-step SGD run of the SFT recipe (``recipes.sft.run`` on the
   config ``glm5 sft`` composes from the same overrides) on the reverse task, and the run's folder;
 - ``rl_logprobs``: the RL trainer (``rl.train.trainer.PolicyTrainer``) on a fixed batch: old / reference
-  log-probs, one PPO update's metrics (entropy, losses), the log-probs after it.
+  log-probs, one PPO update's metrics (entropy, losses), the log-probs after it, the PEFT adapter it pushes.
 """
 
 import json
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -152,6 +153,7 @@ def rl_logprobs(hf_dir: str, parallel: ParallelConfig, out: str) -> dict:
     from rl.train import algos
     from rl.train.trainer import PolicyTrainer
 
+    init_parallel(parallel)
     cfg = RLConfig.from_dict({
         "model": {"hf_dir": hf_dir}, "wandb": {"mode": "disabled"}, "rollout": {"n": 2, "temperature": 0.8},
         "actor": {"ppo_mini_batch_size": 1, "micro_batch_tokens": 64, "entropy_coeff": 0.01, "lr": 1e-3},
@@ -176,7 +178,9 @@ def rl_logprobs(hf_dir: str, parallel: ParallelConfig, out: str) -> dict:
     algos.compute_advantages(cfg, batch, 0.0)
     metrics = trainer.update(batch, 0)
     log_probs(False, ("old_log_probs",))
+    payload = trainer.export_adapter(1)  # what the weight sync pushes to the engines (rank 0)
     return {"old": old, "ref": ref, "after": batch.old_log_probs, "mask": batch.response_mask,
+            "pushed": load(payload.files["adapter_model.safetensors"]) if payload is not None else None,
             "metrics": {k: v for k, v in (metrics or {}).items() if isinstance(v, float) and not k.startswith("timing")}}
 
 
