@@ -73,3 +73,19 @@ def test_padded_logits_stay_out_of_every_loss_and_log_prob(tiny_odd_dir, single_
     worst = max(float((padded["grads"][n][:129] if n in VOCAB_PARALLEL else padded["grads"][n]).sub(p).abs().max())
                 for n, p in plain["grads"].items())
     assert worst <= 1e-6, worst
+
+
+def test_glm5_tiny_writes_an_odd_vocabulary(tmp_path, capsys):
+    """``glm5 tiny --vocab-size 129``: the config, embedding, lm_head and tokenizer all of 129 ids."""
+    from transformers import AutoTokenizer
+
+    from glm5_mcore.checkpoint.hf_io import HFCheckpoint
+    from recipes.main import main
+
+    assert main(["tiny", "--out", str(tmp_path / "t"), "--vocab-size", "129"]) == 0
+    ck = HFCheckpoint(tmp_path / "t")
+    assert GLM5Config.from_hf_dir(tmp_path / "t").vocab_size == 129 == len(AutoTokenizer.from_pretrained(tmp_path / "t"))
+    assert ck.get("lm_head.weight").shape == ck.get("model.embed_tokens.weight").shape == (129, 64)
+    assert main(["tiny", "--out", str(tmp_path / "u"), "--vocab-size", "9"]) == 2
+    assert "--vocab-size 9: must exceed the 9 special tokens" in capsys.readouterr().err
+    assert not (tmp_path / "u").exists()
