@@ -331,14 +331,15 @@ def glm5_744b() -> GLM5Config:
                       eos_token_id=[154820, 154827, 154829])
 
 
-def glm5_tiny(*, mtp: bool = False, index_share: bool = False) -> GLM5Config:
+def glm5_tiny(*, mtp: bool = False, index_share: bool = False, vocab_size: int = 128) -> GLM5Config:
     """A debug GLM-5: 4 layers (1 dense + 3 MoE), every GLM-5 feature, ~0.5M parameters.
 
     Sizes follow ``shared/notes/glm5-reference.md`` section 4.1; 16 indexer heads make exact ReLU ties (all heads <= 0) rare.
-    ``index_share`` makes layer 2 reuse layer 1's top-k (pattern FFSF).
+    ``index_share`` makes layer 2 reuse layer 1's top-k (pattern FFSF); an odd ``vocab_size`` (129) is one
+    TP 2 does not divide (the vocabulary padding, ``glm5_mcore.model.vocab``).
     """
     return GLM5Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
         n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=32,
         qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, index_topk=8, index_head_dim=16,

@@ -1,7 +1,8 @@
 """The Megatron-Core settings of a run that are not GLM-5's architecture (``glm5_mcore.config``):
 
-- ``ParallelConfig``: the model-parallel layout (TP / EP / ETP / CP / PP, the MoE token dispatcher),
-  checked against a ``GLM5Config`` by ``GLM5Config.to_mcore_config``;
+- ``ParallelConfig``: the model-parallel layout (TP / EP / ETP / CP / PP, the MoE token dispatcher, the
+  vocabulary padding), checked against a ``GLM5Config`` by ``GLM5Config.to_mcore_config``;
+- ``padded_vocab_size``: the embedding / output-layer rows at a TP (Megatron-LM's ``_vocab_size_with_padding``);
 - ``recompute_overrides``: activation recompute as Megatron-Core's recompute fields (SFT and RL);
 - ``grouped_gemm``: ``model.moe_grouped_gemm`` resolved for a layer-spec backend;
 - ``dsa_loss_scale``: the schedule hook that scales the DSA indexer loss's backward.
@@ -50,6 +51,10 @@ class ParallelConfig:
     moe_token_dispatcher_type: str | None = None
     """None: "alltoall" on GPU, "allgather" on CPU (the alltoall dispatcher creates a CUDA stream,
     moe/token_dispatcher.py:469)."""
+    make_vocab_size_divisible_by: int = 1
+    """Megatron-LM's flag: the embedding and output layer get ``padded_vocab_size`` rows, the vocabulary
+    rounded up to a multiple of this × tp (Megatron-LM's default is 128; 1 pads only where tp does not divide
+    the vocabulary). The padded logits are -inf (``glm5_mcore.model.vocab``); no HF or PEFT file holds the rows."""
 
     @property
     def dispatcher(self) -> str:
@@ -61,7 +66,7 @@ class ParallelConfig:
 
     def validate(self, model) -> None:
         """The layout fits ``model`` (a ``glm5_mcore.config.GLM5Config``): heads, vocabulary rows, experts, layers."""
-        for name in ("tp", "ep", "cp", "pp", "etp"):
+        for name in ("tp", "ep", "cp", "pp", "etp", "make_vocab_size_divisible_by"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
         check_model_split(model, tp=self.tp, ep=self.ep, etp=self.etp, pp=self.pp)
@@ -71,19 +76,26 @@ class ParallelConfig:
 
 def check_model_split(model, *, tp: int, ep: int, etp: int, pp: int) -> None:
     """ValueError naming the field where ``model`` (a ``GLM5Config``) does not split over the layout: heads
-    and vocabulary rows over TP, routed experts over EP, the expert FFN width over ETP, layers over PP.
-    ``ParallelConfig`` (the run) and the planner's ``Layout`` both call it."""
+    over TP, routed experts over EP, the expert FFN width over ETP, layers over PP (the vocabulary rows are
+    padded to a multiple of TP: ``padded_vocab_size``). ``ParallelConfig`` (the run) and the planner's
+    ``Layout`` both call it."""
     if model.num_attention_heads % tp:
         raise ValueError(f"tp: num_attention_heads={model.num_attention_heads} is not divisible by tp={tp}")
-    if model.vocab_size % tp:  # Megatron-LM pads it (make_vocab_size_divisible_by); not done here yet
-        raise ValueError(f"tp: vocab_size={model.vocab_size} is not divisible by tp={tp} (the output layer "
-                         "and embedding are split by vocabulary rows); use a tp that divides it")
     if model.n_routed_experts % ep:
         raise ValueError(f"ep: n_routed_experts={model.n_routed_experts} is not divisible by ep={ep}")
     if model.moe_intermediate_size % etp:
         raise ValueError(f"etp: moe_intermediate_size={model.moe_intermediate_size} is not divisible by etp={etp}")
     if model.num_hidden_layers % pp:
         raise ValueError(f"pp: num_hidden_layers={model.num_hidden_layers} is not divisible by pp={pp}")
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 1) -> int:
+    """Rows of the embedding and output layer for a vocabulary of ``vocab_size`` at tensor parallelism ``tp``:
+    rounded up to a multiple of ``divisible_by × tp``, so each TP rank holds an equal share (Megatron-LM's
+    ``_vocab_size_with_padding``, ``megatron/training/tokenizer/tokenizer.py``; Megatron-Bridge's
+    ``calculate_padded_vocab_size``). 154880 (GLM-5) at tp 8: 154880; 129 at tp 2: 130."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
 
 
 def dsa_loss_scale(scale) -> None:

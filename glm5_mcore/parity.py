@@ -25,7 +25,7 @@ from glm5_mcore.config import GLM5Config
 from glm5_mcore.device import training_device
 from glm5_mcore.lora.peft import import_peft
 from glm5_mcore.lora.state import load_adapter_state
-from glm5_mcore.mcore_settings import ParallelConfig
+from glm5_mcore.mcore_settings import ParallelConfig, padded_vocab_size
 from glm5_mcore.model.build import build_model, forward_logits
 from glm5_mcore.model.dsa import GLM5SparseAttention, keeping_topk
 from glm5_mcore.model.parallel import init_parallel
@@ -217,6 +217,7 @@ def run_parity(hf_dir: str, input_ids: torch.Tensor, parallel: ParallelConfig, d
         "pass": None if dtype != "fp32" else bool(diff.max() <= atol),
         "dtype": dtype,
         "tp": parallel.tp, "ep": parallel.ep, "cp": parallel.cp, "adapter": adapter,
+        "vocab_rows": padded_vocab_size(glm5.vocab_size, parallel.tp, parallel.make_vocab_size_divisible_by),
         "shape": list(logits.shape),
     }
     return report
@@ -251,7 +252,8 @@ def main(args) -> int:
         check_output_file(args.save_logits, SAVE_LOGITS_KIND, _logits_file_kind, [args.input_ids],
                           getattr(args, "overwrite", False), what="--save-logits")
     ids = load_input_ids(args.input_ids, GLM5Config.from_hf_dir(hf_dir).vocab_size, args.batch, args.seq_len, args.seed)
-    parallel = ParallelConfig(tp=args.tp, ep=args.ep, cp=args.cp)
+    parallel = ParallelConfig(tp=args.tp, ep=args.ep, cp=args.cp,
+                              make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", 1))
     report = run_parity(hf_dir, ids, parallel, args.dtype, args.atol, args.save_logits, ckpt,
                         getattr(args, "adapter", None))
     code = 0

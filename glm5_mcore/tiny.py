@@ -135,9 +135,12 @@ def mla576(cfg: GLM5Config, index_topk: int = 512) -> GLM5Config:
 
 
 def write_tiny(out: str | Path, mtp: bool = False, index_share: bool = False, seed: int = 0,
-               mla_576: bool = False, overwrite: bool = False) -> Path:
-    """The ``glm5 tiny`` command: a tiny random GLM-5 checkpoint in ``out`` (``mla_576``: ``mla576``'s widths)."""
-    cfg = glm5_tiny(mtp=mtp, index_share=index_share)
+               mla_576: bool = False, overwrite: bool = False, vocab_size: int = 128) -> Path:
+    """The ``glm5 tiny`` command: a tiny random GLM-5 checkpoint in ``out`` (``mla_576``: ``mla576``'s widths;
+    ``vocab_size``: the tokenizer's special tokens and ``w0``, ``w1``, ... up to that many ids)."""
+    if vocab_size <= len(SPECIAL_TOKENS):
+        raise ValueError(f"--vocab-size {vocab_size}: must exceed the {len(SPECIAL_TOKENS)} special tokens")
+    cfg = glm5_tiny(mtp=mtp, index_share=index_share, vocab_size=vocab_size)
     if mla_576:
         cfg = mla576(cfg)
     return write_hf_checkpoint(cfg, random_hf_state_dict(cfg, seed), out, overwrite=overwrite)

@@ -19,6 +19,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--mtp", action="store_true", help="add the MTP layer model.layers.{L}.*")
     t.add_argument("--index-share", action="store_true", help="layer 2 reuses layer 1's top-k")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--vocab-size", type=int, default=128,
+                   help="vocabulary (129: one TP 2 does not divide, padded as Megatron pads it)")
 
     q = sub.add_parser("parity", help="compare our Megatron-Core model with transformers")
     q.add_argument("--hf-dir", help="HF folder (weights for the reference; our weights unless --ckpt)")
@@ -30,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--tp", type=int, default=1)
     q.add_argument("--ep", type=int, default=1)
     q.add_argument("--cp", type=int, default=1)
+    q.add_argument("--make-vocab-size-divisible-by", type=int, default=1,
+                   help="pad the vocabulary to a multiple of this x tp (Megatron-LM's flag; a training run's "
+                        "parallel.make_vocab_size_divisible_by)")
     q.add_argument("--atol", type=float, default=1e-4)
     q.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     q.add_argument("--batch", type=int, default=2, help="random input batch size")
@@ -125,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             from glm5_mcore.tiny import write_tiny
 
             out = write_tiny(args.out, mtp=args.mtp, index_share=args.index_share, seed=args.seed,
-                             overwrite=args.overwrite)
+                             overwrite=args.overwrite, vocab_size=args.vocab_size)
             print(f"wrote tiny GLM-5 checkpoint to {out}")
             return 0
         if args.cmd == "convert":

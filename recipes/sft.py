@@ -39,6 +39,7 @@ from glm5_mcore.model.indexer_stages import (check_indexer_learns, indexer_metri
                                               set_indexer_warmup, set_recall_probe)
 from glm5_mcore.model.mtp_loss import mtp_depth_losses
 from glm5_mcore.model.parallel import init_parallel
+from glm5_mcore.model.vocab import real_vocab_size
 from glm5_mcore.training.checkpointing import SaveSchedule, refuse_restart_over, restore_run, save_run
 from glm5_mcore.training.loop import MoELoad, build_trainer, check_optimizer, forward_backward, synced_params
 from glm5_mcore.training.model_source import ModelSource, resolve_model
@@ -87,7 +88,9 @@ def run_settings(cfg: SFTConfig, world: int) -> dict:
                  "targets": sorted(lo.targets)} if lo.enabled else {"enabled": False},
         "model": model_fingerprint(cfg.model.hf_dir, cfg.model.ckpt),
         "layout": {"world_size": world, **{k: getattr(cfg.parallel, k) for k in ("tp", "ep", "cp", "pp")},
-                   **({"etp": cfg.parallel.etp} if cfg.parallel.etp > 1 else {})},
+                   **({"etp": cfg.parallel.etp} if cfg.parallel.etp > 1 else {}),
+                   **({"make_vocab_size_divisible_by": cfg.parallel.make_vocab_size_divisible_by}
+                      if cfg.parallel.make_vocab_size_divisible_by > 1 else {})},
     }
 
 
@@ -271,7 +274,7 @@ def make_stream(cfg: SFTConfig, docs: SFTDocuments, state: dict, parallel: Paral
                      cp_rank=ps.get_context_parallel_rank(), multiple=multiple, pad_id=pad_id,
                      equal_sizes=parallel.ep * parallel.etp > 1 and model.config.moe_token_dispatcher_type == "allgather",
                      pipeline=parallel.pp > 1, cache_dir=Path(cfg.train.out) / "data_cache",
-                     vocab_size=model.vocab_size)
+                     vocab_size=real_vocab_size(model))
 
 
 def evaluate(ddp, opt, stream: SFTStream) -> float:

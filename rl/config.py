@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
+from glm5_mcore.mcore_settings import ParallelConfig
 from glm5_mcore.training.schema import LoRACfg, ModelCfg, PlanCfg, WandbCfg, build
 from glm5_mcore.training.resume import file_fingerprint, model_fingerprint
 from rl.validate import validate
@@ -256,6 +257,9 @@ class TrainerCfg:
     """GPUs Ray gives each trainer rank; ``backend=te``, ``bf16`` and ``recompute`` need 1."""
     etp: int = 1
     """Expert tensor parallelism (Megatron's ``expert_tensor_parallel_size``); etp × ep divides ``world_size``."""
+    make_vocab_size_divisible_by: int = 1
+    """The embedding and output layer padded to a multiple of this × tp (Megatron-LM's flag; as SFT's
+    ``parallel.make_vocab_size_divisible_by``); the padded logits are -inf, the adapter pushed never holds them."""
     recompute: Optional[str] = None
     """null, ``selective`` or ``full``: Megatron's activation recompute (``glm5_mcore.mcore_settings.recompute_overrides``); GPU only."""
     backend: str = "local"
@@ -287,6 +291,11 @@ class TrainerCfg:
     """With ``max_staleness``: a weight push interrupts the requests in flight at a token boundary and
     continues them under the new adapter (each token keeps its behaviour log-prob and version); false: they
     finish under the adapter they started with and the push waits for them."""
+
+    def parallel(self) -> ParallelConfig:
+        """The trainer ranks' Megatron layout (``glm5_mcore.mcore_settings.ParallelConfig``)."""
+        return ParallelConfig(tp=self.tp, ep=self.ep, cp=self.cp, etp=self.etp,
+                              make_vocab_size_divisible_by=self.make_vocab_size_divisible_by)
 
 
 @dataclass

@@ -10,8 +10,7 @@ file or setting, instead of a ``ray::Actor.method()`` stack at the first update 
 - ``preflight(cfg, tokenizer, prompt_sets)``: with the tokenizer and the model config (run by
   ``rl.driver.run`` before the run folder is claimed): the model config the trainer ranks would build
   (a Megatron-LM / Bridge checkpoint checked against ``model.hf_dir``), MTP weights for ``actor.mtp_loss_scale``
-  / ``actor.mtp_accept``, the trainer layout against the model (heads, experts, vocabulary rows per TP
-  rank), stop tokens (strings known to the tokenizer, ids inside the vocabulary), and
+  / ``actor.mtp_accept``, the trainer layout against the model (heads, experts, expert width, layers), stop tokens (strings known to the tokenizer, ids inside the vocabulary), and
   the longest prompt + ``rollout.max_new_tokens`` inside the model's context and inside one micro-batch
   (``actor.micro_batch_tokens``, ``actor.log_prob_micro_batch_tokens``). Returns the stop ids.
 """
@@ -93,7 +92,6 @@ def check_config(c) -> None:
 def preflight(c, tokenizer, prompt_sets: dict) -> tuple[int, ...]:
     """The checks that need the tokenizer and model config (see the module doc); ``prompt_sets``:
     {"data.train": prompts, "data.val": prompts}. Returns the rollout's stop ids."""
-    from glm5_mcore.mcore_settings import ParallelConfig
     from glm5_mcore.training.model_source import resolve_model
     from rl.train.mtp import mtp_layers
 
@@ -101,7 +99,7 @@ def preflight(c, tokenizer, prompt_sets: dict) -> tuple[int, ...]:
     glm5 = resolve_model(m).glm5  # as each trainer rank will (a Megatron-LM / Bridge config checked)
     t = c.trainer
     try:
-        ParallelConfig(tp=t.tp, ep=t.ep, cp=t.cp).validate(glm5)
+        t.parallel().validate(glm5)
     except ValueError as e:
         raise ValueError(f"trainer.{e} ({m.ckpt or m.hf_dir})") from None
     mtp_layers(c.actor.mtp_loss_scale, glm5, m.ckpt or m.hf_dir, c.actor.mtp_accept)

@@ -41,6 +41,14 @@ def tiny_mtp_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_odd_dir(tmp_path_factory):
+    """A vocabulary of 129 (with the MTP layer): TP 2 does not divide it, so the model pads it to 130 rows."""
+    from glm5_mcore.tiny import write_tiny
+
+    return str(write_tiny(tmp_path_factory.mktemp("ckpt") / "tiny_odd", mtp=True, seed=4, vocab_size=129))
+
+
+@pytest.fixture(scope="session")
 def tiny_converted(tmp_path_factory, tiny_dir):
     """``hf-to-mcore`` of ``tiny_dir`` (CKPT/iter_0000000/model + manifest), made once for the session;
     tests copy it before changing anything in it."""

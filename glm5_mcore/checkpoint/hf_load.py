@@ -1,6 +1,7 @@
 """HF weights into a built Megatron-Core GLM-5 at this rank's layout: every parameter and buffer
 named through the one table (``checkpoint.hf_names``), sliced to this rank's shard by Megatron's own
-partition attributes, verified against the folder's manifest, NaN/Inf refused by name."""
+partition attributes (the embedding and output layer first padded with zero rows to the model's padded
+vocabulary, ``model.vocab``), verified against the folder's manifest, NaN/Inf refused by name."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from glm5_mcore.checkpoint.hf_names import hf_source, shard_for_rank
 from glm5_mcore.checkpoint.manifest import StreamVerifier
 from glm5_mcore.config import GLM5Config
 from glm5_mcore.model.parallel import rank_offsets
+from glm5_mcore.model.vocab import VOCAB_PARALLEL, pad_vocab_rows
 
 
 def mcore_to_hf_sources(model, num_hidden_layers: int):
@@ -56,6 +58,8 @@ def _copy_weights(model, hf_dir, glm5: GLM5Config, ckpt: HFCheckpoint, skip_pref
             raise ValueError(f"{hf_dir}: {src.names[0]} {tuple(parts[0].shape)} and {src.names[1]} "
                              f"{tuple(parts[1].shape)} differ")
         full = torch.cat(parts, dim=0) if src.is_glu else parts[0]
+        if name in VOCAB_PARALLEL and full.shape[0] == glm5.vocab_size:  # zero rows up to the padded vocabulary
+            full = pad_vocab_rows(full, target.shape[0] * (size if getattr(target, "tensor_model_parallel", False) else 1))
         shard = shard_for_rank(full, target, rank, size, src.is_glu)
         if tuple(shard.shape) != tuple(target.shape):
             raise ValueError(f"{hf_dir}: tensor {'+'.join(src.names)} has shape {tuple(full.shape)}, "

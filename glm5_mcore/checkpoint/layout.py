@@ -5,6 +5,8 @@
       hf/                         config.json + tokenizer of the model's HF origin, source.json
       iter_{N:07d}/
         model/                    Megatron-Core distributed checkpoint (torch_dist): loads at any TP/EP/PP
+                                  (the embedding / output layer with the saving layout's padded vocabulary
+                                  rows, read by Megatron-Core's allow_shape_mismatch: ``model.vocab``)
         adapters/{name}/          LoRA adapters (the LoRA issue)
         optimizer/                optimizer state: Megatron-Core's sharded optimizer state (Adam moments,
                                   fp32 main params; plain or distributed optimizer) saved with

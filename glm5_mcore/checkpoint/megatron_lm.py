@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 from glm5_mcore.checkpoint.manifest import NAME
 from glm5_mcore.config import GLM5Config, MODEL_TYPE
+from glm5_mcore.mcore_settings import padded_vocab_size
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RUN_CONFIG = "run_config.yaml"
@@ -208,6 +209,23 @@ def check_same_arch(cfg, other, where: str, other_name: str = "the HF config") -
             raise ValueError(f"{where}: {f} = {a!r} but {other_name} says {b!r}")
 
 
+def _unpadded_vocab(own: dict, vocab: int, where: str) -> dict:
+    """``own`` with the HF config's ``vocab`` when Megatron-LM's args record only the padded vocabulary
+    (``padded_vocab_size``, no ``vocab_size``: its tokenizer's size padded to a multiple of
+    ``make_vocab_size_divisible_by`` × TP, default 128) and that is ``vocab`` padded: the padded rows are
+    dropped on load (``glm5_mcore.model.vocab``)."""
+    padded = own.get("padded_vocab_size")
+    if padded is None or own.get("vocab_size") != padded or padded == vocab:
+        return own
+    rows = padded_vocab_size(vocab, own.get("tensor_model_parallel_size") or 1,
+                             own.get("make_vocab_size_divisible_by") or 128)
+    if rows != padded:
+        return own  # not this vocabulary's padding: check_same_arch names the difference
+    say_once(f"{where}: padded_vocab_size={padded} is Megatron-LM's padding of the HF config's vocab_size={vocab}; "
+             "the padded rows are left out")
+    return {**own, "vocab_size": vocab}
+
+
 def glm5_config(root: str | Path, hf=None, iteration: Optional[int] = None):
     """The GLM5Config to build for a Megatron-LM / Bridge checkpoint: its own config (``run_config.yaml`` /
     ``common.pt`` args) checked field by field against ``hf`` (a GLM5Config from an HF config.json)
@@ -217,6 +235,8 @@ def glm5_config(root: str | Path, hf=None, iteration: Optional[int] = None):
 
     path = model_path(root, iteration)
     own, where = own_megatron_config(path)
+    if own is not None and hf is not None:
+        own = _unpadded_vocab(own, hf.vocab_size, where)
     cfg = None
     if own is not None:
         try:

@@ -2,9 +2,10 @@
 
 ``build_model`` builds the decoder and MTP block specs from ``layer_spec`` on the groups
 ``model.parallel.init_parallel`` made (routed experts grouped or not: ``moe_grouped_gemm``, resolved by
-``mcore_settings.grouped_gemm``) and links IndexShare layers; ``forward_logits`` returns
-full-vocabulary logits gathered over TP; ``packed_seq_params_from_lengths`` is the THD metadata of
-documents packed back to back. HF weights load through ``glm5_mcore.checkpoint.hf_load``.
+``mcore_settings.grouped_gemm``) and links IndexShare layers; the vocabulary is padded for TP with its
+padded logits masked (``model.vocab``); ``forward_logits`` returns full-vocabulary logits gathered over TP;
+``packed_seq_params_from_lengths`` is the THD metadata of documents packed back to back. HF weights load
+through ``glm5_mcore.checkpoint.hf_load``.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import torch
 
 from glm5_mcore import cpu_compat
 from glm5_mcore.config import GLM5Config
-from glm5_mcore.mcore_settings import ParallelConfig, grouped_gemm
+from glm5_mcore.mcore_settings import ParallelConfig, grouped_gemm, padded_vocab_size
 from glm5_mcore.device import training_device
 from glm5_mcore.model.dsa_backend import resolve as resolve_dsa_backend
 from glm5_mcore.model.dsa import GLM5SparseAttention, link_absorbed_mla, link_index_share
 from glm5_mcore.model.layer_spec import get_glm5_decoder_block_spec, get_glm5_mtp_block_spec
+from glm5_mcore.model.vocab import mask_padded_logits, real_vocab_size
 
 
 def reset_global_trackers() -> None:
@@ -38,7 +40,9 @@ def build_model(glm5: GLM5Config, parallel: Optional[ParallelConfig] = None, bac
     """A Megatron-Core ``GPTModel`` computing GLM-5 (this rank's shard: its pipeline stage's layers,
     the embedding on the first stage, output layer and MTP on the last), on ``device``: the training
     device (``glm5_mcore.device``) unless given ("meta" for a shapes-only model, as conversion
-    builds). Parallel state must be initialised for ``parallel`` (``init_parallel``)."""
+    builds). Parallel state must be initialised for ``parallel`` (``init_parallel``). The embedding and
+    output layer have ``padded_vocab_size`` rows (``parallel.make_vocab_size_divisible_by`` × tp), the
+    padded logits -inf (``model.vocab``)."""
     from megatron.core import parallel_state as ps
 
     from megatron.core.models.gpt import GPTModel
@@ -61,7 +65,7 @@ def build_model(glm5: GLM5Config, parallel: Optional[ParallelConfig] = None, bac
     model = GPTModel(
         config=cfg,
         transformer_layer_spec=block,
-        vocab_size=glm5.vocab_size,
+        vocab_size=padded_vocab_size(glm5.vocab_size, parallel.tp, parallel.make_vocab_size_divisible_by),
         max_sequence_length=glm5.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
@@ -73,6 +77,8 @@ def build_model(glm5: GLM5Config, parallel: Optional[ParallelConfig] = None, bac
     link_index_share(m for m in model.decoder.modules() if isinstance(m, GLM5SparseAttention))
     link_absorbed_mla(model)
     keep_router_fp32(model)
+    if post_process:
+        mask_padded_logits(model, glm5.vocab_size)
     # Megatron's get_model moves the model to the current CUDA device before DDP and the optimizer;
     # LoRA adapters, created beside their base weights, follow. Norms, replicated linears and the
     # router are built without a device, on the CPU.
@@ -102,7 +108,8 @@ def packed_seq_params_from_lengths(lengths: list[int], device=None):
 
 def forward_logits(model, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                    packed_seq_params=None) -> torch.Tensor:
-    """Full-vocabulary logits ``[B, S_local, V]`` for this rank's tokens, gathered over TP."""
+    """Full-vocabulary logits ``[B, S_local, V]`` for this rank's tokens, gathered over TP (the real
+    vocabulary: the padding ``build_model`` adds for TP is cut off)."""
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     B, S = input_ids.shape
@@ -110,4 +117,4 @@ def forward_logits(model, input_ids: torch.Tensor, position_ids: Optional[torch.
         position_ids = torch.arange(S, device=input_ids.device).unsqueeze(0).expand(B, S)
     logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
                    packed_seq_params=packed_seq_params)
-    return gather_from_tensor_model_parallel_region(logits)
+    return gather_from_tensor_model_parallel_region(logits)[..., :real_vocab_size(model)]

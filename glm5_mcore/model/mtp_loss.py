@@ -43,7 +43,7 @@ def mtp_depth_losses(num_layers: int, microbatches: int = 1) -> dict[str, float]
 
 
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
-    """log p(target) and entropy from vocab-sharded logits [..., V/TP] (fp32)."""
+    """log p(target) and entropy from vocab-sharded logits [..., V/TP] (fp32; -inf columns have p = 0)."""
 
     @staticmethod
     def forward(ctx, logits, target, vocab_start, group):
@@ -51,7 +51,9 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         lmax = logits.max(-1).values
         if group is not None:
             dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - lmax[..., None]
+        # -inf logits (the vocabulary padding, ``model.vocab``) as the most negative float: exp still 0, and
+        # the p·log p terms of the entropy and its gradient 0 instead of 0·(-inf) = NaN
+        shifted = (logits - lmax[..., None]).clamp_min(torch.finfo(logits.dtype).min)
         exp = shifted.exp()
         sum_exp = exp.sum(-1)
         local = target - vocab_start

@@ -181,7 +181,7 @@ def stage_activations(m: GLM5Config, L: Layout, stage: int, tokens: int, *, bf16
         saved += b * s_sp * H
     if last:
         heads = 1 + n_mtp
-        saved += heads * (b * s * H + 2 * 4 * s * (m.vocab_size // L.tp))
+        saved += heads * (b * s * H + 2 * 4 * s * L.vocab_rows(m))
         saved += n_mtp * b * s * 3 * H  # MTP: enorm/hnorm outputs and the eh_proj input [s, 2H]
     has_indexer = any(m.indexer_types[i] == "full" for i in layers) or n_mtp > 0
     return ActivationBytes(

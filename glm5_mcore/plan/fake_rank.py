@@ -75,7 +75,9 @@ def build_rank(model: GLM5Config, layout: Layout, rank: int, *, mtp: bool = True
         kw["mtp_num_layers"] = None
     with torch.device("meta"):
         m = build_model(model, ParallelConfig(tp=layout.tp, ep=layout.ep, cp=layout.cp, pp=layout.pp,
-                                              moe_token_dispatcher_type="allgather"), device="meta", **kw)
+                                              moe_token_dispatcher_type="allgather",
+                                              make_vocab_size_divisible_by=layout.make_vocab_size_divisible_by),
+                        device="meta", **kw)
         if lora is not None:
             targets, r = lora
             apply_lora(m, LoRAConfig(rank=r, targets=tuple(targets)), "default", freeze_indexer=freeze_indexer)

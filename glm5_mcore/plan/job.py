@@ -81,7 +81,8 @@ def sft_job(cfg, world: int, etp: Optional[int] = None) -> Job:
     ``lora`` and ``plan`` sections, typed, so every default is the schema's), run on ``world`` ranks;
     ``etp``: the expert-TP size to plan for (None: ``parallel.etp``)."""
     p, t, data, lora = cfg.parallel, cfg.train, cfg.data, cfg.lora
-    layout = Layout(world=world, tp=p.tp, ep=p.ep, etp=etp or p.etp, pp=p.pp, cp=p.cp)
+    layout = Layout(world=world, tp=p.tp, ep=p.ep, etp=etp or p.etp, pp=p.pp, cp=p.cp,
+                    make_vocab_size_divisible_by=p.make_vocab_size_divisible_by)
     dp = max(1, world // (layout.tp * layout.cp * layout.pp))
     accum = max(1, data.global_batch_tokens // (data.micro_batch_tokens * dp))
     return Job(kind="sft", layout=layout, micro_batch_tokens=data.micro_batch_tokens, microbatches=accum,
@@ -94,7 +95,8 @@ def rl_job(cfg) -> Job:
     """From an RL config (``rl.config.RLConfig``, typed): the trainer (TP × EP × ETP × CP, recompute, LoRA, MTP only with
     ``actor.mtp_loss_scale > 0`` or ``actor.mtp_accept``) and the engines."""
     t, a, r = cfg.trainer, cfg.actor, cfg.rollout
-    layout = Layout(world=t.world_size, tp=t.tp, ep=t.ep, etp=t.etp, cp=t.cp)
+    layout = Layout(world=t.world_size, tp=t.tp, ep=t.ep, etp=t.etp, cp=t.cp,
+                    make_vocab_size_divisible_by=t.make_vocab_size_divisible_by)
     kw = dict(r.engine_kwargs or {})
     engine = EngineSpec.from_engine_kwargs(kw)
     co = r.colocate

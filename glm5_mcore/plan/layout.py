@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from glm5_mcore.config import GLM5Config
-from glm5_mcore.mcore_settings import check_model_split
+from glm5_mcore.mcore_settings import check_model_split, padded_vocab_size
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,8 @@ class Layout:
     etp: int = 1
     pp: int = 1
     cp: int = 1
+    make_vocab_size_divisible_by: int = 1
+    """The run's vocabulary padding (``ParallelConfig.make_vocab_size_divisible_by``)."""
 
     @property
     def dp(self) -> int:
@@ -41,7 +43,7 @@ class Layout:
 
     def validate(self, model: GLM5Config) -> None:
         """ValueError naming the field for a layout Megatron-Core (or GLM-5) cannot form."""
-        for name in ("world", "tp", "ep", "etp", "pp", "cp"):
+        for name in ("world", "tp", "ep", "etp", "pp", "cp", "make_vocab_size_divisible_by"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.world % (self.tp * self.cp * self.pp):
@@ -49,6 +51,10 @@ class Layout:
         if self.world % (self.etp * self.ep * self.pp):
             raise ValueError(f"etp*ep*pp={self.etp * self.ep * self.pp} does not divide the world size {self.world}")
         check_model_split(model, tp=self.tp, ep=self.ep, etp=self.etp, pp=self.pp)
+
+    def vocab_rows(self, model: GLM5Config) -> int:
+        """Embedding / output-layer rows on one TP rank: the padded vocabulary over TP (``padded_vocab_size``)."""
+        return padded_vocab_size(model.vocab_size, self.tp, self.make_vocab_size_divisible_by) // self.tp
 
     def stage_layers(self, model: GLM5Config, stage: int) -> range:
         """Decoder layer indices (0-based) on pipeline ``stage`` (Megatron's even split)."""

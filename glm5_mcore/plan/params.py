@@ -4,8 +4,9 @@
 ``glm5_mcore.model.build.build_model`` specs it) creates on a rank of a pipeline stage, with its local
 shape. Shapes per rank (H hidden, V vocab, h heads, M expert width, S shared-expert width, r rank):
 
-    embedding / output layer     [V/tp, H]          (first stage / last stage; MTP with PP > 1 keeps
-                                                     its own embedding copy on the last stage)
+    embedding / output layer     [V_pad/tp, H]      (first stage / last stage; MTP with PP > 1 keeps
+                                                     its own embedding copy on the last stage; V_pad
+                                                     the vocabulary padded for tp, ``Layout.vocab_rows``)
     q_down, kv_down, indexer      replicated         (Megatron's duplicated Linear)
     q_up, kv_up, dense fc1, shared fc1   [out/tp, in]  column-parallel
     linear_proj, dense fc2, shared fc2   [out, in/tp]  row-parallel
@@ -98,7 +99,7 @@ def _layer(m: GLM5Config, L: Layout, moe: bool, has_indexer: bool, n: int) -> li
 
 def stage_tensors(m: GLM5Config, L: Layout, stage: int, mtp: bool) -> list[TensorGroup]:
     """Every parameter and buffer on a rank of pipeline ``stage`` (``mtp``: the model has its MTP layers)."""
-    H, V = m.hidden_size, m.vocab_size // L.tp
+    H, V = m.hidden_size, L.vocab_rows(m)
     first, last = stage == 0, stage == L.pp - 1
     mtp_layers = m.num_nextn_predict_layers if (mtp and last) else 0
     out: list[TensorGroup] = []

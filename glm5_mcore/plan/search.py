@@ -28,7 +28,7 @@ def _divisors(n: int, cap: int) -> list[int]:
 def candidate_layouts(m: GLM5Config, job: Job, world: int, gpus_per_node: int):
     cur = job.layout
     pow2 = [d for d in (1, 2, 4, 8, 16, 32) if d <= gpus_per_node]
-    tps = [d for d in pow2 if m.num_attention_heads % d == 0 and m.vocab_size % d == 0]
+    tps = [d for d in pow2 if m.num_attention_heads % d == 0]  # the vocabulary is padded for any tp
     eps = [d for d in _divisors(m.n_routed_experts, m.n_routed_experts) if d & (d - 1) == 0]
     etps = [d for d in pow2 if m.moe_intermediate_size % d == 0]
     pps = _divisors(m.num_hidden_layers, 32)
@@ -39,7 +39,7 @@ def candidate_layouts(m: GLM5Config, job: Job, world: int, gpus_per_node: int):
             for etp in ([cur.etp] if "etp" in fixed else etps):
                 for pp in ([cur.pp] if "pp" in fixed else pps):
                     for cp in ([cur.cp] if "cp" in fixed else cps):
-                        L = Layout(world, tp, ep, etp, pp, cp)
+                        L = Layout(world, tp, ep, etp, pp, cp, cur.make_vocab_size_divisible_by)
                         if world % (tp * cp * pp) or world % (etp * ep * pp) or etp * ep > world // pp:
                             continue
                         yield L

@@ -36,7 +36,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from transformers import AutoTokenizer
 
 from glm5_mcore.checkpoint.layout import latest_iteration
-from glm5_mcore.mcore_settings import ParallelConfig, recompute_overrides
+from glm5_mcore.mcore_settings import recompute_overrides
 from glm5_mcore.device import training_device
 from glm5_mcore.lora.apply import apply_lora, disable_adapters, set_adapter
 from glm5_mcore.lora.peft import export_peft
@@ -69,7 +69,7 @@ class PolicyTrainer:
                               WORLD_SIZE=str(world), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
         self.cfg = cfg
         t = cfg.trainer
-        self.parallel = ParallelConfig(tp=t.tp, ep=t.ep, cp=t.cp, etp=t.etp)
+        self.parallel = t.parallel()
         self.source = resolve_model(cfg.model)  # HF folder, our checkpoint or a Megatron-LM / Bridge one
         self.glm5 = self.source.glm5
         # the MTP block: trained with actor.mtp_loss_scale > 0, measured only with actor.mtp_accept

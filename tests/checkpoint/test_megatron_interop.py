@@ -126,6 +126,37 @@ def test_architecture_is_checked_against_the_hf_config(foreign, tiny_mtp_dir, tm
                 glm5_config(bad, other)
 
 
+def test_a_megatron_lm_folder_with_a_padded_vocabulary_loads_the_real_rows(tiny_odd_dir, tmp_path, single_rank,
+                                                                           capsys):
+    """Megatron-LM pads the tokenizer's 129 ids to 256 rows (``make_vocab_size_divisible_by`` 128) and records
+    only ``padded_vocab_size``: read against the HF config it is that vocabulary padded (said once), and the
+    model built at 129 rows loads it: every parameter the one saved (the embedding and output layer its first
+    129 rows, the router as Megatron stores it, bf16) (was: ``vocab_size = 256 but the HF config says 129``)."""
+    from glm5_mcore.checkpoint.dist import load_model
+    from glm5_mcore.checkpoint.layout import model_dir
+    from glm5_mcore.checkpoint.megatron_lm import glm5_config
+    from glm5_mcore.config import GLM5Config
+    from glm5_mcore.mcore_settings import ParallelConfig
+    from glm5_mcore.model.build import build_model
+    from glm5_mcore.model.vocab import VOCAB_PARALLEL
+    from tests.support.helpers import hf_model
+
+    padded, _ = hf_model(tiny_odd_dir, ParallelConfig(make_vocab_size_divisible_by=128))
+    assert padded.vocab_size == 256
+    write_megatron(tmp_path / "mlm", padded, 5, flavour="megatron-lm")
+    hf = GLM5Config.from_hf_dir(tiny_odd_dir)
+    cfg = glm5_config(tmp_path / "mlm", hf)
+    assert cfg.vocab_size == 129 and "padded_vocab_size=256 is Megatron-LM's padding" in capsys.readouterr().err
+    m = build_model(cfg)
+    load_model(m, model_dir(tmp_path / "mlm"))
+    assert m.output_layer.weight.shape == (129, 64)
+    saved = dict(padded.named_parameters())
+    for k, p in m.named_parameters():
+        r = saved[k].detach()[:129] if k in VOCAB_PARALLEL else saved[k].detach()
+        r = r.bfloat16().float() if k.endswith("router.weight") else r
+        assert torch.equal(p.detach(), r), k
+
+
 @pytest.fixture(scope="module")
 def converted(foreign):
     out = {}

@@ -159,6 +159,44 @@ def test_saved_at_tp2_ep2_loads_at_tp1(tiny_both_dir, tmp_path, single_rank):
         assert torch.equal(src.get(name), back.get(name)), name
 
 
+def test_odd_vocabulary_round_trips_and_its_padded_save_exports_the_real_rows(tiny_odd_dir, tmp_path, single_rank):
+    """A vocabulary of 129: HF -> mcore -> HF is bit-exact; a model padded to 256 rows (Megatron-LM's
+    make_vocab_size_divisible_by=128) loads it with zero rows added and saves the padded rows (what
+    Megatron-Core's save writes: ``model.vocab``), that checkpoint loads unpadded again, and mcore-to-hf
+    writes the real 129 rows only, every tensor equal to the HF origin."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from glm5_mcore.checkpoint.dist import load_model
+    from glm5_mcore.checkpoint.layout import model_dir, write_hf_meta
+    from glm5_mcore.convert.mcore_to_hf import mcore_to_hf
+    from glm5_mcore.mcore_settings import ParallelConfig
+    from glm5_mcore.model.build import build_model, forward_logits
+    from glm5_mcore.training.checkpointing import save_checkpoint
+
+    ck = tmp_path / "rt"
+    _round_trip_equal(tiny_odd_dir, ck)
+    glm5 = GLM5Config.from_hf_dir(tiny_odd_dir)
+    padded = build_model(glm5, ParallelConfig(make_vocab_size_divisible_by=128))
+    load_model(padded, model_dir(ck / "mc"))  # stored: 129 rows; the model: 256
+    emb = padded.embedding.word_embeddings.weight
+    assert emb.shape[0] == 256 and emb[129:].abs().max() == 0
+    save_checkpoint(tmp_path / "run", 1, padded, {"iteration": 1})
+    write_hf_meta(tmp_path / "run" / "hf", tiny_odd_dir)
+    stored = FileSystemReader(str(model_dir(tmp_path / "run"))).read_metadata().state_dict_metadata
+    assert stored["embedding.word_embeddings.weight"].size[0] == 256 == stored["output_layer.weight"].size[0]
+    plain = build_model(glm5)
+    load_model(plain, model_dir(tmp_path / "run"))  # stored: 256 rows; the model: 129
+    ids = torch.randint(0, 129, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        a, b = forward_logits(padded.eval(), ids), forward_logits(plain.eval(), ids)
+    assert a.shape == b.shape == (2, 32, 129) and torch.equal(a, b), float((a - b).abs().max())
+    src, back = _all_tensors(tiny_odd_dir), _all_tensors(mcore_to_hf(tmp_path / "run", tmp_path / "back",
+                                                                     progress=False))
+    assert sorted(src) == sorted(back) and back["lm_head.weight"].shape == (129, 64)
+    for k in src:
+        assert src[k].dtype == back[k].dtype and torch.equal(src[k], back[k]), k
+
+
 # --------------------------------------------------------------------------------------------------
 # FP8 block-scaled import
 # --------------------------------------------------------------------------------------------------

@@ -3,6 +3,10 @@ and the layouts (with the world size each needs) that must give the one-rank res
 world size run in one torchrun launch (``tests/workers/layout_matrix.py``, re-laying out between
 cases); the one-rank references are computed in this process by the same functions.
 
+A vocabulary TP 2 does not divide (129) is padded (``glm5_mcore.model.vocab``): its logits, log-probs, SFT losses
+and RL trainer log-probs at TP 2 equal one rank's, and the TP 2 SFT run's adapter exported as PEFT passes
+``glm5 parity --tp 2``.
+
 Not in the matrix because their worker already runs several layouts in one launch: the indexer loss
 (``tests/model/test_indexer_loss.py``: DP 2, TP 2, CP 2), optimizer-state resume
 (``tests/training/test_optimizer_state.py``: DP 2, TP 2), RL with MTP (``tests/rl/test_mtp.py``: TP 2,
@@ -32,6 +36,11 @@ MATRIX = {  # name: (check, tiny model fixture, check kwargs, [(layout, world si
                    [(dict(tp=2), 2), (dict(ep=2), 2), (dict(tp=2, ep=2), 2), (dict(pp=2), 2), (dict(cp=2), 2)]),
     # the last stage's MTP embedding copy is synced on CPU (cpu_compat, language_module.py:307)
     "sft_losses_mtp": ("sft_losses", "tiny_mtp_dir", {"rows": 32}, [(dict(pp=2), 2)]),
+    # a vocabulary of 129 (and the MTP layer): TP 2 pads it to 130 rows, the padded logits masked (model.vocab)
+    "logits_odd_vocab": ("logits", "tiny_odd_dir", {}, [(dict(tp=2), 2)]),
+    "logprobs_odd_vocab": ("logprobs", "tiny_odd_dir", {}, [(dict(tp=2), 2)]),
+    "sft_losses_odd_vocab": ("sft_losses", "tiny_odd_dir", {"extra": SFT_LORA}, [(dict(tp=2), 2)]),
+    "rl_logprobs_odd_vocab": ("rl_logprobs", "tiny_odd_dir", {}, [(dict(tp=2), 2)]),
 }
 
 
@@ -94,13 +103,59 @@ def _sft_losses(got, ref):
     assert max(abs(a - b) / b for a, b in zip(got["losses"], ref["losses"])) <= 1e-6, (got, ref)
 
 
-EQUAL = {"logits": _logits, "lora_steps": _lora_steps, "logprobs": _logprobs, "sft_losses": _sft_losses}
+def _rl_logprobs(got, ref):
+    mask = ref["mask"].bool()
+    for k in ("old", "ref", "after"):
+        assert torch.isfinite(got[k][mask]).all(), k
+        diff = float((got[k] - ref[k])[mask].abs().max())
+        assert diff <= 1e-5, (k, diff)
+    assert (ref["old"] - ref["ref"])[mask].abs().max() > 1e-3  # the policy adapter is not the identity
+    assert (ref["after"] - ref["old"])[mask].abs().max() > 1e-4  # and the update moved it
+    assert ref["metrics"]["actor/entropy"] > 0 and ref["metrics"]["actor/updates_skipped"] == 0, ref["metrics"]
+    # the pushed adapter: the same PEFT tensors, none of them vocabulary-sized (the padding stays in the trainer)
+    assert sorted(got["pushed"]) == sorted(ref["pushed"]) and got["pushed"]
+    for k, t in ref["pushed"].items():
+        assert got["pushed"][k].shape == t.shape and 129 not in t.shape and 130 not in t.shape, k
+        # two Adam steps of lr 1e-3 moved each element by up to 2e-3; fp32 reduction order: a few 1e-6 (4.3e-6)
+        assert float((got["pushed"][k] - t).abs().max()) <= 1e-5, k
+    assert set(got["metrics"]) == set(ref["metrics"])
+    for k, v in ref["metrics"].items():
+        if k.startswith("actor/micro_batch"):  # how the tokens were packed: TP 2 pads each pack for SP
+            continue
+        assert got["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-7), (k, v, got["metrics"][k])
+
+
+EQUAL = {"logits": _logits, "lora_steps": _lora_steps, "logprobs": _logprobs, "sft_losses": _sft_losses,
+         "rl_logprobs": _rl_logprobs}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,layout,world", CASES, ids=[_id(*c) for c in CASES])
 def test_layout_equals_one_rank(name, layout, world, launched, one_rank):
     EQUAL[MATRIX[name][0]](launched[_id(name, layout, world)], one_rank[name])
+
+
+@pytest.mark.slow
+def test_tp2_lora_export_of_an_odd_vocabulary_loads_in_peft_and_passes_parity(launched, tiny_odd_dir, tmp_path):
+    """The adapter the TP 2 SFT run above trained on a vocabulary of 129 (130 rows, one padded), exported as
+    HF PEFT (``glm5 lora export``): peft loads it into transformers' model with the original vocabulary (no
+    missing or unexpected key, no vocabulary-sized tensor), and ``glm5 parity --tp 2 --adapter`` agrees."""
+    from safetensors.torch import load_file
+
+    from glm5_mcore.convert.lora_export import export_checkpoint_adapter
+    from tests.support.helpers import peft_model
+    from tests.support.launch import glm5, last_json
+
+    run = launched[_id("sft_losses_odd_vocab", dict(tp=2), 2)]["run"]
+    peft = export_checkpoint_adapter(run, tmp_path / "peft")
+    tensors = load_file(str(peft / "adapter_model.safetensors"))
+    assert tensors and all(129 not in t.shape and 130 not in t.shape for t in tensors.values())
+    assert max(float(t.abs().max()) for k, t in tensors.items() if "lora_B" in k) > 0  # trained, not the init
+    pm, unexpected, missing = peft_model(tiny_odd_dir, peft)
+    assert not unexpected and not missing and pm.get_base_model().lm_head.weight.shape == (129, 64)
+    rep = last_json(glm5("parity", "--hf-dir", tiny_odd_dir, "--adapter", peft, "--tp", "2", nproc=2).stdout)
+    assert rep["tp"] == 2 and rep["vocab_rows"] == 130 and rep["shape"] == [2, 32, 129], rep
+    assert rep["max_abs"] <= 1e-5 and rep["topk_agree"] == 1.0 and rep["router_agree"] == 1.0, rep
 
 
 def test_one_rank_token_logprobs_equal_the_full_vocabulary(one_rank):

@@ -201,3 +201,24 @@ def test_engine_gpus_must_match_the_actor_reservation():
     d = _compose("rl/glm5_744b", ["rollout.gpus_per_actor=16"])
     plan = plan_job(glm5_744b(), rl_job(plan_config("rl", d)), cluster_from("h200:12"))
     assert not plan.fits and any("rollout.gpus_per_actor=16 but the engine spans" in p for p in plan.problems)
+
+
+def test_a_vocabulary_tp_does_not_divide_is_planned_padded():
+    """154881 tokens (GLM-5's plus one added): the search still offers TP 8 (it kept only TPs dividing the
+    vocabulary: TP 1), and the embedding and output layer are planned at the padded 154888 rows / 8 per rank,
+    19456 with Megatron-LM's make_vocab_size_divisible_by=128 (what the built rank holds: test above)."""
+    import dataclasses
+
+    from glm5_mcore.config import glm5_744b
+    from glm5_mcore.plan.job import Job
+    from glm5_mcore.plan.layout import Layout
+    from glm5_mcore.plan.params import stage_tensors
+    from glm5_mcore.plan.search import candidate_layouts
+
+    m = dataclasses.replace(glm5_744b(), vocab_size=154881)
+    job = Job(kind="sft", layout=Layout(64, tp=8, ep=8), micro_batch_tokens=4096)
+    assert 8 in {L.tp for L in candidate_layouts(m, job, 64, 8)}
+    for divisible_by, rows in ((1, 154888 // 8), (128, 155648 // 8)):
+        L = Layout(64, tp=8, ep=8, make_vocab_size_divisible_by=divisible_by)
+        groups = {g.name: g for g in stage_tensors(m, L, 0, mtp=True)}
+        assert groups["embedding"].total == groups["output_layer"].total == rows * m.hidden_size

@@ -127,29 +127,28 @@ def test_nonfinite_rollout_logprobs_are_counted_masked_or_refused():
         rollout_logprob_check(b, 3, "my.Engine")
 
 
-def test_tp_not_dividing_the_vocabulary_is_refused_before_ray(tiny_dir, tmp_path):
-    """Issue 34 class 16: a vocabulary of 99 at TP 2 was a raw ``AssertionError: 99 is not divisible by 2``
-    inside the trainer actor (and in ``build_model`` for SFT / parity); now one line naming tp and the
-    folder, before Ray starts (refused: the vocabulary is not padded yet)."""
+def test_tp_not_dividing_the_vocabulary_passes_the_checks_before_ray(tiny_dir, tmp_path):
+    """Issue 34 class 16 refused a vocabulary of 99 at TP 2 (``trainer.tp: vocab_size=99 is not divisible by
+    tp=2``); issue 43 pads it as Megatron-LM does (``glm5_mcore.model.vocab``), so the checks before Ray pass
+    and the trainer's layout builds 100 rows (``tests/layouts``: TP 2 on an odd vocabulary equals one rank)."""
     import shutil
 
-    import ray
+    from transformers import AutoTokenizer
 
     from glm5_mcore.config import GLM5Config
-    from glm5_mcore.mcore_settings import ParallelConfig
+    from glm5_mcore.mcore_settings import padded_vocab_size
     from rl.config import RLConfig
-    from rl.driver import run
+    from rl.validate import preflight
 
     hf = tmp_path / "v99"
     shutil.copytree(tiny_dir, hf)
     cfg = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**cfg, "vocab_size": 99}))
-    with pytest.raises(ValueError, match=r"^tp: vocab_size=99 is not divisible by tp=2 "):
-        ParallelConfig(tp=2).validate(GLM5Config.from_hf_dir(hf))
-    d = _d(hf, tmp_path / "rl", trainer={"world_size": 2, "tp": 2})
-    with pytest.raises(ValueError, match=rf"^trainer.tp: vocab_size=99 is not divisible by tp=2 .*\({hf}\)$"):
-        run(RLConfig.from_dict(d))
-    assert not (tmp_path / "rl").exists() and not ray.is_initialized()
+    c = RLConfig.from_dict(_d(hf, tmp_path / "rl", trainer={"world_size": 2, "tp": 2}))
+    assert preflight(c, AutoTokenizer.from_pretrained(hf), {}) == (1,)  # eos
+    c.trainer.parallel().validate(GLM5Config.from_hf_dir(hf))
+    assert padded_vocab_size(99, c.trainer.tp, c.trainer.make_vocab_size_divisible_by) == 100
+    assert not (tmp_path / "rl").exists()
 
 
 def test_an_actor_whose_process_died_says_why_in_one_line():

@@ -150,3 +150,29 @@ def test_checkpoint_verify_refuses_a_latest_no_loader_accepts(run3, tmp_path, ca
     assert _tree(root) == before
     (root / "latest").write_text("3\n")
     assert glm5(["checkpoint", "verify", str(root)]) == 0
+
+
+def test_full_fine_tuning_on_a_padded_vocabulary_resumes_bitwise_and_across_a_padding_change(tiny_odd_dir, tmp_path):
+    """Full fine-tuning of a 129-token vocabulary padded to 256 rows (``parallel.make_vocab_size_divisible_by=128``:
+    the trained embedding and output layer, their Adam moments, saved with the padded rows): stopped after step 2
+    and resumed, step 3's loss is the uninterrupted run's, bit for bit. Resuming it unpadded is a layout change,
+    refused by name; with ``train.allow_resume_mismatch`` the 256-row weights and moments load into 129 rows
+    (Megatron-Core's ``allow_shape_mismatch``) and step 3 is again the same loss."""
+    from recipes.sft import run
+    from tests.support.sft_setup import sft_cfg
+
+    def cfg(out, steps, divisible_by, **train):
+        return sft_cfg(tiny_odd_dir, tmp_path, parallel={"make_vocab_size_divisible_by": divisible_by},
+                       train={"steps": steps, "save_every": 1, "eval_every": 0, "out": str(tmp_path / out), **train})
+
+    def losses(c):
+        return [h["loss"] for h in run(c)["history"]]
+
+    full = losses(cfg("a", 3, 128))
+    assert losses(cfg("b", 2, 128)) == full[:2] and losses(cfg("b", 3, 128)) == full[2:]
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    shutil.rmtree(tmp_path / "c" / "iter_0000003")
+    (tmp_path / "c" / "latest").write_text("2\n")
+    with pytest.raises(ValueError, match=r"layout.make_vocab_size_divisible_by: 128 -> '<absent>'"):
+        run(cfg("c", 3, 1))
+    assert losses(cfg("c", 3, 1, allow_resume_mismatch=True)) == full[2:]

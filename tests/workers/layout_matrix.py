@@ -12,7 +12,9 @@ at one rank for the reference (``tests/layouts/test_layouts.py``):
 - ``logprobs``: vocab-parallel token log-probs and entropy [B, S] next to the full-vocabulary values
   computed from the gathered logits;
 - ``sft_losses``: the per-step losses of a 3-step SGD run of the SFT recipe (``recipes.sft.run`` on the
-  config ``glm5 sft`` composes from the same overrides) on the reverse task.
+  config ``glm5 sft`` composes from the same overrides) on the reverse task, and the run's folder;
+- ``rl_logprobs``: the RL trainer (``rl.train.trainer.PolicyTrainer``) on a fixed batch: old / reference
+  log-probs, one PPO update's metrics (entropy, losses), the log-probs after it, the PEFT adapter it pushes.
 """
 
 import json
@@ -21,22 +23,25 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from glm5_mcore.checkpoint.hf_io import HFCheckpoint  # noqa: E402
 from glm5_mcore.checkpoint.hf_load import load_hf_weights, mcore_to_hf_sources  # noqa: E402
 from glm5_mcore.config import GLM5Config  # noqa: E402
-from glm5_mcore.mcore_settings import ParallelConfig  # noqa: E402
+from glm5_mcore.mcore_settings import ParallelConfig, padded_vocab_size  # noqa: E402
 from glm5_mcore.lora.apply import apply_lora  # noqa: E402
 from glm5_mcore.lora.config import EXPERTS, MLA, MLP, LoRAConfig  # noqa: E402
 from glm5_mcore.lora.state import save_adapter  # noqa: E402
 from glm5_mcore.model.build import build_model, forward_logits  # noqa: E402
 from glm5_mcore.model.mtp_loss import model_token_logprobs  # noqa: E402
 from glm5_mcore.model.parallel import init_parallel  # noqa: E402
+from glm5_mcore.model.vocab import VOCAB_PARALLEL  # noqa: E402
 from glm5_mcore.parity import load_input_ids, megatron_forward, model_source  # noqa: E402
 
 from recipes.hydra_app import compose  # noqa: E402
+from rl.train.batch import RolloutBatch  # noqa: E402
 from recipes.sft import SFTConfig, run  # noqa: E402
 from tests.support.helpers import hf_model, megatron_steps  # noqa: E402
 from tests.support.sft_setup import reverse_task  # noqa: E402
@@ -58,10 +63,12 @@ def logits(hf_dir: str, parallel: ParallelConfig, out: str) -> dict:
     for name, t, src, rank, size in mcore_to_hf_sources(model, glm5.num_hidden_layers):
         full = [ckpt.get(h).shape for h in src.names]
         shape = [sum(s[0] for s in full), *full[0][1:]]
+        if name in VOCAB_PARALLEL:  # the vocabulary padded for TP (129 at TP 2: 130 rows, 65 per rank)
+            shape[0] = padded_vocab_size(shape[0], parallel.tp)
         if getattr(t, "tensor_model_parallel", False) and size > 1:
             shape[t.partition_dim] //= size
         assert list(t.shape) == shape, (name, tuple(t.shape), shape)
-        n_experts += ".local_experts." in name
+        n_experts += ".local_experts." in name and name.startswith("decoder.")  # not the MTP layer's
     assert n_experts == 2 * 3 * glm5.n_routed_experts // parallel.ep, n_experts  # fc1+fc2, 3 MoE layers
     if parallel.tp > 1:
         qb = model.decoder.layers[0].self_attention.linear_q_up_proj.weight
@@ -122,10 +129,63 @@ def sft_losses(hf_dir: str, parallel: ParallelConfig, out: str, rows: int = 64, 
             "optim.lr=0.1", "optim.decay_style=constant", "wandb.mode=disabled", "train.progress=false",
             *extra, f"parallel.tp={parallel.tp}", f"parallel.ep={parallel.ep}", f"parallel.cp={parallel.cp}",
             f"parallel.pp={parallel.pp}", f"train.out={out}.run"]
-    return {"losses": [h["loss"] for h in run(SFTConfig.from_dict(compose("sft", args)))["history"]]}
+    return {"losses": [h["loss"] for h in run(SFTConfig.from_dict(compose("sft", args)))["history"]],
+            "run": f"{out}.run"}
 
 
-CHECKS = {"logits": logits, "lora_steps": lora_steps, "logprobs": logprobs, "sft_losses": sft_losses}
+def rl_batch(vocab: int) -> RolloutBatch:
+    """2 prompts x 2 samples of seeded tokens (the vocabulary's last id in every response), GRPO scores."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, vocab, (9,), generator=g).tolist() for _ in range(2)]
+    responses = [[*torch.randint(3, vocab, (n - 1,), generator=g).tolist(), vocab - 1] for n in (11, 6, 9, 12)]
+    logprobs = [(-torch.rand(len(r), generator=g) * 3).tolist() for r in responses]
+    batch = RolloutBatch.build([prompts[i // 2] for i in range(4)], responses, logprobs, [0, 0, 1, 1])
+    batch.scores = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    return batch
+
+
+def rl_logprobs(hf_dir: str, parallel: ParallelConfig, out: str) -> dict:
+    """{"old", "ref", "after": [4, R] log-probs, "metrics": the update's}: the RL trainer at ``parallel``'s TP
+    (every rank one DP replica's share), its policy adapter's B drawn from full tensors (the same at every
+    layout), on ``rl_batch``."""
+    from glm5_mcore.lora.apply import lora_layers
+    from rl.config import RLConfig
+    from rl.train import algos
+    from rl.train.trainer import PolicyTrainer
+
+    init_parallel(parallel)
+    cfg = RLConfig.from_dict({
+        "model": {"hf_dir": hf_dir}, "wandb": {"mode": "disabled"}, "rollout": {"n": 2, "temperature": 0.8},
+        "actor": {"ppo_mini_batch_size": 1, "micro_batch_tokens": 64, "entropy_coeff": 0.01, "lr": 1e-3},
+        "trainer": {"world_size": dist.get_world_size(), "tp": parallel.tp}})
+    trainer = PolicyTrainer(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, _, lora in lora_layers(trainer.model):
+            a, b = lora.full("default")
+            lora.load_full_("default", a, torch.randn(b.shape, generator=g) * 0.05)
+    batch = rl_batch(GLM5Config.from_hf_dir(hf_dir).vocab_size)
+
+    def log_probs(ref: bool, keys: tuple) -> dict:
+        res = [trainer.compute_log_probs(batch, ref=ref)]
+        dist.broadcast_object_list(res, src=0)  # the reporting rank's rows (every rank holds the whole batch)
+        for key in keys:  # [n, R] rows in micro-batch order -> batch.{key} [4, R]
+            batch.set_rows(key, {i: row[: len(batch.responses[i])] for i, row in zip(res[0]["rows"], res[0][key])})
+
+    log_probs(True, ("old_log_probs", "ref_log_probs"))
+    old, ref = batch.old_log_probs, batch.ref_log_probs
+    algos.rollout_correction(cfg, batch)
+    algos.compute_advantages(cfg, batch, 0.0)
+    metrics = trainer.update(batch, 0)
+    log_probs(False, ("old_log_probs",))
+    payload = trainer.export_adapter(1)  # what the weight sync pushes to the engines (rank 0)
+    return {"old": old, "ref": ref, "after": batch.old_log_probs, "mask": batch.response_mask,
+            "pushed": load(payload.files["adapter_model.safetensors"]) if payload is not None else None,
+            "metrics": {k: v for k, v in (metrics or {}).items() if isinstance(v, float) and not k.startswith("timing")}}
+
+
+CHECKS = {"logits": logits, "lora_steps": lora_steps, "logprobs": logprobs, "sft_losses": sft_losses,
+          "rl_logprobs": rl_logprobs}
 
 
 def run_case(case: dict, out: str) -> dict:

@@ -18,7 +18,8 @@ CASES = {
     "ep64_full_ft": (Layout(64, tp=8, ep=64), [63], True, None),
     "pp2_ep64_lora": (Layout(128, tp=8, ep=64, pp=2), [0, 127], True, 16),
     "pp13_ep16_full_ft": (Layout(208, tp=1, ep=16, pp=13), [96], True, None),
-    "etp8_ep8_full_ft": (Layout(64, tp=8, ep=8, etp=8), [5], True, None),
+    # a padded vocabulary: 154880 at tp 8 rounded up to a multiple of 128 x 8 (155648 rows, 19456 per rank)
+    "etp8_ep8_full_ft": (Layout(64, tp=8, ep=8, etp=8, make_vocab_size_divisible_by=128), [5], True, None),
     "shipped_rl": (Layout(64, tp=8, ep=64), [37], False, 16),
     "shipped_sft": (Layout(64, tp=8, ep=64), [63], True, 16),
 }
