@@ -271,6 +271,17 @@ def test_a_machine_that_cannot_isolate_is_refused_not_downgraded(tmp_path, mode)
     assert why in out.stdout, out.stdout
 
 
+def test_a_bubblewrap_without_quota_or_userns_options_is_refused(tmp_path, monkeypatch):
+    """bubblewrap < 0.8 (Ubuntu 22.04's 0.6.1) has no ``--size`` (the tmpfs quota) nor ``--disable-userns``."""
+    from rl.tasks.sandbox import probe
+
+    (tmp_path / "bwrap").write_text("#!/bin/sh\necho bubblewrap 0.6.1\n")
+    (tmp_path / "bwrap").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    iso = probe()
+    assert not iso.ok and iso.line.startswith("bubblewrap 0.6.1 is older than 0.8 (needed: --size"), iso
+
+
 def test_tool_calls_parse_from_glm5_and_json_formats():
     glm = ("let me run it\n<tool_call>python\n<arg_key>code</arg_key>\n<arg_value>print(1)\nprint(2)</arg_value>"
            "\n</tool_call>")
