@@ -4,6 +4,13 @@
 # torch is pinned first so pip takes the local CPU wheel instead of a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")"
+# The code tool's sandbox (rl/tasks/sandbox.py) runs on bubblewrap; as root, install it where it is missing
+# (not root: the code tool is refused before Ray, naming what is missing).
+if ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  { apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null; }; } \
+    || echo "setup.sh: could not install bubblewrap (apt-get); the code tool will be refused" >&2
+fi
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip install -q --disable-pip-version-check"

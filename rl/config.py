@@ -43,11 +43,15 @@ class MultiTurnCfg:
     env: str = "rl.tasks.envs.toy_lookup_env"
     """``module.fn`` / ``file.py:fn``: ``env(prompt, episode, **env_kwargs) -> str | None`` (texts decoded with
     special tokens; None ends the episode); ``rl.tasks.code_env.python_tool``: the Python sandbox."""
-    env_kwargs: dict = field(default_factory=dict)  # of env (rl.tasks.code_env.python_tool: the sandbox limits)
+    env_kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of ``env``. An env may define ``check_kwargs(env_kwargs)`` and ``check_machine() ->
+    str``, run before Ray starts (``rl.tasks.checks``); the code tool's are ``rl.tasks.sandbox.SandboxLimits``
+    (unknown keys, types and ranges refused), and it refuses a machine that cannot isolate its calls."""
     tool_workers: int = 2
     tool_timeout_s: float = 60.0
     """``env`` runs in ``tool_workers`` processes per rollout actor (``rl.tasks.proc_pool``; 0: in the actor, no
-    timeout); a call past ``tool_timeout_s`` wall seconds is stopped and the observation says so."""
+    timeout); a call past ``tool_timeout_s`` wall seconds (finite, > 0; more than the code tool's ``wall_s``)
+    is stopped, its worker's whole process group killed, and the observation says so."""
     tool_call_stop_tokens: list = field(default_factory=list)
     """Token ids or token strings (e.g. GLM's ``<|observation|>``) that end a turn with a tool call."""
     max_assistant_turns: int = 2
@@ -122,10 +126,16 @@ class RewardCfg:
     num_workers: int = 2
     timeout_s: float = 30.0
     """``num_workers`` processes score the samples (``rl.tasks.proc_pool``; 0: in the driver, no isolation), a
-    sample (a chunk with ``batched``) past ``timeout_s`` wall seconds is stopped."""
+    sample (a chunk with ``batched``) past ``timeout_s`` wall seconds (finite, > 0) is stopped: its worker's
+    whole process group is killed."""
     timeout_score: float = 0.0
     error_score: float = 0.0
-    """The scores of a sample whose call timed out / raised or crashed (``reward/timeouts``, ``reward/errors``)."""
+    """The scores of a sample whose call timed out / raised or crashed (``reward/timeouts``, ``reward/errors``);
+    finite numbers."""
+    max_error_fraction: float = 1.0
+    """A scoring call (a step's batch) whose share of failed samples (timed out, raised, crashed) reaches
+    this stops the run in one line naming the function and the first failure; 1.0: only when every
+    sample failed (a reward function that can never score, e.g. the wrong signature)."""
     overlong_buffer: OverlongBufferCfg = field(default_factory=OverlongBufferCfg)
 
 

@@ -2,15 +2,19 @@
 file or setting, instead of a ``ray::Actor.method()`` stack at the first update or generate.
 
 - ``validate(cfg)``: the config alone (run by ``RLConfig.from_dict``): ranges, choices, the trainer layout,
-  importable ``reward.fn`` / ``rollout.engine`` / ``rollout.multi_turn.env``, GPU-only flags; then
+  importable ``reward.fn`` / ``rollout.engine`` / ``rollout.multi_turn.env``, GPU-only flags, the reward and
+  tool settings of ``rl.tasks.checks`` (finite timeouts and scores, the code tool's ``env_kwargs`` and this
+  machine's isolation); then
 - ``check_config(cfg)``: the config alone (run by ``validate``): ``actor.policy_loss`` is one of
   verl's registered losses, R3 is not combined with tool episodes, DAPO's shaping (``filter_groups``,
-  ``overlong_buffer``: ``penalty_factor`` >= 0), ``ray.wait_timeout_s`` > 0,
+  ``overlong_buffer``: ``penalty_factor`` >= 0), ``ray.wait_timeout_s`` finite and > 0,
   ``rollout.engine_kwargs`` are keys the engine takes (``RolloutEngine.check_kwargs``).
 - ``preflight(cfg, tokenizer, prompt_sets)``: with the tokenizer and the model config (run by
   ``rl.driver.run`` before the run folder is claimed): the model config the trainer ranks would build
   (a Megatron-LM / Bridge checkpoint checked against ``model.hf_dir``), MTP weights for ``actor.mtp_loss_scale``
-  / ``actor.mtp_accept``, the trainer layout against the model (heads, experts, expert width, layers), stop tokens (strings known to the tokenizer, ids inside the vocabulary), and
+  / ``actor.mtp_accept``, the trainer layout against the model (heads, experts, expert width, layers), stop
+  tokens (strings known to the tokenizer, ids inside the vocabulary), the tool sandbox's line for the run's log
+  (printed), and
   the longest prompt + ``rollout.max_new_tokens`` inside the model's context and inside one micro-batch
   (``actor.micro_batch_tokens``, ``actor.log_prob_micro_batch_tokens``). Returns the stop ids.
 """
@@ -26,6 +30,7 @@ from glm5_mcore.lora.config import check_expert_tp, check_grouped_experts
 from glm5_mcore.mcore_settings import grouped_gemm
 from glm5_mcore.training.loop import OptimCfg, check_optimizer
 from rl.train.cp import cp_unit
+from rl.tasks.checks import check_multi_turn, check_reward, check_timeout, tool_lines
 from rl.tasks.proc_pool import resolve
 from rl.tasks.prompts import token_ids
 from rl.tasks.rewards import fn_path
@@ -80,8 +85,7 @@ def check_config(c) -> None:
     if pf < 0:
         raise ValueError(f"reward.overlong_buffer.penalty_factor={pf} must be >= 0 (the penalty is "
                          "min(-excess / len · penalty_factor, 0): a negative factor would reward overlong answers)")
-    if c.ray.wait_timeout_s <= 0:
-        raise ValueError(f"ray.wait_timeout_s={c.ray.wait_timeout_s} must be > 0")
+    check_timeout(c.ray.wait_timeout_s, "ray.wait_timeout_s")
     mod, _, name = c.rollout.engine.rpartition(".")
     engine = getattr(importlib.import_module(mod), name)
     check = getattr(engine, "check_kwargs", None)
@@ -108,6 +112,8 @@ def preflight(c, tokenizer, prompt_sets: dict) -> tuple[int, ...]:
     stop_ids = token_ids(tokenizer, stops, "rollout.stop_token_ids", vocab)
     if r.multi_turn.enable:
         token_ids(tokenizer, r.multi_turn.tool_call_stop_tokens, "rollout.multi_turn.tool_call_stop_tokens", vocab)
+        for line in tool_lines(r.multi_turn):  # the code tool's isolation, in the run's log
+            print(line, flush=True)
     ctx = glm5.max_position_embeddings
     a = c.actor
     budgets = [("actor.micro_batch_tokens", a.micro_batch_tokens)]
@@ -259,8 +265,7 @@ def validate(c) -> None:
     if t.off_policy_steps not in (0, 1):
         raise ValueError(f"trainer.off_policy_steps={t.off_policy_steps}: 0 (synchronous) or 1 (one step off-policy)")
     check_async(c)
-    if c.reward.num_workers < 0 or c.reward.timeout_s <= 0:
-        raise ValueError(f"reward.num_workers={c.reward.num_workers} must be >= 0, reward.timeout_s > 0")
+    check_reward(c.reward)  # finite timeout and scores, max_error_fraction (rl.tasks.checks)
     resolve(fn_path(c.reward.fn), "reward.fn")
     engine = _check_importable(r.engine, "rollout.engine")
     if t.max_staleness and t.partial_rollout and not getattr(engine, "INTERRUPTIBLE", False):
@@ -269,14 +274,11 @@ def validate(c) -> None:
                          "(its INTERRUPTIBLE is False); set trainer.partial_rollout=false or use an engine that can")
     mt = r.multi_turn
     if mt.enable:
-        resolve(mt.env, "rollout.multi_turn.env")
+        check_multi_turn(mt)  # the env, its env_kwargs and (the code tool) this machine's isolation
         if not mt.tool_call_stop_tokens:
             raise ValueError("rollout.multi_turn.tool_call_stop_tokens: needs at least one token when enabled")
         if mt.max_assistant_turns < 1 or mt.max_tool_response_length < 1:
             raise ValueError("rollout.multi_turn.max_assistant_turns and max_tool_response_length must be >= 1")
-        if mt.tool_workers < 0 or mt.tool_timeout_s <= 0:
-            raise ValueError(f"rollout.multi_turn.tool_workers={mt.tool_workers} must be >= 0 and "
-                             f"tool_timeout_s={mt.tool_timeout_s} > 0")
     if a.router_replay and r.engine.endswith("VLLMRolloutEngine") and not r.engine_kwargs.get("return_routes"):
         raise ValueError("algorithm.router_replay=true with the vLLM engine needs rollout.engine_kwargs.return_routes="
                          "true (vLLM's enable_return_routed_experts)")

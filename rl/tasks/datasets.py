@@ -8,8 +8,11 @@ name reaches into a struct column). Chat messages go through the tokenizer's cha
 transformers applies it (``apply_chat_template(..., add_generation_prompt=True)``), so the ids are those a
 GLM-5 tokenizer folder's template gives. A bad row is one line naming file, row and column.
 
-Parquet is read with pyarrow, HF folders with ``datasets.load_from_disk`` (both imported only when such a
-file is given); every format yields the same Python values, so the same rows give the same prompts.
+Parquet is read with pyarrow — a folder of parquet shards (``train-00000-of-00004.parquet``, ...) as one
+dataset with ``pyarrow.dataset``, its rows named by shard —, HF folders with ``datasets.load_from_disk``
+(all imported only when such a file is given); every format yields the same Python values, so the same
+rows give the same prompts. Chat messages must have one of the template's roles (``ROLES``), and every
+string must be valid Unicode (a lone surrogate is refused naming the row and column).
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ from glm5_mcore.data.jsonl import decode_json_line
 FIELDS = ("prompt", "ground_truth", "data_source", "extra_info")
 """The fields ``data.columns`` can map (to a column name, dotted for a struct's member)."""
 GROUND_TRUTH_COLUMNS = ("reward_model.ground_truth", "ground_truth", "answer")
+ROLES = ("system", "user", "assistant", "observation", "tool")
+"""Chat roles a prompt's messages may have: GLM-5's template's (tool results as ``observation``) and the
+``tool`` role of HF templates."""
+HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+"""Files of a ``datasets`` ``save_to_disk`` folder (a Dataset's, a DatasetDict's)."""
 MISSING = object()
 
 
@@ -31,14 +39,46 @@ class PromptDataError(ValueError):
 
 def _fmt(path: Path) -> str:
     if path.is_dir():
-        return "hf"
+        if any((path / f).is_file() for f in HF_MARKERS):
+            return "hf"
+        if _shards(path):
+            return "parquet_dir"
+        raise PromptDataError(f"{path}: neither a datasets save_to_disk folder (no {' / '.join(HF_MARKERS)}) nor a "
+                              "folder of .parquet shards")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json", ".ndjson"):
         return "jsonl"
     if suffix in (".parquet", ".pq"):
         return "parquet"
-    raise PromptDataError(f"{path}: unknown prompt set format (expected .jsonl, .parquet or a datasets "
-                          "save_to_disk folder)")
+    raise PromptDataError(f"{path}: unknown prompt set format (expected .jsonl, .parquet, a folder of .parquet "
+                          "shards or a datasets save_to_disk folder)")
+
+
+def _shards(path: Path) -> list[Path]:
+    """The ``.parquet`` files under ``path`` (sub-folders too), in path order; hidden and ``_`` files (Spark's
+    ``_SUCCESS``, ``.crc``) left out, as pyarrow's dataset discovery does."""
+    return sorted(f for f in path.rglob("*.parquet") if f.is_file() and not any(
+        part.startswith((".", "_")) for part in f.relative_to(path).parts))
+
+
+def _parquet_shards(path: Path) -> Iterator[tuple[str, Any]]:
+    """The rows of a folder of parquet shards, read as one dataset (``pyarrow.dataset``: one schema, a
+    column missing from a shard is null there); ``where`` names the shard and its row."""
+    import pyarrow.dataset as pads
+
+    try:
+        ds = pads.dataset([str(f) for f in _shards(path)], format="parquet")
+        fragments = sorted(ds.get_fragments(), key=lambda f: f.path)
+    except Exception as e:
+        raise PromptDataError(f"{path}: not a readable folder of parquet shards ({type(e).__name__}: {e})") from None
+    for frag in fragments:
+        try:
+            rows = frag.to_table(schema=ds.schema).to_pylist()
+        except Exception as e:  # a shard whose columns do not fit the others'
+            raise PromptDataError(f"{frag.path}: cannot be read with the folder's other shards "
+                                  f"({type(e).__name__}: {e})") from None
+        for i, row in enumerate(rows):
+            yield f"{frag.path} row {i}", row
 
 
 def iter_rows(path: str | Path) -> Iterator[tuple[str, Any]]:
@@ -48,6 +88,9 @@ def iter_rows(path: str | Path) -> Iterator[tuple[str, Any]]:
     if not path.exists():
         raise FileNotFoundError(f"{path}: prompt file not found")
     fmt = _fmt(path)
+    if fmt == "parquet_dir":
+        yield from _parquet_shards(path)
+        return
     if fmt == "jsonl":
         with path.open("rb") as f:
             for n, raw in enumerate(f, 1):
@@ -113,6 +156,9 @@ def row_fields(row: Any, where: str, columns: dict) -> dict:
         for j, m in enumerate(prompt):
             if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
                 raise PromptDataError(f"{where}: column {pcol!r} message {j} must be {{role: str, content: str}}")
+            if m["role"] not in ROLES:
+                raise PromptDataError(f"{where}: column {pcol!r} message {j} has the role {m['role']!r}; the chat "
+                                      f"template's roles are {', '.join(ROLES)}")
         prompt = [dict(m) for m in prompt]
     elif not isinstance(prompt, str):
         raise PromptDataError(f"{where}: column {pcol!r} must be a string or a list of chat messages, "
@@ -131,7 +177,26 @@ def row_fields(row: Any, where: str, columns: dict) -> dict:
     if gcol is None:  # verl's reward manager: a KeyError at the first step
         raise PromptDataError(f"{where}: no 'ground_truth' (or 'answer') field for the reward function (verl's "
                               "'reward_model.ground_truth' also counts); give one on every row (null where none is needed)")
+    for col, v in ((pcol, prompt), (gcol, gt), (dcol, source), (ecol, extra)):
+        _check_text(v, where, col)
     return {"prompt": prompt, "ground_truth": gt, "data_source": source, "extra_info": extra}
+
+
+def _check_text(v: Any, where: str, col: Optional[str]) -> None:
+    """Every string in ``v`` is valid Unicode (a JSON ``\\ud800`` escape gives a lone surrogate, which no
+    tokenizer or UTF-8 writer takes): else one line naming the row and column."""
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise PromptDataError(f"{where}: column {col!r}: a lone surrogate {v[e.start]!r} at character {e.start} "
+                                  f"(not valid Unicode text: {v[max(0, e.start - 20): e.start]!r} comes before it)") from None
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            _check_text(x, where, f"{col}.{k}")
+    elif isinstance(v, (list, tuple)):
+        for j, x in enumerate(v):
+            _check_text(x, where, f"{col}[{j}]")
 
 
 def render_prompt(tokenizer, prompt: str | list, chat_template: bool, where: str) -> str:

@@ -8,6 +8,11 @@ started, and the call's ``Outcome`` says what happened. A call that raises is an
 exception's one-line text. Workers are started with ``spawn`` (no copy of the driver's threads, Ray or
 torch state) and import only the function's module.
 
+Each worker leads a process group of its own, so nothing a failed call started outlives it: a timeout or
+a crash SIGKILLs the worker's whole group (the worker is replaced), an error SIGKILLs the rest of the group
+(the worker goes on). A function that forks and whose forked copy returns too (``os.fork()`` then
+``return``) is one error, "returned twice", not two results.
+
 ``Outcome.status``: ``ok`` (``value`` set), ``timeout``, ``error`` (the function raised, or its value
 could not be sent back) or ``crash`` (the process died; ``message`` names the signal or exit code).
 """
@@ -16,7 +21,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import multiprocessing as mp
+import os
+import select
 import signal
 import time
 from collections import deque
@@ -64,10 +72,79 @@ def resolve(path: str, field: str = "reward.fn") -> Callable:
     return fn
 
 
-def _serve(conn, path: str, field: str, kwargs: dict) -> None:
+def group_members(pgid: int) -> list[int]:
+    """The pids of process group ``pgid`` (from ``/proc/*/stat``)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid:
+                out.append(int(name))
+    return out
+
+
+def _kill_others() -> None:
+    """SIGKILL every process of this worker's process group but the worker (what a failed call started)."""
+    me = os.getpid()
+    for pid in group_members(me):
+        if pid != me:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+class _Forks:
+    """Forks of the worker's process made during a call (``os.fork``), counted by an at-fork hook."""
+    count = 0
+
+    @classmethod
+    def hook(cls) -> None:
+        cls.count += 1
+
+
+def _call(fn, args: tuple, kwargs: dict, me: int, deadline: float) -> tuple[bool, Any]:
+    """(ok, value | message) of one call. A forked process that comes back here (the function forked and
+    both copies returned) reports on a pipe of its own and exits; the worker then waits, up to the call's
+    deadline, for every such copy to report or exit, so the call is one result: an error naming the fork."""
+    r, w = os.pipe()
+    before = _Forks.count
+    try:
+        try:
+            out = True, fn(*args, **kwargs)
+        except BaseException as e:  # a user's function: its failure is this call's outcome
+            out = False, f"{type(e).__name__}: {e}"
+        if os.getpid() != me:  # a fork of the worker, returning from the function: not a second result
+            os.write(w, b"x")
+            os._exit(0)
+        os.close(w)
+        w = -1
+        if _Forks.count != before:  # copies hold the pipe until they return (a byte) or exit (EOF)
+            got = select.select([r], [], [], max(0.0, deadline - time.monotonic()))[0]
+            if got and os.read(r, 1):
+                out = False, "returned twice: it forked, and the forked copy returned from the function too"
+    finally:
+        if os.getpid() == me:
+            os.close(r)
+            if w >= 0:
+                os.close(w)
+    if not out[0]:
+        _kill_others()  # a timeout or a crash kills the whole group from the driver (ProcessPool._replace)
+    return out
+
+
+def _serve(conn, path: str, field: str, kwargs: dict, timeout_s: float) -> None:
     """Worker loop: a chunk [(tid, args), ...] in, one (tid, ok, value | message) out per call as it
-    finishes, until the pipe closes."""
+    finishes, until the pipe closes. The worker leads a process group of its own: what its calls start
+    is in it, and dies with it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver's Ctrl-C is the driver's
+    os.setpgid(0, 0)
+    os.register_at_fork(after_in_parent=_Forks.hook)
+    me = os.getpid()
     try:
         fn, load_error = resolve(path, field), ""
     except ValueError as e:
@@ -77,19 +154,17 @@ def _serve(conn, path: str, field: str, kwargs: dict) -> None:
             chunk = conn.recv()
         except (EOFError, OSError):
             return
+        start = time.monotonic()
         for tid, args in chunk:
             if fn is None:
                 conn.send((tid, False, load_error))
                 continue
+            ok, value = _call(fn, args, kwargs, me, start + timeout_s)
             try:
-                value = fn(*args, **kwargs)
-            except BaseException as e:  # a user's function: its failure is this call's outcome
-                conn.send((tid, False, f"{type(e).__name__}: {e}"))
-                continue
-            try:
-                conn.send((tid, True, value))
+                conn.send((tid, ok, value))
             except Exception as e:
                 conn.send((tid, False, f"returned a value that cannot be sent back ({type(e).__name__}: {e})"))
+            start = time.monotonic()
 
 
 def _death(code: Optional[int]) -> str:
@@ -102,9 +177,9 @@ def _death(code: Optional[int]) -> str:
 
 
 class _Worker:
-    def __init__(self, ctx, path: str, field: str, kwargs: dict):
+    def __init__(self, ctx, path: str, field: str, kwargs: dict, timeout_s: float):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, path, field, kwargs), daemon=True,
+        self.proc = ctx.Process(target=_serve, args=(child, path, field, kwargs, timeout_s), daemon=True,
                                 name=f"glm5-{field}")
         self.proc.start()
         child.close()
@@ -112,6 +187,12 @@ class _Worker:
         self.deadline = 0.0
 
     def kill(self) -> None:
+        """SIGKILL the worker's whole process group (the worker and whatever its calls started)."""
+        try:
+            if self.proc.pid is not None and os.getpgid(self.proc.pid) == self.proc.pid:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(5)
@@ -129,15 +210,15 @@ class ProcessPool:
                  field: str = "reward.fn"):
         if workers < 1:
             raise ValueError(f"{field}: a process pool needs >= 1 worker")
-        if timeout_s <= 0:
-            raise ValueError(f"{field}: timeout must be > 0 s (got {timeout_s})")
+        if not math.isfinite(timeout_s) or timeout_s <= 0:
+            raise ValueError(f"{field}: timeout must be a finite number of seconds > 0 (got {timeout_s})")
         resolve(path, field)  # a bad path fails here, in the driver, with one line
         self.path, self.field, self.kwargs, self.timeout_s = path, field, dict(kwargs or {}), float(timeout_s)
         self._ctx = mp.get_context("spawn")
         self._workers = [self._spawn() for _ in range(workers)]
 
     def _spawn(self) -> _Worker:
-        return _Worker(self._ctx, self.path, self.field, self.kwargs)
+        return _Worker(self._ctx, self.path, self.field, self.kwargs, self.timeout_s)
 
     def map(self, calls: list[tuple]) -> list[Outcome]:
         """One ``Outcome`` per call, in order. Calls go to the workers in chunks (a worker runs its chunk

@@ -14,7 +14,10 @@ included) and ``toy_residue`` (the toy task of ``rl.tasks.prompts``). ``reward.f
 ``RewardScorer`` runs the function in ``reward.num_workers`` worker processes (``rl.tasks.proc_pool``): a sample
 whose call times out (``reward.timeout_s``), raises or kills its process scores ``reward.timeout_score`` /
 ``reward.error_score`` and is counted (``reward/timeouts``, ``reward/errors``) and named in the run's log;
-the run goes on. ``reward.num_workers=0`` calls it in the driver (no isolation: a raise stops the run).
+the run goes on — unless the failed share of one scoring call reaches ``reward.max_error_fraction``
+(default 1.0: every sample failed, e.g. a function with the wrong signature), which stops the run in one
+line. Nothing a failed call started outlives it (``rl.tasks.proc_pool``: the worker's process group is
+killed). ``reward.num_workers=0`` calls it in the driver (no isolation: a raise stops the run).
 ``Rewards`` is what a step's sources call: the responses decoded and scored, the failures counted.
 """
 
@@ -52,16 +55,27 @@ def load_fn(path: str) -> Callable:
 
 
 def _as_score(v: Any, name: str, i: int) -> float:
+    """``v`` as a finite float; anything else is a RewardError naming the function, the sample and the value."""
     if isinstance(v, dict):
         if "score" not in v:
-            raise RewardError(f"reward function {name} returned a dict without 'score' for sample {i}")
+            raise RewardError(f"reward function {name} returned a dict without 'score' for sample {i}: "
+                              f"{_short(v)}")
         v = v["score"]
-    if v is None or isinstance(v, bool) or not isinstance(v, (int, float)) and not hasattr(v, "__float__"):
-        raise RewardError(f"reward function {name} returned {v!r} for sample {i}; expected a finite number")
-    f = float(v)
-    if not math.isfinite(f):
-        raise RewardError(f"reward function {name} returned {f} for sample {i}; expected a finite number")
+    f = None
+    if v is not None and not isinstance(v, bool) and (isinstance(v, (int, float)) or hasattr(v, "__float__")):
+        try:
+            f = float(v)
+        except (TypeError, ValueError, OverflowError):  # 10**400, a numpy array of several numbers
+            f = None
+    if f is None or not math.isfinite(f):
+        raise RewardError(f"reward function {name} returned {_short(v)} ({type(v).__name__}) for sample {i}; "
+                          "expected a finite number")
     return f
+
+
+def _short(v: Any, n: int = 80) -> str:
+    text = repr(v)
+    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 def score_batch(fn: Callable, name: str, batched: bool, data_sources: list, solutions: list[str],
@@ -124,6 +138,12 @@ class RewardScorer:
                     what = {"timeout": "timed out", "error": "raised", "crash": "crashed"}[out.status]
                     events.append(f"reward: {self.name} {what} on sample {j} (data_source {data_sources[j]!r}): "
                                   f"{out.message}; scored {scores[j]:g}")
+        failed = counts["timeout"] + counts["error"]
+        if n and failed >= c.max_error_fraction * n:
+            raise RewardError(f"reward.fn={self.name}: {failed} of the {n} samples of this scoring call failed "
+                              f"({counts['error']} raised or crashed, {counts['timeout']} timed out), reaching "
+                              f"reward.max_error_fraction={c.max_error_fraction:g}; first: "
+                              f"{events[0].removeprefix('reward: ')}")
         for kind in counts:
             if counts[kind] > MAX_EVENTS:
                 events.append(f"reward: {counts[kind] - MAX_EVENTS} more samples with a {kind}")

@@ -4,6 +4,7 @@ episodes with the Python sandbox). Each run: rewards computed, reward/timeouts a
 metrics.jsonl (tool/* for the episodes: the random policy's calls are unparsable, each an observation that
 says so), and a resumed run repeats step 3 exactly."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 
 from tests.rl.test_ray import ray_local  # noqa: F401 (fixture: PYTHONPATH for the Ray workers, shutdown)
 from tests.support.rl_setup import killed_before_last_save
+from tests.support.tool_attack import write_env
 
 REPO = Path(__file__).resolve().parents[2]
 SAME = ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "response_length/mean",
@@ -66,7 +68,21 @@ def test_math_verl_preset_runs_scores_and_resumes(tiny_dir, verl_math, tmp_path,
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_code_tool_preset_runs_masked_episodes_and_resumes(tiny_dir, verl_math, tmp_path, ray_local):
-    rows = _run_and_resume("code_tool_tiny", tiny_dir, verl_math, tmp_path, "rollout.max_new_tokens=6")
+def test_code_tool_preset_runs_masked_episodes_and_resumes(tiny_dir, verl_math, tmp_path, ray_local, capsys):
+    """Issue 42: every tool call also runs a hostile call that looks for the driver's ``data.train=`` in
+    /proc and reads the training file, this project's source and the model's config (the red team's run
+    returned the whole answer key as its observation): none is found or read, and the run's log names the
+    sandbox the calls ran under."""
+    targets = [verl_math / "train.parquet", REPO / "rl" / "tasks" / "sandbox.py", Path(tiny_dir) / "config.json"]
+    env = write_env(tmp_path / "env", targets)
+    rows = _run_and_resume("code_tool_tiny", tiny_dir, verl_math, tmp_path, "rollout.max_new_tokens=6",
+                           f"rollout.multi_turn.env={env}")
     calls = sum(r["tool/calls"] for r in rows)
     assert calls > 0 and sum(r["tool/errors"] + r["tool/timeouts"] for r in rows) == 0  # no env failure
+    seen = [json.loads(line) for line in (tmp_path / "env" / "observations.jsonl").read_text().splitlines()]
+    assert len(seen) >= calls
+    for obs in seen:
+        found = json.loads(obs["hostile"])
+        assert found["cmdline"] == [] and found["read"] == {} and found["pids"] <= 2, found
+        assert sorted(found["refused"]) == sorted(map(str, targets)), found
+    assert "tool sandbox: bubblewrap" in capsys.readouterr().out

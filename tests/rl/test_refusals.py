@@ -20,6 +20,9 @@ def _d(tiny_dir, out, **sections) -> dict:
     return d
 
 
+CODE_TOOL = {"enable": True, "env": "rl.tasks.code_env.python_tool", "tool_call_stop_tokens": ["<|observation|>"]}
+
+
 @pytest.mark.parametrize("sections,msg", [
     ({"actor": {"policy_loss": "vanila"}}, "actor.policy_loss='vanila': not a verl policy loss; one of ["),
     ({"algorithm": {"router_replay": True},
@@ -31,10 +34,29 @@ def _d(tiny_dir, out, **sections) -> dict:
      "rollout.engine_kwargs: unknown key(s) ['dtpye'] for rl.rollout.hf_engine.HFRolloutEngine; known: ['dtype', "),
     ({"rollout": {"engine_kwargs": {"dtype": "float64x"}}},
      "rollout.engine_kwargs.dtype='float64x': one of ('float32', 'bfloat16', 'float16')"),
+    *[({"rollout": {"multi_turn": {**CODE_TOOL, "env_kwargs": kw}}}, msg) for kw, msg in [
+        ({"wall_s": -1}, "rollout.multi_turn.env_kwargs.wall_s=-1: must be finite and > 0.0"),
+        ({"memory_mb": 0}, "rollout.multi_turn.env_kwargs.memory_mb=0: must be >= 64"),
+        ({"cpu_s": 0}, "rollout.multi_turn.env_kwargs.cpu_s=0: must be finite and > 0.0"),
+        ({"max_output_bytes": -5}, "rollout.multi_turn.env_kwargs.max_output_bytes=-5: must be >= 1"),
+        ({"cpu_secs": 5}, "rollout.multi_turn.env_kwargs: unknown sandbox limit(s) ['cpu_secs']; the limits are ["),
+        ({"processes": 2.5}, "rollout.multi_turn.env_kwargs.processes=2.5: expected an integer"),
+        ({"wall_s": 90}, "rollout.multi_turn.tool_timeout_s=60 must exceed env_kwargs.wall_s=90")]],
+    ({"reward": {"error_score": float("nan")}}, "reward.error_score=nan: must be a finite number"),
+    ({"reward": {"timeout_score": float("inf")}}, "reward.timeout_score=inf: must be a finite number"),
+    ({"reward": {"timeout_s": float("inf")}}, "reward.timeout_s=inf: a timeout must be a finite number of seconds > 0"),
+    ({"reward": {"timeout_s": float("nan")}}, "reward.timeout_s=nan: a timeout must be a finite number"),
+    ({"reward": {"max_error_fraction": 0.0}}, "reward.max_error_fraction=0.0: must be in (0, 1]"),
+    ({"rollout": {"multi_turn": {**CODE_TOOL, "tool_timeout_s": float("inf")}}},
+     "rollout.multi_turn.tool_timeout_s=inf: a timeout must be a finite number"),
+    ({"ray": {"wait_timeout_s": float("nan")}}, "ray.wait_timeout_s=nan: a timeout must be a finite number"),
 ])
 def test_config_refusals_name_the_field(tiny_dir, tmp_path, sections, msg):
     """Was: the typo found at the first update; R3 + tool episodes run; a negative factor rewarded overlong
-    answers; an unknown engine key ignored; a bad dtype restarted the engine actor until it gave up."""
+    answers; an unknown engine key ignored; a bad dtype restarted the engine actor until it gave up. Issue
+    42: sandbox limits that make every call fail (``memory_mb=0``: 32 failed calls, ``tool/errors`` 0), a
+    typo a TypeError per call, a NaN / inf score skipping every update with exit 0, an infinite timeout a
+    raw ``OverflowError`` after Ray started."""
     from rl.config import RLConfig
 
     with pytest.raises(ValueError) as e:

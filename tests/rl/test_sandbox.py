@@ -1,59 +1,92 @@
-"""The code sandbox and tool episodes (issue 31 item 3, issue 34 classes 6, 8 and 13): sandbox limits
-hold (CPU loop, 2 GB allocation, fork bomb, network, writes outside its folder), tool calls parse from
-GLM-5's and the JSON format, and a tool that hangs, raises, floods or overflows the context becomes an
-observation (the episode goes on, the assistant header after a cut observation kept)."""
+"""The code sandbox and tool episodes (issue 31 item 3, issue 34 classes 6, 8 and 13, issue 42): sandbox
+limits hold (CPU loop, 2 GB allocation, fork bomb, network, writes outside its folder) and hold for the
+whole call (memory over its children, processes and memory of two concurrent calls, a disk quota); the code
+sees no host file or process and a later call nothing of an earlier one; a machine that cannot isolate
+(root without bubblewrap, not root, no user namespaces) is refused, never run with less. Tool calls parse
+from GLM-5's and the JSON format, and a tool that hangs, raises, floods or overflows the context becomes
+an observation (the episode goes on, the assistant header after a cut observation kept)."""
 
+import json
 import os
+import shutil
+import socket
+import subprocess
+import sys
 import textwrap
+import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from rl.tasks.code_env import python_tool
+from rl.tasks.code_env import describe, python_tool
 from rl.tasks.episodes import ToolRunner, run_episodes
 from rl.rollout.base import Request, Result, SamplingParams
 from rl.tasks.sandbox import SandboxLimits, run_python
 from rl.tasks.tool_parse import ToolCall, ToolCallError, parse_tool_calls
 
 
-def _nobody_processes() -> int:
-    n = 0
-    for pid in os.listdir("/proc"):
-        try:
-            if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid == 65534:
-                n += 1
-        except FileNotFoundError:
-            pass
-    return n
+REPO = Path(__file__).resolve().parents[2]
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def _sandbox_processes(patience_s: float = 10.0) -> list[int]:
+    """Host pids of live processes running as a uid the sandbox hands out as root (``UID_BASE`` and up),
+    after waiting up to ``patience_s`` for them to go (a process killed with thousands of others leaves the
+    call's cgroup before it is a zombie: the kernel may still be tearing it down when the call returns)."""
+    end = time.monotonic() + patience_s
+    while True:
+        out = []
+        for pid in os.listdir("/proc"):
+            try:
+                if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid >= 0x70000000 and \
+                        open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[-1][0] != "Z":
+                    out.append(int(pid))
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+        if not out or time.monotonic() > end:
+            return out
+        time.sleep(0.1)
+
+
+def _others_can_read(path: Path) -> bool:
+    return all(os.stat(p).st_mode & 0o005 == 0o005 for p in [path.parent, *path.parent.parents]) and \
+        os.stat(path).st_mode & 0o004
+
+
+def _json_run(code: str, **limits) -> dict:
+    r = run_python(textwrap.dedent(code), SandboxLimits(**{"wall_s": 60, **limits}))
+    assert r.status == "ok", r
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow  # starts sandboxed interpreters / worker processes
 def test_sandbox_cpu_memory_and_fork_bomb_limits():
-    t0 = time.perf_counter()
-    r = run_python("while True: pass", SandboxLimits(cpu_s=1, wall_s=30))
-    assert r.status == "killed" and time.perf_counter() - t0 < 20, r
+    # wall limits far above the CPU ones: on a loaded machine 1 CPU second can take tens of wall seconds
+    r = run_python("while True: pass", SandboxLimits(cpu_s=1, wall_s=300))
+    assert (r.status, r.limit) == ("killed", "cpu") and 1 <= r.cpu_s < 2, r
     assert "CPU-time limit" in python_tool("", '<tool_call>python<arg_key>code</arg_key><arg_value>while 1: pass'
-                                           '</arg_value></tool_call>', cpu_s=1)
+                                           '</arg_value></tool_call>', cpu_s=1, wall_s=300)
     r = run_python("x = bytearray(2 * 1024 ** 3)\nprint('allocated')")
     assert r.status == "error" and "MemoryError" in r.stderr and "allocated" not in r.stdout, r
-    before = _nobody_processes()
     t0 = time.perf_counter()
     r = run_python("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
                    SandboxLimits(wall_s=3, cpu_s=2))
     assert r.status in ("timeout", "killed") and time.perf_counter() - t0 < 20, r
-    time.sleep(0.5)
-    assert _nobody_processes() <= before  # every forked process died with the call
+    assert not _sandbox_processes()  # every forked process died with the call
     r = run_python("print(sum(range(10)))")
     assert (r.status, r.stdout) == ("ok", "45\n")
 
 
-@pytest.mark.slow  # starts sandboxed interpreters / worker processes
-def test_sandbox_no_network_and_no_writes_outside_its_folder(tmp_path):
-    r = run_python("import socket\ns = socket.socket()\ns.settimeout(2)\ns.connect(('127.0.0.1', 22))\nprint('up')")
-    if not r.isolated_network:
-        pytest.skip("this machine allows no network namespace (unshare failed); the sandbox says so")
-    assert r.status == "error" and "up" not in r.stdout and "OSError" in r.stderr, r
+@pytest.mark.slow  # starts sandboxed interpreters
+def test_sandbox_reaches_no_host_address_and_writes_nowhere_outside(tmp_path):
+    with socket.socket() as host:  # a listener on the host's loopback
+        host.bind(("127.0.0.1", 0))
+        host.listen()
+        code = f"import socket\ns = socket.socket()\ns.settimeout(2)\ns.connect(('127.0.0.1', {host.getsockname()[1]}))"
+        r = run_python(code + "\nprint('up')", SandboxLimits(wall_s=60))
+    assert r.status == "error" and "up" not in r.stdout and "Error" in r.stderr, r  # its own loopback: refused
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)  # even a folder anyone may write stays untouched
@@ -62,19 +95,197 @@ def test_sandbox_no_network_and_no_writes_outside_its_folder(tmp_path):
         import os
         open("mine.txt", "w").write("ok")
         print(sorted(os.listdir(".")))
-        for p in ["/tmp/glm5-escape-{tag}", "../glm5-escape-{tag}", "{shared}/escape", "/var/tmp/glm5-escape-{tag}"]:
+        for p in ["/tmp/../glm5-escape-{tag}", "/glm5-escape-{tag}", "{shared}/escape", "/var/tmp/glm5-escape-{tag}",
+                  "/usr/glm5-escape-{tag}", "/dev/glm5-escape-{tag}"]:
             try:
                 open(p, "w").write("x")
+                print("wrote", p)
             except OSError as e:
                 print("refused", type(e).__name__)
     """)
-    r = run_python(code)
-    assert r.status == "ok" and r.stdout.startswith("['mine.txt']"), r
-    assert not any(p.exists() for p in [shared / "escape"] + [__import__("pathlib").Path(d) / f"glm5-escape-{tag}"
-                                                              for d in ("/tmp", "/var/tmp")])
-    assert not list(__import__("pathlib").Path("/tmp").glob(f"glm5-sandbox-*/mine.txt"))  # its folder is gone
+    r = run_python(code, SandboxLimits(wall_s=60))
+    assert r.status == "ok" and r.stdout.startswith("['mine.txt']") and "wrote" not in r.stdout, r
+    assert not (shared / "escape").exists() and not list(Path("/").glob(f"*/glm5-escape-{tag}"))
     r = run_python("print('x' * 10 ** 7)", SandboxLimits(max_output_bytes=1000))
     assert len(r.stdout) == 1000 and r.truncated
+
+
+@pytest.mark.slow  # starts sandboxed interpreters
+def test_sandbox_sees_no_host_file_and_no_host_process():
+    """Red team: a world-readable file outside /tmp (this project's own source, /etc) was readable, and
+    /proc was the host's: the driver's command line (and so its data.train= path) was in /proc/*/cmdline."""
+    seen = _json_run(f"""
+        import json, os
+        read = {{}}
+        for p in [{str(REPO / "rl" / "tasks" / "sandbox.py")!r}, "/etc/passwd", "/etc/hostname", {sys.executable!r}]:
+            try:
+                read[p] = len(open(p, "rb").read())
+            except OSError as e:
+                pass
+        cmdlines = {{}}
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    cmdlines[pid] = open(f"/proc/{{pid}}/cmdline", "rb").read().decode(errors="replace")
+                except OSError:
+                    pass
+        print(json.dumps({{"read": read, "root": sorted(os.listdir("/")), "cmdlines": cmdlines,
+                          "hidden": [p for p in ("/srv", "/run", "/home", "/root", "/etc", "/var", {str(REPO)!r})
+                                     if not os.path.exists(p)]}}))
+    """)
+    assert seen["read"] == {}, seen["read"]
+    assert set(seen["root"]) <= {"bin", "dev", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "tmp", "usr"}, seen
+    assert len(seen["hidden"]) == 7, seen["hidden"]
+    assert not any("pytest" in c for c in seen["cmdlines"].values()) and len(seen["cmdlines"]) <= 2, seen["cmdlines"]
+
+
+@pytest.mark.slow  # starts sandboxed interpreters
+def test_a_later_call_finds_nothing_of_an_earlier_one():
+    """Red team: a note written to /run/lock (world-writable, not covered) persisted on the host and a
+    later call read it; a daemon started by a call kept running."""
+    tag = os.urandom(4).hex()
+    places = ["/run/lock", "/var/lock", "/var/tmp", "/tmp", "/dev/shm", "."]
+    wrote = _json_run(f"""
+        import json, os
+        wrote = []
+        for d in {places!r}:
+            try:
+                open(os.path.join(d, "note-{tag}"), "w").write("left by call 1")
+                wrote.append(d)
+            except OSError:
+                pass
+        if os.fork() == 0:  # a daemon: its own session, its parent gone
+            os.setsid()
+            if os.fork() == 0:
+                import time
+                time.sleep(60)
+            os._exit(0)
+        print(json.dumps(wrote))
+    """)
+    assert set(wrote) <= {"/tmp", "/dev/shm", "."}, wrote  # only the call's own tmpfs took a write
+    found = _json_run(f"""
+        import json, os
+        print(json.dumps([d for d in {places!r} if os.path.exists(os.path.join(d, "note-{tag}"))]))
+    """)
+    assert found == [], found
+    assert not [d for d in places[:-1] if os.path.exists(f"{d}/note-{tag}")]
+    assert not _sandbox_processes()
+
+
+HOLD = """
+import json, os, time
+kids, refused = 0, None
+for _ in range({forks}):
+    try:
+        if os.fork() == 0:
+            time.sleep(1.5)
+            os._exit(0)
+        kids += 1
+    except OSError as e:
+        refused = str(e)
+blob = b"\\x01" * ({mb} * 1024 * 1024)  # touched pages: counted
+time.sleep(0.5)
+print(json.dumps({{"kids": kids, "refused": refused}}))
+"""
+
+
+@pytest.mark.slow  # starts sandboxed interpreters
+def test_two_concurrent_calls_each_hold_their_full_process_and_memory_limits():
+    """Red team: every call ran as uid nobody, so RLIMIT_NPROC was shared: one call's children made a
+    concurrent call's forks fail."""
+    lim = SandboxLimits(processes=12, memory_mb=256, wall_s=30)
+    out = [None, None]
+
+    def call(i):
+        out[i] = run_python(HOLD.format(forks=11, mb=120), lim)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in out:
+        assert r.status == "ok" and json.loads(r.stdout) == {"kids": 11, "refused": None}, r
+    r = run_python(HOLD.format(forks=20, mb=1), lim)  # past its own limit: refused
+    assert r.status == "ok" and json.loads(r.stdout)["kids"] == 11, r
+
+
+@pytest.mark.slow  # starts sandboxed interpreters
+def test_memory_and_disk_limits_hold_for_the_whole_call():
+    """Red team: memory_mb was per process (4 children x 806 MB under memory_mb=1024), and a call wrote 1 GB
+    into its folder in 1.3 s."""
+    r = run_python(textwrap.dedent("""
+        import os, time
+        kids = []
+        for _ in range(4):
+            pid = os.fork()
+            if pid == 0:
+                blob = b"\\x01" * (100 * 1024 * 1024)
+                time.sleep(1)
+                os._exit(0)
+            kids.append(pid)
+        print(sum(os.waitpid(k, 0)[1] == 0 for k in kids), "of 4 children kept 100 MB")
+    """), SandboxLimits(memory_mb=256, wall_s=30))
+    assert r.limit == "memory" and not r.stdout.startswith("4 of 4"), r
+    assert "memory limit of 256 MB" in describe(r, SandboxLimits(memory_mb=256))
+    r = run_python("for i in range(8):\n    open(f'f{i}', 'wb').write(b'x' * (4 << 20))\n    print(i)",
+                   SandboxLimits(disk_mb=16, wall_s=60))
+    assert r.status == "error" and "No space left on device" in r.stderr and "4" not in r.stdout, r
+
+
+CHILD = """
+import sys
+sys.path.insert(0, {repo!r})
+from rl.tasks.sandbox import run_python
+try:
+    r = run_python("import os; os.kill(os.getppid(), 0); print('ran as', os.getuid(), 'beside', os.getppid())")
+    print("RAN", r.status, r.stdout, r.stderr[-200:])
+except ValueError as e:
+    print("REFUSED", e)
+"""
+
+
+@pytest.mark.slow  # starts Python processes under other identities
+@pytest.mark.parametrize("mode", ["root_without_bwrap", "not_root", "no_user_namespaces"])
+def test_a_machine_that_cannot_isolate_is_refused_not_downgraded(tmp_path, mode):
+    """Red team: as root without ``unshare`` on PATH the code ran unconfined (reached a host listener, left
+    a daemon); as a non-root user with user namespaces it was root in its namespace (unmounted the private
+    /tmp, rewrote the trainer's reward module); without user namespaces it signalled its grandparent."""
+    python, env = sys.executable, {"PATH": os.environ["PATH"]}
+    prefix: list[str] = []
+    if mode == "root_without_bwrap":
+        if os.geteuid() != 0:
+            pytest.skip("needs root (the mode under test)")
+        tools = tmp_path / "bin"  # every tool but bubblewrap and unshare
+        tools.mkdir()
+        for t in ("setpriv", "ldd", "sh"):
+            (tools / t).symlink_to(shutil.which(t))
+        env["PATH"] = str(tools)
+    else:
+        python = shutil.which("python3", path="/usr/bin:/bin")
+        if os.geteuid() != 0 or python is None or not _others_can_read(REPO / "rl" / "tasks" / "sandbox.py"):
+            pytest.skip("needs root, a system python3 and a checkout other users can read, to run as nobody")
+        prefix = NOBODY if mode == "not_root" else [
+            shutil.which("bwrap"), "--dev-bind", "/", "/", "--unshare-user", "--disable-userns", "--uid", "65534",
+            "--gid", "65534", "--"]
+    out = subprocess.run([*prefix, python, "-c", CHILD.format(repo=str(REPO))], capture_output=True, text=True,
+                         env=env, cwd="/", timeout=120)
+    assert out.stdout.startswith("REFUSED the Python sandbox cannot isolate tool code on this machine: "), (
+        out.stdout, out.stderr[-2000:])
+    why = {"root_without_bwrap": "bubblewrap (bwrap) is not installed", "not_root": "no cgroup for whole-call limits",
+           "no_user_namespaces": "could not start a sandbox here"}[mode]
+    assert why in out.stdout, out.stdout
+
+
+def test_a_bubblewrap_without_quota_or_userns_options_is_refused(tmp_path, monkeypatch):
+    """bubblewrap < 0.8 (Ubuntu 22.04's 0.6.1) has no ``--size`` (the tmpfs quota) nor ``--disable-userns``."""
+    from rl.tasks.sandbox import probe
+
+    (tmp_path / "bwrap").write_text("#!/bin/sh\necho bubblewrap 0.6.1\n")
+    (tmp_path / "bwrap").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    iso = probe()
+    assert not iso.ok and iso.line.startswith("bubblewrap 0.6.1 is older than 0.8 (needed: --size"), iso
 
 
 def test_tool_calls_parse_from_glm5_and_json_formats():

@@ -229,3 +229,147 @@ def test_resume_fingerprint_of_an_hf_folder_follows_its_data(tmp_path):
     datasets.Dataset.from_list(rows[::-1]).save_to_disk(str(hf))
     changed = compare({"data": {"train": before}}, {"data": {"train": file_fingerprint(str(hf))}})
     assert any(line.startswith("data.train.files.data-00000-of-00001.arrow.xxh3: ") for line in changed), changed
+
+
+# ------------------------------------------------------------------------------------------------------
+# issue 42: verifiers that die with their timeout, bad values named, a function that always fails stops
+# the run; data a tokenizer cannot take refused naming the row, parquet shard folders read
+# ------------------------------------------------------------------------------------------------------
+HOSTILE_FNS = textwrap.dedent('''
+    import os, subprocess, sys, time
+
+    def spawn_and_hang(data_source, solution_str, ground_truth, extra_info=None):
+        """A verifier whose helper process outlives it unless its whole process group dies."""
+        if solution_str not in ("timeout", "raise"):
+            return 1.0
+        child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        open(extra_info["pidfile"], "w").write(str(child.pid))
+        if solution_str == "raise":
+            raise RuntimeError("gave up")
+        time.sleep(3600)
+
+    def huge(data_source, solution_str, ground_truth, extra_info=None):
+        return 10 ** 400
+
+    def array(data_source, solution_str, ground_truth, extra_info=None):
+        import numpy
+        return numpy.array([0.5, 1.0])
+
+    def fork_twice(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "fork":
+            os.fork()  # both copies return
+        return 1.0
+
+    def wrong_signature(solution_str):
+        return 1.0
+''')
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow  # worker processes
+@pytest.mark.parametrize("how", ["timeout", "raise"])
+def test_a_verifiers_children_die_with_its_timeout_or_error(tmp_path, how):
+    """Red team: a verifier that starts ``python -c "while True: pass"`` was counted as a timeout and its
+    worker replaced, but the child kept running at 100 % CPU."""
+    import time
+
+    (tmp_path / "fns.py").write_text(HOSTILE_FNS)
+    pidfile = tmp_path / "child.pid"
+    scorer = RewardScorer(RewardCfg(fn=f"{tmp_path / 'fns.py'}:spawn_and_hang", num_workers=1, timeout_s=3.0))
+    try:
+        _, counts, _ = scorer.score(["d", "d"], [how, "4"], [1, 1], [{"pidfile": str(pidfile)}] * 2)
+        assert counts["reward/timeouts" if how == "timeout" else "reward/errors"] >= 1, counts
+        child = int(pidfile.read_text())
+        for _ in range(100):
+            if not _alive(child):
+                break
+            time.sleep(0.05)
+        assert not _alive(child), f"the verifier's child {child} outlived the failed call"
+    finally:
+        scorer.close()
+
+
+@pytest.mark.slow  # worker processes
+def test_bad_values_and_forks_are_named_and_counted(tmp_path):
+    """Red team: a reward returning 10**400 or a numpy array was a raw OverflowError / TypeError; one that
+    forked and returned in both processes sent two results; one with the wrong signature failed every
+    sample and the run went on (rc 0)."""
+    from rl.tasks.rewards import RewardError
+
+    (tmp_path / "fns.py").write_text(HOSTILE_FNS)
+    fn = f"{tmp_path / 'fns.py'}"
+    for name, shown in (("huge", "1000000000000"), ("array", "array([0.5, 1. ])")):
+        scorer = RewardScorer(RewardCfg(fn=f"{fn}:{name}", num_workers=1))
+        try:
+            with pytest.raises(RewardError) as e:
+                scorer.score(["d"], ["x"], [1], [{}])
+            assert f"reward function {fn}:{name} returned {shown}" in str(e.value) and "for sample 0" in str(e.value)
+        finally:
+            scorer.close()
+    scorer = RewardScorer(RewardCfg(fn=f"{fn}:fork_twice", num_workers=1, error_score=-1.0))
+    try:
+        scores, counts, events = scorer.score(["d"] * 4, ["a", "fork", "b", "c"], [1] * 4, [{}] * 4)
+        assert scores == [1.0, -1.0, 1.0, 1.0] and counts == {"reward/timeouts": 0.0, "reward/errors": 1.0}, scores
+        assert "returned twice" in events[0], events
+    finally:
+        scorer.close()
+    scorer = RewardScorer(RewardCfg(fn=f"{fn}:wrong_signature", num_workers=1))
+    try:
+        with pytest.raises(RewardError, match=r"wrong_signature: 3 of the 3 samples of this scoring call failed .*"
+                                              r"reward.max_error_fraction=1; first: .*TypeError"):
+            scorer.score(["d"] * 3, ["a", "b", "c"], [1] * 3, [{}] * 3)
+    finally:
+        scorer.close()
+
+
+def test_text_a_tokenizer_cannot_take_and_unknown_roles_name_the_row(tiny_dir, tmp_path):
+    """Red team: a lone surrogate in a prompt was an 11-frame traceback from the tokenizer; a chat role
+    outside the template's (``hacker``) was accepted silently."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    (tmp_path / "s.jsonl").write_text('{"prompt": "w1 w2", "ground_truth": 1}\n'
+                                      '{"prompt": [{"role": "user", "content": "w1 \\ud800 w2"}], "ground_truth": 1}\n')
+    with pytest.raises(PromptDataError, match=r"s\.jsonl:2: column 'prompt\[0\]\.content': a lone surrogate "
+                                              r"'\\ud800' at character 3"):
+        read_prompts(tmp_path / "s.jsonl", tok, False, 64)
+    (tmp_path / "r.jsonl").write_text('{"prompt": [{"role": "hacker", "content": "w1"}], "ground_truth": 1}\n')
+    with pytest.raises(PromptDataError, match=r"r\.jsonl:1: column 'prompt' message 0 has the role 'hacker'; the "
+                                              r"chat template's roles are system, user, assistant, observation, tool"):
+        read_prompts(tmp_path / "r.jsonl", tok, False, 64)
+
+
+def test_a_folder_of_parquet_shards_is_one_dataset(tiny_dir, tmp_path):
+    """Red team: a folder of parquet shards, as verl users have them, was refused as "not a datasets
+    save_to_disk folder"; now read with pyarrow's dataset reader, shard by shard in path order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    rows = _verl_rows()
+    one = _write_all(tmp_path, rows)[1]
+    shards = tmp_path / "shards"
+    (shards / "year=2024").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows[:2]), shards / "train-00000-of-00003.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[2:5]), shards / "train-00001-of-00003.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[5:]), shards / "year=2024" / "train-00002-of-00003.parquet")
+    (shards / "_SUCCESS").write_text("")
+    (shards / "README.md").write_text("shards")
+    want = [(p.ids, p.text, p.ground_truth, p.data_source, p.extra) for p in read_prompts(one, tok, False, 64)]
+    got = read_prompts(shards, tok, False, 64)
+    assert [(p.ids, p.text, p.ground_truth, p.data_source, p.extra) for p in got] == want
+    assert got[3].where == f"{shards / 'train-00001-of-00003.parquet'} row 1", got[3].where
+    (shards / "year=2024" / "train-00002-of-00003.parquet").write_bytes(b"not parquet")
+    with pytest.raises(PromptDataError, match="year=2024/train-00002-of-00003.parquet"):
+        read_prompts(shards, tok, False, 64)
+    with pytest.raises(PromptDataError, match="neither a datasets save_to_disk folder"):
+        (tmp_path / "empty").mkdir()
+        read_prompts(tmp_path / "empty", tok, False, 64)
