@@ -164,7 +164,7 @@ def test_rewards_builtin_and_bad_outputs():
     assert math_answer("d", "it is 1,024 apples", "1024") == 1.0 and math_answer("d", "7", "8") == 0.0
     assert toy_residue("t", "w5 w2", 1, {"modulus": 2}) == 1.0 and toy_residue("t", "<pad>", 1) == 0.0
     args = (["d"] * 2, ["a", "b"], ["a", "a"], [{}, {}])
-    with pytest.raises(RewardError, match="my.fn returned None for sample 0"):
+    with pytest.raises(RewardError, match=r"my.fn returned None \(NoneType\) for sample 0; expected a finite number"):
         score_batch(lambda *a: None, "my.fn", False, *args)
     with pytest.raises(RewardError, match="my.fn returned nan"):
         score_batch(lambda *a: float("nan"), "my.fn", False, *args)
