@@ -216,15 +216,16 @@ class GLM5SparseAttention(MegatronModule):
         return src._topk_for_sharers[packed_seq_params]
 
     def _absorbable(self) -> bool:
-        """Whether this forward may take the absorbed core. Not in training under selective core-attention
-        recompute (Megatron's recompute, attention.py ``_checkpointed_attention_forward``, replays the core
-        from q/k/v/x/qr without the latent the ``kv_layernorm`` hook caught, so it would take the other
-        path), nor with LoRA dropout on ``linear_kv_up_proj`` (one absorbed weight cannot drop its input)."""
+        """Whether this forward may take the absorbed core. Not under selective core-attention recompute,
+        eval too (Megatron's replay, attention.py ``_checkpointed_attention_forward``, sees q/k/v/x/qr but not
+        the latent the ``kv_layernorm`` hook caught, so training takes the unabsorbed core; RL's old log-probs
+        take the one its update does), nor in training with LoRA dropout on ``linear_kv_up_proj`` (one
+        absorbed weight cannot drop its input)."""
         cfg = self.config
-        if not self.training:
-            return True
         if cfg.recompute_granularity == "selective" and "core_attn" in (cfg.recompute_modules or []):
             return False
+        if not self.training:
+            return True
         lora = getattr(self._kv_up[0], "lora", None)
         name = lora.applied() if lora is not None else None
         return name is None or not lora.dropout.get(name, 0.0) > 0

@@ -255,7 +255,11 @@ def test_trainer_update_with_mtp_is_the_same_under_splits(trained_mtp):
 def test_trainer_update_with_recompute_equals_without(trained_mtp, tiny_mtp_dir, mode):
     """``trainer.recompute`` on the CPU (was refused: "needs CUDA"): the update with the MTP loss on, in one
     micro-batch and one per sample, gives the loss terms, gradient norm and ``mtp/loss`` of the trainer
-    without recompute (≤ 1e-6 relative)."""
+    without recompute (≤ 1e-6 relative). The old log-probs (an eval forward) are bit for bit the update's
+    forward's at the same weights: under selective recompute both take the unabsorbed DSA core (was: eval
+    the absorbed one, 1e-7 apart in fp32, a bf16 rounding apart on a GPU)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
     from rl.train.trainer import PolicyTrainer
     from tests.workers.rl_dynmb_check import updates
 
@@ -269,6 +273,14 @@ def test_trainer_update_with_recompute_equals_without(trained_mtp, tiny_mtp_dir,
     assert recomputing.model.config.recompute_granularity == mode
     for b, (m, _) in updates(recomputing, case).items():
         _close(m, ref[b][0], (mode, b), MTP_KEYS)
+    mb = recomputing._micro_batches(batch, list(range(batch.size)))[0]
+    with torch.no_grad():
+        lp = {}
+        for train in (False, True):
+            recomputing.ddp.train(train)
+            lp[train] = recomputing._logprobs(recomputing.ddp, mb, cfg.rollout.temperature)[0]
+    MTPLossLoggingHelper.clean_metrics_in_tracker()  # the training-mode forward logged its MTP loss
+    assert torch.equal(lp[False], lp[True]), float((lp[False] - lp[True]).abs().max())
 
 
 @pytest.mark.slow
