@@ -331,12 +331,13 @@ def glm5_744b() -> GLM5Config:
                       eos_token_id=[154820, 154827, 154829])
 
 
-def glm5_tiny(*, mtp: bool = False, index_share: bool = False, vocab_size: int = 128) -> GLM5Config:
+def glm5_tiny(*, mtp: bool = False, index_share: bool | str = False, vocab_size: int = 128) -> GLM5Config:
     """A debug GLM-5: 4 layers (1 dense + 3 MoE), every GLM-5 feature, ~0.5M parameters.
 
     Sizes follow ``shared/notes/glm5-reference.md`` section 4.1; 16 indexer heads make exact ReLU ties (all heads <= 0) rare.
-    ``index_share`` makes layer 2 reuse layer 1's top-k (pattern FFSF); an odd ``vocab_size`` (129) is one
-    TP 2 does not divide (the vocabulary padding, ``glm5_mcore.model.vocab``).
+    ``index_share`` makes layer 2 reuse layer 1's top-k (pattern FFSF); a string is the F/S pattern itself
+    (``"FSFS"``: each stage of PP 2 starts with a full layer and holds a sharer). An odd ``vocab_size`` (129) is
+    one TP 2 does not divide (the vocabulary padding, ``glm5_mcore.model.vocab``).
     """
     return GLM5Config(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -345,7 +346,7 @@ def glm5_tiny(*, mtp: bool = False, index_share: bool = False, vocab_size: int =
         qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, index_topk=8, index_head_dim=16,
         index_n_heads=16, first_k_dense_replace=1, max_position_embeddings=512,
         num_nextn_predict_layers=1 if mtp else 0, rope_theta=1e6, eos_token_id=1, bos_token_id=0,
-        pad_token_id=2, index_topk_pattern="FFSF" if index_share else None, torch_dtype="float32",
+        pad_token_id=2, index_topk_pattern=("FFSF" if index_share is True else index_share) or None, torch_dtype="float32",
     )
 
 

@@ -134,7 +134,7 @@ def mla576(cfg: GLM5Config, index_topk: int = 512) -> GLM5Config:
     return dataclasses.replace(cfg, kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=64, index_topk=index_topk)
 
 
-def write_tiny(out: str | Path, mtp: bool = False, index_share: bool = False, seed: int = 0,
+def write_tiny(out: str | Path, mtp: bool = False, index_share: bool | str = False, seed: int = 0,
                mla_576: bool = False, overwrite: bool = False, vocab_size: int = 128) -> Path:
     """The ``glm5 tiny`` command: a tiny random GLM-5 checkpoint in ``out`` (``mla_576``: ``mla576``'s widths;
     ``vocab_size``: the tokenizer's special tokens and ``w0``, ``w1``, ... up to that many ids)."""

@@ -109,12 +109,6 @@ def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConf
     if cfg.lora.enabled:
         check_expert_tp(cfg.lora.targets, parallel.etp, "parallel.etp")
         check_grouped_experts(cfg.lora.targets, grouped_gemm(cfg.model.moe_grouped_gemm, "local"))
-    if cfg.train.recompute and parallel.pp > 1 and "shared" in (glm5.indexer_types or []):
-        # an IndexShare layer reads its source layer's last top-k (dsa.py) in its forward and its recompute;
-        # under 1F1B later micro-batches' forwards run in between, so the recompute would read theirs
-        raise ValueError(f"train.recompute=true with parallel.pp={parallel.pp}: the model has IndexShare layers "
-                         "(indexer_types 'shared'), whose recompute under the pipeline schedule would read a later "
-                         "micro-batch's top-k; use parallel.pp=1 or train.recompute=false")
     if world % (parallel.etp * parallel.ep * parallel.pp):
         raise ValueError(f"parallel.etp*ep*pp={parallel.etp * parallel.ep * parallel.pp} does not divide the "
                          f"world size {world}")
@@ -136,9 +130,10 @@ def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConf
         raise ValueError("data.split: splits indexed datasets; for jsonl give data.valid")
     elif d.valid and not is_jsonl(d.valid):
         raise ValueError(f"data.valid={d.valid}: jsonl training data needs jsonl validation data")
+    if cfg.train.recompute not in (False, True, "full", "selective"):
+        raise ValueError(f"train.recompute={cfg.train.recompute!r}: false, true (full), full or selective")
     if not torch.cuda.is_available():
         for flag, why in (("bf16", "Megatron's Float16Optimizer wraps CUDA tensors"),
-                          ("recompute", "activation recompute restores the CUDA RNG state"),
                           ("cpu_offload", "optimizer offload moves CUDA states to host")):
             if getattr(cfg.train, flag):
                 raise ValueError(f"train.{flag}: needs CUDA ({why}); CPU runs are fp32 without it")

@@ -9,7 +9,7 @@ the same class as the schema ``configs/sft.yaml`` composes onto (``recipes.hydra
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from glm5_mcore.training.schema import (LoRACfg, ModelCfg, OptimCfg, ParallelConfig, PlanCfg, WandbCfg,  # noqa: F401
                                       build)
@@ -51,8 +51,9 @@ class TrainCfg:
     seed: int = 1234
     bf16: bool = False
     """GPU: bf16 mixed precision (fp32 master weights)."""
-    recompute: bool = False
-    """GPU: full activation recompute."""
+    recompute: Union[bool, str] = False
+    """Megatron's activation recompute (``glm5_mcore.mcore_settings.recompute_overrides``): false, true / ``full``
+    (every layer keeps only its input) or ``selective`` (the core attention); CPU and GPU."""
     cpu_offload: bool = False
     """GPU: optimizer state offload."""
     mtp_loss_scale: float = 0.1

@@ -264,14 +264,14 @@ class TrainerCfg:
     """Context parallelism: each packed micro-batch split over ``cp`` ranks (per-document load-balanced
     chunks, as ``glm5 sft parallel.cp``); tp × cp must divide ``world_size``."""
     gpus_per_rank: float = 0.0
-    """GPUs Ray gives each trainer rank; ``backend=te``, ``bf16`` and ``recompute`` need 1."""
+    """GPUs Ray gives each trainer rank; ``backend=te`` and ``bf16`` need 1."""
     etp: int = 1
     """Expert tensor parallelism (Megatron's ``expert_tensor_parallel_size``); etp × ep divides ``world_size``."""
     make_vocab_size_divisible_by: int = 1
     """The embedding and output layer padded to a multiple of this × tp (Megatron-LM's flag; as SFT's
     ``parallel.make_vocab_size_divisible_by``); the padded logits are -inf, the adapter pushed never holds them."""
     recompute: Optional[str] = None
-    """null, ``selective`` or ``full``: Megatron's activation recompute (``glm5_mcore.mcore_settings.recompute_overrides``); GPU only."""
+    """null, ``selective`` or ``full``: Megatron's activation recompute (``glm5_mcore.mcore_settings.recompute_overrides``); CPU and GPU."""
     backend: str = "local"
     """Megatron-Core modules: ``local`` (CPU and GPU) or ``te`` (Transformer Engine, GPU)."""
     bf16: bool = False

@@ -309,14 +309,13 @@ def validate(c) -> None:
         raise ValueError(f"trainer.backend={t.backend!r}: local or te")
     import torch
 
-    gpu_flags = [f for f, on in (("trainer.backend=te", t.backend == "te"), ("trainer.bf16", t.bf16),
-                                 (f"trainer.recompute={t.recompute}", t.recompute is not None)) if on]
+    gpu_flags = [f for f, on in (("trainer.backend=te", t.backend == "te"), ("trainer.bf16", t.bf16)) if on]
     if gpu_flags and not t.gpus_per_rank:
         raise ValueError(f"{gpu_flags[0]}: needs a GPU per trainer rank, and trainer.gpus_per_rank=0 gives the "
                          "trainer actors none (set trainer.gpus_per_rank=1)")
     if gpu_flags and not torch.cuda.is_available():
-        raise ValueError(f"{gpu_flags[0]}: needs CUDA (Transformer Engine / Megatron's bf16 optimizer / the CUDA "
-                         "RNG state recompute restores); CPU runs are fp32 with local modules")
+        raise ValueError(f"{gpu_flags[0]}: needs CUDA (Transformer Engine / Megatron's bf16 optimizer); CPU runs are "
+                         "fp32 with local modules")
     check_optimizer(OptimCfg(overlap_param_gather=c.actor.overlap_param_gather), t.world_size // (t.tp * t.cp),
                     "actor")
     if c.model.hf_dir and (c.rollout.hf_dir or (Path(c.model.hf_dir) / "config.json").is_file()):

@@ -34,6 +34,15 @@ def tiny_share_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_share_pp_dir(tmp_path_factory):
+    """IndexShare pattern FSFS: under PP 2 each stage starts with a full layer and holds a sharer (FFSF's
+    stage 2 would start with one, which has no source on its stage)."""
+    from glm5_mcore.tiny import write_tiny
+
+    return str(write_tiny(tmp_path_factory.mktemp("ckpt") / "tiny_share_pp", index_share="FSFS", seed=3))
+
+
+@pytest.fixture(scope="session")
 def tiny_mtp_dir(tmp_path_factory):
     from glm5_mcore.tiny import write_tiny
 

@@ -2,7 +2,8 @@
 
 Each workaround is named after the wall it answers (file:line in megatron-core 0.19.2) so it can be
 deleted when upstream is fixed. ``grouped_linear``: TE's grouped expert linear in PyTorch (the
-grouped-GEMM expert layout without TE). ``apply()`` installs the runtime patches only when CUDA is absent;
+grouped-GEMM expert layout without TE); ``checkpoint_rng``: activation recompute with the CPU's RNG state.
+``apply()`` installs the runtime patches only when CUDA is absent;
 on a CUDA machine it does nothing. ``LocalBackend`` fills the gaps of Megatron-Core's local
 (non-Transformer-Engine) backend, which is the backend used on CPU.
 """
@@ -14,6 +15,7 @@ import functools
 import torch
 from megatron.core.models.backends import LocalSpecProvider
 
+from glm5_mcore.cpu_compat.checkpoint_rng import checkpoint_rng_on_cpu
 from glm5_mcore.cpu_compat.grouped_linear import ColumnParallelGroupedLinear, RowParallelGroupedLinear
 
 _applied = False
@@ -296,6 +298,7 @@ def apply() -> None:
     _ddp_grad_sync_on_cpu()
     _embedding_copy_sync_on_cpu()
     _distributed_optimizer_on_cpu()
+    checkpoint_rng_on_cpu()
     _disable_torch_compile_jit()
     _applied = True
 

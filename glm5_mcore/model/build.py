@@ -79,10 +79,28 @@ def build_model(glm5: GLM5Config, parallel: Optional[ParallelConfig] = None, bac
     keep_router_fp32(model)
     if post_process:
         mask_padded_logits(model, glm5.vocab_size)
+    if cfg.recompute_granularity is not None:
+        model.decoder.register_forward_pre_hook(_recompute_input_needs_grad, with_kwargs=True)
     # Megatron's get_model moves the model to the current CUDA device before DDP and the optimizer;
     # LoRA adapters, created beside their base weights, follow. Norms, replicated linears and the
     # router are built without a device, on the CPU.
     return model.to(training_device() if device is None else device)
+
+
+def _recompute_input_needs_grad(_decoder, args, kwargs):
+    """The decoder's input ``hidden_states`` [S, b, H] made a leaf that requires grad, under recompute, when
+    it carries no graph (a frozen embedding: LoRA, the indexer stages). Megatron's checkpoint
+    (tensor_parallel/random.py ``CheckpointFunction``) only runs its backward, and so computes the gradients
+    of the adapters or the indexer inside the recomputed region, when one of its input tensors requires grad
+    (the same fix as Megatron-Bridge's ``maybe_enable_recompute_inputs_grad``); without it full recompute
+    fails (no output requires grad) or leaves those gradients at zero. A no-op without grad (eval, the
+    rollout's log-probs) and where the input already requires grad (later pipeline stages, a trained
+    embedding)."""
+    h = kwargs.get("hidden_states")
+    if torch.is_grad_enabled() and torch.is_tensor(h) and h.is_floating_point() and not h.requires_grad:
+        kwargs["hidden_states"] = h.detach().requires_grad_()
+        return args, kwargs
+    return None
 
 
 def keep_router_fp32(model) -> None:

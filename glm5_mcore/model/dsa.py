@@ -31,6 +31,7 @@ from megatron.core.transformer.experimental_attention_variant.dsa import DSAInde
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.utils import get_pg_size
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 from glm5_mcore.model.dsa_backend import active as fused_active, check as check_fused
@@ -74,11 +75,14 @@ class GLM5SparseAttention(MegatronModule):
                         if computes_topk else None)
         self._topk_source: list = []
         self.last_topk: Optional[torch.Tensor] = None
-        """This forward's top-k [b, S, K], held after it only where something reads it: on a full layer
-        IndexShare layers read (``feeds_sharers``, set by ``link_index_share``: their forward and their
-        recompute), or inside ``keeping_topk`` (parity, RL's top-k agreement). Elsewhere None: held on
-        every layer it would outlive the backward (under full recompute, s·K·8 bytes per layer the
-        planner would not see)."""
+        """This forward's top-k [b, S, K], held after it only where something reads it: inside
+        ``keeping_topk`` (parity, RL's top-k agreement), or on a full layer IndexShare layers read
+        (``feeds_sharers``) in a forward without THD packing (no micro-batch to key it by). Elsewhere None:
+        held on every layer it would outlive the backward (under full recompute, s·K·8 bytes per layer)."""
+        self._topk_for_sharers = WeakIdKeyDictionary()
+        """On a full layer IndexShare layers read: a micro-batch's ``packed_seq_params`` → its top-k, for the
+        sharers' forward and recompute (under 1F1B not of the last micro-batch this layer saw); it lives as
+        long as that ``PackedSeqParams`` (a recompute closure holds it until its backward)."""
         self.feeds_sharers = False
         self.keep_topk = False
         self._latent: Optional[torch.Tensor] = None  # kv_layernorm output of this forward (absorbed path)
@@ -143,7 +147,7 @@ class GLM5SparseAttention(MegatronModule):
             out = dense_attention(query, key, value, q_pos, doc_start, self.softmax_scale, plain_causal)
             out = self._warmup_indexer_loss(out, query, key, x, qr, packed_seq_params, reorder, q_pos, doc_start)
             return out.squeeze(1) if thd else out
-        absorbed = bool(self._kv_up) and latent is not None and self.index_topk < skv
+        absorbed = bool(self._kv_up) and latent is not None and self.index_topk < skv and self._absorbable()
         if absorbed:  # the absorbed query and the shared latent rows [T, b, 576], gathered once over CP
             q_cat, lat, w = self._absorbed_inputs(query, key, latent, reorder)
         else:
@@ -162,13 +166,13 @@ class GLM5SparseAttention(MegatronModule):
         elif self.computes_topk:
             topk = None
         else:
-            if not self._topk_source:
-                raise RuntimeError(f"layer {self.layer_number}: IndexShare layer not linked to a full layer")
-            topk = self._topk_source[0].last_topk
+            topk = self._shared_topk(packed_seq_params)
         selected = topk
         if self.index_topk >= skv:
             topk = None
-        self.last_topk = topk if self.keep_topk or self.feeds_sharers else None
+        self.last_topk = topk if self.keep_topk or (self.feeds_sharers and packed_seq_params is None) else None
+        if self.feeds_sharers and packed_seq_params is not None:
+            self._topk_for_sharers[packed_seq_params] = topk
 
         if topk is None:
             out = dense_attention(query, key, value, q_pos, doc_start, self.softmax_scale, plain_causal)
@@ -193,6 +197,38 @@ class GLM5SparseAttention(MegatronModule):
         if loss is not None:
             out = DSAIndexerLossAutoScaler.apply(out, loss)
         return out.squeeze(1) if thd else out
+
+    def _shared_topk(self, packed_seq_params: Optional[PackedSeqParams]) -> Optional[torch.Tensor]:
+        """An IndexShare layer's top-k [b, S, K] (None: dense): its source's for this micro-batch, in the
+        forward and any recompute. Without THD packing (no key) the source's last forward, which a recompute
+        under pipeline parallelism would take from a later micro-batch: refused there."""
+        if not self._topk_source:
+            raise RuntimeError(f"layer {self.layer_number}: IndexShare layer not linked to a full layer")
+        src, cfg = self._topk_source[0], self.config
+        if packed_seq_params is None:
+            if cfg.recompute_granularity is not None and (cfg.pipeline_model_parallel_size or 1) > 1:
+                raise RuntimeError(f"layer {self.layer_number}: IndexShare under recompute with pipeline "
+                                   "parallelism needs THD packed_seq_params (the key of its source's top-k)")
+            return src.last_topk
+        if packed_seq_params not in src._topk_for_sharers:
+            raise RuntimeError(f"layer {self.layer_number}: IndexShare layer ran a micro-batch its source layer "
+                               f"{src.layer_number} has not")
+        return src._topk_for_sharers[packed_seq_params]
+
+    def _absorbable(self) -> bool:
+        """Whether this forward may take the absorbed core. Not under selective core-attention recompute,
+        eval too (Megatron's replay, attention.py ``_checkpointed_attention_forward``, sees q/k/v/x/qr but not
+        the latent the ``kv_layernorm`` hook caught, so training takes the unabsorbed core; RL's old log-probs
+        take the one its update does), nor in training with LoRA dropout on ``linear_kv_up_proj`` (one
+        absorbed weight cannot drop its input)."""
+        cfg = self.config
+        if cfg.recompute_granularity == "selective" and "core_attn" in (cfg.recompute_modules or []):
+            return False
+        if not self.training:
+            return True
+        lora = getattr(self._kv_up[0], "lora", None)
+        name = lora.applied() if lora is not None else None
+        return name is None or not lora.dropout.get(name, 0.0) > 0
 
     def sparse_loss_active(self) -> bool:
         """The sparse-stage indexer loss runs in this forward: a full layer in a training forward with

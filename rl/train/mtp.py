@@ -16,6 +16,9 @@ Megatron-Core's own ``process_mtp_loss`` trains it on the rollout sequences (lab
   previous position's verified token, as vLLM's MTP proposer does) equals the sampled token t. The
   logits are the ones the old-log-prob forward already computes (an output-layer hook), counted with
   Megatron's ``_compute_mtp_acceptance_counts`` (vocab-parallel argmax at TP > 1).
+- ``PerTokenMTP``: the update's MTP loss in per-token form (Megatron's ``calculate_per_token_loss``, as SFT):
+  λ · Σ CE over the mini-batch's MTP tokens / their count, whatever the micro-batch split, and ``mtp/loss``
+  the same per-token mean.
 - ``mtp_loss_off``: a forward that must not train the MTP head (the critic's) contributes no MTP
   gradient and leaves the loss tracker as it was.
 - Weight sync: with the loss on, the adapter the trainer pushes carries the MTP layer's LoRA under
@@ -117,6 +120,97 @@ class DraftAcceptance:
             dist.all_reduce(t, group=dp_group)
         self.correct = self.total = 0.0
         return {"rollout/mtp_accept": float(t[0] / t[1]) if t[1] > 0 else float("nan")}
+
+
+def mtp_tokens(lengths: list[int], depth: int) -> int:
+    """MTP tokens of documents of ``lengths`` at ``depth`` (1 = the first MTP layer): Megatron's
+    ``process_mtp_loss`` rolls the labels (and the loss mask) once to derive them from ``input_ids`` and once
+    more per depth, each roll within a packed document dropping its last position; depth 0 is the count
+    after the first roll (its ``original_num_tokens``)."""
+    return sum(max(n - 1 - depth, 0) for n in lengths)
+
+
+class PerTokenMTP:
+    """The RL update's MTP loss per token: λ/D · Σ_d Σ CE_d / N_d over the mini-batch (every DP rank's
+    micro-batches), N_d its MTP tokens at depth d, λ = ``actor.mtp_loss_scale``, D the MTP depths.
+
+    The trainer runs Megatron's per-token mode (``calculate_per_token_loss``): ``finalize_model_grads``
+    divides every gradient by the step's token count ``divisor`` (the loss functions' counts, summed over
+    DP), and ``process_mtp_loss`` adds each micro-batch's λ/D · Σ CE_d · N'/N_d (N' its depth-0 count: the
+    ratio re-weights Megatron's per-micro-batch mean by the main loss's tokens,
+    multi_token_prediction.py:876-886). That ratio changes with the split, so ``micro_batch`` sets this
+    micro-batch's ``mtp_loss_scaling_factor`` to λ · divisor · N_1 / (N' · N_1 of the mini-batch): the sum
+    over micro-batches is then the per-token form at depth 1 exactly (GLM-5 has one MTP layer; deeper
+    depths keep depth 1's weights). ``take``: ``mtp_loss/depth_k`` per token (Megatron's tracker holds each
+    micro-batch's mean, weighted back by its N_d), averaged over mini-batches, and ``mtp/loss``."""
+
+    def __init__(self, model, scale: float, depths: int):
+        self.config, self.scale, self.depths = model.config, scale, depths
+        self._step: list[int] = []
+        self._divisor = 1.0
+        self._sums: Optional[torch.Tensor] = None  # [D] Σ_mini-batches (Σ_micro mean_d · N_d) / N_d of the mini-batch
+        self._mini = 0
+        self._mini_sum: Optional[torch.Tensor] = None
+
+    def mini_batch(self, lengths: list[int], divisor: float) -> None:
+        """A mini-batch starts: ``lengths`` every sample's packed length (all DP ranks), ``divisor`` the
+        per-token divisor Megatron will apply."""
+        self._flush()
+        self._step = [mtp_tokens(lengths, d) for d in range(1, self.depths + 1)]
+        self._divisor = float(divisor)
+
+    @contextlib.contextmanager
+    def micro_batch(self, lengths: list[int]):
+        """Around one micro-batch's training forward (its real documents' ``lengths``)."""
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        n0, n1 = mtp_tokens(lengths, 0), mtp_tokens(lengths, 1)
+        self.config.mtp_loss_scaling_factor = (self.scale * self._divisor * n1 / max(n0, 1) / max(self._step[0], 1)
+                                               if n1 else 0.0)
+        before = MTPLossLoggingHelper.tracker.get("loss_values")
+        before = before.clone() if before is not None else None
+        try:
+            yield
+        finally:
+            self.config.mtp_loss_scaling_factor = self.scale
+        after = MTPLossLoggingHelper.tracker.get("loss_values")
+        if after is None:
+            return
+        mean = after - before if before is not None else after.clone()
+        counts = torch.tensor([mtp_tokens(lengths, d) for d in range(1, self.depths + 1)], dtype=mean.dtype,
+                              device=mean.device)
+        step = torch.tensor(self._step, dtype=mean.dtype, device=mean.device).clamp(min=1)
+        part = mean * counts / step
+        self._mini_sum = part if self._mini_sum is None else self._mini_sum + part
+
+    def _flush(self) -> None:
+        if self._mini_sum is not None:
+            self._sums = self._mini_sum if self._sums is None else self._sums + self._mini_sum
+            self._mini += 1
+            self._mini_sum = None
+
+    def take(self, dp_group=None) -> dict[str, float]:
+        """{"mtp_loss/depth_k", "mtp_accept/depth_k", "mtp/loss"} of the update (summed over DP ranks); resets
+        (Megatron's tracker too)."""
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        self._flush()
+        tracker = MTPLossLoggingHelper.tracker
+        if self._sums is None or "correct_values" not in tracker:
+            return {}
+        loss = self._sums.clone()
+        correct, total = tracker["correct_values"].clone().float(), tracker["total_values"].clone().float()
+        if dp_group is not None and dist.get_world_size(dp_group) > 1:
+            for t in (loss, correct, total):
+                dist.all_reduce(t, group=dp_group)
+        MTPLossLoggingHelper.clean_metrics_in_tracker()
+        out = {}
+        for k in range(self.depths):
+            out[f"mtp_loss/depth_{k + 1}"] = float(loss[k]) / self._mini
+            out[f"mtp_accept/depth_{k + 1}"] = float(correct[k] / total[k].clamp(min=1))
+        out["mtp/loss"] = sum(out[f"mtp_loss/depth_{k + 1}"] for k in range(self.depths)) / self.depths
+        self._sums, self._mini = None, 0
+        return out
 
 
 @contextlib.contextmanager

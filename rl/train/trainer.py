@@ -13,7 +13,9 @@ micro-batches on every rank.
 - ``update``: PPO epochs over mini-batches; per micro-batch verl's policy loss (rollout-correction
   weights multiplied in per token) + KL loss + entropy bonus + value loss, aggregated with verl's
   ``agg_loss`` over the *mini-batch's* global token / sequence counts; Megatron's schedule does the
-  backward and DP reduction. A non-finite loss or gradient skips the optimizer step with a reason.
+  backward and DP reduction in its per-token form (``calculate_per_token_loss``, as SFT: the gradients
+  divided by the mini-batch's response tokens), which the MTP loss takes too (``rl.train.mtp.PerTokenMTP``).
+  A non-finite loss or gradient skips the optimizer step with a reason.
 - ``export_adapter``: the policy adapter as an HF PEFT payload (the rollout engines' weight sync).
 - Expert load (tokens per expert, max/mean per MoE layer) of each update is in its metrics.
 """
@@ -44,7 +46,7 @@ from glm5_mcore.lora.state import gather_adapter
 from glm5_mcore.model.build import build_model
 from glm5_mcore.model.dsa import keeping_topk
 from glm5_mcore.model.indexer_stages import check_indexer_learns
-from glm5_mcore.model.mtp_loss import fp32_output_layer, mtp_depth_losses, token_logprobs
+from glm5_mcore.model.mtp_loss import fp32_output_layer, token_logprobs
 from glm5_mcore.model.parallel import init_parallel
 from glm5_mcore.training.checkpointing import restore_run, save_run
 from glm5_mcore.training.loop import MoELoad, OptimCfg, build_trainer, forward_backward, synced_params
@@ -55,8 +57,9 @@ from rl.config import RLConfig
 from rl.train.offload import TrainerOffload
 from rl.train.cp import RLContextParallel
 from rl.train.critic import ValueHead
-from rl.train.micro_batch import PackedMicroBatch, check_fits, pack_micro_batches
-from rl.train.mtp import DraftAcceptance, drafted_positions, freeze_mtp_adapters, mtp_layers, mtp_loss_off, real_token_mask
+from rl.train.micro_batch import PackedMicroBatch, check_fits, pack_micro_batches, sample_lengths
+from rl.train.mtp import (DraftAcceptance, PerTokenMTP, drafted_positions, freeze_mtp_adapters, mtp_layers,
+                          mtp_loss_off, real_token_mask)
 from rl.rollout.base import AdapterPayload
 from rl.train.routing import TrainerRouting, index_topk_counts
 
@@ -78,7 +81,9 @@ class PolicyTrainer:
         overrides_mtp = {"mtp_loss_scaling_factor": cfg.actor.mtp_loss_scale} if mtp else {}
         init_parallel(self.parallel, seed=t.seed)
         self.pad_id = AutoTokenizer.from_pretrained(cfg.model.hf_dir).pad_token_id or 0
-        overrides = {"bf16": True, "params_dtype": torch.bfloat16} if t.bf16 else {}
+        overrides = {"calculate_per_token_loss": True}
+        if t.bf16:
+            overrides.update(bf16=True, params_dtype=torch.bfloat16)
         overrides.update(recompute_overrides(t.recompute))
         model = build_model(self.glm5, self.parallel, backend=t.backend, mtp_num_layers=mtp,
                             dsa_kernel_backend=cfg.model.dsa_kernel_backend,
@@ -103,6 +108,7 @@ class PolicyTrainer:
         self.cp = RLContextParallel(self.parallel.tp if model.config.sequence_parallel else 1)
         self.routing = TrainerRouting(model, replay=cfg.algorithm.router_replay)
         self.mtp = DraftAcceptance(model) if mtp else None
+        self.mtp_loss = PerTokenMTP(model, cfg.actor.mtp_loss_scale, mtp) if mtp else None
         self.moe_load = MoELoad(model)
         a = cfg.actor
         self.ddp, self.opt, self.sched = build_trainer(model, OptimCfg(
@@ -225,7 +231,7 @@ class PolicyTrainer:
         n_prompts = batch.size // n
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
-        skipped, reasons, grad_norms, n_micro = 0, [], [], 0
+        skipped, reasons, grad_norms = 0, [], []
         self.moe_load.counts = {}  # count the update's routing only
         t0 = time.perf_counter()
         for epoch in range(a.ppo_epochs):
@@ -242,7 +248,8 @@ class PolicyTrainer:
                     reasons.append("no response token left in the loss (masked or rejected)")
                     continue
                 micro = self._micro_batches(batch, mb_rows)
-                n_micro += len(micro)
+                if self.mtp_loss is not None:
+                    self.mtp_loss.mini_batch(sample_lengths(batch, mb_rows), self._divisor(gbi))
                 packed = sum(m.packed_tokens for m in micro)
                 plan = {"actor/micro_batches": (len(micro), 1.0),  # per mini-batch (every rank alike)
                         "actor/micro_batch_fill": (sum(m.used_tokens for m in micro) / packed, packed)}
@@ -283,23 +290,37 @@ class PolicyTrainer:
             self.cp.sum(c)
         metrics.update(self.moe_load.metrics())
         if self.mtp is not None:
-            depth = mtp_depth_losses(self.glm5.num_nextn_predict_layers, n_micro)
-            metrics["mtp/loss"] = float(np.mean([v for k, v in depth.items() if k.startswith("mtp_loss/")]))
-            metrics.update(depth)
+            metrics.update(self.mtp_loss.take(ps.get_data_parallel_group() if dp > 1 else None))
             metrics.update(self.mtp.take(ps.get_data_parallel_group() if dp > 1 else None))
         if reasons:
             metrics["skip_reasons"] = reasons
         return metrics if self.reports else None
 
+    def _divisor(self, gbi: dict) -> int:
+        """What Megatron's per-token mode divides the gradients by: the loss functions' token counts summed
+        over DP × CP, i.e. the mini-batch's response tokens once per CP rank."""
+        return gbi["batch_num_tokens"] * self.cp.size
+
     def _train_step(self, batch: RolloutBatch, gbi: dict, num_micro: int):
+        """Megatron's ``forward_step``: each micro-batch's loss function returns (verl's loss of the micro-batch
+        · divisor / DP, its response tokens, its report); summed and divided by the divisor (the response
+        tokens of every micro-batch on every DP × CP rank), the gradients are verl's loss averaged over DP
+        as before, under any split."""
+        dp = gbi["dp_size"]
+        weight = self._divisor(gbi) / dp
+
         def forward_step(data_iter, model):
             mb: PackedMicroBatch = next(data_iter)
-            logp, ent = self._logprobs(model, mb, self.cfg.rollout.temperature)
+            with (self.mtp_loss.micro_batch(mb.lengths[:len(mb.rows)]) if self.mtp_loss is not None
+                  else contextlib.nullcontext()):
+                logp, ent = self._logprobs(model, mb, self.cfg.rollout.temperature)
             vpreds = self._values(model, mb) if self.value_head is not None else None
+            tokens = torch.tensor(int(batch.response_mask[mb.rows].sum()) if mb.rows else 0, dtype=torch.int,
+                                  device=training_device())
 
             def loss_func(_out):
                 loss, metrics = self.loss(batch, mb.rows, logp, ent, vpreds, gbi, num_micro)
-                return loss * num_micro, metrics
+                return loss * weight, tokens, metrics
 
             return logp, loss_func
 

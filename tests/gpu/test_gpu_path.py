@@ -53,10 +53,18 @@ def test_weightless_rollout_folder_is_refused_and_the_source_is_found(tiny_dir, 
 
 
 # ---------------------------------------------------------------- A5: GPUs per trainer rank
-@pytest.mark.parametrize("trainer", [{"bf16": True}, {"backend": "te"}, {"recompute": "full"}])
+@pytest.mark.parametrize("trainer", [{"bf16": True}, {"backend": "te"}])
 def test_gpu_settings_are_refused_without_gpus_per_rank(tiny_dir, trainer):
     with pytest.raises(ValueError, match=r"needs a GPU per trainer rank.*trainer.gpus_per_rank=1"):
         _rl(tiny_dir, trainer=trainer)
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recompute_needs_no_gpu(tiny_dir, mode):
+    """Was: refused on the CPU ("the CUDA RNG state recompute restores"); Megatron's checkpointing runs there
+    with the CPU generator (``glm5_mcore.cpu_compat.checkpoint_rng``), gradients equal to no recompute
+    (``tests/layouts``, ``tests/rl/test_micro_batches.py``)."""
+    assert _rl(tiny_dir, trainer={"recompute": mode}).trainer.recompute == mode
 
 
 # ---------------------------------------------------------------- A2: the draft model, V1 and V2

@@ -176,11 +176,61 @@ def test_last_topk_held_only_for_its_readers(single_rank):
     assert [c.last_topk is not None for c in cores] == [False, True, False, False]
 
 
+def test_index_share_recompute_reads_its_own_micro_batch_topk(tiny_share_pp_dir, single_rank):
+    """Full and selective recompute, 1F1B's order on one rank (forward 0, forward 1, backward 0, backward 1):
+    the IndexShare layer's recompute in backward 0 takes micro-batch 0's top-k, so the adapter gradients
+    equal forward + backward of each in turn without recompute (exactly; LoRA dropout drawn and replayed,
+    on ``linear_kv_up_proj`` too, which keeps every mode on the unabsorbed core); the kept top-k lives as long as its micro-batch's
+    ``PackedSeqParams``: micro-batch 0's goes with its backward, none is kept without recompute (under
+    selective recompute the last one's outlives its backward until the next forward: Megatron's allgather
+    dispatcher keeps ``local_probs``, token_dispatcher.py:328, whose graph reaches the attention checkpoint).
+    Was: read from the source layer's last forward, micro-batch 1's (gradients 0.99 of their size apart under
+    PP 2, ``tests/layouts``)."""
+    from glm5_mcore.lora.apply import apply_lora
+    from glm5_mcore.lora.config import MLA, LoRAConfig
+    from glm5_mcore.mcore_settings import recompute_overrides
+    from glm5_mcore.model.build import packed_seq_params_from_lengths
+    from glm5_mcore.model.dsa import GLM5SparseAttention
+    from tests.support.helpers import hf_model
+
+    g = torch.Generator().manual_seed(0)
+    micro = [(torch.randint(3, 128, (1, 33), generator=g), lengths) for lengths in ([20, 12], [9, 23])]
+
+    def forward(m, ids, lengths):
+        pos = torch.cat([torch.arange(n) for n in lengths])[None]
+        return m(ids[:, :-1], pos, None, labels=ids[:, 1:],
+                 packed_seq_params=packed_seq_params_from_lengths(lengths)).float().mean()
+
+    def grads(mode, order):
+        m, _ = hf_model(tiny_share_pp_dir, **recompute_overrides(mode))
+        apply_lora(m, LoRAConfig(rank=4, alpha=8, targets=MLA, init="random", dropout=0.1))
+        m.train()
+        source = [c for c in m.modules() if isinstance(c, GLM5SparseAttention)][2]  # FSFS: layer 3 feeds 4
+        losses, held = {}, []
+        for step, i in order:
+            if step == "f":
+                losses[i] = forward(m, *micro[i])
+            else:
+                losses.pop(i).backward()
+            held.append(len(source._topk_for_sharers))
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}, held
+
+    sequential = [("f", 0), ("b", 0), ("f", 1), ("b", 1)]
+    one_f_one_b = [("f", 0), ("f", 1), ("b", 0), ("b", 1)]
+    ref, held = grads(None, sequential)
+    assert held == [0, 0, 0, 0]  # without recompute nothing outlives the forward
+    for mode in ("full", "selective"):
+        got, held = grads(mode, one_f_one_b)
+        assert held[:3] == [1, 2, 1] and held[3] <= 1, (mode, held)
+        diff = max(float((got[k] - v).abs().max()) for k, v in ref.items())
+        assert sorted(got) == sorted(ref) and diff == 0.0, (mode, diff)
+
+
 def test_held_topk_is_the_planners(single_rank):
     """The bytes of top-k DSA cores hold after a forward + backward are the planner's ``held_topk``
     under full recompute (where nothing else counts them): FFSF, 32 tokens, top-k 8, int64 = 2 KiB,
-    layer 1's, for layer 2 (whose recompute reads it; Megatron's full recompute needs CUDA RNG
-    state, tensor_parallel/random.py:118, so it is not run here)."""
+    layer 1's, for layer 2 (whose recompute reads it; a forward without THD packing, where no micro-batch
+    keys it)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     from glm5_mcore.config import glm5_tiny

@@ -134,18 +134,24 @@ def test_config_that_cannot_work_fails_before_work_naming_the_field(tiny_dir, tm
     assert not (tmp_path / "o").exists()
 
 
-def test_recompute_with_pp_on_an_index_share_model_is_refused(tiny_share_dir, tmp_path):
-    """Was: accepted; a shared layer's recompute would read the top-k its source layer computed for a later
-    micro-batch (1F1B runs their forwards before this one's backward)."""
+@pytest.mark.parametrize("mode", [True, "full", "selective"])
+def test_recompute_with_pp_on_an_index_share_model_is_accepted(tiny_share_pp_dir, tmp_path, mode):
+    """Was: refused ("train.recompute=true with parallel.pp=2: the model has IndexShare layers"), and on the
+    CPU at all ("needs CUDA"); a sharer's recompute now reads its own micro-batch's top-k (``tests/layouts``:
+    PP 2 + recompute on FSFS equals one rank). A value that is no mode is refused naming the field."""
     from glm5_mcore.config import GLM5Config
     from recipes.sft import SFTConfig, validate
 
-    glm5 = GLM5Config.from_hf_dir(tiny_share_dir)
+    glm5 = GLM5Config.from_hf_dir(tiny_share_pp_dir)
     assert "shared" in glm5.indexer_types
-    cfg = SFTConfig.from_dict({"model": {"hf_dir": tiny_share_dir}, "data": {"train": str(tmp_path / "t.jsonl")},
-                               "parallel": {"pp": 2}, "train": {"recompute": True}})
-    with pytest.raises(ValueError, match=r"^train.recompute=true with parallel.pp=2: the model has IndexShare layers"):
-        validate(cfg, glm5, 2)
+
+    def cfg(recompute):
+        return SFTConfig.from_dict({"model": {"hf_dir": tiny_share_pp_dir}, "data": {"train": str(tmp_path / "t.jsonl")},
+                                    "parallel": {"pp": 2}, "train": {"recompute": recompute}})
+
+    assert validate(cfg(mode), glm5, 2)[0].pp == 2
+    with pytest.raises(ValueError, match=r"^train.recompute='some': false, true \(full\), full or selective"):
+        validate(cfg("some"), glm5, 2)
 
 
 def test_mtp_loss_equals_hand_written_reference_and_reaches_mtp_grads(tiny_mtp_dir, tmp_path, single_rank):

@@ -129,8 +129,7 @@ SECTIONS = {"rollout": {"n": 2, "temperature": 1.0, "max_new_tokens": 24}, "data
             "actor": {"ppo_mini_batch_size": 4, "lr": 1e-3}}
 
 
-@pytest.fixture(scope="module")
-def trained(tiny_dir):
+def _trained(hf_dir, **sections):
     """A one-rank trainer, its perturbed adapter (full (A, B) per module) and a filled, corrected batch
     of 8 samples (2 per prompt, responses of up to 24 tokens)."""
     from transformers import AutoTokenizer
@@ -141,19 +140,33 @@ def trained(tiny_dir):
     from rl.train.trainer import PolicyTrainer
     from tests.support.rl_setup import rollout
 
-    cfg = rl_cfg(tiny_dir, **SECTIONS)
+    cfg = rl_cfg(hf_dir, **sections)
     trainer = PolicyTrainer(cfg)
     perturb(trainer)
     adapter = {lora.module_name: lora.full("default") for _, _, lora in lora_layers(trainer.model)}
-    engine = HFRolloutEngine(tiny_dir)
+    engine = HFRolloutEngine(hf_dir)
     engine.load_adapter(trainer.export_adapter(1))
-    prompts, results = rollout(cfg, engine, AutoTokenizer.from_pretrained(tiny_dir), n=2, count=4, t=1.0)
+    prompts, results = rollout(cfg, engine, AutoTokenizer.from_pretrained(hf_dir), n=2, count=4, t=1.0)
     batch = make_batch(prompts, results, 2)
     batch.scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0])
     fill_log_probs(batch, [trainer.compute_log_probs(batch)])
     algos.rollout_correction(cfg, batch)
     algos.compute_advantages(cfg, batch, 0.0)
     return cfg, trainer, batch, adapter
+
+
+MTP_SECTIONS = {**SECTIONS, "actor": {**SECTIONS["actor"], "mtp_loss_scale": 0.3}}
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_dir):
+    return _trained(tiny_dir, **SECTIONS)
+
+
+@pytest.fixture(scope="module")
+def trained_mtp(tiny_mtp_dir):
+    """As ``trained``, with the MTP layer and its loss on (``actor.mtp_loss_scale`` 0.3)."""
+    return _trained(tiny_mtp_dir, **MTP_SECTIONS)
 
 
 def _set_budgets(trainer, update, log_prob=None):
@@ -166,9 +179,33 @@ def _budgets(batch) -> tuple[int, int, int]:
     return 4096, 2 * longest, longest
 
 
-def _close(got: dict, ref: dict, what) -> None:
-    for k in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
-        assert abs(got[k] - ref[k]) <= 1e-6 * max(abs(ref[k]), 1.0), (what, k, got[k], ref[k])
+def _split_budgets(trainer, batch) -> tuple[int, ...]:
+    """Budgets giving 1, 2 and 4 micro-batches (the largest such) and one per sample."""
+    rows = list(range(batch.size))
+    longest = max(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses))
+    total = sum(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses))
+    found = {}
+    try:
+        for b in range(total, longest - 1, -1):
+            _set_budgets(trainer, b)
+            found.setdefault(len(trainer._micro_batches(batch, rows)), b)
+    finally:
+        _set_budgets(trainer, 4096)
+    assert {1, 2, 4} <= set(found), found
+    return found[1], found[2], found[4], longest
+
+
+MTP_KEYS = ("mtp/loss", "mtp_loss/depth_1", "mtp_accept/depth_1")
+
+
+def _close(got: dict, ref: dict, what, keys=()) -> float:
+    """The largest relative difference of the loss terms, the gradient norm and ``keys`` (≤ 1e-6)."""
+    worst = 0.0
+    for k in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", *keys):
+        rel = abs(got[k] - ref[k]) / max(abs(ref[k]), 1.0)
+        assert rel <= 1e-6, (what, k, got[k], ref[k])
+        worst = max(worst, rel)
+    return worst
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
@@ -193,35 +230,87 @@ def test_trainer_update_is_the_same_under_dynamic_splits(trained, mode):
         _close(m, out[one], b)
 
 
-@pytest.mark.slow
-def test_trainer_update_at_dp2_equals_dp1_under_dynamic_splits(trained, tmp_path):
-    """DP 2 (gloo ``torchrun``): at each budget both ranks run the same number of micro-batches (with
-    fillers where a rank has fewer samples) and the update's loss terms and gradient norm equal one rank's
-    with one micro-batch (≤ 1e-6 relative)."""
-    import json
+def test_trainer_update_with_mtp_is_the_same_under_splits(trained_mtp):
+    """The MTP loss on (``actor.mtp_loss_scale`` 0.3): the update from the same adapter split into 1, 2 and 4
+    micro-batches and one per sample gives the same loss terms, gradient norm (the MTP layer's adapters'
+    included) and ``mtp/loss`` (≤ 1e-6 relative; printed: the largest). Was: Megatron's per-micro-batch mean
+    scaled by 1/k, so the MTP term changed with the split (``actor/grad_norm`` 0.70518 at 2 micro-batches
+    against 0.70505 at 1)."""
+    from tests.workers.rl_dynmb_check import updates
 
+    cfg, trainer, batch, adapter = trained_mtp
+    budgets = _split_budgets(trainer, batch)
+    try:
+        out = {b: m for b, (m, _) in updates(trainer, {"batch": batch, "adapter": adapter, "budgets": budgets}).items()}
+    finally:
+        _set_budgets(trainer, 4096)
+    counts = [out[b]["actor/micro_batches"] for b in budgets]
+    assert counts[:3] == [1, 2, 4] and counts[3] == batch.size, counts
+    assert out[budgets[0]]["mtp/loss"] > 0
+    worst = max(_close(out[b], out[budgets[0]], (b, c), MTP_KEYS) for b, c in zip(budgets, counts))
+    print(f"MTP update invariance over splits {counts}: max relative difference {worst:.2e}")
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_trainer_update_with_recompute_equals_without(trained_mtp, tiny_mtp_dir, mode):
+    """``trainer.recompute`` on the CPU (was refused: "needs CUDA"): the update with the MTP loss on, in one
+    micro-batch and one per sample, gives the loss terms, gradient norm and ``mtp/loss`` of the trainer
+    without recompute (≤ 1e-6 relative). The old log-probs (an eval forward) are bit for bit the update's
+    forward's at the same weights: under selective recompute both take the unabsorbed DSA core (was: eval
+    the absorbed one, 1e-7 apart in fp32, a bf16 rounding apart on a GPU)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from rl.train.trainer import PolicyTrainer
+    from tests.workers.rl_dynmb_check import updates
+
+    cfg, trainer, batch, adapter = trained_mtp
+    case = {"batch": batch, "adapter": adapter, "budgets": (4096, _budgets(batch)[2])}
+    try:
+        ref = updates(trainer, case)
+    finally:
+        _set_budgets(trainer, 4096)
+    recomputing = PolicyTrainer(rl_cfg(tiny_mtp_dir, **MTP_SECTIONS, trainer={"recompute": mode}))
+    assert recomputing.model.config.recompute_granularity == mode
+    for b, (m, _) in updates(recomputing, case).items():
+        _close(m, ref[b][0], (mode, b), MTP_KEYS)
+    mb = recomputing._micro_batches(batch, list(range(batch.size)))[0]
+    with torch.no_grad():
+        lp = {}
+        for train in (False, True):
+            recomputing.ddp.train(train)
+            lp[train] = recomputing._logprobs(recomputing.ddp, mb, cfg.rollout.temperature)[0]
+    MTPLossLoggingHelper.clean_metrics_in_tracker()  # the training-mode forward logged its MTP loss
+    assert torch.equal(lp[False], lp[True]), float((lp[False] - lp[True]).abs().max())
+
+
+@pytest.mark.slow
+def test_trainer_update_at_dp2_equals_dp1_under_dynamic_splits(trained, trained_mtp, tmp_path):
+    """DP 2 (gloo ``torchrun``, one launch for both): at each budget both ranks run the same number of
+    micro-batches (with fillers where a rank has fewer samples) and the update's loss terms and gradient
+    norm — with the MTP loss on, its ``mtp/loss`` too — equal one rank's with one micro-batch (≤ 1e-6
+    relative)."""
     from tests.support.launch import torchrun
     from tests.workers.rl_dynmb_check import updates
 
-    cfg, trainer, batch, adapter = trained
-    case = {"batch": batch, "adapter": adapter, "budgets": _budgets(batch)}
-    try:
-        ref = updates(trainer, {**case, "budgets": case["budgets"][:1]})[4096][0]
-    finally:
-        _set_budgets(trainer, 4096)
-    torch.save(case, tmp_path / "case.pt")
-    d = {"model": {"hf_dir": cfg.model.hf_dir}, "wandb": {"mode": "disabled"}, **SECTIONS,
-         "trainer": {"world_size": 2}}
-    (tmp_path / "cfg.json").write_text(json.dumps(d))
-    torchrun("rl_dynmb_check.py", tmp_path / "cfg.json", tmp_path / "case.pt", tmp_path / "out.pt")
-    two = torch.load(tmp_path / "out.pt", weights_only=False)
-    fills = {}
-    for b, (m, counts) in two.items():
-        assert len(set(counts)) == 1 and m["actor/micro_batches"] == counts[0], (b, counts)
-        fills[b] = m["actor/micro_batch_fill"]
-        _close(m, ref, b)
-    assert min(fills.values()) < 1.0, fills  # equalising padding / fillers exercised
-    print({b: (c, round(m["actor/micro_batch_fill"], 3)) for b, (m, c) in two.items()})
+    cases, refs = [], []
+    for (cfg, trainer, batch, adapter), sections in ((trained, SECTIONS), (trained_mtp, MTP_SECTIONS)):
+        case = {"batch": batch, "adapter": adapter, "budgets": _budgets(batch)}
+        try:
+            refs.append(updates(trainer, {**case, "budgets": case["budgets"][:1]})[4096][0])
+        finally:
+            _set_budgets(trainer, 4096)
+        cases.append({**case, "cfg": {"model": {"hf_dir": cfg.model.hf_dir}, "wandb": {"mode": "disabled"},
+                                      **sections, "trainer": {"world_size": 2}}})
+    torch.save(cases, tmp_path / "cases.pt")
+    torchrun("rl_dynmb_check.py", tmp_path / "cases.pt", tmp_path / "out.pt")
+    for two, ref, keys in zip(torch.load(tmp_path / "out.pt", weights_only=False), refs, ((), MTP_KEYS)):
+        fills = {}
+        for b, (m, counts) in two.items():
+            assert len(set(counts)) == 1 and m["actor/micro_batches"] == counts[0], (b, counts)
+            fills[b] = m["actor/micro_batch_fill"]
+            _close(m, ref, b, keys)
+        assert min(fills.values()) < 1.0, fills  # equalising padding / fillers exercised
+        print({b: (c, round(m["actor/micro_batch_fill"], 3)) for b, (m, c) in two.items()})
 
 
 def test_log_prob_pass_has_its_own_budget_and_the_same_log_probs(trained):

@@ -14,7 +14,10 @@ at one rank for the reference (``tests/layouts/test_layouts.py``):
 - ``sft_losses``: the per-step losses of a 3-step SGD run of the SFT recipe (``recipes.sft.run`` on the
   config ``glm5 sft`` composes from the same overrides) on the reverse task, and the run's folder;
 - ``rl_logprobs``: the RL trainer (``rl.train.trainer.PolicyTrainer``) on a fixed batch: old / reference
-  log-probs, one PPO update's metrics (entropy, losses), the log-probs after it, the PEFT adapter it pushes.
+  log-probs, one PPO update's metrics (entropy, losses), the log-probs after it, the PEFT adapter it pushes;
+- ``recompute_grads``: one forward+backward of two THD micro-batches through Megatron's schedule (1F1B under
+  PP) with LoRA dropout on, without recompute, with selective and with full recompute: each mode's losses and
+  its largest adapter-gradient difference from no recompute (max over ranks, relative to the largest gradient).
 """
 
 import json
@@ -184,8 +187,59 @@ def rl_logprobs(hf_dir: str, parallel: ParallelConfig, out: str) -> dict:
             "metrics": {k: v for k, v in (metrics or {}).items() if isinstance(v, float) and not k.startswith("timing")}}
 
 
+def recompute_grads(hf_dir: str, parallel: ParallelConfig, out: str, dropout: float = 0.1) -> dict:
+    """{"losses": {mode: [2 micro-batches' mean CE]}, "grad_diff": {mode: max |g - g_none| / max |g_none|}} for
+    mode None / selective / full, each from the same seed (the same adapter, the same dropout draws). The
+    dropout on ``linear_kv_up_proj``'s adapter keeps every mode on the unabsorbed DSA core (dsa.py
+    ``_absorbable``); the absorbed one under full recompute: the ``sft_losses`` cases with recompute."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                           finalize_model_grads)
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from glm5_mcore.mcore_settings import recompute_overrides
+    from glm5_mcore.model.build import packed_seq_params_from_lengths
+
+    g = torch.Generator().manual_seed(5)
+    vocab = GLM5Config.from_hf_dir(hf_dir).vocab_size
+    docs = [[14, 10, 8], [9, 17, 6]]  # 32 tokens each (SP splits it over TP), every doc but one past top-k 8
+    micro = [(torch.randint(3, vocab, (1, sum(d) + 1), generator=g), d) for d in docs]
+    losses, grads = {}, {}
+    for mode in (None, "selective", "full"):
+        m, glm5 = hf_model(hf_dir, parallel, **recompute_overrides(mode))  # re-seeds: the same draws each mode
+        apply_lora(m, LoRAConfig(rank=4, alpha=8, targets=MLA + MLP + EXPERTS, init="random", dropout=dropout))
+        m.train()
+        m.config.finalize_model_grads_func = finalize_model_grads
+        ddp = DistributedDataParallel(m.config, DistributedDataParallelConfig(), m)
+
+        def step(it, model):
+            ids, lengths = next(it)
+            T = ids.shape[1] - 1
+            pos = torch.cat([torch.arange(n) for n in lengths])[None]
+            out = model(ids[:, :-1], pos, None, labels=ids[:, 1:],
+                        packed_seq_params=packed_seq_params_from_lengths(lengths))
+            return out, lambda o: (o.float().mean(), {"lm": o.float().mean().detach()})
+
+        res = get_forward_backward_func()(forward_step_func=step, data_iterator=iter(micro), model=[ddp],
+                                          num_microbatches=len(micro), seq_length=32, micro_batch_size=1)
+        lm = torch.tensor([float(r["lm"]) for r in res] or [0.0, 0.0])
+        if ps.get_pipeline_model_parallel_world_size() > 1:  # only the last stage has the losses
+            dist.all_reduce(lm, group=ps.get_pipeline_model_parallel_group())
+        losses[mode] = lm.tolist()
+        grads[mode] = {n: p.main_grad.clone() for n, p in ddp.module.named_parameters() if ".lora." in n}
+    ref = grads[None]
+    top = torch.tensor([max(float(v.abs().max()) for v in ref.values())])
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    diff = {}
+    for mode in ("selective", "full"):
+        d = torch.tensor([max(float((grads[mode][k] - v).abs().max()) for k, v in ref.items())])
+        dist.all_reduce(d, op=dist.ReduceOp.MAX)
+        diff[mode] = float(d) / float(top)
+    return {"losses": losses, "grad_diff": diff, "grad_max": float(top)}
+
+
 CHECKS = {"logits": logits, "lora_steps": lora_steps, "logprobs": logprobs, "sft_losses": sft_losses,
-          "rl_logprobs": rl_logprobs}
+          "rl_logprobs": rl_logprobs, "recompute_grads": recompute_grads}
 
 
 def run_case(case: dict, out: str) -> dict:

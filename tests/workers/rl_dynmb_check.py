@@ -1,11 +1,10 @@
-"""Run under torchrun (2 ranks, gloo, DP 2): ``PolicyTrainer.update`` on the batch and adapter
-``tests/rl/test_micro_batches.py`` wrote, once per token budget, each from that adapter; rank 0 writes each
-budget's metrics and every rank's micro-batch count to OUT.
+"""Run under torchrun (2 ranks, gloo, DP 2): for each case ``tests/rl/test_micro_batches.py`` wrote (an RL
+config, a batch, an adapter, token budgets), ``PolicyTrainer.update`` on that batch once per budget, each
+from that adapter; rank 0 writes, per case, each budget's metrics and every rank's micro-batch count to OUT.
 
-Usage: rl_dynmb_check.py CONFIG.json CASE.pt OUT.pt
+Usage: rl_dynmb_check.py CASES.pt OUT.pt
 """
 
-import json
 import sys
 from pathlib import Path
 
@@ -39,16 +38,16 @@ def updates(trainer, case: dict) -> dict:
     return out
 
 
-def main(cfg_path: str, case_path: str, out_path: str) -> None:
+def main(cases_path: str, out_path: str) -> None:
     from rl.config import RLConfig
     from rl.train.trainer import PolicyTrainer
     from tests.support.helpers import save_on_rank0_and_finish
 
     torch.set_num_threads(1)
-    cfg = RLConfig.from_dict(json.loads(Path(cfg_path).read_text()))
-    case = torch.load(case_path, weights_only=False)
-    save_on_rank0_and_finish(updates(PolicyTrainer(cfg), case), out_path)
+    out = [updates(PolicyTrainer(RLConfig.from_dict(case["cfg"])), case)
+           for case in torch.load(cases_path, weights_only=False)]
+    save_on_rank0_and_finish(out, out_path)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:3])

@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 def mtp_cfg(hf_dir: str, **trainer):
     """Every response row its own micro-batch (``micro_batch_tokens=17``: the case's samples have 11..17
-    tokens, so no two fit one), one mini-batch: ``mtp/loss`` (Megatron's per-micro-batch mean, averaged) is
-    then the same quantity under any DP split."""
+    tokens, so no two fit one), one mini-batch (``mtp/loss`` is per token: the same under any split,
+    ``tests/rl/test_micro_batches.py``)."""
     from rl.config import RLConfig
 
     return RLConfig.from_dict({"model": {"hf_dir": hf_dir}, "wandb": {"mode": "disabled"},
