@@ -19,6 +19,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--mtp", action="store_true", help="add the MTP layer model.layers.{L}.*")
     t.add_argument("--index-share", action="store_true", help="layer 2 reuses layer 1's top-k")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--fp8-block", type=int, metavar="B",
+                   help="store the projections as an FP8 release does: e4m3 + BxB block scales (the release: 128)")
 
     q = sub.add_parser("parity", help="compare our Megatron-Core model with transformers")
     q.add_argument("--hf-dir", help="HF folder (weights for the reference; our weights unless --ckpt)")
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             from glm5_mcore.tiny import write_tiny
 
             out = write_tiny(args.out, mtp=args.mtp, index_share=args.index_share, seed=args.seed,
-                             overwrite=args.overwrite)
+                             overwrite=args.overwrite, fp8_block=args.fp8_block)
             print(f"wrote tiny GLM-5 checkpoint to {out}")
             return 0
         if args.cmd == "convert":
