@@ -71,3 +71,18 @@ def save_on_rank0_and_finish(obj, path) -> None:
         torch.save(obj, path)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def fp8_folders(root, block: int = 16, mtp: bool = False, seed: int = 0, mla_576: bool = False):
+    """(an FP8 tiny folder in ``block``-square blocks, the same model dequantized to fp32 as a plain folder):
+    the pair a frozen FP8 base (``model.base_dtype=fp8``) and an fp32 base of the same values are built from."""
+    from glm5_mcore.checkpoint.hf_io import HFCheckpoint
+    from glm5_mcore.config import glm5_tiny
+    from glm5_mcore.tiny import mla576, write_hf_checkpoint, write_tiny
+
+    root = Path(root)
+    fp8 = write_tiny(root / "fp8", mtp=mtp, seed=seed, mla_576=mla_576, fp8_block=block)
+    ckpt = HFCheckpoint(fp8)
+    sd = {k: ckpt.get(k).contiguous() for k in ckpt.keys() if not k.endswith("_scale_inv")}
+    cfg = mla576(glm5_tiny(mtp=mtp)) if mla_576 else glm5_tiny(mtp=mtp)
+    return fp8, write_hf_checkpoint(cfg, sd, root / "dense")
