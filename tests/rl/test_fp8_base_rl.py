@@ -7,13 +7,8 @@ import pytest
 from safetensors.torch import load
 from transformers import AutoTokenizer
 
-from rl.driver import Rewards, fill_log_probs, make_batch
-from rl.rollout.base import Request, SamplingParams, sample_seed
-from rl.tasks.prompts import next_prompts, toy_prompts
-from rl.train import algos
-
 from tests.support.helpers import fp8_folders
-from tests.support.rl_setup import rl_cfg
+from tests.support.rl_setup import rl_steps, rl_cfg
 
 STEPS = 4
 KEYS = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/score_mean")
@@ -36,21 +31,9 @@ def _run(hf_dir, base_dtype, engine_dir):
     trainer = PolicyTrainer(cfg)
     assert any(isinstance(p, BlockFP8Weight) for p in trainer.model.parameters()) == (base_dtype == "fp8")
     engine = HFRolloutEngine(str(engine_dir))  # serves the dequantized values (the HF engine reads no FP8)
-    train = toy_prompts(tok, 64, 0)
-    rewards, pos, hist, agree = Rewards(cfg, tok), {"epoch": 0, "cursor": 0}, [], []
-    params = SamplingParams(1.0, 1.0, 6, (tok.eos_token_id,))
-    for step in range(STEPS):
-        engine.load_adapter(trainer.export_adapter(step))
-        prompts = next_prompts(train, 4, 0, pos)
-        reqs = [Request((p.index, k), p.ids, sample_seed(0, step, p.index, k)) for p in prompts for k in range(4)]
-        results = engine.generate(reqs, params)
-        batch = make_batch(prompts, results, 4)
-        batch.scores = rewards(prompts, results, 4)
-        fill_log_probs(batch, [trainer.compute_log_probs(batch)])
+    hist, agree = [], []
+    for batch, m in rl_steps(cfg, trainer, engine, tok, STEPS, 64):
         agree.append(float((batch.old_log_probs - batch.rollout_log_probs)[batch.response_mask.bool()].abs().max()))
-        algos.rollout_correction(cfg, batch)
-        algos.compute_advantages(cfg, batch, 0.0)
-        m = trainer.update(batch, step)
         m["critic/score_mean"] = float(batch.scores.mean())
         hist.append(m)
     a = trainer.export_adapter(STEPS)
