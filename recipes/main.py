@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--out", required=True)
     h.add_argument("--workers", type=int, default=1, help="writer threads (one file each)")
     h.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="default: the HF config's dtype")
+    h.add_argument("--dequantize-fp8", action="store_true",
+                   help="an FP8 release's e4m3 weights dequantized into --dtype (default: kept as stored, "
+                        "bytes + block scales, for model.base_dtype=fp8)")
     m = csub.add_parser("mcore-to-hf", help="checkpoint folder -> HF folder (on-disk layout, MTP included)")
     m.add_argument("--ckpt", required=True)
     m.add_argument("--out", required=True)
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.direction == "hf-to-mcore":
                 out = hf_to_mcore(args.hf_dir, args.out, args.workers, args.dtype,
                                   progress=not args.no_progress, overwrite=args.overwrite,
-                                  allow_nonfinite=args.allow_nonfinite)
+                                  allow_nonfinite=args.allow_nonfinite, dequantize_fp8=args.dequantize_fp8)
             else:
                 out = mcore_to_hf(args.ckpt, args.out, args.max_shard_size, args.iteration,
                                   progress=not args.no_progress, overwrite=args.overwrite,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from glm5_mcore.checkpoint.checks import check_finite
+from glm5_mcore.checkpoint.checks import check_finite, check_finite_fp8
 from glm5_mcore.checkpoint.folder_config import notice
 from glm5_mcore.checkpoint.hf_io import HFCheckpoint
 from glm5_mcore.checkpoint.hf_names import hf_source, shard_for_rank
@@ -88,7 +88,10 @@ def _copy_fp8(name, target, src, rank: int, size: int, ckpt: HFCheckpoint) -> li
         t, scale = ckpt.get_stored(h)
         if scale is None:
             quantized.append(str(t.dtype).replace("torch.", ""))
-        check_finite(t.float() if scale is not None else t, h, ckpt.dir)
+        if scale is None:
+            check_finite(t, h, ckpt.dir)
+        else:
+            check_finite_fp8(t, scale, h, ckpt.dir)
         parts.append(stored_or_quantized(t, scale, ckpt.block, h))
     label = "+".join(src.names)
     if src.is_glu and parts[0][0].shape != parts[1][0].shape:

@@ -283,12 +283,16 @@ def te_tiles(shape: tuple, block: int = FP8_BLOCK) -> bool:
     return block == FP8_BLOCK and shape[0] % block == 0 and shape[1] % block == 0
 
 
-def apply_fp8_base(model: torch.nn.Module, num_hidden_layers: int, block: int = FP8_BLOCK) -> int:
-    """Give every FP8-base weight of ``model`` (built with the local spec) a ``BlockFP8Weight`` of its shape
-    (zeros until ``load_block_fp8_`` fills it; the dense weight is freed), frozen, Megatron's attributes
-    kept. TE FP8 weights (built under ``fp8_param``) are left as they are. Returns #weights."""
+def apply_fp8_base(model: torch.nn.Module, num_hidden_layers: int, block: int = FP8_BLOCK,
+                   only: Optional[set[str]] = None) -> int:
+    """Give every FP8-base weight of ``model`` (built with the local spec; ``only``: those of these names) a
+    ``BlockFP8Weight`` of its shape (zeros until ``load_block_fp8_`` fills it; the dense weight is freed),
+    frozen, Megatron's attributes kept. TE FP8 weights (built under ``fp8_param``) are left as they are.
+    Returns #weights."""
     n = 0
     for name, mod, attr in list(fp8_base_linears(model, num_hidden_layers)):
+        if only is not None and name not in only:
+            continue
         p = getattr(mod, attr)
         if is_te_quantized(p) or isinstance(p, BlockFP8Weight) or "transformer_engine" in type(mod).__module__:
             continue  # TE's own modules: FP8 as TE built them, or dense where TE kept them so

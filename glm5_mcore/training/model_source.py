@@ -22,6 +22,7 @@ from typing import Optional
 from glm5_mcore.checkpoint import megatron_lm
 from glm5_mcore.checkpoint.dist import load_model
 from glm5_mcore.checkpoint.folder_config import checkpoint_config, hf_dir_config, notice
+from glm5_mcore.checkpoint.fp8_sharded import stored_block
 from glm5_mcore.checkpoint.hf_io import weight_block_size
 from glm5_mcore.checkpoint.hf_load import load_hf_weights
 from glm5_mcore.checkpoint.layout import model_dir
@@ -68,14 +69,21 @@ def resolve_model(model: ModelCfg, lora_enabled: bool = False) -> ModelSource:
     """The ``ModelSource`` of a ``model`` section; ``lora_enabled``: the run trains adapters only (then
     ``model.mtp=init``, a whole fresh layer, is refused). Errors name the field or the folder."""
     check_base_dtype(model.base_dtype, trains_base=False)
-    if model.base_dtype == "fp8" and model.ckpt:
-        raise ValueError(f"model.base_dtype=fp8 reads the frozen base as an HF folder stores it (model.hf_dir: the FP8 "
-                         f"release, or a bf16 folder quantized once); model.ckpt={model.ckpt} holds it dequantized "
-                         "(glm5 convert hf-to-mcore), so give model.hf_dir and model.ckpt=null")
     source = _resolve(model, lora_enabled)
     if model.base_dtype == "fp8":
-        source.base_fp8_block = weight_block_size(source.hf_dir)
+        source.base_fp8_block = base_fp8_block(source)
     return source
+
+
+def base_fp8_block(source: ModelSource) -> int:
+    """The block size a frozen FP8 base is built in: that of the FP8 weights ``model.ckpt`` stores
+    (``checkpoint.fp8_sharded``: loaded as stored), else the HF folder's (a dense checkpoint or folder is
+    quantized once in it)."""
+    if source.ckpt:
+        stored = stored_block(model_dir(source.ckpt))
+        if stored is not None:
+            return stored
+    return weight_block_size(source.hf_dir)
 
 
 def _resolve(model: ModelCfg, lora_enabled: bool) -> ModelSource:

@@ -50,7 +50,8 @@ class ModelCfg:
     base_dtype: Optional[str] = None
     """The frozen base's storage: null = the trainer's parameter dtype (bf16 / fp32); "fp8" (LoRA only) = the
     checkpoint's e4m3 weights and block scales as stored (``weight_scale_inv``), no dequantize-requantize, for
-    the linears the release stores in FP8 (a bf16 folder is quantized once with the release's 128x128 scheme);
+    the linears the release stores in FP8, from ``hf_dir`` or a ``ckpt`` converted from it (``glm5 convert
+    hf-to-mcore`` keeps them FP8); a bf16 folder or checkpoint is quantized once with the release's scheme;
     1 byte per parameter instead of 2. The local spec computes with a reference GEMM (exact in fp32), TE with
     its blockwise FP8 recipe. See ``glm5_mcore/model/fp8_linear.py``."""
     dsa_kernel_backend: str = "auto"

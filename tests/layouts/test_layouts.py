@@ -32,7 +32,21 @@ MATRIX = {  # name: (check, tiny model fixture, check kwargs, [(layout, world si
                    [(dict(tp=2), 2), (dict(ep=2), 2), (dict(tp=2, ep=2), 2), (dict(pp=2), 2), (dict(cp=2), 2)]),
     # the last stage's MTP embedding copy is synced on CPU (cpu_compat, language_module.py:307)
     "sft_losses_mtp": ("sft_losses", "tiny_mtp_dir", {"rows": 32}, [(dict(pp=2), 2)]),
+    # a checkpoint storing its base in FP8 (16x16 blocks), loaded as stored: TP shards and EP experts of the grid
+    "fp8_ckpt": ("fp8_ckpt_logits", "tiny_fp8_ckpt", {}, [(dict(tp=2, ep=2), 2)]),
 }
+
+
+@pytest.fixture(scope="module")
+def tiny_fp8_ckpt(tmp_path_factory):
+    """``hf-to-mcore`` of a tiny FP8 folder (16x16 blocks, non-canonical scales): its base stored in FP8."""
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
+
+    from tests.support.helpers import fp8_folders
+
+    root = tmp_path_factory.mktemp("fp8ck")
+    fp8, _ = fp8_folders(root, block=16, scale_by=4.0)
+    return str(hf_to_mcore(fp8, root / "ckpt", progress=False))
 
 
 def _id(check, layout, world):
@@ -94,7 +108,13 @@ def _sft_losses(got, ref):
     assert max(abs(a - b) / b for a, b in zip(got["losses"], ref["losses"])) <= 1e-6, (got, ref)
 
 
-EQUAL = {"logits": _logits, "lora_steps": _lora_steps, "logprobs": _logprobs, "sft_losses": _sft_losses}
+def _fp8_ckpt_logits(got, ref):
+    assert 0 < got["fp8"] < ref["fp8"], (got["fp8"], ref["fp8"])  # this rank's share of the experts, each as stored
+    _logits(got, ref)
+
+
+EQUAL = {"logits": _logits, "lora_steps": _lora_steps, "logprobs": _logprobs, "sft_losses": _sft_losses,
+         "fp8_ckpt_logits": _fp8_ckpt_logits}
 
 
 @pytest.mark.slow

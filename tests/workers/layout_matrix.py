@@ -12,7 +12,9 @@ at one rank for the reference (``tests/layouts/test_layouts.py``):
 - ``logprobs``: vocab-parallel token log-probs and entropy [B, S] next to the full-vocabulary values
   computed from the gathered logits;
 - ``sft_losses``: the per-step losses of a 3-step SGD run of the SFT recipe (``recipes.sft.run`` on the
-  config ``glm5 sft`` composes from the same overrides) on the reverse task.
+  config ``glm5 sft`` composes from the same overrides) on the reverse task;
+- ``fp8_ckpt_logits``: a checkpoint storing its base in FP8 loaded as stored into a frozen FP8 base (each shard's
+  bytes checked), and its logits.
 """
 
 import json
@@ -125,7 +127,37 @@ def sft_losses(hf_dir: str, parallel: ParallelConfig, out: str, rows: int = 64, 
     return {"losses": [h["loss"] for h in run(SFTConfig.from_dict(compose("sft", args)))["history"]]}
 
 
-CHECKS = {"logits": logits, "lora_steps": lora_steps, "logprobs": logprobs, "sft_losses": sft_losses}
+def fp8_ckpt_logits(ckpt: str, parallel: ParallelConfig, out: str) -> dict:
+    """{"logits": [2, 32, V], "fp8": #FP8 weights}: a checkpoint storing its base in FP8 (``hf-to-mcore`` of an FP8
+    folder) loaded as stored (``model.ckpt`` + ``model.base_dtype=fp8``) at ``parallel``, after checking every
+    FP8 shard holds the bytes and scales ``load_hf_weights`` shards out of the HF origin's stored ones."""
+    from glm5_mcore.checkpoint.layout import hf_source_dir
+    from glm5_mcore.model.fp8_linear import BlockFP8Weight
+    from glm5_mcore.training.model_source import resolve_model
+    from glm5_mcore.training.schema import ModelCfg
+
+    init_parallel(parallel)
+    source = resolve_model(ModelCfg(ckpt=ckpt, base_dtype="fp8"), lora_enabled=True)
+    m = build_model(source.glm5, parallel, base_fp8_block=source.base_fp8_block)
+    source.load_weights(m)
+    ref = build_model(source.glm5, parallel, base_fp8_block=source.base_fp8_block)
+    load_hf_weights(ref, hf_source_dir(ckpt), source.glm5)
+    got, want = dict(m.named_parameters()), dict(ref.named_parameters())
+    n = 0
+    for name, w in want.items():
+        if isinstance(w, BlockFP8Weight):
+            g = got[name]
+            assert isinstance(g, BlockFP8Weight) and torch.equal(g.data_fp8.view(torch.uint8), w.data_fp8.view(
+                torch.uint8)) and torch.equal(g.scale_inv, w.scale_inv), name
+            n += 1
+    ids = load_input_ids(None, source.glm5.vocab_size, 2, SEQ, seed=11)
+    with torch.no_grad():
+        logits = forward_logits(m.eval(), ids)
+    return {"logits": logits.contiguous(), "fp8": n}
+
+
+CHECKS = {"logits": logits, "lora_steps": lora_steps, "logprobs": logprobs, "sft_losses": sft_losses,
+          "fp8_ckpt_logits": fp8_ckpt_logits}
 
 
 def run_case(case: dict, out: str) -> dict:
