@@ -23,7 +23,6 @@ from glm5_mcore import cpu_compat
 from glm5_mcore.lora.apply import apply_lora
 from glm5_mcore.lora.config import LoRAConfig
 from glm5_mcore.model.build import build_model
-from glm5_mcore.checkpoint.hf_io import FP8_BLOCK
 from glm5_mcore.model.fp8_linear import stored_bytes
 from glm5_mcore.model.indexer_stages import set_indexer_frozen
 from glm5_mcore.model.parallel import forget_layout, seed_parallel
@@ -62,14 +61,13 @@ def init_fake(layout: Layout, rank: int) -> None:
 
 
 def build_rank(model: GLM5Config, layout: Layout, rank: int, *, mtp: bool = True, bf16: bool = True,
-               lora: Optional[tuple[tuple, int]] = None, freeze_indexer: bool = True, moe_grouped_gemm: bool = False,
-               base_fp8: bool = False):
+               lora: Optional[tuple[tuple, int]] = None, freeze_indexer: bool = True, moe_grouped_gemm: bool = False):
     """The ``GPTModel`` of global ``rank`` in ``layout`` on the meta device. ``mtp=False`` builds it
     without MTP layers (as the RL trainer does); ``lora=(targets, rank)`` applies adapters as the
     recipes do (base frozen); otherwise the indexer is frozen as in full fine-tuning. ``moe_grouped_gemm``:
     the routed experts as ``TEGroupedMLP`` (the TE spec's default), whose tensors and buffers the planner's
-    expert rows count as ``SequentialMLP``'s. ``base_fp8``: the frozen base as ``model.base_dtype=fp8`` holds it
-    (``BlockFP8Weight`` s in the release's 128×128 blocks)."""
+    expert rows count as ``SequentialMLP``'s. A frozen FP8 base (``model.base_dtype=fp8``): ``fp8_linear.apply_fp8_base``
+    on the built rank swaps its base for ``BlockFP8Weight`` s (``tensor_bytes`` counts their stored bytes)."""
     _import_megatron()
     init_fake(layout, rank)
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -79,8 +77,7 @@ def build_rank(model: GLM5Config, layout: Layout, rank: int, *, mtp: bool = True
         kw["mtp_num_layers"] = None
     with torch.device("meta"):
         m = build_model(model, ParallelConfig(tp=layout.tp, ep=layout.ep, cp=layout.cp, pp=layout.pp,
-                                              moe_token_dispatcher_type="allgather"), device="meta",
-                        base_fp8_block=FP8_BLOCK if base_fp8 else None, **kw)
+                                              moe_token_dispatcher_type="allgather"), device="meta", **kw)
         if lora is not None:
             targets, r = lora
             apply_lora(m, LoRAConfig(rank=r, targets=tuple(targets)), "default", freeze_indexer=freeze_indexer)
