@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
@@ -126,8 +127,6 @@ def fp8_sharded_state_dict(sharded: dict) -> dict:
 def stored_block(path: str | Path) -> Optional[int]:
     """The FP8 block size of the base a distributed checkpoint stores in FP8 (its ``BLOCK_KEY``), or None when it
     stores no FP8 weight."""
-    from megatron.core import dist_checkpointing
-
     md = dcp_metadata(path)
     if not any(k.endswith(SCALE_SUFFIX) for k in md):
         return None

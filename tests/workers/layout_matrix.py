@@ -28,15 +28,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from glm5_mcore.checkpoint.hf_io import HFCheckpoint  # noqa: E402
 from glm5_mcore.checkpoint.hf_load import load_hf_weights, mcore_to_hf_sources  # noqa: E402
+from glm5_mcore.checkpoint.layout import hf_source_dir  # noqa: E402
 from glm5_mcore.config import GLM5Config  # noqa: E402
 from glm5_mcore.mcore_settings import ParallelConfig  # noqa: E402
 from glm5_mcore.lora.apply import apply_lora  # noqa: E402
 from glm5_mcore.lora.config import EXPERTS, MLA, MLP, LoRAConfig  # noqa: E402
 from glm5_mcore.lora.state import save_adapter  # noqa: E402
 from glm5_mcore.model.build import build_model, forward_logits  # noqa: E402
+from glm5_mcore.model.fp8_linear import BlockFP8Weight  # noqa: E402
 from glm5_mcore.model.mtp_loss import model_token_logprobs  # noqa: E402
 from glm5_mcore.model.parallel import init_parallel  # noqa: E402
 from glm5_mcore.parity import load_input_ids, megatron_forward  # noqa: E402
+from glm5_mcore.training.model_source import resolve_model  # noqa: E402
+from glm5_mcore.training.schema import ModelCfg  # noqa: E402
 
 from recipes.hydra_app import compose  # noqa: E402
 from recipes.sft import SFTConfig, run  # noqa: E402
@@ -131,11 +135,6 @@ def fp8_ckpt_logits(ckpt: str, parallel: ParallelConfig, out: str) -> dict:
     """{"logits": [2, 32, V], "fp8": #FP8 weights}: a checkpoint storing its base in FP8 (``hf-to-mcore`` of an FP8
     folder) loaded as stored (``model.ckpt`` + ``model.base_dtype=fp8``) at ``parallel``, after checking every
     FP8 shard holds the bytes and scales ``load_hf_weights`` shards out of the HF origin's stored ones."""
-    from glm5_mcore.checkpoint.layout import hf_source_dir
-    from glm5_mcore.model.fp8_linear import BlockFP8Weight
-    from glm5_mcore.training.model_source import resolve_model
-    from glm5_mcore.training.schema import ModelCfg
-
     init_parallel(parallel)
     source = resolve_model(ModelCfg(ckpt=ckpt, base_dtype="fp8"), lora_enabled=True)
     m = build_model(source.glm5, parallel, base_fp8_block=source.base_fp8_block)
