@@ -16,7 +16,9 @@ Stages (``--dry-run`` prints this plan with each budget, touching no GPU):
    optimizer tensor bitwise equal. The distributed optimizer when DP >= 2 (torchrun), else Megatron's
    ``Float16Optimizer``.
 6. ``colocate`` — ``bench/gpu_check_colocate.py`` (the colocation stage), when present.
-7. ``te_vllm``: prints what only a machine with Transformer Engine and vLLM can check, with the exact
+7. ``fp8_base`` — ``bench/gpu_check_fp8.py`` (the FP8-base issue's stage: TE's blockwise GEMM holding the release's
+   FP8 bytes vs the CPU reference GEMM on the GPU), when present.
+8. ``te_vllm``: prints what only a machine with Transformer Engine and vLLM can check, with the exact
    commands (also in ``docs/gpu.md``); runs them when both import.
 
 **Stage contract** (for ``bench/gpu_check_<name>.py``): the module exposes ``BUDGET_S: int`` (seconds on one
@@ -297,7 +299,8 @@ def stage_te_vllm(ctx: dict) -> dict:
 
 STAGES = [("env", 20, stage_env), ("model_sft", 90, stage_model_sft), ("rl_step", 60, stage_rl_step),
           ("dsa", "gpu_check_dsa.py", None), ("resume", 120, stage_resume),
-          ("colocate", "gpu_check_colocate.py", None), ("te_vllm", 20, stage_te_vllm)]
+          ("colocate", "gpu_check_colocate.py", None), ("fp8_base", "gpu_check_fp8.py", None),
+          ("te_vllm", 20, stage_te_vllm)]
 """(name, budget seconds or the file of another helper's stage, function), in order of value."""
 
 

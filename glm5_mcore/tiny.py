@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import torch
 from safetensors.torch import save_file
 
 from glm5_mcore.checkpoint.atomic import output_dir
+from glm5_mcore.checkpoint.fp8 import quantization_config, quantize_state_dict
 from glm5_mcore.config import GLM5Config, glm5_tiny
 
 CHAT_TEMPLATE = (
@@ -114,11 +116,17 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
 
 
 def write_hf_checkpoint(cfg: GLM5Config, state_dict: dict[str, torch.Tensor], out: str | Path,
-                        tokenizer: bool = True, overwrite: bool = False) -> Path:
+                        tokenizer: bool = True, overwrite: bool = False, fp8_block: Optional[int] = None) -> Path:
     """Write config.json + model.safetensors (+ tokenizer) into ``out`` atomically (temp + rename);
-    ``out`` is guarded like every command's ``--out`` (``atomic.output_dir``, kind ``tiny``)."""
+    ``out`` is guarded like every command's ``--out`` (``atomic.output_dir``, kind ``tiny``). ``fp8_block``:
+    the weights as an FP8 release stores them (``checkpoint.fp8.quantize_state_dict``, ``fp8_block``-square
+    blocks, config.json's ``quantization_config``)."""
+    config = cfg.to_hf_dict()
+    if fp8_block is not None:
+        state_dict = quantize_state_dict(state_dict, fp8_block)
+        config["quantization_config"] = quantization_config(fp8_block)
     with output_dir(out, "tiny", overwrite=overwrite) as tmp:
-        (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
         save_file(state_dict, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer:
             write_tokenizer(tmp, cfg.vocab_size)
@@ -135,15 +143,17 @@ def mla576(cfg: GLM5Config, index_topk: int = 512) -> GLM5Config:
 
 
 def write_tiny(out: str | Path, mtp: bool = False, index_share: bool | str = False, seed: int = 0,
-               mla_576: bool = False, overwrite: bool = False, vocab_size: int = 128) -> Path:
+               mla_576: bool = False, overwrite: bool = False, vocab_size: int = 128,
+               fp8_block: Optional[int] = None) -> Path:
     """The ``glm5 tiny`` command: a tiny random GLM-5 checkpoint in ``out`` (``mla_576``: ``mla576``'s widths;
-    ``vocab_size``: the tokenizer's special tokens and ``w0``, ``w1``, ... up to that many ids)."""
+    ``vocab_size``: the tokenizer's special tokens and ``w0``, ``w1``, ... up to that many ids; ``fp8_block``:
+    FP8 in that block size, as the release in 128)."""
     if vocab_size <= len(SPECIAL_TOKENS):
         raise ValueError(f"--vocab-size {vocab_size}: must exceed the {len(SPECIAL_TOKENS)} special tokens")
     cfg = glm5_tiny(mtp=mtp, index_share=index_share, vocab_size=vocab_size)
     if mla_576:
         cfg = mla576(cfg)
-    return write_hf_checkpoint(cfg, random_hf_state_dict(cfg, seed), out, overwrite=overwrite)
+    return write_hf_checkpoint(cfg, random_hf_state_dict(cfg, seed), out, overwrite=overwrite, fp8_block=fp8_block)
 
 
 def fuse_experts(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -21,6 +21,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--vocab-size", type=int, default=128,
                    help="vocabulary (129: one TP 2 does not divide, padded as Megatron pads it)")
+    t.add_argument("--fp8-block", type=int, metavar="B",
+                   help="store the projections as an FP8 release does: e4m3 + BxB block scales (the release: 128)")
 
     q = sub.add_parser("parity", help="compare our Megatron-Core model with transformers")
     q.add_argument("--hf-dir", help="HF folder (weights for the reference; our weights unless --ckpt)")
@@ -48,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--out", required=True)
     h.add_argument("--workers", type=int, default=1, help="writer threads (one file each)")
     h.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], help="default: the HF config's dtype")
+    h.add_argument("--dequantize-fp8", action="store_true",
+                   help="an FP8 release's e4m3 weights dequantized into --dtype (default: kept as stored, "
+                        "bytes + block scales, for model.base_dtype=fp8)")
     m = csub.add_parser("mcore-to-hf", help="checkpoint folder -> HF folder (on-disk layout, MTP included)")
     m.add_argument("--ckpt", required=True)
     m.add_argument("--out", required=True)
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             from glm5_mcore.tiny import write_tiny
 
             out = write_tiny(args.out, mtp=args.mtp, index_share=args.index_share, seed=args.seed,
-                             overwrite=args.overwrite, vocab_size=args.vocab_size)
+                             overwrite=args.overwrite, vocab_size=args.vocab_size, fp8_block=args.fp8_block)
             print(f"wrote tiny GLM-5 checkpoint to {out}")
             return 0
         if args.cmd == "convert":
@@ -140,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.direction == "hf-to-mcore":
                 out = hf_to_mcore(args.hf_dir, args.out, args.workers, args.dtype,
                                   progress=not args.no_progress, overwrite=args.overwrite,
-                                  allow_nonfinite=args.allow_nonfinite)
+                                  allow_nonfinite=args.allow_nonfinite, dequantize_fp8=args.dequantize_fp8)
             else:
                 out = mcore_to_hf(args.ckpt, args.out, args.max_shard_size, args.iteration,
                                   progress=not args.no_progress, overwrite=args.overwrite,

@@ -35,6 +35,7 @@ from glm5_mcore.device import training_device
 from glm5_mcore.lora.config import INDEXER, check_expert_tp, check_grouped_experts
 from glm5_mcore.lora.apply import apply_lora
 from glm5_mcore.model.build import build_model
+from glm5_mcore.model.fp8_linear import check_base_dtype
 from glm5_mcore.model.indexer_stages import (check_indexer_learns, indexer_metrics, set_indexer_frozen,
                                               set_indexer_warmup, set_recall_probe)
 from glm5_mcore.model.mtp_loss import mtp_depth_losses
@@ -106,6 +107,7 @@ def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConf
     if world % (parallel.tp * parallel.cp * parallel.pp):
         raise ValueError(f"parallel.tp*cp*pp={parallel.tp * parallel.cp * parallel.pp} does not divide the "
                          f"world size {world}")
+    check_base_dtype(cfg.model.base_dtype, trains_base=not cfg.lora.enabled or cfg.train.indexer_warmup)
     if cfg.lora.enabled:
         check_expert_tp(cfg.lora.targets, parallel.etp, "parallel.etp")
         check_grouped_experts(cfg.lora.targets, grouped_gemm(cfg.model.moe_grouped_gemm, "local"))
@@ -221,7 +223,8 @@ def build(cfg: SFTConfig, source: ModelSource, parallel: ParallelConfig):
         overrides.update(bf16=True, params_dtype=torch.bfloat16)
     overrides.update(recompute_overrides(t.recompute))
     model = build_model(source.glm5, parallel, dsa_kernel_backend=cfg.model.dsa_kernel_backend,
-                        moe_grouped_gemm=cfg.model.moe_grouped_gemm, **overrides)
+                        moe_grouped_gemm=cfg.model.moe_grouped_gemm, base_fp8_block=source.base_fp8_block,
+                        **overrides)
     source.load_weights(model)
     if t.indexer_warmup:
         if cfg.lora.enabled:

@@ -18,6 +18,16 @@ def check_finite(t: torch.Tensor, name: str, where) -> None:
                              "--allow-nonfinite converts it anyway")
 
 
+def check_finite_fp8(q: torch.Tensor, scale: torch.Tensor, name: str, where) -> None:
+    """``check_finite`` of an FP8 weight as stored: its e4m3 bytes (``float8_e4m3fn`` has NaN, no Inf: the
+    codes with all exponent and mantissa bits set) and its block scales, without dequantizing it."""
+    bad = int(((q.view(torch.uint8) & 0x7F) == 0x7F).sum())
+    if bad:
+        raise NonFiniteError(f"{where}: tensor {name} has {bad} non-finite value(s) (NaN/Inf); "
+                             "--allow-nonfinite converts it anyway")
+    check_finite(scale, f"{name}_scale_inv", where)
+
+
 def short_error(e: BaseException) -> str:
     """One line for a (PyTorch-DCP) load error: the first underlying exception's type and message,
     not the traceback text a ``CheckpointException`` embeds."""

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from glm5_mcore import cpu_compat
 from glm5_mcore.checkpoint import manifest
 from glm5_mcore.checkpoint.checks import check_finite, short_error
+from glm5_mcore.checkpoint.fp8_sharded import FP8Load, fp8_sharded_state_dict
 from glm5_mcore.checkpoint.layout import iter_dir
 
 
@@ -56,13 +57,14 @@ def base_sharded_state_dict(model) -> dict:
 
 
 def save_model(model, path: str | Path) -> None:
-    """Megatron-Core distributed save of ``model`` (every rank calls it) into the empty folder ``path``."""
+    """Megatron-Core distributed save of ``model`` (every rank calls it) into the empty folder ``path``; a frozen
+    FP8 base as its stored bytes and block scales (``fp8_sharded``)."""
     cpu_compat.apply()
     path = Path(path)
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(base_sharded_state_dict(model), str(path))
+    dist_checkpointing.save(fp8_sharded_state_dict(base_sharded_state_dict(model)), str(path))
 
 
 @torch.no_grad()
@@ -71,24 +73,27 @@ def load_model(model, path: str | Path, allow_nonfinite: bool = False) -> None:
     its files verified against the iteration's manifest; a NaN/Inf weight is an error naming it.
     Megatron-LM / Bridge checkpoints: the non-tensor state their trainers save beside the weights
     (``checkpoint_version``, ``iteration``, ``args``, ``content_metadata``, ...) is not the model's and is
-    left out; tensors stored in another dtype (a bf16 router) are cast to the parameter's."""
+    left out; tensors stored in another dtype (a bf16 router) are cast to the parameter's. Weights stored in FP8
+    (``fp8_sharded``) load as stored into a frozen FP8 base, dequantized into dense parameters; a dense
+    checkpoint into an FP8 base is quantized once."""
     cpu_compat.apply()
     path = Path(path)
     if not (path / "metadata.json").is_file():
         raise FileNotFoundError(f"{path}: not a Megatron-Core distributed checkpoint (no metadata.json)")
     verify_once(path)
+    fp8 = FP8Load(base_sharded_state_dict(model), path)
     try:
-        sharded = base_sharded_state_dict(model)
-        state = dist_checkpointing.load(dict(sharded), str(path))
+        state = dist_checkpointing.load(dict(fp8.sharded), str(path))
     except (Exception, CheckpointException) as e:
         raise ValueError(f"{path}: could not load the checkpoint ({short_error(e)})") from None
-    state = {k: v for k, v in state.items() if k in sharded}
+    state = {k: v for k, v in state.items() if k in fp8.sharded}
+    state, written = fp8.finish(state, allow_nonfinite)
     if not allow_nonfinite:
         for k, v in state.items():
             if torch.is_tensor(v):
                 check_finite(v, k, path)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state") and ".lora." not in k]
+    missing = [k for k in missing if not k.endswith("_extra_state") and ".lora." not in k and k not in written]
     if missing or unexpected:
         raise ValueError(f"{path}: checkpoint does not fit the model (missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]})")

@@ -17,8 +17,6 @@ import sys
 from pathlib import Path
 from typing import Iterable, Optional
 
-from torch.distributed.checkpoint import FileSystemReader
-
 from glm5_mcore.checkpoint import megatron_lm
 from glm5_mcore.checkpoint.hf_io import HFCheckpoint
 from glm5_mcore.checkpoint.layout import model_dir
@@ -64,10 +62,7 @@ def hf_dir_config(hf_dir: str | Path, quiet: bool = False) -> GLM5Config:
 
 def checkpoint_model_keys(model_path: str | Path) -> list[str]:
     """The tensor keys of a Megatron-Core distributed checkpoint (metadata only)."""
-    try:
-        return list(FileSystemReader(str(model_path)).read_metadata().state_dict_metadata)
-    except Exception as e:  # noqa: BLE001 - any unreadable metadata is a bad input
-        raise ValueError(f"{model_path}: unreadable distributed-checkpoint metadata ({e})") from None
+    return list(megatron_lm.dcp_metadata(model_path))
 
 
 def checkpoint_config(root: str | Path, iteration: Optional[int] = None, quiet: bool = False) -> GLM5Config:

@@ -40,6 +40,23 @@ def scale_shape(shape: tuple[int, ...], block: int = FP8_BLOCK) -> tuple[int, in
     return (M + block - 1) // block, (N + block - 1) // block
 
 
+def quantization_config(block: int = FP8_BLOCK) -> dict:
+    """config.json's ``quantization_config`` of an FP8 folder in ``block``-square blocks."""
+    return {**QUANTIZATION_CONFIG, "weight_block_size": [block, block]}
+
+
+def quantize_state_dict(state_dict: dict[str, torch.Tensor], block: int = FP8_BLOCK) -> dict[str, torch.Tensor]:
+    """An HF on-disk state dict as an FP8 release stores it: every ``is_quantized`` weight as e4m3 +
+    ``{name}_scale_inv`` (``quantize_fp8_blocks``), the rest unchanged."""
+    out = {}
+    for k, v in state_dict.items():
+        if is_quantized(k):
+            out[k], out[k + "_scale_inv"] = quantize_fp8_blocks(v, block)
+        else:
+            out[k] = v
+    return out
+
+
 def quantize_fp8_blocks(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """``W [M, N]`` → (e4m3 ``[M, N]``, fp32 ``weight_scale_inv [ceil(M/b), ceil(N/b)]``); edge blocks may be
     partial. An all-zero block gets scale 1."""

@@ -128,6 +128,23 @@ def dequantize_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: int =
     return w.float() * s
 
 
+def weight_block_size(hf_dir: str | Path) -> int:
+    """The FP8 block size of an HF folder (``config.json``'s ``quantization_config.weight_block_size``, square
+    ``[b, b]``); the release's 128 for a folder that declares none."""
+    path = Path(hf_dir) / "config.json"
+    try:
+        qc = json.loads(path.read_text()).get("quantization_config") or {}
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return FP8_BLOCK
+    size = qc.get("weight_block_size") if isinstance(qc, dict) else None
+    if size is None:
+        return FP8_BLOCK
+    if (not isinstance(size, list) or len(size) != 2 or size[0] != size[1] or not isinstance(size[0], int)
+            or size[0] < 1):
+        raise ValueError(f"{path}: quantization_config.weight_block_size={size!r}: expected square FP8 blocks [b, b]")
+    return int(size[0])
+
+
 class HFCheckpoint:
     """Name → tensor access over the safetensors files of one HF folder."""
 
@@ -136,6 +153,8 @@ class HFCheckpoint:
         self.verifier = verifier
         if not self.dir.is_dir():
             raise FileNotFoundError(f"{self.dir}: HF checkpoint folder does not exist")
+        self.block = weight_block_size(self.dir)
+        """FP8 block size of the stored ``weight_scale_inv`` s."""
         self._open_files: dict[Path, SafetensorsFile] = {}
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
@@ -197,6 +216,17 @@ class HFCheckpoint:
     def get(self, name: str) -> torch.Tensor:
         """The tensor called ``name``; per-expert names are also served from fused expert tensors and
         FP8 weights with a ``weight_scale_inv`` come back dequantized (fp32)."""
+        t, scale = self.get_stored(name)
+        if scale is not None:
+            try:
+                t = dequantize_fp8_blocks(t, scale, self.block)
+            except ValueError as e:
+                raise ValueError(f"{self.files[self.locate(name)[0]]}: tensor {name}: {e}") from None
+        return t
+
+    def get_stored(self, name: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(``name`` as stored, its ``weight_scale_inv`` block scales or None): FP8 weights undequantized
+        (the FP8 base keeps them so, ``glm5_mcore.model.fp8_linear``)."""
         loc = self.locate(name)
         if loc is None:
             raise KeyError(f"{self.dir}: tensor {name} is missing from the checkpoint")
@@ -210,11 +240,8 @@ class HFCheckpoint:
         if t.dtype in FP8:
             if scale_name not in self.files or expert is not None:
                 raise ValueError(f"{f.path}: FP8 tensor {stored} has no {scale_name} block scale")
-            try:
-                t = dequantize_fp8_blocks(t, self._file(self.files[scale_name]).read(scale_name))
-            except ValueError as e:
-                raise ValueError(f"{f.path}: tensor {stored}: {e}") from None
-        return t
+            return t, self._file(self.files[scale_name]).read(scale_name)
+        return t, None
 
     def info(self, name: str) -> tuple[Path, torch.dtype, tuple[int, ...], int]:
         """(file, stored dtype, shape of ``get(name)``, bytes read) from the headers, reading no data."""

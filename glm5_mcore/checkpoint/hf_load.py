@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from glm5_mcore.checkpoint.checks import check_finite
+from glm5_mcore.checkpoint.checks import check_finite, check_finite_fp8
+from glm5_mcore.checkpoint.folder_config import notice
 from glm5_mcore.checkpoint.hf_io import HFCheckpoint
 from glm5_mcore.checkpoint.hf_names import hf_source, shard_for_rank
 from glm5_mcore.checkpoint.manifest import StreamVerifier
 from glm5_mcore.config import GLM5Config
+from glm5_mcore.model.fp8_linear import (BlockFP8Weight, block_shard, fuse_blocks, is_te_quantized,
+                                         load_block_fp8_, stored_or_quantized)
 from glm5_mcore.model.parallel import rank_offsets
 from glm5_mcore.model.vocab import VOCAB_PARALLEL, pad_vocab_rows
 
@@ -33,6 +36,10 @@ def load_hf_weights(model, hf_dir, glm5: GLM5Config, skip_prefixes: tuple = ()) 
     Megatron names starting with one of ``skip_prefixes`` keep their initialisation (a fresh MTP
     block: ``skip_prefixes=("mtp.",)``).
 
+    A model with a frozen FP8 base (``model.fp8_linear.apply_fp8_base``, or TE FP8 weights) gets those
+    weights as the folder stores them, e4m3 + block scales undequantized; a folder that stores them in
+    bf16/fp32 is quantized once with the release's block scheme (said on stderr).
+
     Errors name the missing tensor, or the tensor whose shape does not match the model's. A folder with
     a checksum manifest (one we wrote) is verified from the bytes read (``manifest.StreamVerifier``),
     before this returns; a corrupt file is named before any error it caused.
@@ -49,9 +56,13 @@ def load_hf_weights(model, hf_dir, glm5: GLM5Config, skip_prefixes: tuple = ()) 
 
 
 def _copy_weights(model, hf_dir, glm5: GLM5Config, ckpt: HFCheckpoint, skip_prefixes: tuple) -> int:
-    n = 0
+    n, quantized = 0, []
     for name, target, src, rank, size in mcore_to_hf_sources(model, glm5.num_hidden_layers):
         if skip_prefixes and name.startswith(skip_prefixes):
+            continue
+        if isinstance(target, BlockFP8Weight) or is_te_quantized(target):
+            quantized += _copy_fp8(name, target, src, rank, size, ckpt)
+            n += 1
             continue
         parts = [ckpt.get(h) for h in src.names]
         if src.is_glu and parts[0].shape != parts[1].shape:
@@ -67,4 +78,30 @@ def _copy_weights(model, hf_dir, glm5: GLM5Config, ckpt: HFCheckpoint, skip_pref
         check_finite(shard, "+".join(src.names), hf_dir)
         target.data.copy_(shard.to(target.dtype))
         n += 1
+    if quantized:
+        notice(f"{hf_dir}: {len(quantized)} base tensors stored in {'/'.join(sorted(set(quantized)))} quantized once "
+               f"to FP8 (e4m3, {ckpt.block}x{ckpt.block} blocks, the release's scheme) for model.base_dtype=fp8")
     return n
+
+
+def _copy_fp8(name, target, src, rank: int, size: int, ckpt: HFCheckpoint) -> list[str]:
+    """One FP8-base weight: its HF tensors as stored (or quantized once), fused, this rank's shard.
+    Returns the stored dtype of each HF tensor that had to be quantized."""
+    parts, quantized = [], []
+    for h in src.names:
+        t, scale = ckpt.get_stored(h)
+        if scale is None:
+            quantized.append(str(t.dtype).replace("torch.", ""))
+        if scale is None:
+            check_finite(t, h, ckpt.dir)
+        else:
+            check_finite_fp8(t, scale, h, ckpt.dir)
+        parts.append(stored_or_quantized(t, scale, ckpt.block, h))
+    label = "+".join(src.names)
+    if src.is_glu and parts[0][0].shape != parts[1][0].shape:
+        raise ValueError(f"{ckpt.dir}: {src.names[0]} {tuple(parts[0][0].shape)} and {src.names[1]} "
+                         f"{tuple(parts[1][0].shape)} differ")
+    q, s = fuse_blocks(parts, ckpt.block, label)
+    q, s = block_shard(q, s, ckpt.block, target, rank, size, src.is_glu, f"{label} ({name})")
+    load_block_fp8_(target, q, s, ckpt.block, f"{ckpt.dir}: {label} ({name})")
+    return quantized

@@ -192,13 +192,19 @@ def hf_dict_from_megatron(m: dict) -> dict:
     return d
 
 
-def stored_keys(path: Path) -> set[str]:
+def dcp_metadata(path: str | Path) -> dict:
+    """PyTorch-DCP's per-key metadata (shape, dtype, chunks) of the distributed checkpoint at ``path``, read
+    from its ``.metadata`` only; unreadable: a ValueError naming it."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
-        return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-    except Exception as e:
+        return FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - any unreadable metadata is a bad input
         raise ValueError(f"{path}: unreadable distributed-checkpoint metadata ({type(e).__name__}: {e})") from None
+
+
+def stored_keys(path: Path) -> set[str]:
+    return set(dcp_metadata(path))
 
 
 def check_same_arch(cfg, other, where: str, other_name: str = "the HF config") -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from glm5_mcore.checkpoint.megatron_lm import dcp_metadata
 from glm5_mcore.checkpoint.manifest import StreamVerifier
 from glm5_mcore.config import GLM5Config
 from glm5_mcore.mcore_settings import ParallelConfig
@@ -80,13 +81,7 @@ def named_tensors(model) -> dict[str, torch.Tensor]:
 
 
 def checkpoint_dtype(model_path: Path) -> torch.dtype:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        md = FileSystemReader(str(model_path)).read_metadata()
-    except Exception as e:
-        raise ValueError(f"{model_path}: unreadable distributed-checkpoint metadata ({e})") from None
-    for key, m in md.state_dict_metadata.items():
+    for key, m in dcp_metadata(model_path).items():
         if key.endswith("word_embeddings.weight"):
             return m.properties.dtype
     raise ValueError(f"{model_path}: no embedding tensor in the checkpoint")

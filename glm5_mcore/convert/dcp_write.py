@@ -22,6 +22,7 @@ import torch
 
 from glm5_mcore.checkpoint.checks import NonFiniteError
 from glm5_mcore.checkpoint.direct_io import DirectWriter
+from glm5_mcore.checkpoint.fp8_sharded import fp8_sharded_state_dict
 
 
 class _Prefetcher:
@@ -127,7 +128,8 @@ def source_order_writer(out: Path, workers: int, order_key: Callable):
 
 def lazy_dcp_save(model, out: Path, source, workers: int, on_item: Callable[[int], None],
                    prefetch_budget: int = 256 << 20) -> None:
-    """Megatron-Core's torch_dist save of ``model.sharded_state_dict()`` with data made on demand by
+    """Megatron-Core's torch_dist save of ``model.sharded_state_dict()`` (a frozen FP8 base as its stored pairs,
+    ``checkpoint.fp8_sharded``) with data made on demand by
     ``source.resolve(view)``, written in ``source.position(view)`` order."""
     import torch.distributed.checkpoint as dcp
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
@@ -137,7 +139,8 @@ def lazy_dcp_save(model, out: Path, source, workers: int, on_item: Callable[[int
         MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
     from torch.distributed.checkpoint.planner import WriteItemType
 
-    sharded, common = save_preprocess(model.sharded_state_dict(), validate_access_integrity=False)
+    sharded, common = save_preprocess(fp8_sharded_state_dict(model.sharded_state_dict()),
+                                      validate_access_integrity=False)
     sharded["common_state"] = ShardedObject("common_state", common, (1,), (0,), replica_id=0)
     by_key, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded, True)
     views = {(key, tuple(it.global_offset)): it.data for key, items in by_key.items()

@@ -17,6 +17,9 @@ would write, and Megatron-Core's own loader reshards it into any TP/EP/PP.
 
 Both write past the page cache (``direct_io``): the bytes are written once and never read back.
 
+A frozen base the HF folder stores in FP8 stays FP8: e4m3 bytes + block scales as stored, both ways
+(``convert.fp8_stored``; the checkpoint format is ``checkpoint.fp8_sharded``).
+
 Every check that can fail (missing / unmapped / mis-shaped / mis-typed tensors, corrupt files) runs
 before anything is written; the output folder is built under a temporary name and renamed only when
 complete, so a previous good output survives any failure. ``--out`` is guarded (``atomic.output_dir``:
@@ -45,6 +48,7 @@ from glm5_mcore.checkpoint.hf_names import hf_source
 from glm5_mcore.checkpoint.folder_config import hf_dir_config
 from glm5_mcore.checkpoint.manifest import StreamVerifier, write_manifest
 from glm5_mcore.convert.common import Progress, meta_model, named_tensors, verified_run
+from glm5_mcore.convert.fp8_stored import keep_fp8, stored_ids, stored_part
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -58,7 +62,9 @@ class _HFSourcePlan:
     def __init__(self, model, glm5: GLM5Config, ckpt: HFCheckpoint, allow_nonfinite: bool = False):
         self.ckpt, self.allow_nonfinite = ckpt, allow_nonfinite
         self.tensors = named_tensors(model)
-        self.by_id = {id(t): n for n, t in self.tensors.items()}
+        # what a write item is a view of: a tensor (part None), or a kept FP8 weight's e4m3 data / scales
+        self.by_id = {id(t): (n, None) for n, t in self.tensors.items()}
+        self.by_id.update(stored_ids(self.tensors))
         self.sources = {}
         needed_stored: set[str] = set()
         self.total_bytes = 0
@@ -76,7 +82,7 @@ class _HFSourcePlan:
                 if dtype not in _FLOAT and dtype not in FP8:
                     raise ValueError(f"{path}: tensor {h} has dtype {dtype}, expected a float type")
                 needed_stored.update(ckpt.stored_names_for(h))
-                self.total_bytes += nbytes
+                self.total_bytes += sum(ckpt.info(k)[3] for k in ckpt.stored_names_for(h)[1:]) + nbytes
             self.sources[name] = src
         unmapped = [k for k in ckpt.keys() if k not in needed_stored]
         if unmapped:
@@ -87,7 +93,9 @@ class _HFSourcePlan:
     def position(self, view: torch.Tensor) -> tuple[str, int]:
         """Where the first HF bytes ``view`` is made from lie: (file, byte offset)."""
         base = view._base if view._base is not None else view
-        stored, expert, _ = self.ckpt.locate(self.sources[self.by_id[id(base)]].names[0])
+        name, part = self.by_id[id(base)]
+        stored, expert, _ = self.ckpt.locate(self.sources[name].names[0])
+        stored = stored + "_scale_inv" if part == "scale" else stored
         path = self.ckpt.files[stored]
         _, shape, start, end = self.ckpt._file(path).tensors[stored]
         return str(path), start + (expert or 0) * ((end - start) // max(1, shape[0]))
@@ -95,7 +103,7 @@ class _HFSourcePlan:
     def resolve(self, view: torch.Tensor) -> torch.Tensor:
         """The real data of ``view``, a meta param or a (factory) view of one."""
         base = view._base if view._base is not None else view
-        name = self.by_id[id(base)]
+        name, part = self.by_id[id(base)]
         src = self.sources[name]
         names = src.names
         offset = view.storage_offset() - base.storage_offset()
@@ -105,17 +113,24 @@ class _HFSourcePlan:
                 names, offset = names[1:], offset - half
             elif offset + view.numel() <= half and view.is_contiguous():
                 names = names[:1]
-        parts = [self.ckpt.get(h).to(base.dtype) for h in names]
-        if not self.allow_nonfinite:
-            for h, part in zip(names, parts):
-                check_finite(part, h, self.ckpt.files[self.ckpt.locate(h)[0]])
+        if part is not None:  # a kept FP8 weight: its bytes or scales as stored
+            parts = [stored_part(self.ckpt, h, part, self.allow_nonfinite) for h in names]
+        else:
+            parts = [self.ckpt.get(h).to(base.dtype) for h in names]
+            if not self.allow_nonfinite:
+                for h, t in zip(names, parts):
+                    check_finite(t, h, self.ckpt.files[self.ckpt.locate(h)[0]])
         full = (parts[0] if len(parts) == 1 else torch.cat(parts, 0)).contiguous()
         return full.as_strided(view.size(), view.stride(), full.storage_offset() + offset).contiguous()
 
 
 def hf_to_mcore(hf_dir: str | Path, out: str | Path, workers: int = 1, dtype: Optional[str] = None,
-                progress: bool = True, overwrite: bool = False, allow_nonfinite: bool = False) -> Path:
-    """Convert an HF GLM-5 folder into ``out`` (``iter_0000000/model``, ``hf/``, ``latest``)."""
+                progress: bool = True, overwrite: bool = False, allow_nonfinite: bool = False,
+                dequantize_fp8: bool = False) -> Path:
+    """Convert an HF GLM-5 folder into ``out`` (``iter_0000000/model``, ``hf/``, ``latest``). The linears an
+    FP8 release stores in FP8 stay so, bytes and block scales as stored (``convert.fp8_stored``; ``hf/config.json``
+    keeps the folder's ``quantization_config``); ``dequantize_fp8``: every tensor dense in ``dtype`` (what
+    Megatron-LM / Bridge load)."""
     hf_dir = Path(hf_dir)
     check_output(out, "convert hf-to-mcore", [hf_dir], overwrite)
     checks = StreamVerifier(hf_dir)  # an HF folder we wrote (mcore-to-hf) has a manifest: checked from the reads
@@ -129,6 +144,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, workers: int = 1, dtype: Op
     else:
         raise ValueError(f"--dtype {dtype}: expected one of {sorted(DTYPES)}")
     model = meta_model(glm5, td)
+    kept = 0 if dequantize_fp8 else keep_fp8(model, named_tensors(model), glm5.num_hidden_layers, ckpt)
     plan = _HFSourcePlan(model, glm5, ckpt, allow_nonfinite)
     bar = Progress(plan.total_bytes, sum(len(s.names) for s in plan.sources.values()), "hf-to-mcore", progress)
     with verified_run(checks, bar):
@@ -139,7 +155,8 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, workers: int = 1, dtype: Op
                 reraise_nonfinite(e)
                 raise
             config = json.loads((hf_dir / "config.json").read_text())
-            config.pop("quantization_config", None)
+            if not kept:  # the weights are dense: no longer what quantization_config describes
+                config.pop("quantization_config", None)
             config["dtype"] = HF_DTYPE_NAMES[td]
             config.pop("torch_dtype", None)
             write_hf_meta(tmp / "hf", hf_dir, config)

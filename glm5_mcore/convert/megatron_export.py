@@ -17,6 +17,7 @@ from typing import Optional
 
 from glm5_mcore.checkpoint.megatron_lm import RUN_CONFIG, TOKENIZER_DIR, TRACKER, is_foreign, say_once, stored_keys
 from glm5_mcore.checkpoint import manifest
+from glm5_mcore.checkpoint.fp8_sharded import SCALE_SUFFIX
 from glm5_mcore.checkpoint.atomic import check_output, output_dir, scratch_dir
 from glm5_mcore.checkpoint.layout import (adapter_dir, HF_META_FILES, iter_dir, latest_iteration, model_dir,
                                           require_iteration)
@@ -108,11 +109,20 @@ def export_megatron(ckpt: str | Path, out: str | Path, iteration: Optional[int] 
         base, base_it = base_checkpoint(root, it, work)
         hf = mcore_to_hf(base, work / "hf", iteration=base_it, progress=False, merge_adapter=state,
                          kind="lora export")
-        merged = hf_to_mcore(hf, work / "mc", progress=False)
+        merged = hf_to_mcore(hf, work / "mc", progress=False, dequantize_fp8=True)  # what Megatron-LM loads
         (merged / "hf" / "source.json").unlink(missing_ok=True)  # the scratch folder goes away
         return _export_megatron(merged, out, None, overwrite, inputs=[root], name_iteration=it)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def refuse_fp8_base(keys: set[str], src: Path) -> None:
+    """A checkpoint storing its base in FP8 (``checkpoint.fp8_sharded``) is refused in one line: Megatron-LM and
+    Megatron-Bridge would load its e4m3 bytes as plain weights, without their block scales."""
+    if any(k.endswith(SCALE_SUFFIX) for k in keys):
+        raise ValueError(f"{src}: stores the frozen base in FP8 (e4m3 + {SCALE_SUFFIX} block scales, as hf-to-mcore "
+                         "keeps an FP8 release), which Megatron-LM / Megatron-Bridge would load as plain weights; "
+                         "convert the HF folder with glm5 convert hf-to-mcore --dequantize-fp8 and export that")
 
 
 def _export_megatron(ckpt: str | Path, out: str | Path, iteration: Optional[int] = None,
@@ -133,6 +143,7 @@ def _export_megatron(ckpt: str | Path, out: str | Path, iteration: Optional[int]
         raise FileNotFoundError(f"{root / 'hf' / 'config.json'}: missing; the checkpoint has no HF config")
     glm5 = GLM5Config.from_hf_dir(root / "hf")
     have = set(stored_keys(src))
+    refuse_fp8_base(have, src)
     if glm5.num_nextn_predict_layers and not any(k.startswith("mtp.") for k in have):
         glm5 = GLM5Config.from_hf_dict({**glm5.to_hf_dict(), "num_nextn_predict_layers": 0})
     if inputs is None and (iter_dir(root, it) / "adapters").is_dir():

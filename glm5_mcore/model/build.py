@@ -20,6 +20,7 @@ from glm5_mcore.mcore_settings import ParallelConfig, grouped_gemm, padded_vocab
 from glm5_mcore.device import training_device
 from glm5_mcore.model.dsa_backend import resolve as resolve_dsa_backend
 from glm5_mcore.model.dsa import GLM5SparseAttention, link_absorbed_mla, link_index_share
+from glm5_mcore.model.fp8_linear import apply_fp8_base, drop_columnwise_after_backward, te_fp8_overrides
 from glm5_mcore.model.layer_spec import get_glm5_decoder_block_spec, get_glm5_mtp_block_spec
 from glm5_mcore.model.vocab import mask_padded_logits, real_vocab_size
 
@@ -36,13 +37,18 @@ def reset_global_trackers() -> None:
 
 def build_model(glm5: GLM5Config, parallel: Optional[ParallelConfig] = None, backend: str = "local",
                 pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
-                device: Optional[torch.device | str] = None, **config_overrides):
+                device: Optional[torch.device | str] = None, base_fp8_block: Optional[int] = None,
+                **config_overrides):
     """A Megatron-Core ``GPTModel`` computing GLM-5 (this rank's shard: its pipeline stage's layers,
     the embedding on the first stage, output layer and MTP on the last), on ``device``: the training
     device (``glm5_mcore.device``) unless given ("meta" for a shapes-only model, as conversion
     builds). Parallel state must be initialised for ``parallel`` (``init_parallel``). The embedding and
     output layer have ``padded_vocab_size`` rows (``parallel.make_vocab_size_divisible_by`` × tp), the
-    padded logits -inf (``model.vocab``)."""
+    padded logits -inf (``model.vocab``).
+
+    ``base_fp8_block``: a frozen FP8 base (``model.base_dtype=fp8``, ``model.fp8_linear``) in
+    ``base_fp8_block``-square blocks: the local spec holds ``BlockFP8Weight`` s, TE its blockwise FP8
+    primary weights (Megatron-Core ``fp8_recipe="blockwise"``, ``fp8_param``); weights come from the load."""
     from megatron.core import parallel_state as ps
 
     from megatron.core.models.gpt import GPTModel
@@ -50,6 +56,8 @@ def build_model(glm5: GLM5Config, parallel: Optional[ParallelConfig] = None, bac
     cpu_compat.apply()
     parallel = parallel or ParallelConfig()
     config_overrides.setdefault("transformer_impl", "local" if backend == "local" else "transformer_engine")
+    if base_fp8_block is not None and backend != "local":
+        config_overrides.update(te_fp8_overrides())
     config_overrides.setdefault("expert_tensor_parallel_size", parallel.etp)
     config_overrides["moe_grouped_gemm"] = grouped_gemm(config_overrides.get("moe_grouped_gemm"), backend)
     config_overrides["dsa_kernel_backend"] = resolve_dsa_backend(config_overrides.get("dsa_kernel_backend", "auto"),
@@ -84,7 +92,11 @@ def build_model(glm5: GLM5Config, parallel: Optional[ParallelConfig] = None, bac
     # Megatron's get_model moves the model to the current CUDA device before DDP and the optimizer;
     # LoRA adapters, created beside their base weights, follow. Norms, replicated linears and the
     # router are built without a device, on the CPU.
-    return model.to(training_device() if device is None else device)
+    model = model.to(training_device() if device is None else device)
+    if base_fp8_block is not None:
+        apply_fp8_base(model, glm5.num_hidden_layers, base_fp8_block)
+        drop_columnwise_after_backward(model)
+    return model
 
 
 def _recompute_input_needs_grad(_decoder, args, kwargs):

@@ -23,6 +23,7 @@ from glm5_mcore import cpu_compat
 from glm5_mcore.lora.apply import apply_lora
 from glm5_mcore.lora.config import LoRAConfig
 from glm5_mcore.model.build import build_model
+from glm5_mcore.model.fp8_linear import stored_bytes
 from glm5_mcore.model.indexer_stages import set_indexer_frozen
 from glm5_mcore.model.parallel import forget_layout, seed_parallel
 
@@ -65,7 +66,8 @@ def build_rank(model: GLM5Config, layout: Layout, rank: int, *, mtp: bool = True
     without MTP layers (as the RL trainer does); ``lora=(targets, rank)`` applies adapters as the
     recipes do (base frozen); otherwise the indexer is frozen as in full fine-tuning. ``moe_grouped_gemm``:
     the routed experts as ``TEGroupedMLP`` (the TE spec's default), whose tensors and buffers the planner's
-    expert rows count as ``SequentialMLP``'s."""
+    expert rows count as ``SequentialMLP``'s. A frozen FP8 base (``model.base_dtype=fp8``): ``fp8_linear.apply_fp8_base``
+    on the built rank swaps its base for ``BlockFP8Weight`` s (``tensor_bytes`` counts their stored bytes)."""
     _import_megatron()
     init_fake(layout, rank)
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -120,7 +122,7 @@ def tensor_bytes(model) -> dict[str, int]:
     out = {"params": 0, "param_bytes": 0, "expert_params": 0, "trainable": 0, "buffer_bytes": 0}
     for n, p in model.named_parameters():
         out["params"] += p.numel()
-        out["param_bytes"] += p.numel() * p.element_size()
+        out["param_bytes"] += stored_bytes(p)  # an FP8 base weight: its e4m3 bytes + block scales
         out["expert_params"] += p.numel() if ".experts." in n and ".lora." not in n else 0
         out["trainable"] += p.numel() if p.requires_grad else 0
     for _, b in model.named_buffers():

@@ -53,6 +53,8 @@ class Job:
     lora: Optional[tuple] = None
     """(targets, rank) for LoRA; None for full fine-tuning."""
     freeze_indexer: bool = True
+    base_fp8: bool = False
+    """``model.base_dtype=fp8``: the frozen base in the release's FP8 blocks (LoRA only)."""
     mtp: bool = True
     rollout: Optional[RolloutJob] = None
     cluster: Optional[str] = None
@@ -88,7 +90,8 @@ def sft_job(cfg, world: int, etp: Optional[int] = None) -> Job:
     return Job(kind="sft", layout=layout, micro_batch_tokens=data.micro_batch_tokens, microbatches=accum,
                bf16=t.bf16, recompute=t.recompute, distributed_optimizer=cfg.optim.distributed,
                lora=(tuple(lora.targets), lora.rank) if lora.enabled else None,
-               freeze_indexer=t.freeze_indexer, mtp=True, cluster=cfg.plan.cluster)
+               freeze_indexer=t.freeze_indexer, base_fp8=cfg.model.base_dtype == "fp8", mtp=True,
+               cluster=cfg.plan.cluster)
 
 
 def rl_job(cfg) -> Job:
@@ -107,4 +110,4 @@ def rl_job(cfg) -> Job:
     return Job(kind="rl", layout=layout, micro_batch_tokens=a.micro_batch_tokens, bf16=t.bf16,
                recompute=t.recompute or False,
                lora=(tuple(cfg.lora.targets), cfg.lora.rank), freeze_indexer=t.freeze_indexer,
-               mtp=a.mtp_loss_scale > 0 or a.mtp_accept, rollout=ro, cluster=cfg.plan.cluster, fixed=("pp",))
+               base_fp8=cfg.model.base_dtype == "fp8", mtp=a.mtp_loss_scale > 0 or a.mtp_accept, rollout=ro, cluster=cfg.plan.cluster, fixed=("pp",))

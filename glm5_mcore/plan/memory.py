@@ -1,7 +1,9 @@
 """Bytes per rank: weights, gradients, fp32 main parameters, optimizer state.
 
 Megatron-Core's rules, as ``glm5_mcore.training.loop.build_trainer`` sets them up:
-- weights in the job's dtype (bf16 or fp32); router weight and MoE buffers always fp32;
+- weights in the job's dtype (bf16 or fp32); router weight and MoE buffers always fp32; with a frozen FP8 base
+  (``model.base_dtype=fp8``, LoRA) the linears the release stores in FP8 hold 1 byte per element + one fp32
+  scale per 128×128 block (``TensorGroup.fp8_bytes``);
 - gradients: DDP's contiguous buffer in each trainable parameter's dtype (``grad_reduce_in_fp32`` off);
 - bf16: Megatron's mixed-precision optimizer keeps an fp32 main copy of each trainable bf16 parameter;
 - Adam: two fp32 moments per trainable parameter;
@@ -40,9 +42,12 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def state_bytes(base: list[TensorGroup], lora: list[TensorGroup], *, bf16: bool, full_ft: bool,
-                freeze_indexer: bool, dp_cp: int, expert_dp: int) -> StateBytes:
+                freeze_indexer: bool, dp_cp: int, expert_dp: int, base_fp8: bool = False) -> StateBytes:
     """Model and optimizer state of one rank. ``base`` from ``stage_tensors``; ``lora`` from
-    ``lora_tensors`` (empty for full fine-tuning, where every base parameter but a frozen indexer trains)."""
+    ``lora_tensors`` (empty for full fine-tuning, where every base parameter but a frozen indexer trains);
+    ``base_fp8``: the frozen base in FP8 (LoRA only)."""
+    if base_fp8 and full_ft:
+        raise ValueError("model.base_dtype=fp8: the frozen FP8 base is for LoRA (full fine-tuning trains the base)")
     pb = 2 if bf16 else 4
     weights = buffers = params = experts = 0
     bufs: dict[tuple, int] = {}
@@ -51,7 +56,7 @@ def state_bytes(base: list[TensorGroup], lora: list[TensorGroup], *, bf16: bool,
         if g.buffer:
             buffers += g.total * nbytes
             continue
-        weights += g.total * nbytes
+        weights += g.fp8_bytes if (base_fp8 and g.fp8) else g.total * nbytes
         params += g.total
         experts += g.total if (g.expert and g in base) else 0
         is_lora = g.name.startswith("lora.")

@@ -24,7 +24,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from glm5_mcore.config import GLM5Config
+from glm5_mcore.model.fp8_linear import is_fp8_base_weight
 from glm5_mcore.plan.layout import Layout
+
+FP8_BLOCK = 128
+"""The release's FP8 block edge (``weight_scale_inv`` per 128×128 block)."""
 
 
 @dataclass(frozen=True)
@@ -45,18 +49,33 @@ class TensorGroup:
     """For a linear LoRA can target: ``column``, ``row`` or ``none`` (replicated / expert)."""
     shape: tuple = ()
     """Local weight shape ``(out, in)`` of a linear."""
+    fp8: bool = False
+    """A linear the release stores in FP8 (``model.fp8_linear.is_fp8_base_weight``): with ``model.base_dtype=fp8``
+    its frozen weight is 1 byte per element + one fp32 scale per 128×128 block of its local shape."""
 
     @property
     def total(self) -> int:
         return self.numel * self.count
 
+    @property
+    def fp8_bytes(self) -> int:
+        """Bytes of all ``count`` tensors as a frozen FP8 base holds them (e4m3 data + fp32 block scales)."""
+        o, i = self.shape
+        return self.count * (o * i + 4 * (-(-o // FP8_BLOCK)) * (-(-i // FP8_BLOCK)))
 
-def _linear(name, out_f, in_f, mode, count=1, **kw) -> TensorGroup:
-    return TensorGroup(name, out_f * in_f, count, lora_mode=mode, shape=(out_f, in_f), **kw)
+
+def _linear(name, out_f, in_f, mode, count=1, where="self_attention", **kw) -> TensorGroup:
+    """``count`` linears ``[out_f, in_f]``; ``where``: the module path inside a decoder layer, which decides
+    (through the one HF name table) whether the release stores it in FP8."""
+    fp8 = is_fp8_base_weight(f"decoder.layers.0.{where}.{name.split('.')[-1]}.weight", 1)
+    return TensorGroup(name, out_f * in_f, count, lora_mode=mode, shape=(out_f, in_f), fp8=fp8, **kw)
 
 
 def _norm(name, n, count=1, **kw) -> TensorGroup:
     return TensorGroup(name, n, count, **kw)
+
+
+IDX = "self_attention.core_attention.indexer"
 
 
 def _layer(m: GLM5Config, L: Layout, moe: bool, has_indexer: bool, n: int) -> list[TensorGroup]:
@@ -75,25 +94,26 @@ def _layer(m: GLM5Config, L: Layout, moe: bool, has_indexer: bool, n: int) -> li
     ]
     if has_indexer:
         g += [
-            _linear("linear_wq_b", m.index_n_heads * m.index_head_dim, m.q_lora_rank, "none", n, indexer=True),
-            _linear("linear_wk", m.index_head_dim, H, "none", n, indexer=True),
+            _linear("linear_wq_b", m.index_n_heads * m.index_head_dim, m.q_lora_rank, "none", n, IDX, indexer=True),
+            _linear("linear_wk", m.index_head_dim, H, "none", n, IDX, indexer=True),
             _norm("indexer.k_norm", 2 * m.index_head_dim, n, indexer=True),
-            _linear("linear_weights_proj", m.index_n_heads, H, "none", n, indexer=True),
+            _linear("linear_weights_proj", m.index_n_heads, H, "none", n, IDX, indexer=True),
         ]
     if not moe:
         ffn = m.intermediate_size // tp
-        return g + [_linear("linear_fc1", 2 * ffn, H, "column", n), _linear("linear_fc2", H, ffn, "row", n)]
+        return g + [_linear("linear_fc1", 2 * ffn, H, "column", n, "mlp"), _linear("linear_fc2", H, ffn, "row", n, "mlp")]
     E, local, ew = m.n_routed_experts, m.n_routed_experts // L.ep, m.moe_intermediate_size // L.etp
     g += [
         TensorGroup("router", E * H, n, fp32=True),
         TensorGroup("router.expert_bias", E, n, fp32=True, buffer=True),
         TensorGroup("router.local_tokens_per_expert", E, n, fp32=True, buffer=True),
-        _linear("experts.linear_fc1", 2 * ew, H, "none", n * local, expert=True),
-        _linear("experts.linear_fc2", H, ew, "none", n * local, expert=True),
+        _linear("experts.linear_fc1", 2 * ew, H, "none", n * local, "mlp.experts.local_experts.0", expert=True),
+        _linear("experts.linear_fc2", H, ew, "none", n * local, "mlp.experts.local_experts.0", expert=True),
     ]
     if m.n_shared_experts:
         s = m.shared_expert_intermediate_size // tp
-        g += [_linear("linear_fc1", 2 * s, H, "column", n), _linear("linear_fc2", H, s, "row", n)]
+        g += [_linear("linear_fc1", 2 * s, H, "column", n, "mlp.shared_experts"),
+              _linear("linear_fc2", H, s, "row", n, "mlp.shared_experts")]
     return g
 
 

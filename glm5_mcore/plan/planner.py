@@ -84,7 +84,7 @@ def plan_rank(m: GLM5Config, job: Job, kind: RankKind, capacity: int) -> RankPla
     base = stage_tensors(m, L, kind.stage, job.mtp)
     lora = lora_tensors(base, L, job.lora[0], job.lora[1], job.freeze_indexer) if job.lora else []
     st = state_bytes(base, lora, bf16=job.bf16, full_ft=job.lora is None, freeze_indexer=job.freeze_indexer,
-                     dp_cp=L.dp_cp, expert_dp=L.expert_dp)
+                     dp_cp=L.dp_cp, expert_dp=L.expert_dp, base_fp8=job.base_fp8)
     acts = {rc: stage_activations(m, L, kind.stage, job.micro_batch_tokens, bf16=job.bf16, recompute=rc,
                                   mtp=job.mtp, microbatches=max(job.microbatches, L.pp))
             for rc in {False, True, job.recompute or False}}

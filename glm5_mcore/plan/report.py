@@ -17,6 +17,7 @@ def format_plan(plan: Plan) -> str:
     lines = [f"{job.kind} job on {plan.cluster.describe()}, {plan.cluster.usable_bytes / GIB:.1f} GiB usable per GPU",
              f"trainer: {L.describe()}; micro-batch {job.micro_batch_tokens} tokens, "
              f"{'bf16' if job.bf16 else 'fp32'}, {'LoRA r=%d' % job.lora[1] if job.lora else 'full fine-tuning'}, "
+             f"{'frozen base FP8 (1 byte + a 128x128 block scale; activations and adapters ' + ('bf16' if job.bf16 else 'fp32') + '), ' if job.base_fp8 else ''}"
              f"recompute {({True: 'full', False: 'off'}.get(job.recompute, job.recompute))}, distributed optimizer {'on' if job.dist_opt else 'off'}",
              ""]
     w = 20

@@ -22,9 +22,12 @@ from typing import Optional
 from glm5_mcore.checkpoint import megatron_lm
 from glm5_mcore.checkpoint.dist import load_model
 from glm5_mcore.checkpoint.folder_config import checkpoint_config, hf_dir_config, notice
+from glm5_mcore.checkpoint.fp8_sharded import stored_block
+from glm5_mcore.checkpoint.hf_io import weight_block_size
 from glm5_mcore.checkpoint.hf_load import load_hf_weights
 from glm5_mcore.checkpoint.layout import model_dir
 from glm5_mcore.config import GLM5Config
+from glm5_mcore.model.fp8_linear import check_base_dtype
 from glm5_mcore.training.schema import ModelCfg
 
 
@@ -39,6 +42,8 @@ class ModelSource:
     glm5: GLM5Config
     fresh_mtp: bool = False
     foreign: bool = False
+    base_fp8_block: Optional[int] = None
+    """``model.base_dtype=fp8``: the block size of the frozen FP8 base (the weights folder's, else 128)."""
 
     def load_weights(self, model) -> None:
         """The base weights into ``model`` (built from ``self.glm5`` at this rank's layout)."""
@@ -63,6 +68,25 @@ def hf_dir_of(model: ModelCfg) -> str:
 def resolve_model(model: ModelCfg, lora_enabled: bool = False) -> ModelSource:
     """The ``ModelSource`` of a ``model`` section; ``lora_enabled``: the run trains adapters only (then
     ``model.mtp=init``, a whole fresh layer, is refused). Errors name the field or the folder."""
+    check_base_dtype(model.base_dtype, trains_base=False)
+    source = _resolve(model, lora_enabled)
+    if model.base_dtype == "fp8":
+        source.base_fp8_block = base_fp8_block(source)
+    return source
+
+
+def base_fp8_block(source: ModelSource) -> int:
+    """The block size a frozen FP8 base is built in: that of the FP8 weights ``model.ckpt`` stores
+    (``checkpoint.fp8_sharded``: loaded as stored), else the HF folder's (a dense checkpoint or folder is
+    quantized once in it)."""
+    if source.ckpt:
+        stored = stored_block(model_dir(source.ckpt))
+        if stored is not None:
+            return stored
+    return weight_block_size(source.hf_dir)
+
+
+def _resolve(model: ModelCfg, lora_enabled: bool) -> ModelSource:
     hf_dir = hf_dir_of(model)
     mode = model.mtp
     if mode not in ("auto", "init", "off"):

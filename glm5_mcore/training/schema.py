@@ -47,6 +47,13 @@ class ModelCfg:
     loss); "init": the ``num_nextn_predict_layers`` config.json declares, those the weights lack initialised as
     Megatron-Core initialises them, and trained; "off": no MTP block. RL: "auto" only (the MTP block is built
     for ``actor.mtp_loss_scale > 0`` or ``actor.mtp_accept``)."""
+    base_dtype: Optional[str] = None
+    """The frozen base's storage: null = the trainer's parameter dtype (bf16 / fp32); "fp8" (LoRA only) = the
+    checkpoint's e4m3 weights and block scales as stored (``weight_scale_inv``), no dequantize-requantize, for
+    the linears the release stores in FP8, from ``hf_dir`` or a ``ckpt`` converted from it (``glm5 convert
+    hf-to-mcore`` keeps them FP8); a bf16 folder or checkpoint is quantized once with the release's scheme;
+    1 byte per parameter instead of 2. The local spec computes with a reference GEMM (exact in fp32), TE with
+    its blockwise FP8 recipe. See ``glm5_mcore/model/fp8_linear.py``."""
     dsa_kernel_backend: str = "auto"
     """DSA's fused kernels (Megatron-Core's ``dsa_kernel_backend``): "auto" = "tilelang" on CUDA, "none" on the
     CPU; "none" = this project's kernels (fused C++ on the CPU, the sync-free PyTorch path elsewhere); "tilelang"

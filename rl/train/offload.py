@@ -24,6 +24,7 @@ import torch
 
 from glm5_mcore.cpu_compat import optimizer_offload
 from glm5_mcore.device import HostCopy, device_memory
+from glm5_mcore.model.fp8_linear import stored_tensors
 
 
 class TrainerOffload:
@@ -32,7 +33,8 @@ class TrainerOffload:
 
     def __init__(self, ddp, optimizer, model: torch.nn.Module, weights: bool):
         self.ddp, self.opt = ddp, optimizer
-        self.weights = HostCopy(p for p in model.parameters() if not p.requires_grad) if weights else None
+        self.weights = HostCopy(t for p in model.parameters() if not p.requires_grad
+                                for t in stored_tensors(p)) if weights else None  # an FP8 base: its bytes + scales
         self.active = False
 
     def _grad_bytes(self) -> int:

@@ -87,7 +87,7 @@ class PolicyTrainer:
         overrides.update(recompute_overrides(t.recompute))
         model = build_model(self.glm5, self.parallel, backend=t.backend, mtp_num_layers=mtp,
                             dsa_kernel_backend=cfg.model.dsa_kernel_backend,
-                            moe_grouped_gemm=cfg.model.moe_grouped_gemm,
+                            moe_grouped_gemm=cfg.model.moe_grouped_gemm, base_fp8_block=self.source.base_fp8_block,
                             moe_enable_routing_replay=True, **overrides, **overrides_mtp)
         self.source.load_weights(model)
         self.lora_cfg = {"default": cfg.lora.to_lora_config(seed=t.seed)}

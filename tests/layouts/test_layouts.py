@@ -49,9 +49,23 @@ MATRIX = {  # name: (check, tiny model fixture, check kwargs, [(layout, world si
                        [(dict(pp=2), 2)]),
     "sft_share_selective": ("sft_losses", "tiny_share_pp_dir", {"extra": (*SFT_LORA, "train.recompute=selective")},
                             [(dict(pp=2), 2)]),
+    # a checkpoint storing its base in FP8 (16x16 blocks), loaded as stored: TP shards and EP experts of the grid
+    "fp8_ckpt": ("fp8_ckpt_logits", "tiny_fp8_ckpt", {}, [(dict(tp=2, ep=2), 2)]),
 }
 REFERENCE = {"sft_share_full": "sft_share", "sft_share_selective": "sft_share"}
 """Cases whose layouts must give another entry's one-rank result: recompute equals no recompute."""
+
+
+@pytest.fixture(scope="module")
+def tiny_fp8_ckpt(tmp_path_factory):
+    """``hf-to-mcore`` of a tiny FP8 folder (16x16 blocks, non-canonical scales): its base stored in FP8."""
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
+
+    from tests.support.helpers import fp8_folders
+
+    root = tmp_path_factory.mktemp("fp8ck")
+    fp8, _ = fp8_folders(root, block=16, scale_by=4.0)
+    return str(hf_to_mcore(fp8, root / "ckpt", progress=False))
 
 
 def _id(check, layout, world):
@@ -145,8 +159,13 @@ def _recompute_grads(got, ref=None):
         assert max(abs(a - b) / b for a, b in zip(got["losses"][mode], got["losses"][None])) <= 1e-6, got["losses"]
 
 
+def _fp8_ckpt_logits(got, ref):
+    assert 0 < got["fp8"] < ref["fp8"], (got["fp8"], ref["fp8"])  # this rank's share of the experts, each as stored
+    _logits(got, ref)
+
+
 EQUAL = {"logits": _logits, "lora_steps": _lora_steps, "logprobs": _logprobs, "sft_losses": _sft_losses,
-         "rl_logprobs": _rl_logprobs, "recompute_grads": _recompute_grads}
+         "rl_logprobs": _rl_logprobs, "recompute_grads": _recompute_grads, "fp8_ckpt_logits": _fp8_ckpt_logits}
 
 
 @pytest.mark.slow

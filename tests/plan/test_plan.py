@@ -29,10 +29,13 @@ def test_planner_equals_built_744b_ranks():
     """Per rank, the planner's parameter, weight, buffer, gradient, main-parameter and Adam bytes equal
     those of the real model built for that rank (and Megatron DDP's gradient buffers over it), at TP 8
     EP 8, EP 64, PP 2 (first stage; last stage with MTP), PP 13 (a middle stage), ETP 8, and sampled
-    ranks of the two shipped 744B layouts."""
+    ranks of the two shipped 744B layouts; and the frozen FP8 base (``model.base_dtype=fp8``: e4m3 bytes + 128x128
+    block scales as ``BlockFP8Weight`` holds them) on the shipped RL rank and both PP 2 stages (MTP on the last),
+    each the same built rank with its base swapped in place."""
     rows = _run_check("plan_check.py")
     assert {r["case"] for r in rows} >= {"rl_old_tp8_ep8", "ep64_full_ft", "pp2_ep64_lora", "pp13_ep16_full_ft",
-                                         "etp8_ep8_full_ft", "shipped_rl", "shipped_sft"}
+                                         "etp8_ep8_full_ft", "shipped_rl", "shipped_sft",
+                                         "shipped_rl_fp8", "pp2_ep64_lora_fp8"}
     for r in rows:
         b, p, what = r["built"], r["plan"], f"{r['case']} rank {r['rank']}"
         for k in ("params", "param_bytes", "expert_params", "trainable", "buffer_bytes"):
@@ -50,6 +53,10 @@ def test_planner_equals_built_744b_ranks():
         for x in dist:  # Megatron pads each buffer to the DP size: a few elements per shard
             assert 0 <= x["numel"] // x["dp"] - shard(x) <= 1e-3 * shard(x) + 64
     by = {(r["case"], r["rank"]): r for r in rows}
+    for case, rank in (("shipped_rl", 37), ("pp2_ep64_lora", 127)):  # 1 byte + scales: half the bf16 rank's bytes
+        fp8, bf16 = by[(f"{case}_fp8", rank)], by[(case, rank)]
+        assert fp8["base_fp8"] and not bf16["base_fp8"] and fp8["built"]["params"] == bf16["built"]["params"]
+        assert 0.51 < fp8["built"]["param_bytes"] / bf16["built"]["param_bytes"] < 0.53, (case, fp8, bf16)
     assert by[("rl_old_tp8_ep8", 0)]["built"]["param_bytes"] > 189e9  # the old RL layout: 190 GB per GPU
     first, last = by[("pp2_ep64_lora", 0)], by[("pp2_ep64_lora", 127)]
     assert last["built"]["params"] > first["built"]["params"]  # MTP layer + its embedding copy

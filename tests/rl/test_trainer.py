@@ -7,11 +7,8 @@ import pytest
 import torch
 
 from rl.train import algos
-from rl.tasks.rewards import Rewards
 from rl.train.batch import fill_log_probs, make_batch
-from rl.rollout.base import Request, SamplingParams, sample_seed
-from rl.tasks.prompts import next_prompts, toy_prompts
-from tests.support.rl_setup import perturb, rl_cfg, rollout
+from tests.support.rl_setup import perturb, rl_cfg, rl_steps, rollout
 
 
 @pytest.fixture(scope="module")
@@ -112,22 +109,9 @@ def test_gae_critic_value_loss_falls(tiny_dir):
                data={"prompts_per_step": 8})
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     trainer = PolicyTrainer(cfg)
-    engine = HFRolloutEngine(tiny_dir)
-    train = toy_prompts(tok, 256, 0)
-    rewards, pos, vf = Rewards(cfg, tok), {"epoch": 0, "cursor": 0}, []
-    params = SamplingParams(1.0, 1.0, 4, (tok.eos_token_id,))
-    for step in range(8):
-        engine.load_adapter(trainer.export_adapter(step))
-        prompts = next_prompts(train, 8, 0, pos)
-        reqs = [Request((p.index, k), p.ids, sample_seed(0, step, p.index, k)) for p in prompts for k in range(4)]
-        results = engine.generate(reqs, params)
-        batch = make_batch(prompts, results, 4)
-        batch.scores = rewards(prompts, results, 4)
-        fill_log_probs(batch, [trainer.compute_log_probs(batch)])
+    vf = []
+    for batch, m in rl_steps(cfg, trainer, HFRolloutEngine(tiny_dir), tok, 8, 256):
         assert batch.values is not None
-        algos.rollout_correction(cfg, batch)
-        algos.compute_advantages(cfg, batch, 0.0)
-        m = trainer.update(batch, step)
         assert np.isfinite(m["actor/pg_loss"])
         vf.append(m["critic/vf_loss"])
     # rewards are Bernoulli(~0.5): the floor is 0.5·Var ≈ 0.125; from a zero value head it starts above

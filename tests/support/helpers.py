@@ -1,6 +1,7 @@
 """Shared by the tests and the torchrun scripts they launch (importable from either)."""
 
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -71,3 +72,35 @@ def save_on_rank0_and_finish(obj, path) -> None:
         torch.save(obj, path)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def fp8_folders(root, block: int = 16, mtp: bool = False, seed: int = 0, mla_576: bool = False,
+                scale_by: Optional[float] = None):
+    """(an FP8 tiny folder in ``block``-square blocks, the same model dequantized to fp32 as a plain folder):
+    the pair a frozen FP8 base (``model.base_dtype=fp8``) and an fp32 base of the same values are built from.
+    ``scale_by``: every stored scale that many times the canonical ``amax / 448`` and its bytes divided by it
+    (a release whose blocks do not map their maximum to 448: a dequantize-requantize would change its bytes)."""
+    from safetensors.torch import save_file
+
+    from glm5_mcore.checkpoint.hf_io import HFCheckpoint
+    from glm5_mcore.checkpoint.manifest import write_manifest
+    from glm5_mcore.config import glm5_tiny
+    from glm5_mcore.tiny import mla576, write_hf_checkpoint, write_tiny
+
+    root = Path(root)
+    fp8 = write_tiny(root / "fp8", mtp=mtp, seed=seed, mla_576=mla_576, fp8_block=block)
+    ckpt = HFCheckpoint(fp8)
+    if scale_by is not None:
+        sd = {}
+        for k in ckpt.keys():
+            if not k.endswith("_scale_inv"):
+                q, s = ckpt.get_stored(k)
+                sd[k] = q if s is None else (q.float() / scale_by).to(torch.float8_e4m3fn)
+                if s is not None:
+                    sd[k + "_scale_inv"] = s * scale_by
+        save_file(sd, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
+        write_manifest(fp8)  # the folder's checksums, of the new bytes
+        ckpt = HFCheckpoint(fp8)
+    sd = {k: ckpt.get(k).contiguous() for k in ckpt.keys() if not k.endswith("_scale_inv")}
+    cfg = mla576(glm5_tiny(mtp=mtp)) if mla_576 else glm5_tiny(mtp=mtp)
+    return fp8, write_hf_checkpoint(cfg, sd, root / "dense")

@@ -14,9 +14,10 @@ import torch
 
 from rl.train import algos
 from rl.config import RLConfig
-from rl.train.batch import make_batch
+from rl.tasks.rewards import Rewards
+from rl.train.batch import fill_log_probs, make_batch
 from rl.rollout.base import Request, SamplingParams, sample_seed
-from rl.tasks.prompts import toy_prompts
+from rl.tasks.prompts import next_prompts, toy_prompts
 
 
 def rl_cfg(tiny_dir, **sections):
@@ -79,6 +80,27 @@ def rollout(cfg, engine, tok, step=0, n=4, count=8, t=None):
     reqs = [Request((p.index, k), p.ids, sample_seed(1, step, p.index, k)) for p in prompts for k in range(n)]
     params = SamplingParams(t or cfg.rollout.temperature, 1.0, cfg.rollout.max_new_tokens, (tok.eos_token_id,))
     return prompts, engine.generate(reqs, params)
+
+
+def rl_steps(cfg, trainer, engine, tok, steps: int, n_prompts: int):
+    """Yield (batch, metrics) of ``steps`` in-process RL steps (no Ray): the engine serves the trainer's adapter,
+    ``data.prompts_per_step`` of ``n_prompts`` toy prompts get ``rollout.n`` samples each (``rollout.temperature``,
+    ``max_new_tokens``), are scored, get the trainer's old log-probs and advantages, then one update."""
+    n, per_step = cfg.rollout.n, cfg.data.prompts_per_step
+    train = toy_prompts(tok, n_prompts, 0)
+    rewards, pos = Rewards(cfg, tok), {"epoch": 0, "cursor": 0}
+    params = SamplingParams(cfg.rollout.temperature, 1.0, cfg.rollout.max_new_tokens, (tok.eos_token_id,))
+    for step in range(steps):
+        engine.load_adapter(trainer.export_adapter(step))
+        prompts = next_prompts(train, per_step, 0, pos)
+        reqs = [Request((p.index, k), p.ids, sample_seed(0, step, p.index, k)) for p in prompts for k in range(n)]
+        results = engine.generate(reqs, params)
+        batch = make_batch(prompts, results, n)
+        batch.scores = rewards(prompts, results, n)
+        fill_log_probs(batch, [trainer.compute_log_probs(batch)])
+        algos.rollout_correction(cfg, batch)
+        algos.compute_advantages(cfg, batch, 0.0)
+        yield batch, trainer.update(batch, step)
 
 
 def perturbed_router_engine(tiny_dir):

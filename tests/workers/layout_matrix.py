@@ -17,7 +17,9 @@ at one rank for the reference (``tests/layouts/test_layouts.py``):
   log-probs, one PPO update's metrics (entropy, losses), the log-probs after it, the PEFT adapter it pushes;
 - ``recompute_grads``: one forward+backward of two THD micro-batches through Megatron's schedule (1F1B under
   PP) with LoRA dropout on, without recompute, with selective and with full recompute: each mode's losses and
-  its largest adapter-gradient difference from no recompute (max over ranks, relative to the largest gradient).
+  its largest adapter-gradient difference from no recompute (max over ranks, relative to the largest gradient);
+- ``fp8_ckpt_logits``: a checkpoint storing its base in FP8 loaded as stored into a frozen FP8 base (each shard's
+  bytes checked), and its logits.
 """
 
 import json
@@ -32,16 +34,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from glm5_mcore.checkpoint.hf_io import HFCheckpoint  # noqa: E402
 from glm5_mcore.checkpoint.hf_load import load_hf_weights, mcore_to_hf_sources  # noqa: E402
+from glm5_mcore.checkpoint.layout import hf_source_dir  # noqa: E402
 from glm5_mcore.config import GLM5Config  # noqa: E402
 from glm5_mcore.mcore_settings import ParallelConfig, padded_vocab_size  # noqa: E402
 from glm5_mcore.lora.apply import apply_lora  # noqa: E402
 from glm5_mcore.lora.config import EXPERTS, MLA, MLP, LoRAConfig  # noqa: E402
 from glm5_mcore.lora.state import save_adapter  # noqa: E402
 from glm5_mcore.model.build import build_model, forward_logits  # noqa: E402
+from glm5_mcore.model.fp8_linear import BlockFP8Weight  # noqa: E402
 from glm5_mcore.model.mtp_loss import model_token_logprobs  # noqa: E402
 from glm5_mcore.model.parallel import init_parallel  # noqa: E402
 from glm5_mcore.model.vocab import VOCAB_PARALLEL  # noqa: E402
 from glm5_mcore.parity import load_input_ids, megatron_forward, model_source  # noqa: E402
+from glm5_mcore.training.model_source import resolve_model  # noqa: E402
+from glm5_mcore.training.schema import ModelCfg  # noqa: E402
 
 from recipes.hydra_app import compose  # noqa: E402
 from rl.train.batch import RolloutBatch  # noqa: E402
@@ -238,8 +244,32 @@ def recompute_grads(hf_dir: str, parallel: ParallelConfig, out: str, dropout: fl
     return {"losses": losses, "grad_diff": diff, "grad_max": float(top)}
 
 
+def fp8_ckpt_logits(ckpt: str, parallel: ParallelConfig, out: str) -> dict:
+    """{"logits": [2, 32, V], "fp8": #FP8 weights}: a checkpoint storing its base in FP8 (``hf-to-mcore`` of an FP8
+    folder) loaded as stored (``model.ckpt`` + ``model.base_dtype=fp8``) at ``parallel``, after checking every
+    FP8 shard holds the bytes and scales ``load_hf_weights`` shards out of the HF origin's stored ones."""
+    init_parallel(parallel)
+    source = resolve_model(ModelCfg(ckpt=ckpt, base_dtype="fp8"), lora_enabled=True)
+    m = build_model(source.glm5, parallel, base_fp8_block=source.base_fp8_block)
+    source.load_weights(m)
+    ref = build_model(source.glm5, parallel, base_fp8_block=source.base_fp8_block)
+    load_hf_weights(ref, hf_source_dir(ckpt), source.glm5)
+    got, want = dict(m.named_parameters()), dict(ref.named_parameters())
+    n = 0
+    for name, w in want.items():
+        if isinstance(w, BlockFP8Weight):
+            g = got[name]
+            assert isinstance(g, BlockFP8Weight) and torch.equal(g.data_fp8.view(torch.uint8), w.data_fp8.view(
+                torch.uint8)) and torch.equal(g.scale_inv, w.scale_inv), name
+            n += 1
+    ids = load_input_ids(None, source.glm5.vocab_size, 2, SEQ, seed=11)
+    with torch.no_grad():
+        logits = forward_logits(m.eval(), ids)
+    return {"logits": logits.contiguous(), "fp8": n}
+
+
 CHECKS = {"logits": logits, "lora_steps": lora_steps, "logprobs": logprobs, "sft_losses": sft_losses,
-          "rl_logprobs": rl_logprobs, "recompute_grads": recompute_grads}
+          "rl_logprobs": rl_logprobs, "recompute_grads": recompute_grads, "fp8_ckpt_logits": fp8_ckpt_logits}
 
 
 def run_case(case: dict, out: str) -> dict:
