@@ -5,6 +5,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from glm5_mcore.config import GLM5Config
 from glm5_mcore.mcore_settings import ParallelConfig
@@ -71,3 +72,18 @@ def save_on_rank0_and_finish(obj, path) -> None:
         torch.save(obj, path)
     dist.barrier()
     dist.destroy_process_group()
+
+
+class LargestTensor(TorchDispatchMode):
+    """The largest tensor any op produces inside the block (``numel``, elements)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(o, torch.Tensor):
+                self.numel = max(self.numel, o.numel())
+        return out
