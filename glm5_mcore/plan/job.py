@@ -54,6 +54,9 @@ class Job:
     """(targets, rank) for LoRA; None for full fine-tuning."""
     freeze_indexer: bool = True
     mtp: bool = True
+    dsa_stage: str = "sparse"
+    """The DSA indexer's training stage (``plan.activations.DSA_STAGES``): ``sparse`` (frozen), ``sparse_loss``
+    (``train.freeze_indexer=false``), ``warmup`` (``train.indexer_warmup=true``)."""
     rollout: Optional[RolloutJob] = None
     cluster: Optional[str] = None
     fixed: tuple = ()
@@ -87,7 +90,8 @@ def sft_job(cfg, world: int, etp: Optional[int] = None) -> Job:
     return Job(kind="sft", layout=layout, micro_batch_tokens=data.micro_batch_tokens, microbatches=accum,
                bf16=t.bf16, recompute=t.recompute, distributed_optimizer=cfg.optim.distributed,
                lora=(tuple(lora.targets), lora.rank) if lora.enabled else None,
-               freeze_indexer=t.freeze_indexer, mtp=True, cluster=cfg.plan.cluster)
+               freeze_indexer=t.freeze_indexer, mtp=True, cluster=cfg.plan.cluster,
+               dsa_stage="warmup" if t.indexer_warmup else "sparse" if t.freeze_indexer else "sparse_loss")
 
 
 def rl_job(cfg) -> Job:
