@@ -10,10 +10,17 @@ sparse layer in the sparse training stage (trainable indexer, Megatron-Core's sp
 the selected keys + the top-k recall on 128 rows): its time and memory over plain "sparse" is the cost of
 the indexer keeping on learning. Beside them, of the sparse core on the device (PyTorch) path: the host
 syncs per layer (ops that read a device value back) and the bytes kept for backward per token per head.
-The JSON line carries the speed target of issue 29, ``sparse_vs_dense_8192 >= 1.0`` on any CPU (AVX2-only
-included: ``cpu_vector_isa``), and ``target_met``.
+The JSON line carries the targets (``targets``: each one's value and whether it is met; ``target_met``: all):
+issue 29's speed, ``sparse_vs_dense_8192 >= 1.0`` on any CPU (AVX2-only included: ``cpu_vector_isa``), and
+issue 43's memory and sparse-stage cost, ``rss_sparse_vs_dense_8192 <= 1.2`` (peak RSS) and
+``sparse_loss_vs_sparse_8192 <= 2.0`` (time; the targets' times are process CPU times, one thread: the
+wall time on a quiet machine), with the machine's load average at the start and the end
+(ratios taken on a loaded machine are rough; ``--rounds`` interleaves several processes per implementation
+and keeps the least disturbed). The device-path figures (host syncs, saved bytes) run the PyTorch path after
+the timed steps and the peak RSS are read: its 1 GiB chunks are no CPU figure (they were, before: the
+sparse layer's 1,857 MiB peak RSS at T = 8192 was that path's).
 
-Usage: .venv/bin/python bench/dsa_attention.py [--seqs 2048 4096 8192] [--reps 2]
+Usage: .venv/bin/python bench/dsa_attention.py [--seqs 2048 4096 8192] [--reps 2] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -90,16 +97,18 @@ def run_one(impl: str, T: int, reps: int) -> dict:
             out, _ = attn(xs, None)
             out.sum().backward()
 
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the model and inputs built
     step()  # warm-up
-    extra = core_figures(attn, lambda: attn(xs, None)[0], T) if impl == "sparse" else {}
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    times = []
+    times, cpu = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"impl": impl, "T": T, "time_s": min(times), "peak_rss_mib": peak / 1024, "rss_growth_mib": (peak - base) / 1024,
+    # after the peak is read: the device-path figures run the PyTorch path, whose 1 GiB chunks are no CPU figure
+    extra = core_figures(attn, lambda: attn(xs, None)[0], T) if impl == "sparse" else {}
+    return {"impl": impl, "T": T, "time_s": min(times), "cpu_s": min(cpu), "peak_rss_mib": peak / 1024, "rss_growth_mib": (peak - base) / 1024,
             **extra}
 
 
@@ -152,53 +161,101 @@ def cpu_vector_isa() -> str:
     return next((isa for isa in ("avx512f", "avx2", "avx") if isa in flags), "sse2")
 
 
+def _run(impl: str, T: int, reps: int, env: dict) -> dict:
+    r = subprocess.run([sys.executable, __file__, "--one", impl, str(T), "--reps", str(reps)],
+                       env=env, capture_output=True, text=True)
+    line = [l for l in r.stdout.splitlines() if l.startswith("{")]
+    if r.returncode or not line:
+        raise SystemExit(f"{impl} T={T} failed:\n{r.stderr[-3000:]}")
+    return json.loads(line[-1])
+
+
+TARGETS = {"sparse_vs_dense_8192": (">=", 1.0), "rss_sparse_vs_dense_8192": ("<=", 1.2),
+           "sparse_loss_vs_sparse_8192": ("<=", 2.0)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 8192])
-    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--reps", type=int, default=2, help="timed steps per process (the minimum is kept)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="processes per implementation, interleaved (sparse, sparse+loss, dense, ...): on a loaded "
+                        "machine the minimum over rounds is the figure least disturbed; hf runs in round 1 only")
     p.add_argument("--one", nargs=2)
     a = p.parse_args()
     if a.one:
         print(json.dumps(run_one(a.one[0], int(a.one[1]), a.reps)))
         return
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    out = {"k": K, "rows": [], "target_fraction_of_ideal_at_8192": 0.8}
+    out = {"bench": "dsa_attention", "k": K, "threads": 1, "load_avg_start": os.getloadavg(), "rows": [],
+           "about": {
+               "time_s / cpu_s": "forward + backward of one attention layer, min over reps and rounds: wall time and "
+                                 "process CPU time (CPU time is the steadier one on a loaded machine)",
+               "sparse": "DSA layer, frozen indexer (the plain sparse stage), fused CPU kernels",
+               "sparse+loss": "the sparse training stage: trainable indexer, Megatron-Core's sparse KL over the selected "
+                              "keys (fused CPU kernels: the attention target and the KL, forward and gradients) and the "
+                              "top-k recall on 128 rows",
+               "dense": "the same module with index_topk >= T (no indexer, causal SDPA)",
+               "hf": "transformers' GlmMoeDsaAttention, eager (dense scores + DSA mask)",
+               "peak_rss_mib": "the process's peak RSS (ru_maxrss) over building the layer and its timed steps: "
+                               "Python, torch and Megatron included; rss_growth_mib: the part above the built model",
+               "ratios": "from the same run, each implementation in its own process; the targets' time ratios "
+                         "(sparse_vs_dense_8192, sparse_loss_vs_sparse_8192) are of CPU time, the rows carry both"},
+           "target_fraction_of_ideal_at_8192": 0.8}
     for T in a.seqs:
         res = {}
-        for impl in ("sparse", "sparse+loss", "dense", "hf"):
-            r = subprocess.run([sys.executable, __file__, "--one", impl, str(T), "--reps", str(a.reps)],
-                               env=env, capture_output=True, text=True)
-            line = [l for l in r.stdout.splitlines() if l.startswith("{")]
-            if r.returncode or not line:
-                raise SystemExit(f"{impl} T={T} failed:\n{r.stderr[-3000:]}")
-            res[impl] = json.loads(line[-1])
+        for rnd in range(a.rounds):
+            for impl in ("sparse", "sparse+loss", "dense") + (("hf",) if rnd == 0 else ()):
+                r = _run(impl, T, a.reps, env)
+                if impl not in res:
+                    res[impl] = r
+                else:
+                    best = res[impl]
+                    for k in ("time_s", "cpu_s"):
+                        best[k] = min(best[k], r[k])
+                    for k in ("peak_rss_mib", "rss_growth_mib"):
+                        best[k] = max(best[k], r[k])
         ideal = flops(T, False) / flops(T, True)
-        speed = res["dense"]["time_s"] / res["sparse"]["time_s"]
-        row = {"T": T, "sparse_s": res["sparse"]["time_s"], "dense_s": res["dense"]["time_s"],
-               "hf_s": res["hf"]["time_s"], "speedup_vs_dense": speed, "ideal_speedup": ideal,
-               "fraction_of_ideal": speed / ideal, "speedup_vs_hf": res["hf"]["time_s"] / res["sparse"]["time_s"],
+        sp, sl, de, hf = res["sparse"], res["sparse+loss"], res["dense"], res["hf"]
+        speed = de["time_s"] / sp["time_s"]
+        row = {"T": T, "sparse_s": sp["time_s"], "sparse_loss_s": sl["time_s"], "dense_s": de["time_s"],
+               "hf_s": hf["time_s"], "cpu_s": {k: v["cpu_s"] for k, v in res.items()},
+               "speedup_vs_dense": speed, "speedup_vs_dense_cpu": de["cpu_s"] / sp["cpu_s"], "ideal_speedup": ideal,
+               "fraction_of_ideal": speed / ideal, "speedup_vs_hf": hf["time_s"] / sp["time_s"],
                "peak_rss_mib": {k: v["peak_rss_mib"] for k, v in res.items()},
-               "mem_ratio_sparse_vs_hf": res["sparse"]["peak_rss_mib"] / res["hf"]["peak_rss_mib"],
-               "indexer_loss_time_ratio": res["sparse+loss"]["time_s"] / res["sparse"]["time_s"],
-               "indexer_loss_mem_ratio": res["sparse+loss"]["peak_rss_mib"] / res["sparse"]["peak_rss_mib"],
-               "host_syncs_per_layer": res["sparse"]["host_syncs_per_layer"],
-               "saved_bytes_per_token_per_head_fp32": res["sparse"]["saved_bytes_per_token_per_head_fp32"]}
+               "rss_growth_mib": {k: v["rss_growth_mib"] for k, v in res.items()},
+               "rss_sparse_vs_dense": sp["peak_rss_mib"] / de["peak_rss_mib"],
+               "mem_ratio_sparse_vs_hf": sp["peak_rss_mib"] / hf["peak_rss_mib"],
+               "indexer_loss_time_ratio": sl["time_s"] / sp["time_s"],
+               "indexer_loss_time_ratio_cpu": sl["cpu_s"] / sp["cpu_s"],
+               "indexer_loss_mem_ratio": sl["peak_rss_mib"] / sp["peak_rss_mib"],
+               "host_syncs_per_layer": sp["host_syncs_per_layer"],
+               "saved_bytes_per_token_per_head_fp32": sp["saved_bytes_per_token_per_head_fp32"]}
         out["rows"].append(row)
         print(f"T={T:5d}  sparse {row['sparse_s']:.3f}s  dense {row['dense_s']:.3f}s  hf {row['hf_s']:.3f}s  "
-              f"speed-up vs dense {speed:.2f}x (ideal {ideal:.2f}x, {speed / ideal:.0%})  vs hf "
-              f"{row['speedup_vs_hf']:.2f}x  peak RSS MiB sparse/dense/hf "
-              f"{row['peak_rss_mib']['sparse']:.0f}/{row['peak_rss_mib']['dense']:.0f}/{row['peak_rss_mib']['hf']:.0f}  "
-              f"sparse+indexer loss {res['sparse+loss']['time_s']:.3f}s ({row['indexer_loss_time_ratio']:.2f}x time, "
+              f"speed-up vs dense {speed:.2f}x (CPU time {row['speedup_vs_dense_cpu']:.2f}x; ideal {ideal:.2f}x, "
+              f"{speed / ideal:.0%})  vs hf {row['speedup_vs_hf']:.2f}x  peak RSS MiB sparse/dense/hf "
+              f"{row['peak_rss_mib']['sparse']:.0f}/{row['peak_rss_mib']['dense']:.0f}/{row['peak_rss_mib']['hf']:.0f} "
+              f"(sparse/dense {row['rss_sparse_vs_dense']:.2f}x)  sparse+indexer loss {row['sparse_loss_s']:.3f}s "
+              f"({row['indexer_loss_time_ratio']:.2f}x time, CPU time {row['indexer_loss_time_ratio_cpu']:.2f}x, "
               f"{row['indexer_loss_mem_ratio']:.2f}x RSS)  device path: {row['host_syncs_per_layer']} host syncs per "
               f"layer, {row['saved_bytes_per_token_per_head_fp32']:.0f} B saved per token per head (fp32)", flush=True)
     last = out["rows"][-1]
     out["fraction_of_ideal_at_max_T"] = last["fraction_of_ideal"]
     out["pass"] = last["T"] == 8192 and last["fraction_of_ideal"] >= 0.8
-    at = {r["T"]: r["speedup_vs_dense"] for r in out["rows"]}
-    out["target"] = "sparse_vs_dense_8192 >= 1.0"  # on any CPU, AVX2-only included (issue 29)
-    out["sparse_vs_dense_8192"] = at.get(8192)
-    out["target_met"] = at.get(8192) is not None and at[8192] >= 1.0
+    at = {r["T"]: r for r in out["rows"]}.get(8192)
+    # times: process CPU time (1 thread: the wall time on a quiet machine, steadier on a loaded one)
+    got = {"sparse_vs_dense_8192": at and at["speedup_vs_dense_cpu"],  # on any CPU, AVX2-only included (issue 29)
+           "rss_sparse_vs_dense_8192": at and at["rss_sparse_vs_dense"],  # issue 43 item 6
+           "sparse_loss_vs_sparse_8192": at and at["indexer_loss_time_ratio_cpu"]}  # issue 43 item 6
+    out["targets"] = {k: {"target": f"{TARGETS[k][0]} {TARGETS[k][1]}", "value": v,
+                          "met": v is not None and (v >= TARGETS[k][1] if TARGETS[k][0] == ">=" else v <= TARGETS[k][1])}
+                      for k, v in got.items()}
+    out["target"] = "; ".join(f"{k} {op} {x}" for k, (op, x) in TARGETS.items())
+    out.update(got)
+    out["target_met"] = all(t["met"] for t in out["targets"].values())
     out["cpu_vector_isa"] = cpu_vector_isa()
+    out["load_avg_end"] = os.getloadavg()
     print(json.dumps(out))
 
 

@@ -3,7 +3,9 @@
 On a CPU the sparse core and the indexer's top-k are memory-bound in PyTorch ops: the core
 materialises a gathered [S, K, D] latent block per chunk and ``torch.topk`` with k = 512 costs more
 than the indexer's whole T² scoring. The kernels read the latent rows in place and score + select
-one indexer row at a time. They run only on CPU fp32 tensors; CUDA tensors never come here.
+one indexer row at a time; the sparse stage's indexer loss (its attention target and the KL of the
+indexer's scores over the selected keys, forward and gradients) reads the selected rows in place too.
+They run only on CPU fp32 tensors; CUDA tensors never come here.
 
 The library is built once per machine with the system C++ compiler (``$CXX`` or ``g++``,
 ``-O3 -march=native``) into ``$GLM5_KERNEL_CACHE`` (default ``~/.cache/glm5_mcore/kernels``), keyed by
@@ -42,6 +44,8 @@ _SIGNATURES = {
     "glm5_indexer_topk": [_P, _P, _P, _I, _I, _I, _I, _P, _P, _I, _P, _N],
     "glm5_sparse_latent_fwd": [_P, _P, _P, _I, _I, _I, _I, _F, _I, _P, _P, _N],
     "glm5_sparse_latent_bwd": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _P, _P, _N],
+    "glm5_sparse_latent_target": [_P, _P, _P, _I, _I, _I, _I, _F, _P, _N],
+    "glm5_indexer_kl": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P, _P, _P, _P, _N],
 }
 
 
@@ -189,3 +193,45 @@ def sparse_latent_bwd(q_SnD, lat_TD, idx_SK, out_Snc, lse_Sn, dout_Snc, scale: f
                                    torch.get_num_threads())
     d = q_SnD.shape[-1]
     return dq[..., :d], dlat[:, :d]
+
+
+def sparse_latent_target(q_RnD: torch.Tensor, lat_TD: torch.Tensor, idx_RK: torch.Tensor, scale: float) -> torch.Tensor:
+    """The sparse stage's attention target before the TP sum and the L1 norm: Σ_h softmax(scale·q_h·lat_j)
+    over each row's selected latent rows j (0 where idx < 0). q [R, n, D], lat [T, D] → fp32 [R, K]."""
+    q, lat, idx = _padded(q_RnD), _padded(lat_TD), _c(idx_RK, torch.int64)
+    R, n, D = q.shape
+    out = torch.empty(R, idx.shape[1], dtype=torch.float32)
+    _need().glm5_sparse_latent_target(_ptr(q), _ptr(lat), _ptr(idx), R, n, D, idx.shape[1], scale, _ptr(out),
+                                      torch.get_num_threads())
+    return out
+
+
+def _kl_inputs(q_RnD, w_Rn, k_TD, idx_RK, t_RK):
+    return _padded(q_RnD), _c(w_Rn), _padded(k_TD), _c(idx_RK, torch.int64), _c(t_RK)
+
+
+def indexer_kl(q_RnD: torch.Tensor, w_Rn: torch.Tensor, k_TD: torch.Tensor, idx_RK: torch.Tensor,
+               t_RK: torch.Tensor) -> torch.Tensor:
+    """Per query row, KL(t || softmax over the selected keys of I), I_j = Σ_h w_h·ReLU(q_h·k_idx[j]) (Megatron-Core's
+    ``indexer_kl_sum`` terms, rows that select nothing 0). q [R, nI, dI], w [R, nI], k [T, dI], idx / t [R, K]
+    → fp32 [R]."""
+    q, w, k, idx, t = _kl_inputs(q_RnD, w_Rn, k_TD, idx_RK, t_RK)
+    R, nI, dI = q.shape
+    kl = torch.empty(R, dtype=torch.float32)
+    null = ctypes.c_void_p(0)
+    _need().glm5_indexer_kl(_ptr(q), _ptr(w), _ptr(k), _ptr(idx), _ptr(t), R, nI, dI, idx.shape[1], k.shape[0], 1.0,
+                            _ptr(kl), null, null, null, torch.get_num_threads())
+    return kl
+
+
+def indexer_kl_grad(q_RnD, w_Rn, k_TD, idx_RK, t_RK, g: float):
+    """Gradients of ``g`` × Σ_rows ``indexer_kl``: dq [R, nI, dI], dw [R, nI], dk [T, dI], fp32."""
+    q, w, k, idx, t = _kl_inputs(q_RnD, w_Rn, k_TD, idx_RK, t_RK)
+    R, nI, dI = q.shape
+    dq = torch.empty(R, nI, dI, dtype=torch.float32)
+    dw = torch.empty(R, nI, dtype=torch.float32)
+    dk = torch.zeros(k.shape, dtype=torch.float32)
+    _need().glm5_indexer_kl(_ptr(q), _ptr(w), _ptr(k), _ptr(idx), _ptr(t), R, nI, dI, idx.shape[1], k.shape[0], g,
+                            ctypes.c_void_p(0), _ptr(dq), _ptr(dw), _ptr(dk), torch.get_num_threads())
+    d = q_RnD.shape[-1]
+    return dq[..., :d], dw, dk[:, :d]

@@ -4,7 +4,11 @@
 // - glm5_indexer_topk: the indexer's ReLU(q·k) head-weighted scores of one query row at a time, kept
 //   in a row buffer, and the deterministic top-k of that row (ties to the lower key index);
 // - glm5_sparse_latent_fwd / _bwd: absorbed-MLA attention of each query over its selected latent
-//   rows, read in place (no gathered [S, K, D] copy), flash-style backward from the saved lse.
+//   rows, read in place (no gathered [S, K, D] copy), flash-style backward from the saved lse;
+// - glm5_sparse_latent_target / glm5_indexer_kl: the sparse training stage's indexer loss: the
+//   attention target over each query's selected latent rows (heads summed), and the KL of the
+//   indexer's softmax over the same keys against it, forward and gradients, selected key rows read
+//   in place (no gathered [S, K, dI] or [S, K, D] copy).
 // All math is fp32. Row-major contiguous arrays; index -1 = not selected. Threads split query rows;
 // the backward's latent gradient is summed from per-thread buffers, so results do not depend on the
 // thread count except through fp32 summation order.
@@ -110,6 +114,31 @@ static inline V vexp(V x) {
   const Vi bits = (__builtin_convertvector(fx, Vi) + 127) << 23;
   y = y * (V)bits;
   return under ? V{} : y;
+}
+
+// log(x) on W lanes for x > 0 normal (Cephes logf: x = m 2^e with m in [sqrt(1/2), sqrt(2)), degree-8
+// polynomial, ~2 ulp); the callers pass x >= 1e-10.
+static inline V vlog(V x) {
+  const Vi bits = (Vi)x;
+  Vi e = ((bits >> 23) & 0xff) - 126;
+  V m = (V)((bits & 0x807fffff) | 0x3f000000);  // mantissa in [0.5, 1)
+  const Vi small = m < 0.707106781186547524f;
+  e = small ? e - 1 : e;
+  m = small ? m + m - 1.f : m - 1.f;
+  const V z = m * m;
+  V y = splat(7.0376836292e-2f);
+  y = y * m - 1.1514610310e-1f;
+  y = y * m + 1.1676998740e-1f;
+  y = y * m - 1.2420140846e-1f;
+  y = y * m + 1.4249322787e-1f;
+  y = y * m - 1.6668057665e-1f;
+  y = y * m + 2.0000714765e-1f;
+  y = y * m - 2.4999993993e-1f;
+  y = y * m + 3.3333331174e-1f;
+  y = y * m * z;
+  const V fe = __builtin_convertvector(e, V);
+  y = y + fe * -2.12194440e-4f - 0.5f * z;
+  return m + y + fe * 0.693359375f;
 }
 
 // Loads/stores of n < W trailing floats through a zero-padded vector.
@@ -598,6 +627,138 @@ void glm5_sparse_latent_bwd(const float* q, const float* lat, const i64* idx, co
     }
   });
   for (auto& v : part) vaxpy(dlat, 1.f, v.data(), T * D);
+}
+
+}  // extern "C"
+
+extern "C" {
+
+// q [R, n, D], lat [T, D], idx [R, K] -> out [R, K] = sum_h softmax_j(scale q_h·lat_idx[j]) over the row's
+// selected rows (0 where idx < 0; a row that selects nothing is all 0). D a multiple of 16.
+void glm5_sparse_latent_target(const float* q, const float* lat, const i64* idx, i64 R, i64 n, i64 D, i64 K,
+                               float scale, float* out, int nt) {
+  parallel_rows(R, nt, [&](i64 a, i64 b, int) {
+    std::vector<float> p(n * K);
+    for (i64 t = a; t < b; ++t) {
+      const i64* id = idx + t * K;
+      float* o = out + t * K;
+      std::fill(o, o + K, 0.f);
+      score_rows(q + t * n * D, lat, D, id, n, D, K, scale, nullptr, p.data());
+      for (i64 hh = 0; hh < n; ++hh) {
+        float* ph = p.data() + hh * K;
+        float m = NEG_INF;
+        for (i64 j = 0; j < K; ++j) m = std::max(m, ph[j]);
+        if (m == NEG_INF) continue;
+        const float inv = 1.f / exp_shifted_sum(ph, K, m);
+        for (i64 j = 0; j < K; ++j) o[j] += ph[j] * inv;
+      }
+    }
+  });
+}
+
+// The sparse stage's indexer KL per query row r over its selected keys j (idx[r, j] >= 0):
+//   I_j = sum_h w[r,h] relu(q[r,h]·k[idx_j]),  logp = log_softmax_j(I),
+//   kl[r] = sum_j t_j (log(max(t_j, 1e-10)) - logp_j)        (Megatron-Core's indexer_kl_sum terms)
+// q [R, nI, dI], w [R, nI], k [T, dI], idx / t [R, K]; dI a multiple of 16. With dq (then dw, dk too)
+// given, the gradients of g * sum_r kl[r] instead: dI_j = g (p_j sum(t) - t_j), dw, dq written, dk
+// [T, dI] accumulated into (the caller's starting values, usually zeros); kl is then not written.
+void glm5_indexer_kl(const float* q, const float* w, const float* k, const i64* idx, const float* tgt, i64 R,
+                     i64 nI, i64 dI, i64 K, i64 T, float g, float* kl, float* dq, float* dw, float* dk, int nt) {
+  const bool grad = dq != nullptr;
+  const int parts = grad && nt > 1 && R >= 64 ? nt : 0;  // parallel_rows splits the rows: one dk per thread
+  std::vector<std::vector<float>> part(parts);
+  for (auto& v : part) v.assign(T * dI, 0.f);
+  parallel_rows(R, nt, [&](i64 a, i64 b, int tid) {
+    float* dkl = parts ? part[tid].data() : dk;
+    const i64 n4 = (nI + 3) / 4 * 4;
+    std::vector<float> dots(n4 * K, 0.f), dr(n4 * K, 0.f), I(K), e(K);  // rows of heads >= nI stay 0
+    for (i64 r = a; r < b; ++r) {
+      const i64* id = idx + r * K;
+      const float* tg = tgt + r * K;
+      const float* qr = q + r * nI * dI;
+      const float* wr = w + r * nI;
+      score_rows(qr, k, dI, id, nI, dI, K, 1.f, nullptr, dots.data());
+      float m = NEG_INF;
+      for (i64 j = 0; j < K; ++j) I[j] = 0.f;
+      for (i64 hh = 0; hh < nI; ++hh) {  // I = sum_h w_h relu(dots_h), vectorised over keys
+        const float* dh = dots.data() + hh * K;
+        const V wv = splat(wr[hh]), zero{};
+        i64 j = 0;
+        for (; j + W <= K; j += W) {
+          const V d = ld(dh + j);
+          st(I.data() + j, ld(I.data() + j) + wv * (d > zero ? d : zero));
+        }
+        for (; j < K; ++j) I[j] += wr[hh] * std::max(dh[j], 0.f);
+      }
+      for (i64 j = 0; j < K; ++j) {
+        I[j] = id[j] >= 0 ? I[j] : NEG_INF;
+        m = std::max(m, I[j]);
+      }
+      if (m == NEG_INF) {  // nothing selected: no loss, no gradient
+        if (grad) {
+          std::fill(dq + r * nI * dI, dq + (r + 1) * nI * dI, 0.f);
+          std::fill(dw + r * nI, dw + (r + 1) * nI, 0.f);
+        } else {
+          kl[r] = 0.f;
+        }
+        continue;
+      }
+      std::copy(I.begin(), I.end(), e.begin());
+      const float lse = m + std::log(exp_shifted_sum(e.data(), K, m));  // e_j = exp(I_j - m), 0 off the set
+      if (!grad) {  // sum_j t_j (log max(t_j, eps) - I_j + lse) over the selected keys
+        V acc{};
+        i64 j = 0;
+        for (; j + W <= K; j += W) {
+          const V t = ld(tg + j), x = ld(I.data() + j);
+          const V lt = vlog(t > splat(1e-10f) ? t : splat(1e-10f));
+          acc += x > splat(NEG_INF) ? t * (lt - x + lse) : V{};
+        }
+        float tail = 0.f;
+        for (; j < K; ++j)
+          if (id[j] >= 0) tail += tg[j] * (std::log(std::max(tg[j], 1e-10f)) - I[j] + lse);
+        kl[r] = hsum(acc) + tail;
+        continue;
+      }
+      float tsum = 0.f;
+      for (i64 j = 0; j < K; ++j) tsum += tg[j];
+      const float pscale = std::exp(m - lse);  // p_j = e_j exp(m - lse)
+      float* dwr = dw + r * nI;
+      for (i64 j = 0; j < K; ++j) e[j] = id[j] >= 0 ? g * (e[j] * pscale * tsum - tg[j]) : 0.f;  // dI_j
+      for (i64 hh = 0; hh < nI; ++hh) {  // dw_h = sum_j dI_j relu(dots_hj), dr[h, j] = dI_j w_h [dots_hj > 0]
+        const float* dh = dots.data() + hh * K;
+        float* rh = dr.data() + hh * K;
+        const V wv = splat(wr[hh]), zero{};
+        V acc{};
+        i64 j = 0;
+        for (; j + W <= K; j += W) {
+          const V d = ld(dh + j), di = ld(e.data() + j);
+          const Vi on = d > zero;
+          acc += on ? di * d : zero;
+          st(rh + j, on ? di * wv : zero);
+        }
+        float tail = 0.f;
+        for (; j < K; ++j) {
+          const bool on = dh[j] > 0.f;
+          tail += on ? e[j] * dh[j] : 0.f;
+          rh[j] = on ? e[j] * wr[hh] : 0.f;
+        }
+        dwr[hh] = hsum(acc) + tail;
+      }
+      // dq_h = sum_j dr[h, j] k_j;  dk_j += sum_h dr[h, j] q_h
+      weighted_rows_all(k, dI, id, K, dr.data(), nI, dI, dq + r * nI * dI, dI);
+      for (i64 j = 0; j < K; ++j) {
+        const i64 i = id[j];
+        if (i < 0) continue;
+        float* krow = dkl + i * dI;
+        for (i64 c = 0; c < dI; c += W) {
+          V acc = ld(krow + c);
+          for (i64 hh = 0; hh < nI; ++hh) acc += splat(dr[hh * K + j]) * ld(qr + hh * dI + c);
+          st(krow + c, acc);
+        }
+      }
+    }
+  });
+  for (auto& v : part) vaxpy(dk, 1.f, v.data(), T * dI);
 }
 
 }  // extern "C"

@@ -16,6 +16,11 @@ set is zero, so the same function is computed here on the gathered [S, K] form, 
 - ``compute_topk_recall``: the dense attention mass (summed over heads, over every allowed key) that
   falls inside the top-k set, on a strided sample of at most ``max_rows`` query rows.
 
+On CPU fp32 tensors the absorbed target and ``SparseIndexerKL`` run the fused kernels
+(``glm5_mcore.kernels``: the selected rows read in place, no gathered copy); elsewhere query chunks within
+``CHUNK_BYTES``, each chunk's temporaries freed before the next chunk's are made, and the gradients of
+q and w written in their own dtype (no full-size fp32 copy).
+
 Legend: S query rows, T key rows, b batch, n heads (local to a TP rank), h head dim, nI/dI indexer
 heads/dim, K top-k, C query-chunk rows, R = b·S rows flattened.
 """
@@ -28,20 +33,14 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.experimental_attention_variant import dsa_indexer_loss
 
-from glm5_mcore.model.sparse_attention import chunk_rows, deterministic_topk
+from glm5_mcore import kernels
+from glm5_mcore.model.sparse_attention import chunk_rows, deterministic_topk, flat_topk
 
 
 
 def _rows_per_chunk(per_row_elems: int) -> int:
     """Rows per chunk for ~4 fp32 work tensors of ``per_row_elems`` each within ``CHUNK_BYTES``."""
     return chunk_rows(16 * per_row_elems)
-
-
-def _flat(idx_bSK: torch.Tensor, T: int) -> torch.Tensor:
-    """[b, S, K] key indices → [b·S, K] into the batch-merged key axis (b·T), -1 kept."""
-    b = idx_bSK.shape[0]
-    off = (torch.arange(b, device=idx_bSK.device) * T)[:, None, None]
-    return torch.where(idx_bSK >= 0, idx_bSK + off, -1).reshape(-1, idx_bSK.shape[-1])
 
 
 @torch.no_grad()
@@ -55,7 +54,7 @@ def compute_sparse_attention_target(query_SbnH: torch.Tensor, key_TbnH: torch.Te
     T, K = key_TbnH.shape[0], topk_bSK.shape[-1]
     q = query_SbnH.permute(2, 1, 0, 3).reshape(n, b * S, 1, h).float()  # head-major, as the sparse core
     k = key_TbnH.permute(2, 1, 0, 3).reshape(n, b * T, h).float()
-    idx = _flat(topk_bSK, T)
+    idx = flat_topk(topk_bSK, T)
     out = torch.empty(b * S, K, dtype=torch.float32, device=q.device)
     rows = _rows_per_chunk(K * n * h)
     for r0 in range(0, b * S, rows):
@@ -64,6 +63,7 @@ def compute_sparse_attention_target(query_SbnH: torch.Tensor, key_TbnH: torch.Te
         kg = k[:, idx[r0:r1].clamp(min=0)]  # [n, C, K, h]
         logits = torch.matmul(q[:, r0:r1], kg.transpose(-1, -2)).squeeze(2).mul_(scale)  # [n, C, K]
         out[r0:r1] = logits.masked_fill_(~valid, float("-inf")).softmax(-1).sum(0)  # every row selects >= 1 key
+        del valid, kg, logits  # before the next chunk's are made
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(out, group=tp_group)
     return dsa_indexer_loss.normalize_indexer_target(out).view(b, S, K)
@@ -77,16 +77,19 @@ def compute_sparse_attention_target_latent(q_RnD: torch.Tensor, lat_TD: torch.Te
     heads ([C, K, D], n times less than per-head keys). q [b·S, n, D], lat [b·T, D] → [b, S, K]."""
     b, S, K = topk_bSK.shape
     R, n, D = q_RnD.shape
-    idx = _flat(topk_bSK, lat_TD.shape[0] // b)
-    out = torch.empty(R, K, dtype=torch.float32, device=q_RnD.device)
-    latf = lat_TD.float()
-    rows = _rows_per_chunk(K * (D + n))
-    for r0 in range(0, R, rows):
-        r1 = min(R, r0 + rows)
-        valid = (idx[r0:r1] >= 0)[:, None, :].expand(-1, n, -1)
-        lg = latf[idx[r0:r1].clamp(min=0)]  # [C, K, D]
-        logits = torch.bmm(q_RnD[r0:r1].float(), lg.transpose(1, 2)).mul_(scale)  # [C, n, K]
-        out[r0:r1] = logits.masked_fill_(~valid, float("-inf")).softmax(-1).sum(1)  # every row selects >= 1 key
+    idx = flat_topk(topk_bSK, lat_TD.shape[0] // b)
+    if kernels.use_for(q_RnD, lat_TD):
+        out = kernels.sparse_latent_target(q_RnD, lat_TD, idx, scale)
+    else:
+        out = torch.empty(R, K, dtype=torch.float32, device=q_RnD.device)
+        rows = _rows_per_chunk(K * (D + n))
+        for r0 in range(0, R, rows):
+            r1 = min(R, r0 + rows)
+            valid = (idx[r0:r1] >= 0)[:, None, :].expand(-1, n, -1)
+            lg = lat_TD[idx[r0:r1].clamp(min=0)].float()  # [C, K, D]
+            logits = torch.bmm(q_RnD[r0:r1].float(), lg.transpose(1, 2)).mul_(scale)  # [C, n, K]
+            out[r0:r1] = logits.masked_fill_(~valid, float("-inf")).softmax(-1).sum(1)  # every row selects >= 1 key
+            del valid, lg, logits  # before the next chunk's are made
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(out, group=tp_group)
     return dsa_indexer_loss.normalize_indexer_target(out).view(b, S, K)
@@ -101,13 +104,17 @@ def _index_scores(q_CnD, w_Cn, kg_CKD):
 class SparseIndexerKL(torch.autograd.Function):
     """Σ over query rows of KL(target || softmax over the selected keys of the indexer scores).
 
-    q [R, nI, dI], w [R, nI], k [b·T, dI] (flattened like ``_flat``), idx [R, K] (-1 = not selected),
+    q [R, nI, dI], w [R, nI], k [b·T, dI] (flattened like ``flat_topk``), idx [R, K] (-1 = not selected),
     target [R, K] (rows sum to 1 over the selected keys) → scalar float32, unscaled sum over rows.
-    Gradients reach q, w and k only; the saved state is the inputs (chunks are recomputed).
+    Gradients reach q, w and k only; the saved state is the inputs (chunks are recomputed). On CPU the
+    fused kernel (``kernels.indexer_kl`` / ``indexer_kl_grad``) does the same per row.
     """
 
     @staticmethod
     def forward(ctx, q, w, k, idx, target):
+        ctx.save_for_backward(q, w, k, idx, target)
+        if kernels.use_for(q, w, k):
+            return kernels.indexer_kl(q, w, k, idx, target).sum()
         R, K = idx.shape
         total = torch.zeros((), dtype=torch.float32, device=q.device)
         kf = k.float()
@@ -115,20 +122,23 @@ class SparseIndexerKL(torch.autograd.Function):
         for r0 in range(0, R, rows):
             r1 = min(R, r0 + rows)
             valid = idx[r0:r1] >= 0
-            scores, _ = _index_scores(q[r0:r1].float(), w[r0:r1].float(), kf[idx[r0:r1].clamp(min=0)])
+            scores, dots = _index_scores(q[r0:r1].float(), w[r0:r1].float(), kf[idx[r0:r1].clamp(min=0)])
             logp = scores.masked_fill_(~valid, float("-inf")).log_softmax(-1)  # every row selects >= 1 key
             total += dsa_indexer_loss.indexer_kl_sum(target[r0:r1], logp, valid)
-        ctx.save_for_backward(q, w, k, idx, target)
+            del valid, scores, dots, logp  # before the next chunk's are made
         return total
 
     @staticmethod
     def backward(ctx, grad):
         q, w, k, idx, target = ctx.saved_tensors
+        if kernels.use_for(q, w, k):
+            dq, dw, dk = kernels.indexer_kl_grad(q, w, k, idx, target, float(grad))
+            return dq.to(q.dtype), dw.to(w.dtype), dk.to(k.dtype), None, None
         R, K = idx.shape
         kf = k.float()
-        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        dw = torch.empty(w.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # chunks computed in fp32, stored in q's dtype
+        dw = torch.empty(w.shape, dtype=w.dtype, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)  # accumulated over chunks: fp32
         g = grad.float()
         rows = _rows_per_chunk(K * (q.shape[1] + q.shape[2]))
         for r0 in range(0, R, rows):
@@ -144,17 +154,35 @@ class SparseIndexerKL(torch.autograd.Function):
             dr = dI[:, None, :] * wc[:, :, None] * (dots > 0)  # [C, n, K]
             dq[r0:r1] = torch.einsum("cnk,ckd->cnd", dr, kg)
             dk.index_add_(0, sel.reshape(-1), torch.einsum("cnk,cnd->ckd", dr, qc).reshape(-1, k.shape[-1]))
-        return dq.to(q.dtype), dw.to(w.dtype), dk.to(k.dtype), None, None
+            del valid, sel, qc, wc, kg, scores, dots, p, t, dI, dr  # before the next chunk's are made
+        return dq, dw, dk.to(k.dtype), None, None
 
 
-def _dense_target(query_CnH, key_TnH, allowed_CT, scale, tp_group):
+def _dense_target(query_CnH, keyf_TnH, allowed_CT, scale, tp_group):
     """Megatron-Core's dense warm-up target for a chunk of rows: per head softmax(q·k·scale) over the
-    allowed keys, summed over heads (all-reduced over ``tp_group``), L1-normalised. [C, T] fp32."""
-    logits = torch.einsum("cnh,tnh->cnt", query_CnH.float(), key_TnH.float()).mul_(scale)
-    att = logits.masked_fill_(~allowed_CT[:, None], float("-inf")).softmax(-1).sum(1)
+    allowed keys, summed over heads (all-reduced over ``tp_group``), L1-normalised. ``keyf`` fp32; the
+    softmax is taken in place (one [C, n, T] fp32 tensor). [C, T] fp32."""
+    p = torch.einsum("cnh,tnh->cnt", query_CnH.float(), keyf_TnH).mul_(scale)
+    p.masked_fill_(~allowed_CT[:, None], float("-inf"))
+    p.sub_(p.amax(-1, keepdim=True)).exp_()  # every row allows >= 1 key (its own)
+    att = p.div_(p.sum(-1, keepdim=True)).sum(1)
+    del p
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(att, group=tp_group)
     return dsa_indexer_loss.normalize_indexer_target(att)
+
+
+def dense_kl_row_bytes(T: int, n: int, nI: int) -> int:
+    """Working bytes of one query row in ``DenseIndexerKL`` at its fullest (its chunks' size, the planner's
+    too): the larger of the target's fp32 head scores [n, T] and the indexer's fp32 ReLU(q·k) [nI, T]
+    (both worked in place), and the fp32 / bool rows [T] beside them (the target, the scores and their
+    softmax, the allowed mask)."""
+    return 4 * T * max(n, nI) + 14 * T
+
+
+def _relu_dots(q_CnD, kf_TD):
+    """ReLU(q·k) [C, nI, T] fp32 of a chunk of the indexer's queries against every key."""
+    return torch.einsum("cnd,td->cnt", q_CnD.float(), kf_TD).clamp_(min=0)
 
 
 class DenseIndexerKL(torch.autograd.Function):
@@ -166,7 +194,8 @@ class DenseIndexerKL(torch.autograd.Function):
     q [S, b, nI, dI], w [S, b, nI], k [T, b, dI] (the indexer's outputs: gradients reach them),
     query [S, b, n, h], key [T, b, n, h] (detached), q_pos / doc_start [S]. Returns (Σ KL, Σ over
     rows with more than K allowed keys of the target mass inside the row's deterministic top-K,
-    #such rows), the last two without grad. Saved: the inputs; backward recomputes each chunk.
+    #such rows), the last two without grad. Saved: the inputs; backward recomputes each chunk. Chunks
+    hold ``dense_kl_row_bytes`` per row within ``CHUNK_BYTES``; the keys are made fp32 once per sequence.
     """
 
     @staticmethod
@@ -177,22 +206,24 @@ class DenseIndexerKL(torch.autograd.Function):
         kl = torch.zeros((), dtype=torch.float32, device=q.device)
         mass = torch.zeros((), dtype=torch.float32, device=q.device)
         rows_n = torch.zeros((), dtype=torch.int64, device=q.device)
-        rows = chunk_rows(4 * T * (n + 2 * nI + 12))
+        rows = chunk_rows(dense_kl_row_bytes(T, n, nI))
         for bi in range(b):
-            kf = k[:, bi].float()
+            kf, keyf = k[:, bi].float(), key[:, bi].float()
             for s0 in range(0, S, rows):
                 s1 = min(S, s0 + rows)
                 allowed = (key_pos[None, :] <= q_pos[s0:s1, None]) & (key_pos[None, :] >= doc_start[s0:s1, None])
-                target = _dense_target(query[s0:s1, bi], key[:, bi], allowed, scale, tp_group)
-                dots = torch.einsum("cnd,td->cnt", q[s0:s1, bi].float(), kf)
-                scores = torch.einsum("cn,cnt->ct", w[s0:s1, bi].float(), dots.clamp_(min=0))
-                scores = scores.masked_fill_(~allowed, float("-inf"))
+                target = _dense_target(query[s0:s1, bi], keyf, allowed, scale, tp_group)
+                rel = _relu_dots(q[s0:s1, bi], kf)
+                scores = torch.einsum("cn,cnt->ct", w[s0:s1, bi].float(), rel).masked_fill_(~allowed, float("-inf"))
+                del rel
                 kl += dsa_indexer_loss.indexer_kl_sum(target, scores.log_softmax(-1), allowed)
                 top = deterministic_topk(scores, min(K, T))
                 choice = allowed.sum(-1) > K  # rows where the top-k is a real choice
                 got = target.gather(-1, top.clamp(min=0)).masked_fill_(top < 0, 0.0).sum(-1)
                 mass += (got * choice).sum()
                 rows_n += choice.sum()
+                del allowed, target, scores, top, choice, got  # before the next chunk's are made
+            del kf, keyf
         ctx.save_for_backward(q, w, k, query, key, q_pos, doc_start)
         ctx.scale, ctx.tp_group = scale, tp_group
         ctx.mark_non_differentiable(mass, rows_n)
@@ -204,26 +235,29 @@ class DenseIndexerKL(torch.autograd.Function):
         S, b, nI, _ = q.shape
         T, n = key.shape[0], key.shape[2]
         key_pos = torch.arange(T, device=q.device)
-        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        dw = torch.empty(w.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # chunks computed in fp32, stored in q's dtype
+        dw = torch.empty(w.shape, dtype=w.dtype, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)  # accumulated over chunks: fp32
         g = grad.float()
-        rows = chunk_rows(4 * T * (n + 3 * nI + 8))
+        rows = chunk_rows(dense_kl_row_bytes(T, n, nI))
         for bi in range(b):
-            kf = k[:, bi].float()
+            kf, keyf = k[:, bi].float(), key[:, bi].float()
             for s0 in range(0, S, rows):
                 s1 = min(S, s0 + rows)
                 allowed = (key_pos[None, :] <= q_pos[s0:s1, None]) & (key_pos[None, :] >= doc_start[s0:s1, None])
-                t = _dense_target(query[s0:s1, bi], key[:, bi], allowed, ctx.scale, ctx.tp_group)
+                t = _dense_target(query[s0:s1, bi], keyf, allowed, ctx.scale, ctx.tp_group)
                 qc, wc = q[s0:s1, bi].float(), w[s0:s1, bi].float()
-                dots = torch.einsum("cnd,td->cnt", qc, kf)
-                scores = torch.einsum("cn,cnt->ct", wc, dots.clamp(min=0)).masked_fill_(~allowed, float("-inf"))
-                dI = g * (scores.softmax(-1) * t.sum(-1, keepdim=True) - t)  # d KL / d I, [C, T]
-                dw[s0:s1, bi] = torch.einsum("ct,cnt->cn", dI, dots.clamp(min=0))
-                dr = dI[:, None, :] * wc[:, :, None] * (dots > 0)  # [C, nI, T]
+                rel = _relu_dots(qc, kf)
+                scores = torch.einsum("cn,cnt->ct", wc, rel).masked_fill_(~allowed, float("-inf"))
+                dI = scores.softmax(-1).mul_(t.sum(-1, keepdim=True)).sub_(t).mul_(g)  # d KL / d I, [C, T]
+                del allowed, t, scores
+                dw[s0:s1, bi] = torch.einsum("ct,cnt->cn", dI, rel)
+                dr = rel.gt_(0).mul_(dI[:, None, :]).mul_(wc[:, :, None])  # [C, nI, T], in place of rel
                 dq[s0:s1, bi] = torch.einsum("cnt,td->cnd", dr, kf)
                 dk[:, bi] += torch.einsum("cnt,cnd->td", dr, qc)
-        return dq.to(q.dtype), dw.to(w.dtype), dk.to(k.dtype), None, None, None, None, None, None, None
+                del qc, wc, rel, dI, dr  # before the next chunk's are made
+            del kf, keyf
+        return dq, dw, dk.to(k.dtype), None, None, None, None, None, None, None
 
 
 def compute_sparse_indexer_loss(q_SbnD: torch.Tensor, w_Sbn: torch.Tensor, k_TbD: torch.Tensor,
@@ -248,7 +282,7 @@ def compute_sparse_indexer_loss(q_SbnD: torch.Tensor, w_Sbn: torch.Tensor, k_TbD
         target = target * keep[:, None]
         count = keep.sum()
         rows = int(count) if keep.device.type == "cpu" else count  # no host read on an accelerator
-    kl_sum = SparseIndexerKL.apply(q, w, k, _flat(topk_bSK, T), target)
+    kl_sum = SparseIndexerKL.apply(q, w, k, flat_topk(topk_bSK, T), target)
     loss = dsa_indexer_loss.reduce_indexer_kl_sum(kl_sum, num_rows=b * S, valid_row_count=count,
                                                   calculate_per_token_loss=calculate_per_token_loss)
     return loss * loss_coeff, kl_sum.detach(), rows
@@ -297,6 +331,7 @@ def compute_topk_recall(query_SbnH: torch.Tensor, key_TbnH: torch.Tensor, topk_b
             p = (logits * scale).masked_fill(~allowed[:, None], float("-inf")).softmax(-1).sum(1)  # [C, T]
             sel = topk_bSK[bi, r].long()
             mass[bi, c0: c0 + r.numel()] = p.gather(-1, sel.clamp(min=0)).masked_fill(sel < 0, 0.0).sum(-1)
+            del r, allowed, qr, logits, p, sel  # before the next chunk's are made
     heads = n
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(mass, group=tp_group)

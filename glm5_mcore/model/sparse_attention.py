@@ -180,8 +180,9 @@ class SparseMLAAttention(torch.autograd.Function):
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def _flat_topk(topk_bSK: torch.Tensor, T: int) -> torch.Tensor:
-    """[b, S, K] key indices → [b·S, K] indices into the batch-merged key axis (b·T), -1 kept."""
+def flat_topk(topk_bSK: torch.Tensor, T: int) -> torch.Tensor:
+    """[b, S, K] key indices → [b·S, K] indices into the batch-merged key axis (b·T), -1 kept; a view
+    for one sequence (nothing copied: the sparse core and the indexer loss save it for backward)."""
     b = topk_bSK.shape[0]
     if b == 1:
         return topk_bSK.reshape(-1, topk_bSK.shape[-1])
@@ -194,7 +195,7 @@ def sparse_attention(q_SbnH, k_TbnH, v_TbnV, topk_bSK, scale):
     [S, b, n·hv]."""
     S, b, n, _ = q_SbnH.shape
     T = k_TbnH.shape[0]
-    idx = _flat_topk(topk_bSK, T)
+    idx = flat_topk(topk_bSK, T)
     q = q_SbnH.permute(2, 1, 0, 3).reshape(n, b * S, -1)
     k = k_TbnH.permute(2, 1, 0, 3).reshape(n, b * T, -1)
     v = v_TbnV.permute(2, 1, 0, 3).reshape(n, b * T, -1)
@@ -305,7 +306,7 @@ def latent_attention(q_cat_SbnD, lat_TbD, w_kv_up, topk_bSK, scale, dn, dv, fuse
     else:
         o = SparseLatentAttention.apply(q_cat_SbnD.transpose(0, 1).reshape(b * S, n, D).contiguous(),
                                         lat_TbD.transpose(0, 1).reshape(b * T, D).contiguous(),
-                                        _flat_topk(topk_bSK, T), scale, dc)  # [b*S, n, dc]
+                                        flat_topk(topk_bSK, T), scale, dc)  # [b*S, n, dc]
     out = torch.einsum("xnc,nvc->xnv", o, w[:, dn:])  # [b*S, n, dv]
     return out.reshape(b, S, n * dv).transpose(0, 1).contiguous()
 

@@ -31,9 +31,15 @@ gradients, the fp32 latent-row accumulator and, on the PyTorch path, one query c
 dispatch buffers (send + receive, 2·r·H). Under
 1F1B, stage ``i`` of ``pp`` holds ``min(pp - i, micro-batches)`` micro-batches in flight.
 
+The DSA core's lines depend on the indexer's training stage (``DSA_STAGES``, the job's ``dsa_stage``): frozen
+(above), the sparse KL (``sparse_loss``: the indexer's outputs and the fp32 target [s, K] kept per full
+layer, ``indexer_training_bytes``; its gradients at the core's backward, ``sparse_loss_peak``) or the dense
+warm-up (``warmup``: SDPA's saved tensors and, packed (THD) as SFT and RL run, its b·s·T bias of the
+[s, T] mask per layer; the dense KL's chunks, ``warmup_kept`` / ``warmup_peak``).
+
 Checked against a measured forward+backward (``tests/plan/test_plan.py::test_activation_formula_*``, the
-PyTorch path at scaled-down widths) and one DSA layer's peak at full width, 32K and 128K tokens, on meta
-tensors (``tests/model/test_dsa_peak.py``).
+PyTorch path at scaled-down widths) and one DSA layer's peak at full width, 32K and 128K tokens, in every
+stage and at CP 2, on meta tensors (``tests/model/test_dsa_peak.py``, ``bench/dsa_peak.py``).
 """
 
 from __future__ import annotations
@@ -41,10 +47,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from glm5_mcore.config import GLM5Config
+from glm5_mcore.model.indexer_loss import dense_kl_row_bytes
 from glm5_mcore.model.sparse_attention import CHUNK_BYTES, chunk_rows, latent_backward_row_bytes
 from glm5_mcore.plan.layout import Layout
 
 SPARSE_MLA_MIN_HEADS = 16  # TileLang's SparseMLA pads fewer query heads to 16 (ops/tilelang_dsa.py:788-794)
+DSA_STAGES = ("sparse", "sparse_loss", "warmup")
+"""The indexer's training stages: frozen (``sparse``), learning from the sparse KL (``sparse_loss``:
+``train.freeze_indexer=false``), the dense warm-up (``warmup``: ``train.indexer_warmup=true``)."""
 
 
 @dataclass
@@ -115,15 +125,115 @@ def dsa_backward_transient(m: GLM5Config, L: Layout, tokens: int, b: int, fused:
     return out + min(s, chunk_rows(row)) * row  # one sequence per micro-batch (THD)
 
 
-def dsa_core_peak(m: GLM5Config, L: Layout, tokens: int, b: int, fused: bool = True) -> int:
-    """Peak bytes one DSA layer's core holds above its inputs over its forward and backward: what it keeps
-    (``core_attention_bytes``, ``topk_bytes``), its output b·s·h·v (the output projection's saved input,
-    counted in the attention line) and its backward's transients (``dsa_backward_transient``; the
-    forward's, the indexer's chunk and the sparse core's, are smaller). Frozen indexer, no CP gather."""
+def dsa_core_peak(m: GLM5Config, L: Layout, tokens: int, b: int, fused: bool = True, stage: str = "sparse",
+                  masked: bool = True, workspace: bool = True) -> int:
+    """Peak bytes one DSA layer's core holds above its inputs over its forward and backward, in training
+    stage ``stage`` (``DSA_STAGES``). ``sparse``: what it keeps (``core_attention_bytes``, ``topk_bytes``),
+    its output b·s·h·v (the output projection's saved input, counted in the attention line) and its
+    backward's transients (``dsa_backward_transient``; the forward's, the indexer's chunk and the sparse
+    core's, are smaller). ``sparse_loss`` and ``warmup``: ``sparse_loss_peak``, ``warmup_peak``
+    (``masked``: the warm-up's dense attention takes an [s, T] mask, as under THD packing or CP;
+    ``workspace``: with the attention kernel's own workspace, by reading)."""
+    if stage == "sparse_loss":
+        return sparse_loss_peak(m, L, tokens, b, fused)
+    if stage == "warmup":
+        return warmup_peak(m, L, tokens, b, masked, workspace)
+    return dsa_core_kept(m, L, tokens, b, fused) + dsa_backward_transient(m, L, tokens, b, fused)
+
+
+def dsa_core_kept(m: GLM5Config, L: Layout, tokens: int, b: int, fused: bool = True, stage: str = "sparse",
+                  masked: bool = True) -> int:
+    """What one DSA layer's core keeps from its forward to its backward above its inputs, its output
+    b·s·h·v included, in training stage ``stage``: ``sparse`` the absorbed core's saved tensors and the
+    top-k; ``sparse_loss`` those, the trainable indexer's (``indexer_training_bytes``) and the fp32
+    target [s, K]; ``warmup`` ``warmup_kept``."""
     s = tokens // L.cp
     h = m.num_attention_heads // L.tp
+    if stage == "warmup":
+        return warmup_kept(m, L, tokens, b, masked)
     keep = core_attention_bytes(m, L, tokens, b, fused) + topk_bytes(m, L, tokens, fused) + b * s * h * m.v_head_dim
-    return keep + dsa_backward_transient(m, L, tokens, b, fused)
+    if stage == "sparse_loss":
+        keep += indexer_training_bytes(m, L, tokens, b) + 4 * s * min(m.index_topk, tokens)
+    return keep
+
+
+def indexer_training_bytes(m: GLM5Config, L: Layout, tokens: int, b: int) -> int:
+    """What a trainable indexer (sparse-loss stage, warm-up) keeps for its KL's backward and its own:
+
+        b·s·nI·(dI + 1) + b·T·dI      its query, head weights and (CP-gathered) key, the KL's saved inputs
+        + s·(b·dI + 4·b·dr + 4·dr)    its own: wk's output (k_norm's input), the cos/sin of its q and k
+                                      RoPE (bf16) and their fp32 angles
+    (measured, meta tensors at full width: tests/model/test_dsa_peak.py)."""
+    s = tokens // L.cp
+    nI, dI = m.index_n_heads, m.index_head_dim
+    return b * s * nI * (dI + 1) + b * tokens * dI + _indexer_own(m, s, b)
+
+
+def _indexer_own(m: GLM5Config, s: int, b: int) -> int:
+    dI, dr = m.index_head_dim, m.qk_rope_head_dim
+    return s * (b * dI + 4 * b * dr + 4 * dr)
+
+
+def sparse_loss_peak(m: GLM5Config, L: Layout, tokens: int, b: int, fused: bool = True) -> int:
+    """One DSA layer's peak in the sparse-loss stage: the sparse stage's (its core's backward), with the
+    indexer's output gradients waiting there for the indexer's own backward (b·s·nI·(dI + 1) + b·T·dI)
+    and the indexer's own saved activations; the KL's inputs and target are freed by then (its backward
+    runs first and its chunks, ``CHUNK_BYTES``, are below the core's). The fused path's line adds the same
+    to the fused sparse line (by reading, not measured)."""
+    s = tokens // L.cp
+    nI, dI = m.index_n_heads, m.index_head_dim
+    grads = b * s * nI * (dI + 1) + b * tokens * dI
+    return dsa_core_peak(m, L, tokens, b, fused) + grads + _indexer_own(m, s, b)
+
+
+def warmup_kept(m: GLM5Config, L: Layout, tokens: int, b: int, masked: bool = True) -> int:
+    """What one DSA layer keeps above the core's inputs in the indexer warm-up (dense attention, PyTorch's
+    SDPA, and the dense KL, ``DenseIndexerKL``, on every backend):
+
+        b·s·h·v + 4·s·h               the attention's output and fp32 log-sum-exp
+        + b·T·h·(qk + v)  (CP > 1)    the gathered per-head keys and values SDPA saves
+        + b·s·T           (masked)    the additive bias SDPA makes from a boolean [s, T] mask (THD, CP)
+        + ``indexer_training_bytes``
+
+    Without CP the per-head keys and values SDPA saves are the core's inputs (``layer_bytes`` counts them)."""
+    s = tokens // L.cp
+    h = m.num_attention_heads // L.tp
+    out = b * s * h * m.v_head_dim + 4 * s * h + indexer_training_bytes(m, L, tokens, b)
+    if L.cp > 1:
+        out += b * tokens * h * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+    if masked:
+        out += b * s * tokens
+    return out
+
+
+def warmup_peak(m: GLM5Config, L: Layout, tokens: int, b: int, masked: bool = True, workspace: bool = True) -> int:
+    """One DSA layer's peak in the indexer warm-up: the larger of
+
+    - the dense KL's backward: what the layer keeps (``warmup_kept``), the indexer's gradients
+      (b·s·nI·(dI + 1), fp32 key gradient and key 8·T·dI), the fp32 MLA keys the target is scored on
+      (4·T·h·qk) and one query chunk (rows × ``dense_kl_row_bytes`` within ``CHUNK_BYTES``);
+    - the attention's backward: what it keeps, the q/k/v gradients and (``workspace``) flash attention's
+      fp32 dq accumulator and softmax row sums (4·s·h·(qk + 1); by reading, PyTorch's flash_api.cpp
+      mha_bwd: a kernel's own buffers are not seen on meta tensors);
+    - masked: the forward's boolean mask, its negation and the bias ((2 + b)·s·T)."""
+    s = tokens // L.cp
+    h = m.num_attention_heads // L.tp
+    nI, dI = m.index_n_heads, m.index_head_dim
+    qk, dv = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+    kept = warmup_kept(m, L, tokens, b, masked)
+    row = dense_kl_row_bytes(tokens, h, nI)
+    kl = kept + b * s * nI * (dI + 1) + 8 * tokens * dI + 4 * tokens * h * qk + min(s, chunk_rows(row)) * row
+    attn = kept + b * h * (s * qk + tokens * (qk + dv)) + (4 * s * h * (qk + 1) if workspace else 0)
+    return max(kl, attn, (2 + b) * s * tokens if masked else 0)
+
+
+def dsa_stage_transient(m: GLM5Config, L: Layout, tokens: int, b: int, fused: bool = True, stage: str = "sparse") -> int:
+    """What one DSA layer's core makes on top of what it keeps, at its peak, in ``stage``: ``dsa_core_peak``
+    less ``dsa_core_kept`` (the sparse stage: ``dsa_backward_transient``). 0 where K ≥ T outside the warm-up
+    (the core attends densely there)."""
+    if stage != "warmup" and m.index_topk >= tokens:
+        return 0
+    return dsa_core_peak(m, L, tokens, b, fused, stage) - dsa_core_kept(m, L, tokens, b, fused, stage)
 
 
 def topk_bytes(m: GLM5Config, L: Layout, tokens: int, fused_dsa: bool = True) -> int:
@@ -139,15 +249,17 @@ def topk_held(m: GLM5Config, layers) -> int:
                if m.indexer_types[a] == "full" and m.indexer_types[b] == "shared")
 
 
-def layer_bytes(m: GLM5Config, L: Layout, tokens: int, moe: bool, b: int, fused_dsa: bool = True) -> tuple[int, int]:
-    """(attention + MLP bytes saved for backward by one layer, MoE routed tokens r) for ``tokens``."""
+def layer_bytes(m: GLM5Config, L: Layout, tokens: int, moe: bool, b: int, fused_dsa: bool = True,
+                dsa_stage: str = "sparse") -> tuple[int, int]:
+    """(attention + MLP bytes saved for backward by one layer, MoE routed tokens r) for ``tokens``, the
+    DSA core's as it keeps them in ``dsa_stage`` (``dsa_stage_kept``)."""
     s = tokens // L.cp
     s_sp = s // L.tp if L.tp > 1 else s
     h = m.num_attention_heads // L.tp
     H = m.hidden_size
     att = b * (s_sp * H + s * H + 2 * s * m.q_lora_rank + s * (2 * m.kv_lora_rank + m.qk_rope_head_dim)
                + s * h * m.qk_head_dim + s * h * m.v_head_dim)
-    att += core_attention_bytes(m, L, tokens, b, fused_dsa) + topk_bytes(m, L, tokens, fused_dsa)
+    att += dsa_stage_kept(m, L, tokens, b, fused_dsa, dsa_stage)
     if not moe:
         return att + b * (s * H + 3 * s * (m.intermediate_size // L.tp)), 0
     r = s_sp * m.num_experts_per_tok * L.etp
@@ -158,9 +270,24 @@ def layer_bytes(m: GLM5Config, L: Layout, tokens: int, moe: bool, b: int, fused_
     return att + mlp, r
 
 
+def dsa_stage_kept(m: GLM5Config, L: Layout, tokens: int, b: int, fused: bool = True, stage: str = "sparse") -> int:
+    """The DSA core's part of ``layer_bytes`` in ``stage``: ``dsa_core_kept`` without the core's output (the
+    attention line's) and, in the warm-up without CP, with the per-head keys and values SDPA saves (the
+    core's inputs there, b·s·h·(qk + v)). Packed (THD) batches, as SFT and RL make: the warm-up's mask."""
+    s = tokens // L.cp
+    h = m.num_attention_heads // L.tp
+    out = dsa_core_kept(m, L, tokens, b, fused, stage) - b * s * h * m.v_head_dim
+    if stage == "warmup" and L.cp == 1:
+        out += b * s * h * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+    return out
+
+
 def stage_activations(m: GLM5Config, L: Layout, stage: int, tokens: int, *, bf16: bool, recompute,
-                      mtp: bool, microbatches: int, fused_dsa: bool = True) -> ActivationBytes:
-    """``recompute``: False / None, ``"selective"``, or True / ``"full"`` (``glm5_mcore.mcore_settings.recompute_overrides``)."""
+                      mtp: bool, microbatches: int, fused_dsa: bool = True, dsa_stage: str = "sparse") -> ActivationBytes:
+    """``recompute``: False / None, ``"selective"``, or True / ``"full"`` (``glm5_mcore.mcore_settings.recompute_overrides``);
+    ``dsa_stage``: the indexer's training stage (``DSA_STAGES``)."""
+    if dsa_stage not in DSA_STAGES:
+        raise ValueError(f"dsa_stage={dsa_stage!r}: one of {', '.join(DSA_STAGES)}")
     b = 2 if bf16 else 4
     selective = recompute == "selective"
     recompute = recompute in (True, "full")
@@ -170,8 +297,9 @@ def stage_activations(m: GLM5Config, L: Layout, stage: int, tokens: int, *, bf16
     layers = list(L.stage_layers(m, stage))
     last = stage == L.pp - 1
     n_mtp = m.num_nextn_predict_layers if (mtp and last) else 0
-    per_layer = [layer_bytes(m, L, tokens, m.mlp_layer_types[i] == "sparse", b, fused_dsa) for i in layers]
-    per_layer += [layer_bytes(m, L, tokens, True, b, fused_dsa) for _ in range(n_mtp)]
+    per_layer = [layer_bytes(m, L, tokens, m.mlp_layer_types[i] == "sparse", b, fused_dsa,
+                             dsa_stage if m.indexer_types[i] == "full" else "sparse") for i in layers]
+    per_layer += [layer_bytes(m, L, tokens, True, b, fused_dsa, dsa_stage) for _ in range(n_mtp)]
     full = sum(x for x, _ in per_layer)
     biggest = max((x for x, _ in per_layer), default=0)
     r = max((y for _, y in per_layer), default=0)
@@ -188,7 +316,7 @@ def stage_activations(m: GLM5Config, L: Layout, stage: int, tokens: int, *, bf16
         saved_per_microbatch=saved,
         in_flight=max(1, min(L.pp - stage, microbatches)),
         indexer_scores=indexer_transient(m, L, tokens) if has_indexer else 0,
-        dsa_backward=dsa_backward_transient(m, L, tokens, b, fused_dsa) if m.index_topk < tokens else 0,
+        dsa_backward=dsa_stage_transient(m, L, tokens, b, fused_dsa, dsa_stage),
         dispatch=2 * b * r * H,
         recompute_layer=biggest if recompute else core,
         # without recompute the held top-k is the one the source layer saves for backward (counted)

@@ -56,6 +56,9 @@ class Job:
     base_fp8: bool = False
     """``model.base_dtype=fp8``: the frozen base in the release's FP8 blocks (LoRA only)."""
     mtp: bool = True
+    dsa_stage: str = "sparse"
+    """The DSA indexer's training stage (``plan.activations.DSA_STAGES``): ``sparse`` (frozen), ``sparse_loss``
+    (``train.freeze_indexer=false``), ``warmup`` (``train.indexer_warmup=true``)."""
     rollout: Optional[RolloutJob] = None
     cluster: Optional[str] = None
     fixed: tuple = ()
@@ -91,7 +94,8 @@ def sft_job(cfg, world: int, etp: Optional[int] = None) -> Job:
                bf16=t.bf16, recompute=t.recompute, distributed_optimizer=cfg.optim.distributed,
                lora=(tuple(lora.targets), lora.rank) if lora.enabled else None,
                freeze_indexer=t.freeze_indexer, base_fp8=cfg.model.base_dtype == "fp8", mtp=True,
-               cluster=cfg.plan.cluster)
+               cluster=cfg.plan.cluster,
+               dsa_stage="warmup" if t.indexer_warmup else "sparse" if t.freeze_indexer else "sparse_loss")
 
 
 def rl_job(cfg) -> Job:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from glm5_mcore.config import GLM5Config
-from glm5_mcore.plan.activations import ActivationBytes, stage_activations
+from glm5_mcore.plan.activations import DSA_STAGES, ActivationBytes, dsa_core_peak, stage_activations
 from glm5_mcore.plan.cluster import GIB, Cluster
 from glm5_mcore.plan.colocate import PhasePlan, engine_plan_of, plan_phases
 from glm5_mcore.plan.job import Job
@@ -25,6 +25,8 @@ class RankPlan:
     act_recompute: ActivationBytes
     dist_opt: bool
     capacity: int
+    dsa_layer: dict = field(default_factory=dict)
+    """One DSA layer's peak (``dsa_core_peak``) in each indexer training stage; the job's is in ``act``."""
 
     @property
     def total(self) -> int:
@@ -46,6 +48,7 @@ class RankPlan:
                 "activations_recompute_gib": g(self.act_recompute.peak),
                 "indexer_scores_gib": g(self.act.indexer_scores), "dsa_backward_gib": g(self.act.dsa_backward),
                 "moe_dispatch_gib": g(self.act.dispatch),
+                "dsa_layer_peak_gib": {k: g(v) for k, v in self.dsa_layer.items()},
                 "total_gib": g(self.total), "capacity_gib": g(self.capacity), "fits": self.fits}
 
 
@@ -86,9 +89,13 @@ def plan_rank(m: GLM5Config, job: Job, kind: RankKind, capacity: int) -> RankPla
     st = state_bytes(base, lora, bf16=job.bf16, full_ft=job.lora is None, freeze_indexer=job.freeze_indexer,
                      dp_cp=L.dp_cp, expert_dp=L.expert_dp, base_fp8=job.base_fp8)
     acts = {rc: stage_activations(m, L, kind.stage, job.micro_batch_tokens, bf16=job.bf16, recompute=rc,
-                                  mtp=job.mtp, microbatches=max(job.microbatches, L.pp))
+                                  mtp=job.mtp, microbatches=max(job.microbatches, L.pp), dsa_stage=job.dsa_stage)
             for rc in {False, True, job.recompute or False}}
-    return RankPlan(kind, st, acts[job.recompute or False], acts[False], acts[True], job.dist_opt, capacity)
+    dsa = {}
+    if any(t == "full" for t in m.indexer_types):
+        dsa = {stage: dsa_core_peak(m, L, job.micro_batch_tokens, 2 if job.bf16 else 4, stage=stage)
+               for stage in DSA_STAGES}
+    return RankPlan(kind, st, acts[job.recompute or False], acts[False], acts[True], job.dist_opt, capacity, dsa)
 
 
 def plan_job(m: GLM5Config, job: Job, cluster: Cluster) -> Plan:

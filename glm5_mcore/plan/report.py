@@ -8,6 +8,10 @@ from glm5_mcore.plan.rollout import ACTIVATION_RESERVE
 from glm5_mcore.plan.planner import Plan
 
 
+DSA_STAGE_LABELS = {"sparse": "sparse", "sparse_loss": "sparse+loss", "warmup": "warm-up"}
+"""The report's name of each indexer training stage (``plan.activations.DSA_STAGES``)."""
+
+
 def _g(x: int) -> str:
     return f"{x / GIB:8.2f}"
 
@@ -42,6 +46,10 @@ def format_plan(plan: Plan) -> str:
     row("activations, full recompute", lambda r: _g(r.act_recompute.peak).strip())
     row("  DSA indexer scores", lambda r: _g(r.act.indexer_scores).strip())
     row("  DSA core backward", lambda r: _g(r.act.dsa_backward).strip())
+    if any(r.dsa_layer for r in plan.ranks):
+        for stage, label in DSA_STAGE_LABELS.items():
+            mark = " (job)" if stage == job.dsa_stage else ""
+            row(f"  DSA layer: {label}{mark}", lambda r, st=stage: _g(r.dsa_layer.get(st, 0)).strip())
     row("  MoE dispatch buffers", lambda r: _g(r.act.dispatch).strip())
     row("  micro-batches in flight", lambda r: str(r.act.in_flight))
     row("TOTAL (this job)", lambda r: _g(r.total).strip())

@@ -9,6 +9,7 @@ import torch
 
 from glm5_mcore.probes.fake_device import fake_device, host
 from glm5_mcore.probes.host_reads import count_host_reads
+from tests.support.helpers import LargestTensor
 
 
 def _attention_layer(hf_dir, dev_ctx):
@@ -192,21 +193,6 @@ def test_cp_all_gathers_only_the_576_wide_latent(tiny_dir, single_rank, monkeypa
     assert per_token == (D + m.dsa_indexer_head_dim) * 4
 
 
-class _Largest(torch.utils._python_dispatch.TorchDispatchMode):
-    """The largest tensor any op produces inside the block (elements)."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for o in (out if isinstance(out, (tuple, list)) else [out]):
-            if isinstance(o, torch.Tensor):
-                self.numel = max(self.numel, o.numel())
-        return out
-
-
 def test_warmup_loss_equals_megatron_dense_kl_without_a_T_by_T_tensor(monkeypatch):
     """Issue 28 C3: the warm-up's dense KL (``DenseIndexerKL``, chunked by query rows) equals Megatron-Core's
     ``compute_dsa_indexer_loss(sparse_loss=False)`` in value and indexer gradients (THD, two documents),
@@ -215,7 +201,7 @@ def test_warmup_loss_equals_megatron_dense_kl_without_a_T_by_T_tensor(monkeypatc
     from megatron.core.transformer.experimental_attention_variant.dsa import (_compute_index_scores,
                                                                               compute_dsa_indexer_loss)
 
-    from glm5_mcore.model.indexer_loss import DenseIndexerKL
+    from glm5_mcore.model.indexer_loss import DenseIndexerKL, dense_kl_row_bytes
 
     g = torch.Generator().manual_seed(4)
     S, n, h, nI, dI, K = 48, 3, 8, 4, 6, 5
@@ -229,8 +215,8 @@ def test_warmup_loss_equals_megatron_dense_kl_without_a_T_by_T_tensor(monkeypatc
                                    query, key, h ** -0.5, 1.0, False, pg, varlen_starts=doc_start,
                                    varlen_ends=q_pos + 1, key_positions=torch.arange(S))
     g_ref = torch.autograd.grad(ref, (q_i, w_i, k_i))
-    monkeypatch.setattr("glm5_mcore.model.sparse_attention.CHUNK_BYTES", 4 * S * (n + 2 * nI + 12) * 7)  # 7 rows
-    largest = _Largest()
+    monkeypatch.setattr("glm5_mcore.model.sparse_attention.CHUNK_BYTES", dense_kl_row_bytes(S, n, nI) * 7)  # 7 rows
+    largest = LargestTensor()
     with largest:
         kl, mass, rows = DenseIndexerKL.apply(q_i, w_i, k_i, query, key, q_pos, doc_start, h ** -0.5, K, None)
         loss = dsa_indexer_loss.reduce_indexer_kl_sum(kl, num_rows=S, calculate_per_token_loss=False)

@@ -1,5 +1,6 @@
 """The fused CPU DSA kernels against the PyTorch path they replace (and against plain definitions)."""
 
+import contextlib
 import os
 import shutil
 import warnings
@@ -9,6 +10,7 @@ import torch
 
 from glm5_mcore import kernels
 from glm5_mcore.model.sparse_attention import SparseLatentAttention, compute_index_topk, deterministic_topk
+from tests.support.helpers import LargestTensor
 
 # only a missing compiler skips: a kernel that fails to build must fail these tests, not hide
 pytestmark = pytest.mark.skipif(not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")),
@@ -123,6 +125,48 @@ def test_sparse_latent_kernel_matches_torch_path_forward_and_backward(n, dn, dc,
         results.append((out.detach(), qq.grad, ll.grad))
     for a, r in zip(*results):
         assert (a - r).abs().max() <= 1e-5 * (1 + r.abs().max())
+
+
+def _selected(S, K, g):
+    """[S, K] causal top-k indices of random scores: rows < K carry -1."""
+    scores = torch.randn(S, S, generator=g).masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    with kernels.disabled():
+        return deterministic_topk(scores, K)
+
+
+@pytest.mark.parametrize("n,D,nI,dI,threads", [(4, 80, 4, 32, 1), (3, 14, 5, 10, 2)])
+def test_sparse_loss_kernels_match_torch_path_forward_and_backward(n, D, nI, dI, threads):
+    """The sparse stage's fused scoring (``kernels.sparse_latent_target``, ``indexer_kl`` / ``_grad``) equals
+    the PyTorch path it replaces: the absorbed attention target over the selected latent rows, and the
+    indexer KL's value and gradients (q, w, k), rows with -1 slots, head and width counts that are not
+    multiples of 4 / 16, one and two threads. The kernels read the selected rows in place: no op makes a
+    gathered [rows, K, width] block (the old code, PyTorch ops on the CPU too, made S·K·D)."""
+    from glm5_mcore.model.indexer_loss import SparseIndexerKL, compute_sparse_attention_target_latent
+
+    g = torch.Generator().manual_seed(3)
+    S, K = 150, 24
+    idx = _selected(S, K, g)
+    q, lat = torch.randn(S, n, D, generator=g), torch.randn(S, D, generator=g)
+    qi, wi, ki = torch.randn(S, nI, dI, generator=g), torch.randn(S, nI, generator=g), torch.randn(S, dI, generator=g)
+    old = torch.get_num_threads()
+    results = []
+    for use in (True, False):
+        torch.set_num_threads(threads)
+        try:
+            largest = LargestTensor()
+            with contextlib.nullcontext() if use else kernels.disabled(), largest:
+                target = compute_sparse_attention_target_latent(q, lat, idx[None], 0.3)[0]
+                a, b, c = (x.clone().requires_grad_() for x in (qi, wi, ki))
+                kl = SparseIndexerKL.apply(a, b, c, idx, target)
+                (1.7 * kl).backward()
+        finally:
+            torch.set_num_threads(old)
+        if use:
+            assert largest.numel < S * K * min(D, dI), largest.numel
+        results.append((target, kl.detach(), a.grad, b.grad, c.grad))
+    assert bool((results[1][0][idx < 0] == 0).all()) and bool((results[1][0].sum(-1) - 1).abs().max() < 1e-5)
+    for got, want in zip(*results):
+        assert (got - want).abs().max() <= 1e-5 * (1 + want.abs().max()), float((got - want).abs().max())
 
 
 def test_without_a_compiler_the_torch_path_is_used(monkeypatch, tmp_path):

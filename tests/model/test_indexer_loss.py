@@ -274,3 +274,57 @@ def test_sparse_stage_keeps_recall_and_frozen_indexer_loses_it(tiny_dir, tmp_pat
     print(f"recall with the sparse-stage loss {start:.3f} -> {end:.3f}; indexer frozen {f_start:.3f} -> {f_end:.3f}; "
           f"indexer/loss {h[0]['indexer/loss']:.3f} -> {h[-1]['indexer/loss']:.3f}")
     assert "indexer/loss=" in err and "indexer/recall=" in err
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_sparse_stage_target_and_gradients_equal_transformers(tiny_dir, single_rank, monkeypatch, cpu_kernels):
+    """Issue 43 item 6: in the sparse stage (trainable indexer, its KL on), on the fused CPU kernels and on
+    the PyTorch path, against transformers' GlmMoeDsaForCausalLM (eager) on the same weights and tokens:
+    every full layer's indexer target (our fused scoring of the selected latent rows) is transformers'
+    attention weights summed over heads at those keys, normalised; the logits, and the gradients of the
+    embedding and the output layer through every sparse core's backward, equal transformers' (the indexer's
+    loss reaches the indexer only, whose weights get gradients)."""
+    import contextlib
+
+    from transformers import AutoModelForCausalLM
+
+    import glm5_mcore.model.dsa as dsa_mod
+    from glm5_mcore import kernels
+    from glm5_mcore.model.build import forward_logits
+    from glm5_mcore.parity import load_input_ids
+    from tests.support.helpers import hf_model
+
+    ids = load_input_ids(None, 128, 2, 32, seed=3)
+    g = torch.randn(2, 32, 128, generator=torch.Generator().manual_seed(0))
+    seen = []
+    target_of = dsa_mod.compute_sparse_attention_target_latent
+
+    def record(q, lat, topk, scale, tp):
+        out = target_of(q, lat, topk, scale, tp)
+        seen.append((out, topk))
+        return out
+
+    monkeypatch.setattr(dsa_mod, "compute_sparse_attention_target_latent", record)
+    model, _ = hf_model(tiny_dir, dsa_indexer_loss_coeff=0.01)
+    model.train()
+    with contextlib.nullcontext() if cpu_kernels else kernels.disabled():
+        logits = forward_logits(model, ids)
+        (logits * g).sum().backward()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32, attn_implementation="eager")
+    weights = []
+    for layer in hf.model.layers:
+        layer.self_attn.register_forward_hook(lambda mod, inp, out: weights.append(out[1].detach()))
+    ref = hf(input_ids=ids).logits
+    (ref * g).sum().backward()
+    assert (logits - ref).abs().max() <= 1e-5, float((logits - ref).abs().max())
+    keep = torch.arange(128) != hf.model.embed_tokens.padding_idx  # transformers zeroes its padding row's gradient
+    for ours, theirs in ((model.embedding.word_embeddings.weight.grad[keep], hf.model.embed_tokens.weight.grad[keep]),
+                         (model.output_layer.weight.grad, hf.lm_head.weight.grad)):
+        assert (ours - theirs).abs().max() <= 1e-5 * (1 + theirs.abs().max()), float((ours - theirs).abs().max())
+    indexer = [p for n, p in model.named_parameters() if ".indexer." in n]
+    assert indexer and all(p.grad is not None and p.grad.abs().sum() > 0 for p in indexer)
+    assert len(seen) == len(weights) == len(hf.model.layers)  # every layer of the tiny model is a full one
+    for (target, topk), w in zip(seen, weights):
+        att = w.sum(1).gather(-1, topk.clamp(min=0)).masked_fill(topk < 0, 0.0)  # [b, S, K] at our keys
+        att = att / att.sum(-1, keepdim=True)
+        assert (target - att).abs().max() <= 1e-5, float((target - att).abs().max())

@@ -229,3 +229,28 @@ def test_a_vocabulary_tp_does_not_divide_is_planned_padded():
         L = Layout(64, tp=8, ep=8, make_vocab_size_divisible_by=divisible_by)
         groups = {g.name: g for g in stage_tensors(m, L, 0, mtp=True)}
         assert groups["embedding"].total == groups["output_layer"].total == rows * m.hidden_size
+
+
+def test_glm5_plan_has_a_dsa_row_for_every_indexer_stage(capsys):
+    """Issue 43 item 5: ``glm5 plan`` shows one DSA layer's peak in each training stage of the indexer (the
+    planner's ``dsa_core_peak``: frozen, the sparse KL, the THD warm-up), marks the job's stage (read from
+    ``train.freeze_indexer`` / ``train.indexer_warmup``) and sizes the job's activations with it: the sparse
+    KL keeps the indexer's outputs and its fp32 target per layer, the warm-up SDPA's [s, T] bias."""
+    from glm5_mcore.config import glm5_744b
+    from glm5_mcore.plan.activations import DSA_STAGES, dsa_core_peak
+    from glm5_mcore.plan.layout import Layout
+    from recipes.main import main
+
+    base = ["plan", "--config", "sft_glm5_744b_lora", "data.micro_batch_tokens=32768", "data.max_tokens=32768"]
+    want = {s: round(dsa_core_peak(glm5_744b(), Layout(world=64, tp=8, ep=64), 32768, 2, stage=s) / 2**30, 2)
+            for s in DSA_STAGES}
+    acts = {}
+    for stage, label, extra in (("sparse", "sparse", []), ("sparse_loss", "sparse+loss", ["train.freeze_indexer=false"]),
+                                ("warmup", "warm-up", ["train.indexer_warmup=true"])):
+        main(base + extra)
+        out = capsys.readouterr().out
+        rank = json.loads(out.strip().splitlines()[-1])["plan"]["ranks"][0]
+        assert rank["dsa_layer_peak_gib"] == want, (rank["dsa_layer_peak_gib"], want)
+        assert f"DSA layer: {label} (job)" in out and out.count("(job)") == 1, out
+        acts[stage] = rank["activations_no_recompute_gib"]
+    assert acts["sparse"] < acts["sparse_loss"] < acts["warmup"], acts

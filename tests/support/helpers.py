@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from glm5_mcore.config import GLM5Config
 from glm5_mcore.mcore_settings import ParallelConfig
@@ -104,3 +105,18 @@ def fp8_folders(root, block: int = 16, mtp: bool = False, seed: int = 0, mla_576
     sd = {k: ckpt.get(k).contiguous() for k in ckpt.keys() if not k.endswith("_scale_inv")}
     cfg = mla576(glm5_tiny(mtp=mtp)) if mla_576 else glm5_tiny(mtp=mtp)
     return fp8, write_hf_checkpoint(cfg, sd, root / "dense")
+
+
+class LargestTensor(TorchDispatchMode):
+    """The largest tensor any op produces inside the block (``numel``, elements)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(o, torch.Tensor):
+                self.numel = max(self.numel, o.numel())
+        return out
