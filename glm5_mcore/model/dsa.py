@@ -142,7 +142,10 @@ class GLM5SparseAttention(MegatronModule):
         skv = sq * get_pg_size(self.pg_collection.cp) if reorder is not None else key.shape[0]
         latent, self._latent = self._latent, None
 
-        if self.warmup_coeff > 0 and self.computes_topk and self.training:
+        if self.warmup_coeff > 0 and self.computes_topk and self.training:  # dense, and so its sharers
+            self.last_topk = None
+            if self.feeds_sharers and packed_seq_params is not None:
+                self._topk_for_sharers[packed_seq_params] = None
             key, value = self._gather_cp(key, reorder), self._gather_cp(value, reorder)
             out = dense_attention(query, key, value, q_pos, doc_start, self.softmax_scale, plain_causal)
             out = self._warmup_indexer_loss(out, query, key, x, qr, packed_seq_params, reorder, q_pos, doc_start)

@@ -328,3 +328,38 @@ def test_sparse_stage_target_and_gradients_equal_transformers(tiny_dir, single_r
         att = w.sum(1).gather(-1, topk.clamp(min=0)).masked_fill(topk < 0, 0.0)  # [b, S, K] at our keys
         att = att / att.sum(-1, keepdim=True)
         assert (target - att).abs().max() <= 1e-5, float((target - att).abs().max())
+
+
+def test_index_share_layers_attend_densely_in_the_warmup_after_an_eval(tiny_share_dir, single_rank):
+    """Indexer warm-up: every layer attends densely, IndexShare layers too. An evaluation (SFT's validation
+    batch) between warm-up steps leaves the full layer's top-k behind; the next warm-up forward must not hand
+    it to the shared layer (the warm-up's full layer returns before selecting one): the same logits as a
+    warm-up forward with no evaluation before it, packed (THD) or not."""
+    from glm5_mcore.model.indexer_stages import set_indexer_warmup
+    from tests.support.helpers import hf_model
+
+    model, glm5 = hf_model(tiny_share_dir, calculate_per_token_loss=True)
+    set_indexer_warmup(model, 0.01)
+    g = torch.Generator().manual_seed(3)
+    ids, other = (torch.randint(3, glm5.vocab_size, (1, 32), generator=g) for _ in range(2))
+    pos = torch.arange(32)[None]
+    thd, thd_other = _thd_batch(glm5.vocab_size), _thd_batch(glm5.vocab_size, seed=6)
+
+    def warmup_logits(b=None):
+        model.train()
+        with torch.no_grad():
+            if b is None:
+                return model(ids, pos, None)
+            return model(b.input_ids, b.position_ids, None, packed_seq_params=b.packed_seq_params())
+
+    def evaluate(b=None):
+        model.eval()
+        with torch.no_grad():
+            model(other, pos, None) if b is None else model(b.input_ids, b.position_ids, None,
+                                                            packed_seq_params=b.packed_seq_params())
+
+    for plain in (True, False):
+        first = warmup_logits(None if plain else thd)
+        evaluate(None if plain else thd_other)
+        again = warmup_logits(None if plain else thd)
+        assert torch.equal(first, again), (plain, float((first - again).abs().max()))
