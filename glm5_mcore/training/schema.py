@@ -48,8 +48,8 @@ class ModelCfg:
     Megatron-Core initialises them, and trained; "off": no MTP block. RL: "auto" only (the MTP block is built
     for ``actor.mtp_loss_scale > 0`` or ``actor.mtp_accept``)."""
     dsa_kernel_backend: str = "auto"
-    """DSA's fused kernels (Megatron-Core's ``dsa_kernel_backend``): "auto" = "tilelang" on CUDA, "none" on the
-    CPU; "none" = this project's kernels (fused C++ on the CPU, the sync-free PyTorch path elsewhere); "tilelang"
+    """DSA's fused kernels (Megatron-Core's ``dsa_kernel_backend``): "auto" = "tilelang" on CUDA where the model
+    meets the kernels' constraints, else "none" (said once at start-up); "none" = this project's kernels (fused C++ on the CPU, the sync-free PyTorch path elsewhere); "tilelang"
     or "cudnn" (CUDA only; bf16, index_topk % 64 == 0, heads per TP rank a power of two). See docs/dsa.md."""
     moe_grouped_gemm: Optional[bool] = None
     """Megatron-Core's ``moe_grouped_gemm``: the routed experts as ``TEGroupedMLP`` (all local experts in one
