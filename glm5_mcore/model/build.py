@@ -48,12 +48,12 @@ def build_model(glm5: GLM5Config, parallel: Optional[ParallelConfig] = None, bac
     config_overrides.setdefault("transformer_impl", "local" if backend == "local" else "transformer_engine")
     config_overrides.setdefault("expert_tensor_parallel_size", parallel.etp)
     config_overrides["moe_grouped_gemm"] = grouped_gemm(config_overrides.get("moe_grouped_gemm"), backend)
-    backend = config_overrides.pop("dsa_kernel_backend", "auto")
+    dsa = config_overrides.pop("dsa_kernel_backend", "auto")
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage() if parallel.pp > 1 else True
     if post_process is None:
         post_process = ps.is_pipeline_last_stage() if parallel.pp > 1 else True
-    cfg = select_dsa_backend(backend, training_device() if device is None else device,
+    cfg = select_dsa_backend(dsa, training_device() if device is None else device,
                              lambda b: glm5.to_mcore_config(parallel, dsa_kernel_backend=b, **config_overrides),
                              parallel.tp)
     reset_global_trackers()
