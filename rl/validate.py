@@ -27,9 +27,12 @@ from glm5_mcore.lora.config import check_expert_tp, check_grouped_experts
 from glm5_mcore.mcore_settings import grouped_gemm
 from glm5_mcore.training.loop import OptimCfg, check_optimizer
 from rl.train.cp import cp_unit
+from rl.train.verl_import import prepare as prepare_verl
 from rl.tasks.proc_pool import resolve
 from rl.tasks.prompts import token_ids
 from rl.tasks.rewards import fn_path
+
+prepare_verl()  # verl's math without Ray where Ray is not installed (the lent GPU image)
 
 ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "gae")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")

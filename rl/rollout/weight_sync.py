@@ -197,3 +197,38 @@ def send(chunks: Iterable[dict], max_bytes: int, codec_: Codec, receive: Callabl
 def receive(handle, metas: list, codec_name: str) -> list[tuple[str, torch.Tensor]]:
     """The receiving side: the bucket behind ``handle`` as (name, tensor) views."""
     return unpack(codec(codec_name).open(handle), metas)
+
+
+def byte_sums(named) -> list[tuple[str, int, int]]:
+    """(name, sum of its bytes, byte count) per (name, tensor): a bit-level fingerprint of a bucket."""
+    return [(n, int(t.contiguous().view(torch.uint8).cpu().long().sum()), t.numel() * t.element_size())
+            for n, t in named]
+
+
+def read_back(handle, metas: list, codec_name: str, queue) -> None:
+    """A receiving process (``round_trip``'s child): the bucket's ``byte_sums`` onto ``queue``. Module-level,
+    so a ``spawn`` child can unpickle it by name (a function of a module loaded by path cannot)."""
+    if codec_name == "cuda_ipc":
+        torch.cuda.set_device(0)
+    queue.put(byte_sums(receive(handle, metas, codec_name)))
+
+
+def round_trip(tensors: dict, codec_name: str, timeout: float = 120.0) -> dict:
+    """``tensors`` packed into one bucket, exported with ``codec_name`` and read in a spawned process:
+    {"ok": its fingerprints equal the sender's, "bytes", "tensors"} (the GPU check of CUDA IPC; the CPU
+    tests run it with ``shared_file``)."""
+    import torch.multiprocessing as mp
+
+    flat, metas = pack(tensors, list(tensors))
+    c = codec(codec_name)
+    handle = c.export(flat)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=read_back, args=(handle, metas, codec_name, q))
+    p.start()
+    try:
+        got = q.get(timeout=timeout)
+    finally:
+        p.join(60)
+        c.release(handle)
+    return {"ok": got == byte_sums(tensors.items()), "bytes": int(flat.numel()), "tensors": len(got)}
