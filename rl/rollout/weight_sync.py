@@ -179,18 +179,25 @@ def codec(name: str) -> Codec:
 def send(chunks: Iterable[dict], max_bytes: int, codec_: Codec, receive: Callable, group_of=lambda n: n,
          device: Optional[torch.device] = None) -> list[dict]:
     """Every tensor of ``chunks`` (dicts name → tensor, in order) to ``receive(handle, metas)``, bucket by
-    bucket (one in flight: the sender's extra memory is one bucket); returns per bucket {"names", "bytes"}."""
+    bucket (one in flight: the sender's extra memory is one bucket, freed before the next is packed, and on CUDA
+    the caching allocator's blocks are released after the push, so the rollout actor holds nothing between pushes:
+    ``plan.colocate.SYNC_BUCKET``); returns per bucket {"names", "bytes"}."""
     sent = []
-    for chunk in chunks:
-        sizes = {n: t.numel() * t.element_size() for n, t in chunk.items()}
-        for names in plan_buckets(sizes, max_bytes, group_of):
-            flat, metas = pack(chunk, names, device)
-            handle = codec_.export(flat)
-            try:
-                receive(handle, metas)
-            finally:
-                codec_.release(handle)
-            sent.append({"names": names, "bytes": int(flat.numel())})
+    try:
+        for chunk in chunks:
+            sizes = {n: t.numel() * t.element_size() for n, t in chunk.items()}
+            for names in plan_buckets(sizes, max_bytes, group_of):
+                flat, metas = pack(chunk, names, device)
+                handle = codec_.export(flat)
+                try:
+                    receive(handle, metas)
+                finally:
+                    codec_.release(handle)
+                sent.append({"names": names, "bytes": int(flat.numel())})
+                del flat, handle  # freed before the next bucket is packed: one bucket in memory at a time
+    finally:
+        if device is not None and device.type == "cuda":
+            torch.cuda.empty_cache()  # the sender's cached blocks back to the engine (the planner counts one bucket)
     return sent
 
 
