@@ -21,9 +21,16 @@ A colocated engine (``rollout.colocate.enable``) time-shares the trainer's place
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 VLLM = "VLLMRolloutEngine"
+
+
+def engine_class(path: str):
+    """``rollout.engine``'s class (``rl.validate`` has checked that it imports)."""
+    mod, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(mod), name)
 
 
 def engine_gpus(engine_kwargs: dict) -> int:
@@ -38,9 +45,11 @@ def bundles(cfg, i: int) -> list[int]:
 
 
 def spans_gpus(cfg) -> bool:
-    """Colocated vLLM engines of more than one GPU each (vLLM's Ray executor over the trainer's bundles)."""
+    """Colocated engines of more than one GPU each whose workers Ray places in the trainer's bundles (the engine
+    class's ``SPANS_BUNDLES``: vLLM's Ray executor)."""
     r = cfg.rollout
-    return r.colocate.enable and r.engine.endswith(VLLM) and engine_gpus(r.engine_kwargs) > 1
+    return (r.colocate.enable and engine_gpus(r.engine_kwargs) > 1
+            and getattr(engine_class(r.engine), "SPANS_BUNDLES", False))
 
 
 def actor_setup(cfg, i: int, placement_group) -> tuple[dict, dict, dict]:
@@ -84,7 +93,7 @@ def check(cfg) -> None:
                          "parallelism in one process (entrypoints/llm.py:282-294); use more engines "
                          "(rollout.num_actors) or pipeline_parallel_size across nodes")
     g = engine_gpus(kw)
-    if not r.colocate.enable or g == 1:
+    if not spans_gpus(cfg):
         return
     span = t.world_size // r.num_actors
     if g != span:

@@ -88,6 +88,7 @@ class VLLMRolloutEngine(RolloutEngine):
     LoRA mode alike; the LoRARequest carries the decoder's adapter only."""
 
     FORWARDS_KWARGS = True  # the rest go to vllm.LLM, whose EngineArgs refuses unknown keys
+    SPANS_BUNDLES = True  # distributed_executor_backend="ray" over the bundles rl.cluster.engine_placement names
     INTERRUPTIBLE = True
 
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, merge: bool = False, max_lora_rank: int = 64,
