@@ -116,7 +116,7 @@ def format_rl_row(x) -> str:
     """One ``search.RLLayout``."""
     L, e = x.trainer.job.layout, x.engine
     head = (f"  {x.gpus:5d} GPUs  {x.mode:9s}  trainer TP {L.tp} EP {L.ep} CP {L.cp} DP {L.dp}; {x.engines} engine(s) "
-            f"TP {e.tp} DP {e.dp}{' FP8' if e.fp8 else ''}: fullest GPU {x.per_gpu / GIB:.1f} GiB")
+            f"TP {e.tp} PP {e.pp} DP {e.dp}{' FP8' if e.fp8 else ''}: fullest GPU {x.per_gpu / GIB:.1f} GiB")
     if x.phases is not None:
         p = x.phases
         head += (f" (training {p.training / GIB:.1f} / generation {p.generation / GIB:.1f}, "
