@@ -24,7 +24,7 @@ def main() -> None:
         p.ids = p.ids * 4
     reqs = [Request((p.index, k), p.ids, sample_seed(1, 0, p.index, k)) for p in prompts for k in range(n)]
     res = engine.generate(reqs, SamplingParams(0.8, 1.0, max_new, (tok.eos_token_id,)))
-    print(json.dumps({"transformers": transformers.__version__, "cache_kw": engine.cache_kw,
+    print(json.dumps({"transformers": transformers.__version__, "cache_kw": getattr(engine, "cache_kw", None),
                       "results": [[list(r.key), r.response_ids, r.logprobs] for r in res]}))
 
 
