@@ -415,6 +415,7 @@ def test_the_gpu_tests_and_stages_configs_pass_the_gpu_checks(tiny_dir, monkeypa
         assert cfg.trainer.bf16 and cfg.trainer.gpus_per_rank == 1
 
 
+@pytest.mark.slow
 def test_the_cuda_ipc_child_pickles_and_a_spawned_reader_sees_the_bucket():
     """G6: the colocate stage's IPC reader is a library function (``weight_sync.read_back``) a ``spawn`` child
     unpickles by name (the stage's own, in a module loaded by path, did not pickle); the same round trip with
