@@ -9,6 +9,7 @@ Stages (``--dry-run`` prints this plan with each budget, touching no GPU):
    tensor handed to a collective on the device (``tests/support/fake_device.assert_collectives_on``).
 3. ``rl_step``: the RL trainer's log-prob pass and one update on the device, its collectives on the
    device, and the bf16 log-prob figure (fp32 output layer vs bf16 logits against a float64 projection).
+   verl's math runs without Ray (``rl.train.verl_import``): the lent image has none.
 4. ``dsa`` — ``bench/gpu_check_dsa.py`` (the DSA issue's stage: fused DSA, scaling at real widths), when present.
 5. ``resume``: SFT 4 steps vs 2 + resume + 2 under ``torch.use_deterministic_algorithms(True)`` with
    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (the DSA backward's ``index_add_`` is non-deterministic otherwise)
@@ -28,13 +29,14 @@ dry run), ``deadline`` (a ``time.monotonic()`` value the stage must finish by: c
 line>"}`` at once), ``out_dir`` (a writable ``pathlib.Path``) and ``hf_dir`` (a tiny GLM-5 HF folder). The
 result must be JSON-serialisable; ``"ok": False`` marks a failed check; a stage that raises is recorded as
 ``ok: false`` with the error's line. This script imports each such file if present (by path), gives it its
-slot and budget, and also interrupts it (``SIGALRM``) at the deadline.
+slot and budget, and also interrupts it (``SIGALRM``) at its budget or the deadline, whichever comes first.
 
 Each stage prints ``{"stage", "budget_s", "wall_s", "ok", ...}``; a stage whose budget no longer fits before
 the deadline is skipped (``"skipped": "deadline"``); the last line is the summary JSON
 ``{"device", "deadline_s", "stages": {...}, "all_ok", "targets"}``.
 
-Usage (the lent machine has no registry: ``scripts/gpu_wheels.sh`` builds the carried wheels)::
+Usage (the lent machine has no registry: ``scripts/gpu_wheels.sh --rl`` builds the carried wheels, and the
+device tool's ``carry`` must name ``.whl``, which git ignores; ``docs/gpu.md`` lists them with their MiB)::
 
     python3 bench/gpu_check.py --dry-run                     # CPU: the plan and budget
     python3 bench/gpu_check.py --deadline-s 600 --out /tmp/gc   # one GPU
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -84,7 +87,7 @@ def _alarm(seconds: float):
         return
 
     def fire(*_):
-        raise StageTimeout(f"interrupted at the deadline after {seconds:.0f}s")
+        raise StageTimeout(f"interrupted after {seconds:.0f}s (its budget, or the deadline if sooner)")
 
     old = signal.signal(signal.SIGALRM, fire)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -116,6 +119,12 @@ def stage_env(ctx: dict) -> dict:
         out.update(gpu=p.name, gpu_mem_gib=round(p.total_memory / 2 ** 30, 1), capability=f"{p.major}.{p.minor}")
     for mod in ("megatron.core", "tilelang", "transformer_engine.pytorch", "vllm", "verl", "ray", "omegaconf"):
         try:
+            if mod == "verl":  # its RL math, with or without Ray (rl.train.verl_import)
+                from rl.train.verl_import import load as load_verl
+
+                load_verl()
+                out[mod] = importlib.metadata.version("verl")
+                continue
             m = importlib.import_module(mod)
             out[mod] = getattr(m, "__version__", "yes")
         except Exception as e:  # noqa: BLE001 - any failure to import is the finding
@@ -170,14 +179,20 @@ def stage_model_sft(ctx: dict) -> dict:
             "ok": not off and bool(ok) and moved > 0 and float("inf") > loss > 0 and not bad}
 
 
+def rl_step_dict(hf_dir: str, cuda: bool) -> dict:
+    """``rl_step``'s RL config (``tests/gpu/test_gpu_path.py`` validates it as on a GPU)."""
+    return {"model": {"hf_dir": hf_dir}, "wandb": {"mode": "disabled"}, "rollout": {"n": 2},
+            "actor": {"ppo_mini_batch_size": 2}, "trainer": {"bf16": cuda, "gpus_per_rank": 1 if cuda else 0}}
+
+
 def stage_rl_step(ctx: dict) -> dict:
     """The RL trainer on the device: log-probs, one update, collectives; the bf16 log-prob figure."""
     if ctx["dry_run"]:
         return {"plan": "PolicyTrainer (local spec, bf16): compute_log_probs + one update on the device, "
                         "collectives on the device; bf16 log-probs (fp32 output layer vs bf16 logits) vs float64"}
-    if importlib.util.find_spec("verl") is None:  # the policy losses and IcePop are verl's (it needs Ray)
-        return {"skipped": "needs verl (and Ray, ~70 MB: over the 64 MiB of carried wheels); "
-                           "tests/model/test_bf16_logprobs.py covers the log-prob figure on CPU"}
+    if importlib.util.find_spec("verl") is None:  # the policy losses and IcePop are verl's
+        return {"skipped": "needs verl (scripts/gpu_wheels.sh --rl carries it; Ray is not needed: "
+                           "rl.train.verl_import)", "ok": False}
     import torch
     import torch.distributed as dist
 
@@ -190,9 +205,7 @@ def stage_rl_step(ctx: dict) -> dict:
     from rl.train.trainer import PolicyTrainer
 
     dev, hf_dir, cuda = ctx["device"], ctx["hf_dir"], ctx["device"].type == "cuda"
-    cfg = RLConfig.from_dict({"model": {"hf_dir": hf_dir}, "wandb": {"mode": "disabled"}, "rollout": {"n": 2},
-                              "actor": {"ppo_mini_batch_size": 2},
-                              "trainer": {"bf16": cuda, "gpus_per_rank": 1 if cuda else 0}})
+    cfg = RLConfig.from_dict(rl_step_dict(hf_dir, cuda))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 90, (6 + 5 * (i // 2),), generator=g).tolist() for i in range(4)]
     responses = [torch.randint(3, 90, (4,), generator=g).tolist() for _ in range(4)]
@@ -331,8 +344,8 @@ def run_stage(name: str, budget: int, fn, ctx: dict) -> dict:
     if not ctx["dry_run"] and budget > left:
         return {**rec, "ok": True, "skipped": "deadline", "left_s": round(left, 1)}
     t0 = time.monotonic()
-    try:
-        with _alarm(0 if ctx["dry_run"] else left):
+    try:  # interrupted at its own budget (a first TileLang JIT must not eat the later stages) or the deadline
+        with _alarm(0 if ctx["dry_run"] else min(left, budget or left)):
             res = fn(ctx)
         rec.update(res)
         rec.setdefault("ok", True)
@@ -366,15 +379,6 @@ def main(argv=None) -> int:
     made = a.out is None
     out_dir = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="gpu_check_"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    dev = torch.device("cuda", torch.cuda.current_device()) if (torch.cuda.is_available() and not a.dry_run) \
-        else torch.device("cpu")
-    hf_dir = a.hf_dir
-    if hf_dir is None and not a.dry_run:
-        from glm5_mcore.tiny import write_tiny
-
-        hf_dir = str(write_tiny(out_dir / "tiny", seed=0))
-    ctx = {"device": dev, "deadline": t_start + a.deadline_s, "dry_run": a.dry_run, "out_dir": out_dir,
-           "hf_dir": hf_dir}
     rank0 = True
     if not a.dry_run:
         import torch.distributed as dist
@@ -382,8 +386,18 @@ def main(argv=None) -> int:
         from glm5_mcore.mcore_settings import ParallelConfig
         from glm5_mcore.model.parallel import init_parallel
 
-        init_parallel(ParallelConfig())
+        init_parallel(ParallelConfig())  # sets this rank's CUDA device (LOCAL_RANK) first
         rank0 = dist.get_rank() == 0
+    from glm5_mcore.device import training_device
+
+    dev = torch.device("cpu") if a.dry_run else training_device()
+    hf_dir = a.hf_dir
+    if hf_dir is None and not a.dry_run:
+        from glm5_mcore.tiny import write_tiny
+
+        hf_dir = str(write_tiny(out_dir / f"tiny{os.environ.get('LOCAL_RANK', '')}", seed=0))
+    ctx = {"device": dev, "deadline": t_start + a.deadline_s, "dry_run": a.dry_run, "out_dir": out_dir,
+           "hf_dir": hf_dir}
     total = sum(b for _, b, fn, _ in stages if fn is not None)
     if rank0:
         print(json.dumps({"plan": [{"stage": n, "budget_s": b, "source": src} for n, b, _, src in stages],

@@ -59,20 +59,10 @@ class _Engines:
         return [self.engine.last_push()]
 
 
-def _ipc_child(handle, metas, q) -> None:
-    import torch
-
-    from rl.rollout.weight_sync import receive
-
-    torch.cuda.set_device(0)
-    got = receive(handle, metas, "cuda_ipc")
-    q.put([(n, t.view(torch.uint8).cpu().sum().item(), t.view(torch.uint8).cpu().numel()) for n, t in got])
-
-
 def _cuda_ipc_round_trip() -> dict:
-    """A bucket of mixed dtypes exported as CUDA IPC handles and read in a spawned process."""
+    """A bucket of mixed dtypes exported as CUDA IPC handles and read in a spawned process
+    (``rl.rollout.weight_sync.round_trip``: its child is a library function, so spawn can pickle it)."""
     import torch
-    import torch.multiprocessing as mp
 
     from rl.rollout import weight_sync as ws
 
@@ -80,18 +70,16 @@ def _cuda_ipc_round_trip() -> dict:
     tensors = {"a.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16).cuda(),
                "b.weight": torch.randn(48, 16, generator=g).to(torch.float8_e4m3fn).cuda(),
                "b.weight_scale_inv": torch.rand(1, 1, generator=g).cuda()}
-    flat, metas = ws.pack(tensors, list(tensors))
-    codec = ws.codec("cuda_ipc")
-    handle = codec.export(flat)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_ipc_child, args=(handle, metas, q))
-    p.start()
-    got = q.get(timeout=120)
-    p.join(60)
-    codec.release(handle)
-    want = [(n, t.view(torch.uint8).cpu().sum().item(), t.view(torch.uint8).numel()) for n, t in tensors.items()]
-    return {"ok": got == want, "bytes": int(flat.numel()), "tensors": len(got)}
+    return ws.round_trip(tensors, "cuda_ipc")
+
+
+def rl_dict(hf_dir: str, cuda: bool) -> dict:
+    """The stage's RL config (``tests/gpu/test_gpu_path.py`` validates it as on a GPU): bf16 with a GPU per rank."""
+    return {"model": {"hf_dir": hf_dir}, "wandb": {"mode": "disabled"},
+            "rollout": {"n": 2, "max_new_tokens": 8, "num_actors": 1,
+                        "colocate": {"enable": True, "offload_weights": True}},
+            "data": {"prompts_per_step": 4}, "actor": {"ppo_mini_batch_size": 4},
+            "trainer": {"bf16": cuda, "backend": "local", "gpus_per_rank": 1 if cuda else 0}}
 
 
 def stage(ctx: dict) -> dict:
@@ -115,11 +103,7 @@ def stage(ctx: dict) -> dict:
     out_dir = Path(ctx["out_dir"])
     cuda = torch.cuda.is_available()
     hf_dir = str(write_tiny(out_dir / "tiny_colocate", seed=0))
-    cfg = RLConfig.from_dict({"model": {"hf_dir": hf_dir}, "wandb": {"mode": "disabled"},
-                              "rollout": {"n": 2, "max_new_tokens": 8, "num_actors": 1,
-                                          "colocate": {"enable": True, "offload_weights": True}},
-                              "data": {"prompts_per_step": 4}, "actor": {"ppo_mini_batch_size": 4},
-                              "trainer": {"bf16": cuda, "backend": "local"}})
+    cfg = RLConfig.from_dict(rl_dict(hf_dir, cuda))
     trainer = PolicyTrainer(cfg)
     engine = HFRolloutEngine(hf_dir, dtype="bfloat16" if cuda else "float32")
     coloc = Colocation(cfg, _Trainers(trainer), _Engines(engine))

@@ -158,6 +158,8 @@ def stage(ctx: dict) -> dict:
         return {"plan": f"fused DSA (TileLang) vs the PyTorch reference at 4K x 16 heads; fused core + indexer "
                         f"timed at {'/'.join(str(t) for t in SEQS)} tokens x 8 heads with flash SDPA beside it"}
     dev = ctx["device"]
+    if dev.type != "cuda":
+        return {"skipped": f"the fused kernels run on CUDA only (device {dev.type})"}
     out = {"check": _check(dev)}
     out["scaling"] = []
     for T in SEQS:

@@ -53,9 +53,19 @@ def dist_timeout() -> datetime.timedelta:
     return datetime.timedelta(minutes=minutes)
 
 
+HOST_ALIGN = 4096
+"""Byte alignment of each storage in a ``HostCopy`` arena (a page: DMA-friendly offsets)."""
+
+
 class HostCopy:
     """The storages of ``tensors`` moved to host memory (their accelerator storage resized to 0, every view
-    kept) and back, bit-identical. Storages shared by several tensors move once."""
+    kept) and back, bit-identical. Storages shared by several tensors move once.
+
+    Host memory is ONE arena for all of them (each storage at a ``HOST_ALIGN``-aligned offset), made at the first
+    offload and kept, so every step reuses the same pages. Under CUDA it is pinned with ``cudaHostRegister`` on
+    exactly its size, outside PyTorch's pinned caching allocator: that allocator rounds each request up to a
+    power of two and caches the block (``CachingHostAllocator.h:300-309``), up to twice the frozen base when
+    every storage has its own pinned buffer. ``host_bytes`` is what the arena holds."""
 
     def __init__(self, tensors: Iterable[torch.Tensor]):
         seen, self.tensors = set(), []
@@ -64,44 +74,64 @@ class HostCopy:
             if key not in seen and t.untyped_storage().nbytes():
                 seen.add(key)
                 self.tensors.append(t)
-        self.host: list = []
+        self.sizes = [t.untyped_storage().nbytes() for t in self.tensors]
+        self.offsets, off = [], 0
+        for n in self.sizes:
+            self.offsets.append(off)
+            off += -(-n // HOST_ALIGN) * HOST_ALIGN
+        self.host_bytes = off
+        self.arena: Optional[torch.Tensor] = None
+        self._registered = False
+        self._out = False
 
     @property
     def offloaded(self) -> bool:
-        return bool(self.host)
+        return self._out
+
+    def _make_arena(self) -> torch.Tensor:
+        arena = torch.empty(self.host_bytes, dtype=torch.uint8)
+        cuda = torch.cuda.is_available() and any(t.untyped_storage().device.type == "cuda" for t in self.tensors)
+        if cuda and self.host_bytes:
+            err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), self.host_bytes, 0)
+            self._registered = int(err) == 0
+            if not self._registered:  # no page-locking (a container's memlock limit): PyTorch's pinned buffer
+                arena = torch.empty(self.host_bytes, dtype=torch.uint8, pin_memory=True)
+        return arena
 
     def offload(self) -> int:
         """Bytes moved to the host."""
-        if self.host:
+        if self._out:
             raise RuntimeError("HostCopy.offload: already offloaded")
-        moved = 0
-        for t in self.tensors:
+        if self.arena is None:
+            self.arena = self._make_arena()
+        for t, off, n in zip(self.tensors, self.offsets, self.sizes):
             st = t.untyped_storage()
             dev = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
-            host = torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=torch.cuda.is_available() and st.device.type == "cuda")
-            host.copy_(dev, non_blocking=True)
-            self.host.append(host)
-            moved += st.nbytes()
+            self.arena[off: off + n].copy_(dev, non_blocking=True)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         for t in self.tensors:
             t.untyped_storage().resize_(0)
-        return moved
+        self._out = True
+        return sum(self.sizes)
 
     def restore(self) -> int:
         """Bytes moved back."""
-        if not self.host:
+        if not self._out:
             raise RuntimeError("HostCopy.restore: nothing offloaded")
-        moved = 0
-        for t, host in zip(self.tensors, self.host):
+        for t, off, n in zip(self.tensors, self.offsets, self.sizes):
             st = t.untyped_storage()
-            st.resize_(host.numel())
-            torch.empty(0, dtype=torch.uint8, device=st.device).set_(st).copy_(host, non_blocking=True)
-            moved += host.numel()
+            st.resize_(n)
+            torch.empty(0, dtype=torch.uint8, device=st.device).set_(st).copy_(self.arena[off: off + n],
+                                                                              non_blocking=True)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self.host = []
-        return moved
+        self._out = False
+        return sum(self.sizes)
+
+    def __del__(self):
+        if self._registered and self.arena is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.arena.data_ptr())
 
 
 def device_memory() -> dict:

@@ -29,11 +29,15 @@ from glm5_mcore.checkpoint.layout import serving_dir
 from glm5_mcore.lora.config import check_expert_tp, check_grouped_experts
 from glm5_mcore.mcore_settings import grouped_gemm
 from glm5_mcore.training.loop import OptimCfg, check_optimizer
+from rl.cluster.engine_placement import check as check_engine_layout
 from rl.train.cp import cp_unit
 from rl.tasks.checks import check_multi_turn, check_reward, check_timeout, tool_lines
+from rl.train.verl_import import prepare as prepare_verl
 from rl.tasks.proc_pool import resolve
 from rl.tasks.prompts import token_ids
 from rl.tasks.rewards import fn_path
+
+prepare_verl()  # verl's math without Ray where Ray is not installed (the lent GPU image)
 
 ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "gae")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -300,6 +304,7 @@ def validate(c) -> None:
         if r.gpus_per_actor:
             raise ValueError("rollout.gpus_per_actor: colocated engines take rollout.colocate.engine_fraction of "
                              "the trainer's bundles instead (set it to 0)")
+    check_engine_layout(c)  # vLLM's layouts: no offline DP, an engine over its colocated bundles
     if not t.freeze_indexer:
         raise ValueError("trainer.freeze_indexer=false: the RL trainer keeps the DSA indexer frozen (no indexer "
                          "loss reaches it here, so it would not learn); train it in the SFT sparse stage "

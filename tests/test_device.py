@@ -146,3 +146,28 @@ def test_collectives_of_sft_rl_and_parity_get_training_device_tensors(tiny_dir, 
     callers = " ".join(res["callers"])
     for where in ("recipes/sft.py", "rl/train/trainer.py", "glm5_mcore/parity.py", "megatron/core/distributed"):
         assert where in callers, (where, res["callers"])
+
+
+def test_host_copy_uses_one_arena_reused_every_cycle():
+    """G10: ``HostCopy`` moves every storage into ONE host arena (page-aligned offsets; pinned with
+    ``cudaHostRegister`` on its exact size under CUDA), made at the first offload and reused: not a pinned buffer
+    per storage (PyTorch's pinned allocator rounds each to a power of two and caches it). Views and shared
+    storages come back bit-identical."""
+    from glm5_mcore.device import HOST_ALIGN, HostCopy
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(1000, generator=g)
+    b = torch.randn(3, 77, generator=g).to(torch.bfloat16)
+    view = a[10:20]  # shares a's storage: moved once
+    want = [t.clone() for t in (a, b, view)]
+    hc = HostCopy([a, b, view])
+    assert len(hc.tensors) == 2
+    assert hc.host_bytes == -(-4000 // HOST_ALIGN) * HOST_ALIGN + -(-462 // HOST_ALIGN) * HOST_ALIGN
+    ptrs = []
+    for _ in range(3):
+        assert hc.offload() == 4000 + 462 and a.untyped_storage().nbytes() == 0 == b.untyped_storage().nbytes()
+        assert hc.arena.numel() == hc.host_bytes
+        ptrs.append(hc.arena.data_ptr())
+        assert hc.restore() == 4000 + 462
+        assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip((a, b, view), want))
+    assert len(set(ptrs)) == 1  # the same arena every cycle

@@ -83,13 +83,19 @@ def mla_replicated_down_proj() -> type:
     rank only holds for its own heads, is never summed over TP: at TP>1 every layer below the last
     gets wrong gradients. With the replicated linear MLA takes the sequence-parallel branch
     (multi_latent_attention.py:750-754), whose gather sums that gradient.
+
+    And with TE installed (multi_latent_attention.py:60-69 then imports modelopt's ``Linear`` itself), the local
+    spec still needs the TP-aware replicas of ``_duplicated_linear``: modelopt's passes ``tp_group=None``
+    (layers.py:138, 184), so every TP rank would claim the main replica and a TP>1 base save fails its
+    integrity check (``checkpoint/dist.py``). So the subclass replaces MLA's ``Linear`` either way (MLA compares
+    the spec's down projection against that name, multi_latent_attention.py:526-531).
     """
     from megatron.core.transformer import multi_latent_attention
 
     cls = _duplicated_linear()
-    if multi_latent_attention.Linear is None:
+    if multi_latent_attention.Linear is not cls:
         multi_latent_attention.Linear = cls
-    return multi_latent_attention.Linear
+    return cls
 
 
 class LocalBackend(LocalSpecProvider):

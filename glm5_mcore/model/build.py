@@ -18,7 +18,7 @@ from glm5_mcore import cpu_compat
 from glm5_mcore.config import GLM5Config
 from glm5_mcore.mcore_settings import ParallelConfig, grouped_gemm, padded_vocab_size
 from glm5_mcore.device import training_device
-from glm5_mcore.model.dsa_backend import resolve as resolve_dsa_backend
+from glm5_mcore.model.dsa_backend import select as select_dsa_backend
 from glm5_mcore.model.dsa import GLM5SparseAttention, link_absorbed_mla, link_index_share
 from glm5_mcore.model.fp8_linear import apply_fp8_base, drop_columnwise_after_backward, te_fp8_overrides
 from glm5_mcore.model.layer_spec import get_glm5_decoder_block_spec, get_glm5_mtp_block_spec
@@ -60,13 +60,14 @@ def build_model(glm5: GLM5Config, parallel: Optional[ParallelConfig] = None, bac
         config_overrides.update(te_fp8_overrides())
     config_overrides.setdefault("expert_tensor_parallel_size", parallel.etp)
     config_overrides["moe_grouped_gemm"] = grouped_gemm(config_overrides.get("moe_grouped_gemm"), backend)
-    config_overrides["dsa_kernel_backend"] = resolve_dsa_backend(config_overrides.get("dsa_kernel_backend", "auto"),
-                                                                 training_device() if device is None else device)
+    dsa = config_overrides.pop("dsa_kernel_backend", "auto")
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage() if parallel.pp > 1 else True
     if post_process is None:
         post_process = ps.is_pipeline_last_stage() if parallel.pp > 1 else True
-    cfg = glm5.to_mcore_config(parallel, **config_overrides)
+    cfg = select_dsa_backend(dsa, training_device() if device is None else device,
+                             lambda b: glm5.to_mcore_config(parallel, dsa_kernel_backend=b, **config_overrides),
+                             parallel.tp)
     reset_global_trackers()
     block = get_glm5_decoder_block_spec(cfg, backend)
     mtp = get_glm5_mtp_block_spec(cfg, backend) if post_process else None

@@ -34,6 +34,7 @@ from megatron.core.utils import get_pg_size
 from torch.utils.weak import WeakIdKeyDictionary
 
 
+from glm5_mcore.model.cp_positions import packed_cp_positions
 from glm5_mcore.model.dsa_backend import active as fused_active, check as check_fused
 from glm5_mcore.model.dsa_backend import fused_core, fused_topk, fused_topk_with_loss, notice as fused_notice
 from glm5_mcore.model.indexer_loss import (DenseIndexerKL, compute_sparse_attention_target,
@@ -108,8 +109,7 @@ class GLM5SparseAttention(MegatronModule):
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu_q, cu_kv = dsa_layout.get_packed_qk_cu_seqlens(packed_seq_params)
             cu_q = cu_q.to(device=device, dtype=torch.int64)
-            q_pos, reorder = dsa_layout.build_packed_allgather_cp_query_positions_and_key_reorder(
-                cu_q, cu_kv, cp, rank, device, local_output_size=sq)
+            q_pos, reorder = packed_cp_positions(cu_q, cu_kv.to(device), cp, rank, sq)  # no host read (cp_positions)
             doc = torch.searchsorted(cu_q, q_pos, right=True) - 1
             doc_start = cu_q[doc.clamp(max=cu_q.numel() - 1)]
             return q_pos, doc_start, (reorder if cp > 1 else None)

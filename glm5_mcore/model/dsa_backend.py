@@ -1,8 +1,9 @@
 """Megatron-Core's fused DSA kernels behind ``config.dsa_kernel_backend``, with the constraints checked
 before any work and the top-k adapted to this project's contract.
 
-``model.dsa_kernel_backend``: ``auto`` (the default: ``tilelang`` on CUDA, ``none`` elsewhere),
-``none``, ``tilelang`` or ``cudnn``. The value is Megatron-Core's own ``TransformerConfig`` field
+``model.dsa_kernel_backend``: ``auto`` (the default: ``tilelang`` on CUDA where the model meets the fused
+kernels' constraints, else ``none``, said once at start-up: ``choose``), ``none``, ``tilelang`` or ``cudnn``
+(explicit: a model the kernels cannot run is refused in one line, ``check``). The value is Megatron-Core's own ``TransformerConfig`` field
 (``transformer_config.py:326``); the cores call its backend hooks
 (``experimental_attention_variant/dsa_kernels.py``): ``run_fused_qk_topk`` (indexer scores + top-k),
 ``run_fused_qk_topk_with_loss`` (the same + the sparse-stage KL) and
@@ -22,6 +23,7 @@ itself can differ where the K-th score is tied (or within rounding of tied) beyo
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from typing import Optional
 
@@ -42,25 +44,32 @@ CONTRACT_NOTICE = (
 _noticed: set = set()
 
 
-PACKAGES = {"tilelang": ("tilelang",), "cudnn": ("flash_mla", "cudnn")}
-"""What each backend imports (Megatron-Core's ``utils._validate_dsa_kernel_backend_dependencies`` checks the same
-when the config is built, without naming our setting)."""
+PACKAGES = {"tilelang": (("tilelang", None),), "cudnn": (("flash_mla", "flash_mla_sparse_fwd"), ("cudnn", "DSA"))}
+"""What each backend imports, (module, name it must export): Megatron-Core's
+``utils._missing_{tilelang,cudnn}_dsa_kernel_dependencies`` checks the same when the config is built
+(``from flash_mla import flash_mla_sparse_fwd``, ``from cudnn import DSA``: utils.py:510-519), without naming
+our setting."""
 
 
 def missing_packages(backend: str) -> list[str]:
+    """The packages of ``backend`` that do not import. OSError too: TileLang loads native libraries with
+    ``ctypes.CDLL`` and a missing one raises it (Megatron-Core catches both, ``dsa_kernels.py:59``)."""
     out = []
-    for mod in PACKAGES.get(backend, ()):
+    for mod, name in PACKAGES.get(backend, ()):
         try:
-            __import__(mod)
-        except ImportError:
-            out.append(mod)
+            m = importlib.import_module(mod)
+            if name is not None:
+                getattr(m, name)
+        except (ImportError, OSError, AttributeError):
+            out.append(mod if name is None else f"{mod}.{name}")
     return out
 
 
 def resolve(name: str, device: torch.device | str) -> str:
-    """The backend Megatron-Core's config gets: ``auto`` → ``tilelang`` on CUDA when TileLang is installed
-    (else ``none``, with a warning), ``none`` elsewhere. ValueError (one line naming the setting) for an
-    unknown name, a fused backend off CUDA, or its packages missing."""
+    """The backend a model of any widths could get: ``auto`` → ``tilelang`` on CUDA when TileLang is installed
+    (else ``none``, with a warning), ``none`` elsewhere; ``choose`` then keeps it only for a model the kernels
+    can run. ValueError (one line naming the setting) for an unknown name, a fused backend off CUDA, or its
+    packages missing."""
     device = torch.device(device)
     if name not in BACKENDS:
         raise ValueError(f"{SETTING}: {name!r} is not one of {', '.join(BACKENDS)}")
@@ -86,33 +95,74 @@ def active(config) -> bool:
     return dsa_kernels.use_fused_dsa_kernels(config)
 
 
-def check(config, tp: int, trains_indexer: bool = False, package_check: bool = True) -> None:
-    """Refuse, before any work, a layer the selected fused kernels cannot run: bf16 weights, top-k a
-    multiple of 64, heads per TP rank a power of two (the kernels pad fewer than 16), the 512 + 64
-    latent, an indexer head count its backward supports (when the indexer trains), the package
-    importable. ValueError naming ``model.dsa_kernel_backend`` and the field."""
-    backend = getattr(config, "dsa_kernel_backend", "none")
+def problems(config, tp: int, trains_indexer: bool = False, package_check: bool = True,
+             backend: Optional[str] = None) -> list[str]:
+    """What keeps ``backend`` (default: the config's) from running this model's DSA layers, one phrase each
+    ([] where it can). TileLang: bf16 weights, top-k a multiple of 64, heads per TP rank a power of two (its
+    kernels pad fewer than 16), the 512 + 64 latent, an indexer head count its backward supports (when the
+    indexer trains). cuDNN: bf16 and the 512 + 64 latent (FlashMLA's sparse kernels); its own head and top-k
+    limits are Megatron-Core's to decline per call (the hooks return None and the PyTorch path runs).
+    Either: the packages importable."""
+    backend = backend or getattr(config, "dsa_kernel_backend", "none")
     if backend == "none":
-        return
+        return []
     heads = config.num_attention_heads // max(1, tp)
     kernel_heads = max(heads, 16)
-    problems = []
+    out = []
     if config.params_dtype != torch.bfloat16:
-        problems.append(f"weights are {str(config.params_dtype).replace('torch.', '')}, the kernels take bf16")
-    if config.dsa_indexer_topk % 64:
-        problems.append(f"index_topk {config.dsa_indexer_topk} is not a multiple of 64")
-    if kernel_heads & (kernel_heads - 1):
-        problems.append(f"{heads} attention heads per TP rank is not a power of two")
+        out.append(f"weights are {str(config.params_dtype).replace('torch.', '')}, the kernels take bf16")
+    if backend == "tilelang" and config.dsa_indexer_topk % 64:
+        out.append(f"index_topk {config.dsa_indexer_topk} is not a multiple of 64")
+    if backend == "tilelang" and kernel_heads & (kernel_heads - 1):
+        out.append(f"{heads} attention heads per TP rank is not a power of two")
     if (config.kv_lora_rank, config.qk_pos_emb_head_dim) != SPARSE_MLA_DIMS:
-        problems.append(f"kv_lora_rank + qk_rope_head_dim = {config.kv_lora_rank} + {config.qk_pos_emb_head_dim}, "
-                        "the SparseMLA kernels are built for 512 + 64")
+        out.append(f"kv_lora_rank + qk_rope_head_dim = {config.kv_lora_rank} + {config.qk_pos_emb_head_dim}, "
+                   "the SparseMLA kernels are built for 512 + 64")
     n_i = config.dsa_indexer_n_heads
-    if trains_indexer and (n_i > 64 or n_i % 8):
-        problems.append(f"index_n_heads {n_i}: the fused indexer backward takes a multiple of 8 up to 64")
-    if package_check and not problems and missing_packages(backend):
-        problems.append(f"missing {', '.join(missing_packages(backend))} (pip install 'glm5-mcore[gpu]')")
-    if problems:
-        raise ValueError(f"{SETTING}={backend}: " + "; ".join(problems) + " (set it to none for the PyTorch path)")
+    if backend == "tilelang" and trains_indexer and (n_i > 64 or n_i % 8):
+        out.append(f"index_n_heads {n_i}: the fused indexer backward takes a multiple of 8 up to 64")
+    if package_check and not out and missing_packages(backend):
+        out.append(f"missing {', '.join(missing_packages(backend))} (pip install 'glm5-mcore[gpu]')")
+    return out
+
+
+def check(config, tp: int, trains_indexer: bool = False, package_check: bool = True) -> None:
+    """Refuse, before any work, a layer the selected fused kernels cannot run (``problems``): ValueError
+    naming ``model.dsa_kernel_backend`` and the fields."""
+    found = problems(config, tp, trains_indexer, package_check)
+    if found:
+        backend = config.dsa_kernel_backend
+        raise ValueError(f"{SETTING}={backend}: " + "; ".join(found) + " (set it to none for the PyTorch path)")
+
+
+def choose(name: str, resolved: str, config, tp: int, trains_indexer: bool) -> str:
+    """The backend a model is built with: ``resolved`` (``resolve``'s answer) unless ``name`` is ``auto`` and
+    the model does not meet the fused kernels' constraints (``problems``: a tiny or fp32 model), where the
+    PyTorch path runs instead — said once per process and reason, as Megatron-Core's hooks decline what they
+    cannot run (``ops/tilelang_dsa.py:771-796``). An explicit backend is kept (``check`` refuses it later)."""
+    if name != "auto" or resolved == "none":
+        return resolved
+    found = problems(config, tp, trains_indexer, backend=resolved)
+    if not found:
+        return resolved
+    msg = (f"{SETTING}=auto: the PyTorch DSA path, not {resolved}: " + "; ".join(found)
+           + f" ({SETTING}={resolved} refuses such a model instead)")
+    if msg not in _noticed:
+        _noticed.add(msg)
+        warnings.warn(msg, stacklevel=2)
+    return "none"
+
+
+def select(name: str, device, make_config, tp: int):
+    """The Megatron-Core config a model is built with: ``make_config(backend)`` for the backend ``resolve`` and
+    ``choose`` settle on (``auto``: judged on the config built with ``none``, then rebuilt with the fused
+    backend where the model meets its constraints; trains_indexer: ``dsa_indexer_loss_coeff > 0``)."""
+    resolved = resolve(name, device)
+    if name != "auto" or resolved == "none":
+        return make_config(resolved)
+    cfg = make_config("none")
+    backend = choose(name, resolved, cfg, tp, trains_indexer=(cfg.dsa_indexer_loss_coeff or 0.0) > 0)
+    return cfg if backend == "none" else make_config(backend)
 
 
 def notice(config) -> None:

@@ -6,6 +6,8 @@ engine GPUs = world``) and lives through two phases per step; it needs the large
 - **training phase** (the trainer's passes, the engine asleep): the fullest trainer rank's total
   (``planner.RankPlan.total``) + what a sleeping vLLM keeps (``ENGINE_ASLEEP``: its CUDA context and
   the allocator's pools; sleep frees weights and KV cache);
+- **push** (one-GPU engines: the weights awake, the KV cache not yet): the trainer's resident bytes + the
+  engine's context and weights + the rollout actor's context and one weight-sync bucket (``SYNC_BUCKET``);
 - **generation phase** (the engine awake, the trainer offloaded): what vLLM takes,
   ``gpu_memory_utilization`` × the card (engine weights + activation reserve + a KV cache that must hold
   at least one group of ``rollout.n`` sequences of prompt + response tokens over the engine's DP
@@ -32,6 +34,12 @@ ENGINE_ASLEEP = 1 * GIB
 """A sleeping vLLM engine's footprint: CUDA context + cumem allocator pools (weights and KV cache freed)."""
 ENGINE_CONTEXT = 1 * GIB
 """The engine process's CUDA context and NCCL buffers while awake (the trainer's are in the cluster reserve)."""
+SYNC_BUCKET = 2 << 30
+"""A one-GPU colocated engine's weight sync (CUDA IPC, ``rl.rollout.weight_sync``): one bucket of
+``VLLMRolloutEngine``'s default ``push_bytes`` on the GPU at a time, freed after each push (a decoder layer larger
+than that is a bucket of its own: raise it with ``push_bytes``). Engines over several GPUs push by file (host)."""
+SYNC_CONTEXT = GIB // 2
+"""The rollout actor's own CUDA context (it builds the buckets on the engine's GPU)."""
 PCIE_GBPS = 25.0
 """Host <-> device GB/s per GPU with pinned memory when all GPUs of a node move at once (PCIe Gen5 x16 is
 ~55 GB/s one way for one GPU; two GPUs share a switch uplink on HGX H100 boards)."""
@@ -61,10 +69,12 @@ class PhasePlan:
     sleep_level: int
     move_bytes: int
     """Host <-> device bytes per step (both directions)."""
+    push: int = 0
+    """The weight sync's moment (one-GPU engines; 0 for engines that push by file)."""
 
     @property
     def per_gpu(self) -> int:
-        return max(self.training, self.generation)
+        return max(self.training, self.generation, self.push)
 
     @property
     def fits(self) -> bool:
@@ -77,6 +87,7 @@ class PhasePlan:
     def as_dict(self) -> dict:
         g = lambda x: round(x / GIB, 2)  # noqa: E731
         return {"training_phase_gib": g(self.training), "generation_phase_gib": g(self.generation),
+                "push_gib": g(self.push),
                 "per_gpu_gib": g(self.per_gpu), "capacity_gib": g(self.capacity),
                 "trainer_total_gib": g(self.trainer_total), "trainer_resident_gib": g(self.trainer_resident),
                 "engine_weights_gib": g(self.engine_weights), "engine_share_gib": g(self.engine_share), "kv_group_gib": g(self.kv_group),
@@ -104,22 +115,25 @@ def plan_phases(m: GLM5Config, rank, engine: EngineSpec, cluster: Cluster, n: in
     generation = resident + ENGINE_CONTEXT + share
     training = rank.total + ENGINE_ASLEEP
     moved = 2 * opt + (2 * (s.weights - adapters) if offload_weights else 0) + (2 * ew if level == 1 else ew)
+    push = resident + ENGINE_CONTEXT + ew + SYNC_CONTEXT + SYNC_BUCKET if engine.gpus == 1 else 0
     return PhasePlan(trainer_total=rank.total, trainer_weights=weights, trainer_resident=resident, optimizer=opt,
                      grads=s.grads, engine_weights=ew, engine_share=share, kv_group=kv_group, kv_budget=budget,
                      sequences=budget // per_seq * engine.dp, training=training, generation=generation, capacity=cap,
-                     offload_weights=offload_weights, sleep_level=level, move_bytes=moved)
+                     offload_weights=offload_weights, sleep_level=level, move_bytes=moved, push=push)
 
 
 def engine_options(world: int, cluster: Cluster, base: EngineSpec):
-    """Engines that tile ``world`` GPUs, fewest GPUs per engine first (more engines generate in parallel):
-    TP within a node, DP replicas beyond it, experts spread over all the engine's GPUs, FP8 as given or on."""
+    """Engines that tile ``world`` GPUs, fewest GPUs per engine first (more engines generate in parallel): TP
+    within a node, pipeline stages across nodes once TP fills one (vLLM's Ray executor over the trainer's bundles:
+    ``rl.cluster.engine_placement``; the offline ``LLM`` takes no DP), experts spread over each stage's GPUs, FP8 as
+    given or on."""
     sizes = [g for g in (1, 2, 4, 8, 16, 32, 64, 128, 256) if g <= world and world % g == 0]
     for g in sizes:
         for fp8 in sorted({base.fp8, True}):
             for tp in (8, 4, 2, 1):
-                if tp > cluster.gpus_per_node or g % tp:
+                if tp > cluster.gpus_per_node or g % tp or (g > tp and tp < min(g, cluster.gpus_per_node)):
                     continue
-                yield EngineSpec(tp=tp, pp=1, dp=g // tp, expert_parallel=True, fp8=fp8, kv_fp8=base.kv_fp8,
+                yield EngineSpec(tp=tp, pp=g // tp, dp=1, expert_parallel=True, fp8=fp8, kv_fp8=base.kv_fp8,
                                  gpu_memory_utilization=base.gpu_memory_utilization)
 
 

@@ -116,7 +116,7 @@ def plan_job(m: GLM5Config, job: Job, cluster: Cluster) -> Plan:
         plan.engine = engine_plan_of(m, plan.phases, ro.engine, ro.n)
         if ro.engines * ro.engine.gpus != L.world:
             plan.problems.append(f"colocated: {ro.engines} engine(s) x {ro.engine.gpus} GPUs must tile the trainer's "
-                                 f"{L.world} GPUs (rollout.num_actors x tensor x data parallel)")
+                                 f"{L.world} GPUs (rollout.num_actors x tensor x pipeline parallel)")
         p = plan.phases
         if p.training > p.capacity:
             plan.problems.append(f"colocated training phase needs {p.training / GIB:.1f} GiB per GPU (trainer "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from glm5_mcore.plan.cluster import GIB
-from glm5_mcore.plan.colocate import ENGINE_ASLEEP, ENGINE_CONTEXT, PCIE_GBPS
+from glm5_mcore.plan.colocate import ENGINE_ASLEEP, ENGINE_CONTEXT, PCIE_GBPS, SYNC_BUCKET
 from glm5_mcore.plan.rollout import ACTIVATION_RESERVE
 from glm5_mcore.plan.planner import Plan
 
@@ -92,7 +92,7 @@ def format_phases(plan: Plan) -> list[str]:
     e = ro.engine
     w = 18
     out = [f"colocated: {ro.engines} engine(s) x {e.gpus} GPUs on the trainer's GPUs (vLLM tensor_parallel_size={e.tp}, "
-           f"data_parallel_size={e.dp}, enable_expert_parallel={e.expert_parallel}, weights {'FP8' if e.fp8 else 'bf16'}, "
+           f"pipeline_parallel_size={e.pp}, enable_expert_parallel={e.expert_parallel}, weights {'FP8' if e.fp8 else 'bf16'}, "
            f"gpu_memory_utilization={e.gpu_memory_utilization:g}), sleep level {p.sleep_level}",
            "GiB per GPU".ljust(34) + "training phase".rjust(w) + "generation phase".rjust(w),
            "-" * (34 + 2 * w)]
@@ -109,6 +109,9 @@ def format_phases(plan: Plan) -> list[str]:
     row("engine asleep / reserve + context", ENGINE_ASLEEP, ACTIVATION_RESERVE + ENGINE_CONTEXT)
     row("TOTAL", p.training, p.generation)
     row("capacity", p.capacity, p.capacity)
+    if p.push:
+        out.append(f"weight sync (weights awake, KV not yet): {p.push / GIB:.2f} GiB, one bucket of "
+                   f"{SYNC_BUCKET / GIB:.0f} GiB + the rollout actor's context included")
     out.append(f"per GPU: {p.per_gpu / GIB:.2f} GiB of {p.capacity / GIB:.2f} "
                f"({'fits' if p.fits else 'DOES NOT FIT'}); {p.sequences} sequences of "
                f"{ro.prompt_tokens}+{ro.response_tokens} tokens at once; offload "
@@ -122,7 +125,7 @@ def format_rl_row(x) -> str:
     """One ``search.RLLayout``."""
     L, e = x.trainer.job.layout, x.engine
     head = (f"  {x.gpus:5d} GPUs  {x.mode:9s}  trainer TP {L.tp} EP {L.ep} CP {L.cp} DP {L.dp}; {x.engines} engine(s) "
-            f"TP {e.tp} DP {e.dp}{' FP8' if e.fp8 else ''}: fullest GPU {x.per_gpu / GIB:.1f} GiB")
+            f"TP {e.tp} PP {e.pp} DP {e.dp}{' FP8' if e.fp8 else ''}: fullest GPU {x.per_gpu / GIB:.1f} GiB")
     if x.phases is not None:
         p = x.phases
         head += (f" (training {p.training / GIB:.1f} / generation {p.generation / GIB:.1f}, "

@@ -1,6 +1,6 @@
 """Count device→host reads under ``fake_device`` (``glm5_mcore/probes/fake_device.py``): every op that on CUDA
 waits for the device to hand a value to the host (``.item()``, ``int()``, ``bool()``, ``.tolist()``,
-``nonzero``, ``masked_select``, ``unique``, a device→CPU copy), when one of its arguments is a device
+``nonzero``, ``masked_select``, ``unique``, indexing with a boolean mask, a device→CPU copy), when one of its arguments is a device
 tensor. ``HostReads.reads`` lists (op, the project/Megatron frame that asked); ``raise_on_read``
 turns the first one into an error naming it."""
 
@@ -19,6 +19,9 @@ aten = torch.ops.aten
 SYNC_OPS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonzero.default,
             aten.masked_select.default, aten._unique2.default, aten.unique_consecutive.default,
             aten.unique_dim.default, aten.equal.default, aten.repeat_interleave.Tensor}
+
+
+BOOL_INDEX_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 
 
 def _caller() -> str:
@@ -50,6 +53,12 @@ class HostReads:
             return
         to_cpu = ((func is aten._to_copy.default and str(kwargs.get("device", "")) == "cpu")
                   or (func is aten.copy_.default and not isinstance(args[0], OnDevice)))
+        if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is not None:
+            return  # the output length given: CUDA's kernel needs no count back (no sync)
+        if func in BOOL_INDEX_OPS and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                          for i in (args[1] if len(args) > 1 else ()) or ()):
+            self.hit(f"{func} (boolean mask)")  # CUDA counts the mask's True entries on the host first
+            return
         if func in SYNC_OPS or to_cpu:
             self.hit(str(func))
 

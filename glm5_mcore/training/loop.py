@@ -193,10 +193,10 @@ class MoELoad:
 
     def _hook(self, name):
         def h(_mod, _inp, out):
-            m = out[1].detach()
-            if self.token_mask is not None:
-                m = m[self.token_mask.to(m.device)]
-            c = m.sum(0).float()
+            m = out[1].detach().float()  # routing map [tokens, experts]
+            if self.token_mask is not None:  # a product, not a boolean index: no host sync in every MoE layer
+                m = m * self.token_mask.to(device=m.device, dtype=m.dtype)[:, None]
+            c = m.sum(0)
             self.counts[name] = self.counts.get(name, 0) + c
         return h
 

@@ -55,8 +55,8 @@ class ModelCfg:
     1 byte per parameter instead of 2. The local spec computes with a reference GEMM (exact in fp32), TE with
     its blockwise FP8 recipe. See ``glm5_mcore/model/fp8_linear.py``."""
     dsa_kernel_backend: str = "auto"
-    """DSA's fused kernels (Megatron-Core's ``dsa_kernel_backend``): "auto" = "tilelang" on CUDA, "none" on the
-    CPU; "none" = this project's kernels (fused C++ on the CPU, the sync-free PyTorch path elsewhere); "tilelang"
+    """DSA's fused kernels (Megatron-Core's ``dsa_kernel_backend``): "auto" = "tilelang" on CUDA where the model
+    meets the kernels' constraints, else "none" (said once at start-up); "none" = this project's kernels (fused C++ on the CPU, the sync-free PyTorch path elsewhere); "tilelang"
     or "cudnn" (CUDA only; bf16, index_topk % 64 == 0, heads per TP rank a power of two). See docs/dsa.md."""
     moe_grouped_gemm: Optional[bool] = None
     """Megatron-Core's ``moe_grouped_gemm``: the routed experts as ``TEGroupedMLP`` (all local experts in one

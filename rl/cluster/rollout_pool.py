@@ -13,6 +13,7 @@ from typing import Optional
 import ray
 
 from glm5_mcore.checkpoint.layout import serving_dir
+from rl.cluster.engine_placement import actor_setup
 from rl.cluster.ray_jobs import RayJobError, cause_line, error_line, node_id, wait_for
 from rl.rollout.base import AdapterPayload, Request, Result, SamplingParams
 
@@ -83,9 +84,9 @@ class RolloutPool:
     so generation still takes every cycle the trainer leaves."""
 
     def __init__(self, cfg, placement_group=None):
-        """``placement_group``: the trainer's (``TrainerGroup.pg``) for colocated engines: engine ``i``
-        takes ``rollout.colocate.engine_fraction`` of bundle ``i · world_size / num_actors`` (the first of
-        the trainer ranks it time-shares GPUs with)."""
+        """``placement_group``: the trainer's (``TrainerGroup.pg``) for colocated engines: engine ``i`` covers
+        bundles ``[i·span, (i+1)·span)`` of it, ``span = world_size / num_actors``, with
+        ``rollout.colocate.engine_fraction`` of each (``rl.cluster.engine_placement``)."""
         self.cfg = cfg
         self.pg = placement_group
         self.payload: Optional[AdapterPayload] = None
@@ -122,15 +123,8 @@ class RolloutPool:
     def _new(self, i: int):
         r, t = self.cfg.rollout, self.cfg.trainer
         kwargs = dict(r.engine_kwargs)
-        if self.pg is not None:
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            f = r.colocate.engine_fraction
-            if r.engine.endswith("VLLMRolloutEngine"):
-                kwargs.setdefault("sleep_mode", True)
-                kwargs.setdefault("weight_transport", "handles")  # same GPU: CUDA IPC, no file (rl.rollout.weight_sync)
-            opts = dict(num_cpus=f, num_gpus=t.gpus_per_rank * f, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.pg, placement_group_bundle_index=i * (t.world_size // r.num_actors)))
+        if self.pg is not None:  # colocated: in the trainer's bundles, one GPU or several (rl.cluster.engine_placement)
+            opts, kwargs, _ = actor_setup(self.cfg, i, self.pg)
         else:
             opts = dict(num_cpus=1, num_gpus=r.gpus_per_actor)
         shared = (t.off_policy_steps > 0 or t.max_staleness > 0) and not r.gpus_per_actor and not t.gpus_per_rank

@@ -115,6 +115,9 @@ class RolloutEngine(ABC):
     FORWARDS_KWARGS = False
     """True: ``engine_kwargs`` the engine does not name go on to its backend, whose own check refuses
     unknown ones (``vllm.LLM``'s ``EngineArgs``); False: such a key is refused by ``check_kwargs``."""
+    SPANS_BUNDLES = False
+    """Its ``tensor_parallel_size × pipeline_parallel_size`` workers run in Ray placement-group bundles it is told
+    of (vLLM's Ray executor: ``rl.cluster.engine_placement``), so a colocated engine spans the trainer's GPUs."""
 
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, **kwargs):
         self.hf_dir = hf_dir

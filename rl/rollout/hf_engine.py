@@ -10,6 +10,7 @@ to the lower index), the same rule as the trainer.
 
 from __future__ import annotations
 
+import inspect
 import tempfile
 import threading
 from collections import defaultdict
@@ -94,6 +95,10 @@ class HFRolloutEngine(RolloutEngine):
                 if type(m).__name__ == "GlmMoeDsaIndexer":
                     m.__class__ = cls
         self.max_positions = self.model.config.max_position_embeddings
+        params = inspect.signature(self.model.forward).parameters
+        self.cache_kw = "past_key_values" if "past_key_values" in params else "cache"
+        """The KV-cache keyword of this transformers' forward: ``past_key_values`` up to 5.19 (the GPU image's
+        5.17), ``cache`` from 5.24; the other name would land in ``**kwargs`` and decode without a cache."""
 
         self.routes = HFRouteRecorder(self.model)  # R3: each token's experts travel with its sample
         self.index_rows = HFIndexRecorder(self.model, index_row_stride)  # DSA top-k of sampled query rows
@@ -243,7 +248,7 @@ class HFRolloutEngine(RolloutEngine):
             if self._interrupt.is_set():  # a weight push: stop at this token boundary
                 reason = ["interrupted" if not d else why for d, why in zip(done, reason)]
                 break
-            out = self._net(input_ids=nxt[:, None].to(self.device), cache=cache, use_cache=True)
+            out = self._net(input_ids=nxt[:, None].to(self.device), use_cache=True, **{self.cache_kw: cache})
             chunks.append(self.routes.step(B, 1))
             index_steps.append(self.index_rows.step(ids.shape[1] + t, B, 1))
             cache = out.past_key_values

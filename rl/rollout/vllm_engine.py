@@ -73,7 +73,8 @@ class VLLMRolloutEngine(RolloutEngine):
     runner V2 and prefix caching, so GPU only; each ``Result.routes`` is then uint8 [tokens, moe_layers,
     top_k]), ``mtp_draft_tokens`` (> 0: speculative decoding, that many tokens drafted per step by the
     checkpoint's MTP layer — vLLM's ``speculative_config`` ``method="mtp"``), ``push_threads`` (CPU threads
-    of a merged push; default ``default_push_threads``), anything else goes to ``vllm.LLM``.
+    of a merged push; default ``default_push_threads``), ``push_dir`` (where the merged files go: a folder every
+    node of an engine spanning nodes sees; ``rl.cluster.engine_placement``), anything else goes to ``vllm.LLM``.
 
     LoRA mode (``merge=False``) sends the adapter as a ``LoRARequest`` except for ``linear_kv_up_proj``
     (``MLA_UP_KV``), which vLLM's MLA would silently ignore: that module is merged and reloaded as in
@@ -87,6 +88,7 @@ class VLLMRolloutEngine(RolloutEngine):
     LoRA mode alike; the LoRARequest carries the decoder's adapter only."""
 
     FORWARDS_KWARGS = True  # the rest go to vllm.LLM, whose EngineArgs refuses unknown keys
+    SPANS_BUNDLES = True  # distributed_executor_backend="ray" over the bundles rl.cluster.engine_placement names
     INTERRUPTIBLE = True
 
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, merge: bool = False, max_lora_rank: int = 64,
@@ -94,7 +96,7 @@ class VLLMRolloutEngine(RolloutEngine):
                  vllm_python: Optional[str] = None, dense_mla: bool = False, device: Optional[str] = None,
                  push_bytes: int = 2 << 30, return_routes: bool = False, mtp_draft_tokens: int = 0,
                  push_threads: Optional[int] = None, sleep_mode: bool = False, weight_transport: str = "file",
-                 **kwargs):
+                 push_dir: Optional[str] = None, **kwargs):
         super().__init__(hf_dir, deterministic_topk)
         config = json.loads((Path(hf_dir) / "config.json").read_text())
         if dense_mla:
@@ -156,7 +158,9 @@ class VLLMRolloutEngine(RolloutEngine):
             from rl.rollout.vllm_server import Server
 
             self.server = LocalServer(Server(llm, dense_mla=dense_mla))
-        self._dir = tempfile.mkdtemp(prefix="glm5_vllm_")  # adapters and merged files, this engine's own
+        if push_dir is not None:  # an engine across nodes: its workers on every node read the merged files here
+            Path(push_dir).mkdir(parents=True, exist_ok=True)
+        self._dir = tempfile.mkdtemp(prefix="glm5_vllm_", dir=push_dir)  # adapters and merged files, its own
 
     # ------------------------------------------------------------------ colocation (rl.schedule.colocate)
     def sleep(self, level: int) -> str:

@@ -179,21 +179,63 @@ def codec(name: str) -> Codec:
 def send(chunks: Iterable[dict], max_bytes: int, codec_: Codec, receive: Callable, group_of=lambda n: n,
          device: Optional[torch.device] = None) -> list[dict]:
     """Every tensor of ``chunks`` (dicts name → tensor, in order) to ``receive(handle, metas)``, bucket by
-    bucket (one in flight: the sender's extra memory is one bucket); returns per bucket {"names", "bytes"}."""
+    bucket (one in flight: the sender's extra memory is one bucket, freed before the next is packed, and on CUDA
+    the caching allocator's blocks are released after the push, so the rollout actor holds nothing between pushes:
+    ``plan.colocate.SYNC_BUCKET``); returns per bucket {"names", "bytes"}."""
     sent = []
-    for chunk in chunks:
-        sizes = {n: t.numel() * t.element_size() for n, t in chunk.items()}
-        for names in plan_buckets(sizes, max_bytes, group_of):
-            flat, metas = pack(chunk, names, device)
-            handle = codec_.export(flat)
-            try:
-                receive(handle, metas)
-            finally:
-                codec_.release(handle)
-            sent.append({"names": names, "bytes": int(flat.numel())})
+    try:
+        for chunk in chunks:
+            sizes = {n: t.numel() * t.element_size() for n, t in chunk.items()}
+            for names in plan_buckets(sizes, max_bytes, group_of):
+                flat, metas = pack(chunk, names, device)
+                handle = codec_.export(flat)
+                try:
+                    receive(handle, metas)
+                finally:
+                    codec_.release(handle)
+                sent.append({"names": names, "bytes": int(flat.numel())})
+                del flat, handle  # freed before the next bucket is packed: one bucket in memory at a time
+    finally:
+        if device is not None and device.type == "cuda":
+            torch.cuda.empty_cache()  # the sender's cached blocks back to the engine (the planner counts one bucket)
     return sent
 
 
 def receive(handle, metas: list, codec_name: str) -> list[tuple[str, torch.Tensor]]:
     """The receiving side: the bucket behind ``handle`` as (name, tensor) views."""
     return unpack(codec(codec_name).open(handle), metas)
+
+
+def byte_sums(named) -> list[tuple[str, int, int]]:
+    """(name, sum of its bytes, byte count) per (name, tensor): a bit-level fingerprint of a bucket."""
+    return [(n, int(t.contiguous().view(torch.uint8).cpu().long().sum()), t.numel() * t.element_size())
+            for n, t in named]
+
+
+def read_back(handle, metas: list, codec_name: str, queue) -> None:
+    """A receiving process (``round_trip``'s child): the bucket's ``byte_sums`` onto ``queue``. Module-level,
+    so a ``spawn`` child can unpickle it by name (a function of a module loaded by path cannot)."""
+    if codec_name == "cuda_ipc":
+        torch.cuda.set_device(0)
+    queue.put(byte_sums(receive(handle, metas, codec_name)))
+
+
+def round_trip(tensors: dict, codec_name: str, timeout: float = 120.0) -> dict:
+    """``tensors`` packed into one bucket, exported with ``codec_name`` and read in a spawned process:
+    {"ok": its fingerprints equal the sender's, "bytes", "tensors"} (the GPU check of CUDA IPC; the CPU
+    tests run it with ``shared_file``)."""
+    import torch.multiprocessing as mp
+
+    flat, metas = pack(tensors, list(tensors))
+    c = codec(codec_name)
+    handle = c.export(flat)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=read_back, args=(handle, metas, codec_name, q))
+    p.start()
+    try:
+        got = q.get(timeout=timeout)
+    finally:
+        p.join(60)
+        c.release(handle)
+    return {"ok": got == byte_sums(tensors.items()), "bytes": int(flat.numel()), "tensors": len(got)}

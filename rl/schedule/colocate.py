@@ -9,7 +9,10 @@ resources), vLLM is started with sleep mode, and every generation phase of the d
    base weights where ``rollout.colocate.offload_weights`` says (``rl.train.offload``, Megatron-Core's own
    offload calls where they exist);
 2. the engines wake their weights (``wake_up(["weights"])``);
-3. the newest adapter (or merged weights) is pushed: the weight sync waits for the wake-up;
+3. the newest adapter (or merged weights) is pushed: the weight sync waits for the wake-up. After a level-2
+   sleep the engines kept no weights, so every wake-up pushes again — the pending payload if a new one came,
+   else the one they last served (a held-out evaluation between two steps, which takes the pending push,
+   leaves the next phase something to restore); verl's sharding manager syncs on every wake-up the same way;
 4. the engines wake their KV cache (``wake_up(["kv_cache"])``): allocated after the push, so a merged
    push has the memory the cache will take (verl's and slime's order);
 5. generation;
@@ -49,6 +52,10 @@ class Colocation:
         self.level = sleep_level(cfg)
         self.note = note or (lambda msg: None)
         self.pending: Optional[tuple] = None
+        self.served: Optional[tuple] = None
+        """The payload the engines last loaded, pushed again after a sleep that discarded the weights."""
+        self.discarded = False
+        """The last sleep was level 2: the engines hold no weights until a push."""
         self.trace: list[dict] = []
         self.phases = 0
 
@@ -67,6 +74,7 @@ class Colocation:
         try:
             self._call("engines.start", start_pool)
             self._call(f"engines.sleep(level={self.level})", lambda: self.rollouts.sleep(self.level))
+            self.discarded = self.level == 2
         finally:
             self._call("trainer.restore_memory", lambda: trainers.call("restore_memory"))
             self.phases = 0
@@ -91,17 +99,20 @@ class Colocation:
         self._call("trainer.offload_memory", lambda: self.trainers.call("offload_memory"))
         try:
             self._call("engines.wake_up(weights)", lambda: self.rollouts.wake_up(("weights",)))
-            if self.pending is not None:
-                payload, = self.pending
-                self._call("engines.push", lambda: {"version": getattr(payload, "version", None),
-                                                    "bytes": getattr(payload, "nbytes", 0),
-                                                    "engines": self.rollouts.sync(payload)})
-                self.pending = None
+            push = self.pending or (self.served if self.discarded else None)
+            if push is not None:
+                payload, = push
+                call = "engines.push" if self.pending is not None else "engines.push(restore)"
+                self._call(call, lambda: {"version": getattr(payload, "version", None),
+                                          "bytes": getattr(payload, "nbytes", 0),
+                                          "engines": self.rollouts.sync(payload)})
+                self.served, self.pending, self.discarded = push, None, False
             self._call("engines.wake_up(kv_cache)", lambda: self.rollouts.wake_up(("kv_cache",)))
             t0 = time.perf_counter()
             yield
             self._record(f"engines.{what}", None, t0)
             self._call(f"engines.sleep(level={self.level})", lambda: self.rollouts.sleep(self.level))
+            self.discarded = self.level == 2
         finally:
             self._call("trainer.restore_memory", lambda: self.trainers.call("restore_memory"))
             self.phases += 1

@@ -19,7 +19,10 @@ import numpy as np
 import torch
 
 from rl.train.batch import RolloutBatch
+from rl.train.verl_import import prepare as prepare_verl
 from rl.config import RLConfig
+
+prepare_verl()  # verl's math without Ray where Ray is not installed (the lent GPU image)
 
 
 def actor_config(cfg: RLConfig):

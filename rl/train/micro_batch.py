@@ -27,6 +27,9 @@ from glm5_mcore.data.order import equal_micro_batch_sizes
 from glm5_mcore.model.build import packed_seq_params_from_lengths
 from rl.train.batch import RolloutBatch
 from rl.train.routing import pack_routes
+from rl.train.verl_import import prepare as prepare_verl
+
+prepare_verl()  # verl's math without Ray where Ray is not installed (the lent GPU image)
 
 
 def sample_lengths(batch: RolloutBatch, rows: list[int], cp=None) -> list[int]:

@@ -144,3 +144,24 @@ def test_rl_job_over_two_ray_nodes_colocated(tiny_dir, tmp_path, two_nodes):
     assert set(pl["trainer"]) == set(nodes.values()), pl  # STRICT_SPREAD: one rank per node
     assert pl["engines"] == pl["trainer"], pl  # engine i in rank i's bundle, on its node
     assert len(res["history"]) == 1 and math.isfinite(res["history"][0]["actor/pg_loss"])
+
+
+@pytest.mark.slow
+def test_one_engine_over_both_nodes_bundles(tiny_dir, tmp_path, two_nodes):
+    """Item 2: a colocated engine of tensor_parallel_size 2 over a 2-rank trainer spread one rank per node:
+    its actor sits in bundle 0 (capturing child tasks, no GPU of its own), and the workers it starts as vLLM's
+    Ray executor does (``tests.support.span_engine``: the current placement group, ``VLLM_RAY_BUNDLE_INDICES``,
+    ``VLLM_RAY_PER_WORKER_GPUS``) land one per bundle, on both nodes, beside the trainer's share of each."""
+    from tests.support.launch import child_env, last_json, run_child
+
+    address, nodes, temp = two_nodes
+    r = run_child([sys.executable, REPO / "tests" / "workers" / "engine_span.py", address, tiny_dir, tmp_path / "run"],
+                  ok=False, timeout=600, env=child_env(PYTHONPATH=str(REPO)))
+    assert r.returncode == 0, f"{r.stderr[-3000:]}\n{_log_tails(temp)}"
+    res = last_json(r.stdout)
+    placed = res["placed"][0]
+    assert placed["bundles"] == [0, 1] and all(w["bundle"] for w in placed["workers"]), placed
+    assert [w["node"] for w in placed["workers"]] == res["trainer_nodes"], res  # worker i on bundle i's node
+    assert set(res["trainer_nodes"]) == set(nodes.values())  # both nodes
+    assert res["driver"] == res["trainer_nodes"][:1]  # the engine's actor in its first bundle
+    assert placed["kwargs"]["distributed_executor_backend"] == "ray" and placed["kwargs"]["weight_transport"] == "file"

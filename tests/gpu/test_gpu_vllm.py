@@ -11,6 +11,8 @@ import importlib.util
 import pytest
 import torch
 
+from tests.support.rl_setup import gpu_rl_dict, perturb
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -46,10 +48,10 @@ def test_vllm_engine_samples_with_logprobs_close_to_trainer(mla576_dir, merge):
     from rl.tasks.prompts import toy_prompts
     from rl.train.trainer import PolicyTrainer
 
-    cfg = RLConfig.from_dict({"model": {"hf_dir": mla576_dir}, "wandb": {"mode": "disabled"},
-                              "trainer": {"bf16": True}})
+    cfg = RLConfig.from_dict(gpu_rl_dict(mla576_dir))
     trainer = PolicyTrainer(cfg)
     assert all(p.is_cuda for p in trainer.model.parameters())
+    perturb(trainer, scale=0.2)  # B != 0: the push must carry the adapter (a zero B serves the base either way)
     engine = VLLMRolloutEngine(mla576_dir, merge=merge, dtype="bfloat16", gpu_memory_utilization=0.3)
     engine.load_adapter(trainer.export_adapter(1))
     tok = AutoTokenizer.from_pretrained(mla576_dir)
@@ -77,9 +79,9 @@ def test_vllm_returns_routes_and_trainer_replays_them(mla576_dir):
     from rl.tasks.prompts import toy_prompts
     from rl.train.trainer import PolicyTrainer
 
-    cfg = RLConfig.from_dict({"model": {"hf_dir": mla576_dir}, "wandb": {"mode": "disabled"},
-                              "trainer": {"bf16": True}, "algorithm": {"router_replay": True}})
+    cfg = RLConfig.from_dict(gpu_rl_dict(mla576_dir, algorithm={"router_replay": True}))
     trainer = PolicyTrainer(cfg)
+    perturb(trainer, scale=0.2)  # B != 0 (B3)
     engine = VLLMRolloutEngine(mla576_dir, merge=True, dtype="bfloat16", gpu_memory_utilization=0.3,
                                return_routes=True)
     engine.load_adapter(trainer.export_adapter(1))
@@ -120,7 +122,7 @@ def test_vllm_engine_drafts_with_the_mtp_layer(tmp_path, merge):
     from rl.tasks.prompts import toy_prompts
     from rl.train.trainer import PolicyTrainer
 
-    from tests.support.rl_setup import perturb, trainer_merged_mtp, vllm_draft_view
+    from tests.support.rl_setup import trainer_merged_mtp, vllm_draft_view
 
     real = glm5_744b()
     cfg = dataclasses.replace(glm5_tiny(mtp=True), kv_lora_rank=real.kv_lora_rank,
@@ -129,8 +131,7 @@ def test_vllm_engine_drafts_with_the_mtp_layer(tmp_path, merge):
                               torch_dtype="bfloat16")
     sd = {k: v.to(torch.bfloat16) for k, v in random_hf_state_dict(cfg, seed=0).items()}
     d = str(write_hf_checkpoint(cfg, sd, tmp_path / "tiny_mtp576"))
-    rl = RLConfig.from_dict({"model": {"hf_dir": d}, "wandb": {"mode": "disabled"}, "trainer": {"bf16": True},
-                             "actor": {"mtp_loss_scale": 0.3}})
+    rl = RLConfig.from_dict(gpu_rl_dict(d, actor={"mtp_loss_scale": 0.3}))
     trainer = PolicyTrainer(rl)
     perturb(trainer, scale=0.2)  # the MTP layer's adapter included
     engine = VLLMRolloutEngine(d, merge=merge, dtype="bfloat16", gpu_memory_utilization=0.3, mtp_draft_tokens=1)

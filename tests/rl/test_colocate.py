@@ -126,3 +126,76 @@ def test_trainer_offload_restores_bit_identical_and_trains_the_same(tiny_dir, tm
     l1, w1 = two_updates(True)
     assert l0 == l1
     assert all(torch.equal(a, b) for a, b in zip(w0, w1))
+
+
+class _ZeroingEngines:
+    """A ``RolloutPool`` of one engine whose weights are zeroed by ``sleep(2)`` (vLLM's level 2 keeps only
+    buffers: gpu_worker.py:298-311) and set by each push; ``generate`` records the weights it runs on."""
+
+    def __init__(self):
+        self.weights = torch.zeros(4)
+        self.ran_on: list[float] = []
+
+    def sleep(self, level):
+        if level == 2:
+            self.weights.zero_()
+        return [f"sleep({level})"]
+
+    def wake_up(self, tags):
+        return [f"wake_up({list(tags)})"]
+
+    def nodes(self):
+        return ["here"]
+
+    def sync(self, payload):
+        self.weights.fill_(float(payload.version))
+        return [{"version": payload.version}]
+
+    def generate(self, requests, params):
+        from rl.rollout.base import Result
+
+        self.ran_on.append(float(self.weights[0]))
+        return [Result(r.key, [5], [-1.0], "length") for r in requests]
+
+
+class _Trainers:
+    def call(self, method, *args):
+        return [{"grad_bytes_freed": 0, "weight_bytes": 0}]
+
+
+def test_level2_wake_up_restores_the_weights_after_an_evaluation(tiny_dir, tmp_path):
+    """G4: merged pushes sleep at level 2; a held-out evaluation between two steps takes the pending push, and
+    the next step's wake-up must still bring the weights back (the push again), not generate on what level 2
+    discarded. Driver order: first adapter → eval (step 0) → step 0 → push v1 → eval → step 1."""
+    from types import SimpleNamespace
+
+    from rl.driver import Cluster, held_out_reward
+    from rl.rollout.base import AdapterPayload, Request, SamplingParams
+    from rl.schedule.colocate import Colocation
+
+    cfg = rl_cfg(tiny_dir, tmp_path, rollout={"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine",
+                                              "engine_kwargs": {"merge": True}, "colocate": {"enable": True}})
+    engines = _ZeroingEngines()
+    coloc = Colocation.start(cfg, _Trainers(), lambda: engines)
+    assert coloc.level == 2
+    cluster = Cluster(_Trainers(), engines, coloc, {})
+    source = SimpleNamespace(settle=lambda: None)
+    val = [SimpleNamespace(index=0, ids=[3, 4, 5])]
+    rewards = lambda prompts, results, n: torch.tensor([1.0])  # noqa: E731
+    sampling = SamplingParams(1.0, 1.0, 1, (2,))
+
+    def step_generation():
+        with cluster.phase():
+            engines.generate([Request((0, 0), [3, 4], 1)], sampling)
+
+    cluster.push_first(AdapterPayload(7, {"adapter_model.safetensors": b""}))
+    held_out_reward(cfg, cluster, source, rewards, val, sampling, 0)
+    step_generation()
+    coloc.push(AdapterPayload(8, {"adapter_model.safetensors": b""}))  # train_step's push after the update
+    held_out_reward(cfg, cluster, source, rewards, val, sampling, 1)
+    step_generation()
+    step_generation()
+    assert engines.ran_on == [7.0, 7.0, 8.0, 8.0, 8.0], engines.ran_on  # never the discarded (zero) weights
+    pushes = [(e["phase"], e["call"], e["out"]["version"]) for e in coloc.trace if e["call"].startswith("engines.push")]
+    assert pushes == [(0, "engines.push", 7), (1, "engines.push(restore)", 7), (2, "engines.push", 8),
+                      (3, "engines.push(restore)", 8), (4, "engines.push(restore)", 8)], pushes

