@@ -74,10 +74,12 @@ def test_the_744b_colocated_presets_engine_passes_vllms_own_checks(tmp_path, mon
 
 def test_engine_layouts_vllm_refuses_are_refused_before_ray(tmp_path):
     """Offline DP, an engine that does not cover its colocated bundles, CUDA-IPC pushes to a multi-GPU engine
-    (``rl.validate`` runs this check; the preset itself passes it)."""
+    (``rl.validate`` runs this check; every shipped preset passes it: the FP8 one was written with
+    ``data_parallel_size: 2``)."""
     from rl.cluster.engine_placement import check
 
-    check(_compose("rl/glm5_744b_h100_colocate"))
+    for preset in ("rl/glm5_744b_h100_colocate", "rl/glm5_744b_h100_fp8", "rl/glm5_744b"):
+        check(_compose(preset))
     for over, field in ((["+rollout.engine_kwargs.data_parallel_size=4"], "data_parallel_size=4: vLLM's offline"),
                         (["rollout.num_actors=4"], "covers trainer.world_size / num_actors = 8 bundles"),
                         (["+rollout.engine_kwargs.weight_transport=handles"], "weight_transport=handles")):
