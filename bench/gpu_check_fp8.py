@@ -99,3 +99,15 @@ def stage(ctx: dict) -> dict:
     out["ok"] = ok
     out["targets"] = {"fwd_rel_emulated": "<= 2e-2", "fwd_rel_exact": "<= 1e-1", "dgrad_rel_exact": "<= 1e-1"}
     return out
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    import torch
+
+    argparse.ArgumentParser(description="bench/gpu_check.py's fp8_base stage alone (without CUDA: its plan); one "
+                                        "JSON line").parse_args()
+    print(json.dumps(stage({"device": torch.device("cuda"), "deadline": time.monotonic() + BUDGET_S,
+                            "dry_run": not torch.cuda.is_available()})))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rl.train import algos
+from rl.tasks.prompts import toy_prompts
 from rl.train.batch import fill_log_probs, make_batch
 from tests.support.rl_setup import perturb, rl_cfg, rl_steps, rollout
 
