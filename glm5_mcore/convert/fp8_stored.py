@@ -24,6 +24,7 @@ import torch
 
 from glm5_mcore.checkpoint.checks import check_finite_fp8
 from glm5_mcore.checkpoint.fp8 import scale_shape
+from glm5_mcore.checkpoint.folder_config import notice
 from glm5_mcore.checkpoint.fp8_sharded import SCALE_SUFFIX, stored_block
 from glm5_mcore.checkpoint.megatron_lm import dcp_metadata
 from glm5_mcore.checkpoint.hf_io import FP8, HFCheckpoint, dequantize_fp8_blocks
@@ -36,8 +37,10 @@ from glm5_mcore.model.fp8_linear import BlockFP8Weight, apply_fp8_base, is_fp8_b
 # --------------------------------------------------------------------------------------------------
 def keep_fp8(model, tensors: dict[str, torch.Tensor], num_hidden_layers: int, ckpt: HFCheckpoint) -> int:
     """Make each weight of the meta ``model`` that the folder stores in FP8 a ``BlockFP8Weight`` in the
-    folder's block size (every HF tensor it is made of e4m3 with a ``weight_scale_inv``). Returns #weights."""
-    names = set()
+    folder's block size (every HF tensor it is made of e4m3 with a ``weight_scale_inv``). A gated weight whose
+    gate rows are not whole blocks converts dense instead (said on stderr): Megatron's fused ``[gate; up]``
+    would cut a block (``fp8_linear.fuse_blocks``). Returns #weights."""
+    names, dense = set(), []
     for name in tensors:
         if not is_fp8_base_weight(name, num_hidden_layers):
             continue
@@ -51,7 +54,15 @@ def keep_fp8(model, tensors: dict[str, torch.Tensor], num_hidden_layers: int, ck
                     raise ValueError(f"{path}: tensor {h}{SCALE_SUFFIX} has shape {list(scale)}, which does not tile "
                                      f"{list(shape)} in the folder's {ckpt.block}x{ckpt.block} blocks "
                                      "(quantization_config.weight_block_size)")
+            rows = ckpt.info(hf[0])[2][0]
+            if len(hf) > 1 and rows % ckpt.block:
+                dense.append(f"{'+'.join(hf)} ({rows} gate rows)")
+                continue
             names.add(name)
+    if dense:
+        notice(f"{ckpt.dir}: {len(dense)} gated weight(s) stored dense (dequantized per block), not FP8: the gate "
+               f"half's rows are not whole {ckpt.block}-row blocks, so [gate; up] fused as Megatron holds it would "
+               f"cut a block ({dense[0]}{', ...' if len(dense) > 1 else ''}); an FP8 export re-quantizes them")
     return apply_fp8_base(model, num_hidden_layers, ckpt.block, only=names) if names else 0
 
 
