@@ -30,6 +30,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -205,6 +206,9 @@ class ProcessPool:
 
     CHUNK = 16
     """Most calls sent to a worker at once (fewer when the batch is small, so all workers get work)."""
+    IDLE_DEATHS = 4
+    """Workers found dead before their chunk (killed while idle) replaced in one ``map`` before its calls are
+    crash outcomes: a worker that dies on start cannot loop forever."""
 
     def __init__(self, path: str, workers: int, timeout_s: float, kwargs: Optional[dict] = None,
                  field: str = "reward.fn"):
@@ -228,18 +232,32 @@ class ProcessPool:
         out: list[Optional[Outcome]] = [None] * len(calls)
         todo = deque(range(len(calls)))
         size = max(1, min(self.CHUNK, len(calls) // (4 * len(self._workers))))
+        dead_idle = 0
         while todo or any(w.task for w in self._workers):
-            for w in self._workers:
+            for i, w in enumerate(self._workers):
                 if not w.task and todo:
                     tids = [todo.popleft() for _ in range(min(size, len(todo)))]
                     try:
-                        w.conn.send([(t, calls[t]) for t in tids])
+                        payload = ForkingPickler.dumps([(t, calls[t]) for t in tids])
                     except Exception as e:  # arguments that cannot be pickled: each on its own
                         if len(tids) > 1:
                             todo.extendleft(reversed(tids))
                             size = 1
                         else:
                             out[tids[0]] = Outcome("error", message=f"arguments cannot be sent ({type(e).__name__}: {e})")
+                        continue
+                    try:
+                        w.conn.send_bytes(payload)
+                    except OSError:  # the worker died idle (between calls): replaced, its chunk not yet run
+                        w.proc.join(5)
+                        dead_idle += 1
+                        if dead_idle > self.IDLE_DEATHS:
+                            for t in tids:
+                                out[t] = Outcome("crash", message=f"{_death(w.proc.exitcode)} before the call, "
+                                                                  f"{dead_idle} workers in a row")
+                        else:
+                            todo.extendleft(reversed(tids))
+                        self._replace(i)
                         continue
                     w.task, w.deadline = deque(tids), time.monotonic() + self.timeout_s
             busy = [w for w in self._workers if w.task]

@@ -3,6 +3,7 @@ GLM-5's chat template as transformers applies it, and reward functions in worker
 crashes and raises cost one sample each and are counted; math-verify scores as verl's scorer does)."""
 
 import json
+import multiprocessing as mp
 import textwrap
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from rl.config import RewardCfg
 from rl.tasks.datasets import PromptDataError
 from rl.tasks.rewards import RewardScorer
+from rl.tasks.proc_pool import ProcessPool
 from rl.tasks.prompts import read_prompts
 
 GLM5_SPECIAL = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
@@ -166,6 +168,26 @@ def test_reward_pool_hang_crash_raise_cost_one_sample_each(tmp_path):
         assert scores == want and counts == {"reward/timeouts": 1.0, "reward/errors": 1.0}
     finally:
         scorer.close()
+
+
+@pytest.mark.slow  # worker processes
+def test_reward_pool_workers_killed_while_idle_are_replaced(tmp_path):
+    """A worker that died between two batches (SIGKILLed while idle) is replaced and its calls run: they were
+    all errors "arguments cannot be sent (BrokenPipeError)" (the CI failure of the colocated two-node job)."""
+    (tmp_path / "my_reward.py").write_text(USER_FNS)
+    pool = ProcessPool(f"{tmp_path / 'my_reward.py'}:compute_score", workers=2, timeout_s=30.0)
+    calls = [("d", s, 4, {"bonus": 0.0}) for s in ("4", "5", "4", "4")]
+    try:
+        assert [o.value for o in pool.map(calls)] == [1.0, 0.0, 1.0, 1.0]
+        workers = [p for p in mp.active_children() if p.name.startswith("glm5-")]
+        assert len(workers) == 2
+        for p in workers:
+            p.kill()
+            p.join(10)
+        got = pool.map(calls)
+        assert [(o.status, o.value) for o in got] == [("ok", 1.0), ("ok", 0.0), ("ok", 1.0), ("ok", 1.0)], got
+    finally:
+        pool.close()
 
 
 def _answer_strings():
