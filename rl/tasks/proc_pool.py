@@ -254,7 +254,7 @@ class ProcessPool:
                         if dead_idle > self.IDLE_DEATHS:
                             for t in tids:
                                 out[t] = Outcome("crash", message=f"{_death(w.proc.exitcode)} before the call, "
-                                                                  f"{dead_idle} workers in a row")
+                                                                  f"{dead_idle} workers found dead in this batch")
                         else:
                             todo.extendleft(reversed(tids))
                         self._replace(i)
