@@ -6,7 +6,8 @@ work, whatever thread the driver calls from), and a call that hangs past ``timeo
 process (segfault, ``os._exit``, OOM kill) costs that call only: the worker is killed and a new one
 started, and the call's ``Outcome`` says what happened. A call that raises is an ``Outcome`` with the
 exception's one-line text. Workers are started with ``spawn`` (no copy of the driver's threads, Ray or
-torch state) and import only the function's module.
+torch state) and import the function's module and, as ``spawn`` does, the driver's main module: a driver
+script keeps its job under ``if __name__ == "__main__":`` (or every worker runs it again and exits 1).
 
 Each worker leads a process group of its own, so nothing a failed call started outlives it: a timeout or
 a crash SIGKILLs the worker's whole group (the worker is replaced), an error SIGKILLs the rest of the group

@@ -140,8 +140,10 @@ def _rl_logprobs(got, ref):
     assert sorted(got["pushed"]) == sorted(ref["pushed"]) and got["pushed"]
     for k, t in ref["pushed"].items():
         assert got["pushed"][k].shape == t.shape and 129 not in t.shape and 130 not in t.shape, k
-        # two Adam steps of lr 1e-3 moved each element by up to 2e-3; fp32 reduction order: a few 1e-6 (4.3e-6)
-        assert float((got["pushed"][k] - t).abs().max()) <= 1e-5, k
+        # two Adam steps of lr 1e-3 moved each element by up to 2e-3; fp32 reduction order moves Adam's
+        # near-zero-gradient elements by a few 1e-6 (4.3e-6, 1.12e-5 seen in CI): 3e-5 is 1.5 % of a step's
+        # move, a wrong shard or a dropped gradient is ~1e-3
+        assert float((got["pushed"][k] - t).abs().max()) <= 3e-5, k
     assert set(got["metrics"]) == set(ref["metrics"])
     for k, v in ref["metrics"].items():
         if k.startswith("actor/micro_batch"):  # how the tokens were packed: TP 2 pads each pack for SP
