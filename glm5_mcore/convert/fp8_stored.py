@@ -29,7 +29,7 @@ from glm5_mcore.checkpoint.fp8_sharded import SCALE_SUFFIX, stored_block
 from glm5_mcore.checkpoint.megatron_lm import dcp_metadata
 from glm5_mcore.checkpoint.hf_io import FP8, HFCheckpoint, dequantize_fp8_blocks
 from glm5_mcore.checkpoint.hf_names import hf_source
-from glm5_mcore.model.fp8_linear import BlockFP8Weight, apply_fp8_base, is_fp8_base_weight
+from glm5_mcore.model.fp8_linear import BlockFP8Weight, apply_fp8_base, fuses_whole_blocks, is_fp8_base_weight
 
 
 # --------------------------------------------------------------------------------------------------
@@ -55,7 +55,7 @@ def keep_fp8(model, tensors: dict[str, torch.Tensor], num_hidden_layers: int, ck
                                      f"{list(shape)} in the folder's {ckpt.block}x{ckpt.block} blocks "
                                      "(quantization_config.weight_block_size)")
             rows = ckpt.info(hf[0])[2][0]
-            if len(hf) > 1 and rows % ckpt.block:
+            if not fuses_whole_blocks(len(hf), rows, ckpt.block):
                 dense.append(f"{'+'.join(hf)} ({rows} gate rows)")
                 continue
             names.add(name)

@@ -247,12 +247,18 @@ def block_shard(q: torch.Tensor, s: torch.Tensor, block: int, param: torch.Tenso
     return tp_slice(q, dim, tp_rank, tp_size, is_glu).contiguous(), tp_slice(s, dim, tp_rank, tp_size, is_glu).contiguous()
 
 
+def fuses_whole_blocks(parts: int, gate_rows: int, block: int) -> bool:
+    """Whether a weight made of ``parts`` HF tensors (2: gated ``[gate; up]``) can be fused in FP8: a gate
+    half of ``gate_rows`` rows that are not whole ``block``-row blocks would be cut by the fused weight."""
+    return parts == 1 or gate_rows % block == 0
+
+
 def fuse_blocks(parts: list[tuple[torch.Tensor, torch.Tensor]], block: int, name: str):
     """``cat[gate; up]`` of (data, scales) pairs on dim 0; the gate's rows must be whole blocks."""
     if len(parts) == 1:
         return parts[0]
     (qg, sg), (qu, su) = parts
-    if qg.shape[0] % block:
+    if not fuses_whole_blocks(2, qg.shape[0], block):
         raise ValueError(f"{name}: the gate half has {qg.shape[0]} rows, not a multiple of the {block}-row FP8 "
                          "block: its fused [gate; up] weight would cut a block")
     return torch.cat([qg, qu]), torch.cat([sg, su])
