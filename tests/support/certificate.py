@@ -17,12 +17,15 @@ the dense MLP and the shared expert (both ``linear_fc1/fc2``) are separate rows.
 from __future__ import annotations
 
 import re
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
 from safetensors.torch import load, save
 
+from glm5_mcore.checkpoint.manifest import NAME as MANIFEST, write_manifest
 from glm5_mcore.lora.apply import lora_layers
 from glm5_mcore.lora.config import INDEXER
 
@@ -91,11 +94,20 @@ def keep_families(model, saved: dict[str, torch.Tensor], families) -> int:
 
 
 def drop_from_adapter(files: dict, family: str) -> dict:
-    """A PEFT payload's files (name -> bytes) without ``family``'s tensors: a push that drops it."""
+    """A PEFT payload's files (name -> bytes) without ``family``'s tensors, its manifest rewritten to match (a
+    push that drops the family silently: nothing downstream can tell from the files)."""
     tensors = load(files["adapter_model.safetensors"])
     kept = {k: v for k, v in tensors.items() if not HF_KEYS[family].search(k)}
     assert len(kept) < len(tensors), f"no {family} tensor in the adapter"
-    return {**files, "adapter_model.safetensors": save(kept)}
+    out = {**files, "adapter_model.safetensors": save(kept)}
+    if MANIFEST not in files:
+        return out
+    with tempfile.TemporaryDirectory() as d:
+        for name, data in out.items():
+            if name != MANIFEST:
+                (Path(d) / name).write_bytes(data)
+        out[MANIFEST] = write_manifest(d).read_bytes()
+    return out
 
 
 def row(family: str, ours: torch.Tensor, ref: torch.Tensor, base: torch.Tensor) -> Row:
