@@ -95,6 +95,9 @@ def check_config(c) -> None:
     check = getattr(engine, "check_kwargs", None)
     if check is not None:
         check(dict(c.rollout.engine_kwargs))
+    check_targets = getattr(engine, "check_lora_targets", None)
+    if check_targets is not None:  # e.g. vLLM's LoRA mode cannot serve routed-expert adapters
+        check_targets(dict(c.rollout.engine_kwargs), c.lora.targets)
 
 
 def preflight(c, tokenizer, prompt_sets: dict) -> tuple[int, ...]:

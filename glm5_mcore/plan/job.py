@@ -36,6 +36,8 @@ class RolloutJob:
     """The engines time-share the trainer's GPUs (``rollout.colocate.enable``): no GPUs of their own."""
     offload_weights: bool = False
     sleep_level: int = 1
+    merge: bool = False
+    """The engines take merged weights (``rollout.engine_kwargs.merge``): the push is ``plan.push``'s bytes."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,8 @@ def rl_job(cfg) -> Job:
     level = co.sleep_level if co.sleep_level is not None else (2 if kw.get("merge") else 1)
     ro = RolloutJob(engines=r.num_actors, engine=engine, n=r.n, prompt_tokens=cfg.data.max_prompt_tokens,
                     response_tokens=r.max_new_tokens, gpus_per_engine=float(r.gpus_per_actor),
-                    colocate=co.enable, offload_weights=co.offload_weights, sleep_level=int(level))
+                    colocate=co.enable, offload_weights=co.offload_weights, sleep_level=int(level),
+                    merge=bool(kw.get("merge")))
     return Job(kind="rl", layout=layout, micro_batch_tokens=a.micro_batch_tokens, bf16=t.bf16,
                recompute=t.recompute or False,
                lora=(tuple(cfg.lora.targets), cfg.lora.rank), freeze_indexer=t.freeze_indexer,

@@ -13,6 +13,7 @@ from glm5_mcore.plan.job import Job
 from glm5_mcore.plan.layout import RankKind, rank_kinds
 from glm5_mcore.plan.memory import StateBytes, state_bytes
 from glm5_mcore.plan.params import lora_tensors, stage_tensors
+from glm5_mcore.plan.push import merged_push_bytes
 from glm5_mcore.plan.rollout import EnginePlan, plan_engine
 
 
@@ -61,6 +62,8 @@ class Plan:
     problems: list = field(default_factory=list)
     phases: Optional[PhasePlan] = None
     """Colocated RL: the training and generation phases of one GPU (``plan.colocate``)."""
+    push: dict = field(default_factory=dict)
+    """RL with a merged push: {family: bytes} one engine receives per step (``plan.push``)."""
 
     @property
     def fits(self) -> bool:
@@ -79,6 +82,8 @@ class Plan:
                                        colocated=self.job.rollout.colocate)
         if self.phases is not None:
             d["colocated_per_gpu"] = self.phases.as_dict()
+        if self.push:
+            d["push_bytes_per_engine_step"] = sum(self.push.values())
         return d
 
 
@@ -136,6 +141,8 @@ def plan_job(m: GLM5Config, job: Job, cluster: Cluster) -> Plan:
         if not plan.engine.fits:
             plan.problems.append(f"rollout engine ({ro.engine.gpus} GPUs): {plan.engine.why} "
                                  f"(weights {plan.engine.weights / GIB:.1f} GiB per GPU)")
+    if job.rollout is not None and job.rollout.merge and job.lora:
+        plan.push = merged_push_bytes(m, job.lora[0], job.rollout.engine.fp8)
     need = job.trainer_gpus + job.rollout_gpus
     if need > cluster.num_gpus:
         plan.problems.append(f"the job needs {need} GPUs ({job.trainer_gpus} trainer + {job.rollout_gpus} rollout), "

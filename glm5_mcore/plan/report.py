@@ -69,6 +69,10 @@ def format_plan(plan: Plan) -> str:
                   f"budget {e.kv_budget / GIB:.2f} GiB; {e.sequences} sequences of "
                   f"{ro.prompt_tokens}+{ro.response_tokens} tokens at once per engine (a group is n={ro.n}): "
                   f"{'fits' if e.fits else 'DOES NOT FIT: ' + e.why}"]
+    if plan.push:
+        routed = sum(v for k, v in plan.push.items() if k.startswith("experts."))
+        lines.append(f"adapter push (merged): {sum(plan.push.values()) / 1e9:.1f} GB per engine per step, "
+                     f"{routed / 1e9:.1f} GB of it routed experts (every expert of an adapted layer: vLLM's FusedMoE)")
     lines.append("")
     need = job.trainer_gpus + job.rollout_gpus
     if plan.fits:

@@ -7,8 +7,9 @@ the trainer's need not share; ``setup_vllm_cpu.sh`` makes ``.venv-vllm`` so for 
 
 The adapter arrives as the same HF PEFT payload the embedded engine loads and is served as a
 ``LoRARequest`` (a new id per version). Where vLLM's GLM-5 LoRA support falls short (its LoRA path
-forces the Triton fused-MoE backend: GPU only; routed-expert adapters), ``merge=True`` folds the
-adapter into the base weights on the host instead — ``rl.rollout.vllm_weights.merged_weights``: W + scale·B·A per adapted HF
+forces the Triton fused-MoE backend: GPU only; routed-expert adapters, which LoRA mode refuses in one line
+naming ``merge: true``, at validation and at push), ``merge=True`` folds the adapter into the base weights on
+the host instead, pushing only the modules a non-zero adapter touches — ``rl.rollout.vllm_weights.merged_weights``: W + scale·B·A per adapted HF
 tensor, from the base shards (never cumulative, so a second push replaces the first), in the dtype the
 served folder stores, FP8 block-quantized (``glm5_mcore.checkpoint.fp8``) where it stores FP8 — written to a
 safetensors file that vLLM's workers ``reload_weights`` from.
@@ -40,6 +41,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+from safetensors import safe_open
 
 from rl.rollout import weight_sync
 from rl.rollout.base import (AdapterPayload, Request, Result, RolloutEngine, SamplingParams, check_sleep_level,
@@ -61,6 +63,19 @@ def request_seed(seed: int, start: int) -> int:
     token; an interrupted and continued response is a different sample from the same per-token distributions
     as the uninterrupted one, not the same tokens (greedy decoding: the same tokens)."""
     return (seed if start == 0 else token_seed(seed, start)) % (2 ** 31)
+
+
+ROUTED_ADAPTER = re.compile(r"\.mlp\.experts\.")  # a routed expert's PEFT key (not ``mlp.shared_experts.``)
+LORA_MODE_EXPERTS = ("adapters on the routed experts ({what}) cannot be served in vLLM's LoRA mode (vLLM 0.32's "
+                     "FusedMoEWithLoRA takes a layout this push does not send): set rollout.engine_kwargs.merge: true")
+
+
+def check_lora_targets(kwargs: dict, targets) -> None:
+    """``rollout.engine_kwargs`` with the policy's ``lora.targets``, before Ray starts: LoRA mode
+    (``merge`` false) with routed-expert targets is refused in one line naming ``merge: true``."""
+    experts = sorted(t for t in targets if str(t).startswith("experts."))
+    if experts and not kwargs.get("merge", False):
+        raise ValueError("lora.targets: " + LORA_MODE_EXPERTS.format(what=", ".join(experts)))
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -88,6 +103,7 @@ class VLLMRolloutEngine(RolloutEngine):
     LoRA mode alike; the LoRARequest carries the decoder's adapter only."""
 
     FORWARDS_KWARGS = True  # the rest go to vllm.LLM, whose EngineArgs refuses unknown keys
+    check_lora_targets = staticmethod(check_lora_targets)  # run by rl.validate with lora.targets
     SPANS_BUNDLES = True  # distributed_executor_backend="ray" over the bundles rl.cluster.engine_placement names
     INTERRUPTIBLE = True
 
@@ -228,6 +244,11 @@ class VLLMRolloutEngine(RolloutEngine):
             self._push(iter_merged_weights(self.hf_dir, path, tuple(self._pushed), self.push_bytes, part))
             shutil.rmtree(path, ignore_errors=True)
             return
+        with safe_open(str(path / "adapter_model.safetensors"), "pt") as f:
+            routed = sorted({k.split(".experts.")[0] for k in f.keys() if ROUTED_ADAPTER.search(k)})
+        if routed:
+            shutil.rmtree(path, ignore_errors=True)
+            raise ValueError("VLLMRolloutEngine: " + LORA_MODE_EXPERTS.format(what=f"{len(routed)} layers"))
         # merged even in LoRA mode: the MTP layer (vLLM's LoRA does not reach the draft model) and the MLA
         # up-projection (vLLM's MLA never applies its LoRA); restores whatever an earlier push changed
         L = self.num_hidden_layers

@@ -71,7 +71,7 @@ def iter_merged_weights(hf_dir: str | Path, adapter_dir: Optional[str | Path], a
     """HF name → tensor for vLLM's checkpoint-format loader, in dicts of whole decoder layers, at most
     ``max_bytes`` each unless one layer is larger: ``W + scale·B·A`` for every HF tensor the PEFT
     adapter in ``adapter_dir`` touches (GLU halves and per-expert names split as the one name table
-    says), the base value of the untouched tensors named in ``also`` (restoring what an earlier push
+    says; a no-op adapter, A or B all zero, touches nothing), the base value of the untouched tensors named in ``also`` (restoring what an earlier push
     changed; ``adapter_dir=None``: only those), and the base value of every other tensor of the vLLM
     modules these land in (``vllm_module_tensors``). Each comes in the dtype the folder stores it; an
     FP8-stored weight comes as e4m3 + ``weight_scale_inv`` blocks. ``part``: "decoder" (the served model),
@@ -87,6 +87,8 @@ def iter_merged_weights(hf_dir: str | Path, adapter_dir: Optional[str | Path], a
         raise ValueError(f"part={part!r}: one of 'decoder', 'mtp', 'all'")
     keep = (lambda h: True) if part == "all" else (lambda h: is_mtp_tensor(h, L) == (part == "mtp"))
     for module in (state.modules() if state else []):
+        if not (state.A[module].any() and state.B[module].any()):
+            continue  # a no-op adapter (B zero at init, a family left untouched): its weights are not pushed
         src = hf_source(module + ".weight", L)
         for i, h in enumerate(src.names):
             if keep(h) and (merged is None or merged(h)):

@@ -245,8 +245,9 @@ def test_glm5_plan_has_a_dsa_row_for_every_indexer_stage(capsys):
     want = {s: round(dsa_core_peak(glm5_744b(), Layout(world=64, tp=8, ep=64), 32768, 2, stage=s) / 2**30, 2)
             for s in DSA_STAGES}
     acts = {}
-    for stage, label, extra in (("sparse", "sparse", []), ("sparse_loss", "sparse+loss", ["train.freeze_indexer=false"]),
-                                ("warmup", "warm-up", ["train.indexer_warmup=true"])):
+    # the preset adapts the indexer (lora=full_stack), so it trains it: sparse+loss unless frozen
+    for stage, label, extra in (("sparse", "sparse", ["lora=default", "train.freeze_indexer=true"]),
+                                ("sparse_loss", "sparse+loss", []), ("warmup", "warm-up", ["train.indexer_warmup=true"])):
         main(base + extra)
         out = capsys.readouterr().out
         rank = json.loads(out.strip().splitlines()[-1])["plan"]["ranks"][0]

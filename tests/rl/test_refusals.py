@@ -50,6 +50,9 @@ CODE_TOOL = {"enable": True, "env": "rl.tasks.code_env.python_tool", "tool_call_
     ({"rollout": {"multi_turn": {**CODE_TOOL, "tool_timeout_s": float("inf")}}},
      "rollout.multi_turn.tool_timeout_s=inf: a timeout must be a finite number"),
     ({"ray": {"wait_timeout_s": float("nan")}}, "ray.wait_timeout_s=nan: a timeout must be a finite number"),
+    ({"rollout": {"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine", "engine_kwargs": {"merge": False}},
+      "lora": {"targets": ["linear_proj", "experts.linear_fc1"]}},
+     "lora.targets: adapters on the routed experts (experts.linear_fc1) cannot be served in vLLM's LoRA mode"),
 ])
 def test_config_refusals_name_the_field(tiny_dir, tmp_path, sections, msg):
     """Was: the typo found at the first update; R3 + tool episodes run; a negative factor rewarded overlong

@@ -56,6 +56,25 @@ def test_merged_push_equals_peft_merge(tiny_dir, adapter):
     assert torch.equal(again[untouched], HFCheckpoint(tiny_dir).get(untouched))
 
 
+def test_merged_push_skips_no_op_adapters(tiny_dir, adapter, tmp_path):
+    """An adapter whose B is zero (peft's init, or a family training left untouched) is not pushed: only the
+    tensors a non-zero adapter changes (and the rest of their vLLM modules) go to the engine."""
+    from safetensors.torch import load_file, save_file as save
+
+    from rl.rollout.vllm_weights import merged_weights
+
+    path, _ = adapter
+    d = tmp_path / "noop"
+    d.mkdir()
+    (d / "adapter_config.json").write_bytes((path / "adapter_config.json").read_bytes())
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    save({k: torch.zeros_like(v) if ".experts." in k and "lora_B" in k else v for k, v in tensors.items()},
+         str(d / "adapter_model.safetensors"))
+    got = merged_weights(tiny_dir, d)
+    assert "model.layers.0.self_attn.q_a_proj.weight" in got
+    assert not [k for k in got if ".mlp.experts." in k]  # every routed expert's B is zero: none pushed
+
+
 def test_merged_push_quantizes_where_the_folder_stores_fp8(tiny_dir, adapter, tmp_path):
     from glm5_mcore.checkpoint.fp8 import is_quantized, quantize_fp8_blocks
     from rl.rollout.vllm_weights import merged_weights
@@ -90,3 +109,12 @@ def test_engine_bad_settings_name_what_is_wrong(tiny_dir, tmp_path):
         VLLMRolloutEngine(tiny_dir, vllm_python=str(tmp_path / "no-such-python"), dense_mla=True, max_model_len=8)
     with pytest.raises(ValueError, match=r"index_topk \(8\) >= max_model_len \(256\)"):
         VLLMRolloutEngine(tiny_dir, vllm_python=str(tmp_path / "no-such-python"), dense_mla=True, max_model_len=256)
+
+
+def test_lora_mode_refuses_routed_expert_targets_merged_mode_takes_them():
+    from rl.rollout.vllm_engine import VLLMRolloutEngine
+
+    VLLMRolloutEngine.check_lora_targets({"merge": True}, ["experts.linear_fc1", "linear_proj"])
+    VLLMRolloutEngine.check_lora_targets({}, ["linear_fc1", "linear_proj"])  # shared/dense MLP: LoRA mode serves
+    with pytest.raises(ValueError, match=r"experts.linear_fc2\) .*set rollout.engine_kwargs.merge: true$"):
+        VLLMRolloutEngine.check_lora_targets({"merge": False}, ["experts.linear_fc2"])
