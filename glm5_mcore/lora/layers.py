@@ -88,6 +88,39 @@ def full_features(base: torch.nn.Module, par: Parallel) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------------
 # The adapter layer
 # --------------------------------------------------------------------------------------------------
+class Factors(torch.nn.Module):
+    """One factor (A or B) of every adapter on a linear, by adapter name (a mapping, as a ParameterDict), read
+    in the forward by calling the module: ``factors(name)``. Megatron DDP with ``overlap_param_gather`` waits
+    for a parameter's all-gather only in the forward pre-hook of a module called in the forward whose
+    ``parameters(recurse=False)`` hold it; a ParameterDict is never called (torch refuses), so its adapters
+    were read with other DP ranks' stale shards (issue 39 G3). The state-dict names stay ``lora.A.{adapter}``
+    / ``lora.B.{adapter}``."""
+
+    def forward(self, name: str) -> torch.nn.Parameter:
+        return self._parameters[name]
+
+    def __getitem__(self, name: str) -> torch.nn.Parameter:
+        return self._parameters[name]
+
+    def __setitem__(self, name: str, value: torch.nn.Parameter) -> None:
+        self.register_parameter(name, value)
+
+    def __contains__(self, name) -> bool:
+        return name in self._parameters
+
+    def __iter__(self):
+        return iter(list(self._parameters))
+
+    def __len__(self) -> int:
+        return len(self._parameters)
+
+    def keys(self):
+        return self._parameters.keys()
+
+    def items(self):
+        return self._parameters.items()
+
+
 class LoRALayer(torch.nn.Module):
     """The adapters of one base linear: ``A[name]`` [r, in(/tp)], ``B[name]`` [out(/tp), r]."""
 
@@ -98,8 +131,8 @@ class LoRALayer(torch.nn.Module):
         # Megatron's gated fc1 is cat[gate; up] and each TP shard is cat[gate_shard; up_shard]
         self.glu = family.endswith("linear_fc1") and bool(getattr(base.config, "gated_linear_unit", False))
         self.in_features, self.out_features = full_features(base, self.par)
-        self.A = torch.nn.ParameterDict()
-        self.B = torch.nn.ParameterDict()
+        self.A = Factors()
+        self.B = Factors()
         self.scale: dict[str, float] = {}
         self.dropout: dict[str, float] = {}
         self.active: Optional[str] = None
@@ -197,7 +230,7 @@ class LoRALayer(torch.nn.Module):
         """``scale · B(A(dropout(x)))`` in the layout of the base module's output."""
         from megatron.core.tensor_parallel import mappings as m
 
-        a, b = self.A[name], self.B[name]
+        a, b = self.A(name), self.B(name)  # called, so DDP's pre-hooks wait for their param gather
         if self.training and self.dropout[name] > 0:
             x = F.dropout(x, self.dropout[name])
         h = F.linear(x.to(a.dtype), a)

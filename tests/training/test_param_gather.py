@@ -26,6 +26,17 @@ def test_overlap_param_gather_syncs_before_saves_and_evaluation(tiny_dir, tmp_pa
     assert sft["saved"] == {"2": 0.0, "4": 0.0}, sft
 
 
+@pytest.mark.slow
+def test_overlap_param_gather_gathers_the_lora_adapters(tiny_dir, tmp_path):
+    """Issue 39 G3: LoRA at DP 2 on gloo with the distributed optimizer. The adapters' forward waits for their
+    bucket's all-gather (DDP's pre-hook fires only on a module called in the forward that directly holds the
+    parameter), so the losses and the synced adapters equal the run without the overlap; with the adapters in a
+    ParameterDict that is never called, steps 2 and 3 ran on the other rank's stale adapter shards."""
+    res = last_json(torchrun("param_gather_check.py", tiny_dir, tmp_path / "out", "lora").stdout)["lora"]
+    assert res["n"] > 0 and len(res["losses"][0]) == 3, res
+    assert res["losses"][0] == res["losses"][1] and res["final"] == 0.0, res
+
+
 def test_overlap_param_gather_needs_the_distributed_optimizer(tiny_dir, single_rank, tmp_path):
     """Without the distributed optimizer there is no parameter all-gather to overlap: refused in one line naming the
     field, by the SFT config check (before any work) and by ``build_trainer``; the DDP and optimizer configs get

@@ -7,6 +7,9 @@
    with and without the overlap:
    losses, validation losses, and the saved weights (loaded back into a fresh model).
 
+With ``lora`` as the third argument, only the LoRA case (issue 39 G3): adapters on the default targets, three
+steps with and without the overlap; the adapters' forward must wait for their own bucket's gather.
+
 Prints one JSON line (rank 0)."""
 
 import json
@@ -16,6 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from glm5_mcore.lora.apply import apply_lora
+from glm5_mcore.lora.config import LoRAConfig
 from glm5_mcore.training.loop import OptimCfg, build_trainer, synced_params
 from tests.support.helpers import hf_model, megatron_steps
 from tests.support.sft_setup import reverse_task
@@ -53,6 +58,23 @@ def steps(tiny: str) -> dict:
             "ddp_flag": [plain["ddp"], ov["ddp"]]}
 
 
+def lora_steps(tiny: str) -> dict:
+    """Three LoRA steps (adapters only train) with and without the overlap: the losses and the synced adapters."""
+    ids = torch.randint(0, 100, (1, 17), generator=torch.Generator().manual_seed(dist.get_rank()))
+    got = {}
+    for overlap in (False, True):
+        model, _ = hf_model(tiny)
+        apply_lora(model, LoRAConfig(rank=4, alpha=8.0, init="random"))
+        ddp, opt, _ = build_trainer(model, OptimCfg(lr=3e-2, decay_style="constant", distributed=True,
+                                                    overlap_param_gather=overlap), 3)
+        losses = megatron_steps(ddp, opt, ids, 3)
+        with synced_params(ddp, opt):
+            final = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+        got[overlap] = dict(losses=losses, final=final)
+    return {"losses": [got[False]["losses"], got[True]["losses"]],
+            "final": _max_diff(got[False]["final"], got[True]["final"]), "n": len(got[True]["final"])}
+
+
 def sft(tiny: str, out: Path) -> dict:
     from glm5_mcore.checkpoint.dist import load_model
     from glm5_mcore.checkpoint.layout import iter_dir
@@ -86,13 +108,13 @@ def sft(tiny: str, out: Path) -> dict:
             "val": [a["val"], b["val"]], "saved": {s: _max_diff(sa[s], sb[s]) for s in (2, 4)}}
 
 
-def main(tiny: str, out: str) -> None:
+def main(tiny: str, out: str, case: str = "full") -> None:
     dist.init_process_group("gloo")
-    res = {"steps": steps(tiny), "sft": sft(tiny, Path(out))}
+    res = {"lora": lora_steps(tiny)} if case == "lora" else {"steps": steps(tiny), "sft": sft(tiny, Path(out))}
     if dist.get_rank() == 0:
         print(json.dumps(res), flush=True)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])
