@@ -7,7 +7,8 @@ Each local expert ``i`` of a grouped ``linear_fc1`` / ``linear_fc2`` gets a ``Lo
 across them. The layers live in ``GroupedLoRA`` (the grouped linear's ``lora`` child, ``experts.{i}``) and one
 forward hook adds, over the dispatched tokens ``x [T, in]`` split by ``m_splits``, each expert's
 ``scale · B_i(A_i(dropout(x_i)))``: with ``torch.nn.functional.grouped_mm`` on CUDA when every expert runs the same
-rank (no Python loop over experts), else per expert (the CPU: its ``grouped_mm`` has no working backward, as
+rank and ``grouped_mm`` takes the shapes (bf16, rank / in / out % 8: ``grouped_fits``; no Python loop over
+experts), else per expert (the CPU: its ``grouped_mm`` has no working backward, as
 ``cpu_compat.GroupedLinear`` says).
 
 ``ExpertSlot`` stands for one expert of a grouped linear where the model-level code expects a base linear
@@ -60,24 +61,35 @@ class GroupedLoRA(torch.nn.Module):
         if all(n is None for n in names):
             return None
         if x.is_cuda and None not in names and len({(lo.A[n].shape, lo.scale[n], lo.dropout[n])
-                                                      for lo, n in zip(layers, names)}) == 1:
-            return _grouped_delta(x, m_splits, layers, names)
+                                                      for lo, n in zip(layers, names)}) == 1 and \
+                grouped_fits(x, layers[0].A[names[0]], layers[0].B[names[0]]):
+            return _stacked_delta(x, m_splits, layers, names)
         out_f = next(lo for lo in layers if lo is not None).out_features
         outs = [lora.delta(xi, name) if name is not None else xi.new_zeros(xi.shape[0], out_f)
                 for xi, lora, name in zip(torch.split(x, m_splits), layers, names)]
         return torch.cat(outs)
 
 
-def _grouped_delta(x, m_splits, layers, names) -> torch.Tensor:
-    """All experts' deltas in two ``grouped_mm`` s: A stacked [E, r, in], B stacked [E, out, r]."""
+def _stacked_delta(x, m_splits, layers, names) -> torch.Tensor:
     lo0, n0 = layers[0], names[0]
     a = torch.stack([lo.A(n) for lo, n in zip(layers, names)])
     b = torch.stack([lo.B(n) for lo, n in zip(layers, names)])
     if lo0.training and lo0.dropout[n0] > 0:
         x = F.dropout(x, lo0.dropout[n0])
+    return grouped_delta(x.to(a.dtype), m_splits, a, b, lo0.scale[n0])
+
+
+def grouped_fits(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``grouped_mm`` takes these: bf16, every row stride a multiple of 16 bytes (rank, in, out % 8)."""
+    return x.dtype == a.dtype == b.dtype == torch.bfloat16 and all(d % 8 == 0 for d in (*a.shape[1:], b.shape[1]))
+
+
+def grouped_delta(x: torch.Tensor, m_splits: list[int], a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale · B_e(A_e x_e)`` for the rows ``x [T, in]`` of each expert ``e`` (``m_splits``), ``a [E, r, in]``,
+    ``b [E, out, r]``: two ``grouped_mm`` s, no loop over experts."""
     offs = torch.cumsum(torch.tensor(m_splits, device=x.device), 0).to(torch.int32)
-    h = F.grouped_mm(x.to(a.dtype), a.transpose(1, 2), offs=offs)
-    return F.grouped_mm(h, b.transpose(1, 2), offs=offs) * lo0.scale[n0]
+    h = F.grouped_mm(x, a.transpose(1, 2), offs=offs)
+    return F.grouped_mm(h, b.transpose(1, 2), offs=offs) * scale
 
 
 def _hook(module: torch.nn.Module, args, kwargs, output):

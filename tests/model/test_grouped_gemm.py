@@ -159,6 +159,20 @@ def test_lora_on_grouped_experts_equals_sequential_mlp(tiny_dir, single_rank, tm
                      model={"hf_dir": tiny_dir, "moe_grouped_gemm": True}), glm5, 1)
 
 
+def test_grouped_lora_delta_of_grouped_mm_is_the_per_expert_one():
+    """The CUDA path of ``lora.grouped`` (two ``grouped_mm`` s over all experts, an empty expert included) computes
+    the per-expert loop's delta; checked here with the CPU ``grouped_mm`` forward in bf16."""
+    from glm5_mcore.lora.grouped import grouped_delta, grouped_fits
+
+    g = torch.Generator().manual_seed(0)
+    x, a, b = (torch.randn(*s, generator=g).to(torch.bfloat16) for s in ((10, 16), (3, 8, 16), (3, 24, 8)))
+    splits = [3, 0, 7]
+    ref = torch.cat([torch.nn.functional.linear(torch.nn.functional.linear(xi, a[e]), b[e]) * 0.5
+                     for e, xi in enumerate(torch.split(x, splits))])
+    assert grouped_fits(x, a, b) and not grouped_fits(x, a[:, :4], b[..., :4]) and not grouped_fits(x.float(), a, b)
+    assert torch.equal(grouped_delta(x, splits, a, b, 0.5), ref)
+
+
 def test_grouped_gemm_setting_defaults_on_for_te_only(tiny_dir, single_rank):
     """``model.moe_grouped_gemm``: null = on for the TE spec, off for the local spec; a bad value is named."""
     from megatron.core.transformer.moe.experts import SequentialMLP
