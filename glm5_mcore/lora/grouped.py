@@ -150,8 +150,13 @@ def _with_adapters(grouped: torch.nn.Module, base_sd, prefix: str = "", sharded_
 
 def attach_any(module, name: str, family: str) -> LoRALayer:
     """``layers.attach`` for a linear, or the ``LoRALayer`` of one expert of a grouped linear (``ExpertSlot``)."""
+    from megatron.core import parallel_state as ps
+
     if not isinstance(module, ExpertSlot):
         return attach(module, name, family)
+    if ps.get_expert_tensor_parallel_world_size() > 1:  # each rank would train an adapter of its shard only
+        raise ValueError(f"{name}: LoRA on the grouped experts is not supported with expert tensor parallelism "
+                         f"(parallel.etp={ps.get_expert_tensor_parallel_world_size()}); set parallel.etp=1")
     g = module.grouped
     if not isinstance(getattr(g, "lora", None), GroupedLoRA):
         g.lora = GroupedLoRA()
