@@ -27,12 +27,12 @@ from megatron.core import parallel_state as ps
 from transformers import AutoTokenizer
 
 from glm5_mcore.config import GLM5Config
-from glm5_mcore.mcore_settings import ParallelConfig, grouped_gemm, recompute_overrides
+from glm5_mcore.mcore_settings import ParallelConfig, recompute_overrides
 from glm5_mcore.data.indexed import check_data, check_tokenizer, is_jsonl, parse_blend, resolve_prefix
 from glm5_mcore.data.sft import PackedBatch
 from glm5_mcore.data.stream import SFTDocuments, SFTStream, is_indexed
 from glm5_mcore.device import training_device
-from glm5_mcore.lora.config import INDEXER, check_expert_tp, check_grouped_experts
+from glm5_mcore.lora.config import INDEXER, check_expert_tp
 from glm5_mcore.lora.apply import apply_lora
 from glm5_mcore.model.build import build_model
 from glm5_mcore.model.fp8_linear import check_base_dtype
@@ -110,7 +110,6 @@ def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConf
     check_base_dtype(cfg.model.base_dtype, trains_base=not cfg.lora.enabled or cfg.train.indexer_warmup)
     if cfg.lora.enabled:
         check_expert_tp(cfg.lora.targets, parallel.etp, "parallel.etp")
-        check_grouped_experts(cfg.lora.targets, grouped_gemm(cfg.model.moe_grouped_gemm, "local"))
     if world % (parallel.etp * parallel.ep * parallel.pp):
         raise ValueError(f"parallel.etp*ep*pp={parallel.etp * parallel.ep * parallel.pp} does not divide the "
                          f"world size {world}")

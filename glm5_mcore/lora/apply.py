@@ -15,8 +15,9 @@ from typing import Iterator, Optional
 
 import torch
 
-from glm5_mcore.lora.config import GROUPED_REFUSAL, INDEXER, LoRAConfig, family_of
-from glm5_mcore.lora.layers import LoRALayer, attach
+from glm5_mcore.lora.config import INDEXER, LoRAConfig, family_of
+from glm5_mcore.lora.grouped import GroupedLoRA, attach_any, expert_layers, linear_targets
+from glm5_mcore.lora.layers import LoRALayer
 from glm5_mcore.model.dsa import GLM5SparseAttention
 from glm5_mcore.model.indexer_stages import set_indexer_frozen
 from glm5_mcore.model.parallel import rank_offsets
@@ -26,11 +27,14 @@ from glm5_mcore.switches import switched
 # Model-level API
 # --------------------------------------------------------------------------------------------------
 def lora_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, LoRALayer]]:
-    """(module path, base module, its LoRALayer) for every adapted linear."""
+    """(module path, base module, its LoRALayer) for every adapted linear (each expert of a grouped linear:
+    ``lora.grouped.ExpertSlot``)."""
     for name, mod in model.named_modules():
         lora = getattr(mod, "lora", None)
         if isinstance(lora, LoRALayer):
             yield name, mod, lora
+        elif isinstance(lora, GroupedLoRA):
+            yield from expert_layers(name, mod)
 
 
 def global_module_name(name: str, layer_offset: int, expert_offset: int) -> str:
@@ -67,16 +71,13 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, adapter_name: str = "def
                 p.requires_grad_(False)
     *_, layer_offset, expert_offset = rank_offsets(model)
     n_added = 0
-    for name, mod in list(model.named_modules()):
+    for name, mod in linear_targets(model):
         fam = family_of(name)
-        if fam is not None and fam in cfg.targets and hasattr(mod, "num_gemms"):  # TEGroupedMLP's linears
-            raise ValueError(GROUPED_REFUSAL.format(targets=fam))
         if fam is None or fam not in cfg.targets or not isinstance(getattr(mod, "weight", None), torch.Tensor):
             continue
-        if not isinstance(getattr(mod, "lora", None), LoRALayer):
-            attach(mod, global_module_name(name, layer_offset, expert_offset), fam)
-        mod.lora.add(adapter_name, cfg.rank_for(fam), cfg.alpha_for(fam), cfg.dropout, cfg.init, cfg.seed,
-                     mod.weight.dtype, mod.weight.device)
+        lora = attach_any(mod, global_module_name(name, layer_offset, expert_offset), fam)
+        lora.add(adapter_name, cfg.rank_for(fam), cfg.alpha_for(fam), cfg.dropout, cfg.init, cfg.seed,
+                 mod.weight.dtype, mod.weight.device)
         n_added += 1
     if n_added == 0:
         raise ValueError(f"LoRA targets {list(cfg.targets)} match no module of the model")

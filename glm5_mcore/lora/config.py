@@ -74,18 +74,6 @@ def family_of(module_name: str) -> Optional[str]:
     return None
 
 
-GROUPED_REFUSAL = ("lora.targets: {targets} adapt the routed experts, which under model.moe_grouped_gemm=true are "
-                   "Megatron-Core's TEGroupedMLP (one grouped linear per layer, no per-expert module to wrap); "
-                   "set model.moe_grouped_gemm=false or drop them")
-
-
-def check_grouped_experts(targets, grouped: bool) -> None:
-    """Adapters on the routed experts need ``SequentialMLP``'s per-expert linears: refused under grouped GEMM."""
-    experts = sorted(t for t in targets if str(t).startswith("experts."))
-    if grouped and experts:
-        raise ValueError(GROUPED_REFUSAL.format(targets=", ".join(experts)))
-
-
 def check_expert_tp(targets, etp: int, field: str) -> None:
     """Adapters on the routed experts under expert tensor parallelism are refused: their replicated A
     (fc1) / B (fc2) would need a gradient all-reduce over the expert-TP group, which the adapters'

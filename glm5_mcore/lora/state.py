@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 from glm5_mcore.checkpoint.atomic import atomic_dir
 from glm5_mcore.checkpoint.manifest import verify_under
 from glm5_mcore.lora.config import LoRAConfig, family_of
-from glm5_mcore.lora.layers import attach
 from glm5_mcore.lora.apply import global_module_name, lora_layers
+from glm5_mcore.lora.grouped import attach_any, linear_targets
 from glm5_mcore.model.parallel import rank_offsets
 
 FORMAT = "glm5-mcore-lora-1"
@@ -142,16 +142,17 @@ def load_adapter_state(model, state: AdapterState, name: str, trainable: bool = 
     Returns #modules installed here."""
     *_, layer_offset, expert_offset = rank_offsets(model)
     n, seen = 0, set()
-    for local_name, mod in list(model.named_modules()):
+    for local_name, mod in linear_targets(model):
         fam = family_of(local_name)
         if fam is None or not isinstance(getattr(mod, "weight", None), torch.Tensor):
             continue
         gname = global_module_name(local_name, layer_offset, expert_offset)
         if gname not in state.A:
             continue
-        attach(mod, gname, fam).install(name, state.A[gname], state.B[gname], state.scale[gname], dropout,
-                         mod.weight.dtype, mod.weight.device)
-        for p in (mod.lora.A[name], mod.lora.B[name]):
+        lora = attach_any(mod, gname, fam)
+        lora.install(name, state.A[gname], state.B[gname], state.scale[gname], dropout, mod.weight.dtype,
+                     mod.weight.device)
+        for p in (lora.A[name], lora.B[name]):
             p.requires_grad_(trainable)
         seen.add(gname)
         n += 1

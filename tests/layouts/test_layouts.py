@@ -32,6 +32,8 @@ MATRIX = {  # name: (check, tiny model fixture, check kwargs, [(layout, world si
     "logits": ("logits", "tiny_share_dir", {},
                [(dict(tp=2), 2), (dict(ep=2), 2), (dict(cp=2), 2), (dict(tp=2, ep=2), 4)]),
     "lora_steps": ("lora_steps", "tiny_dir", {}, [(dict(tp=2), 2), (dict(ep=2), 2), (dict(tp=2, ep=2), 2)]),
+    # LoRA on the grouped experts (TEGroupedMLP, lora.grouped) gives the one-rank SequentialMLP run's
+    "lora_steps_grouped": ("lora_steps", "tiny_dir", {"grouped": True}, [(dict(ep=2), 2), (dict(tp=2), 2)]),
     "logprobs": ("logprobs", "tiny_dir", {}, [(dict(tp=2), 2)]),
     "sft_losses": ("sft_losses", "tiny_dir", {"extra": SFT_LORA},
                    [(dict(tp=2), 2), (dict(ep=2), 2), (dict(tp=2, ep=2), 2), (dict(pp=2), 2), (dict(cp=2), 2)]),
@@ -52,8 +54,9 @@ MATRIX = {  # name: (check, tiny model fixture, check kwargs, [(layout, world si
     # a checkpoint storing its base in FP8 (16x16 blocks), loaded as stored: TP shards and EP experts of the grid
     "fp8_ckpt": ("fp8_ckpt_logits", "tiny_fp8_ckpt", {}, [(dict(tp=2, ep=2), 2)]),
 }
-REFERENCE = {"sft_share_full": "sft_share", "sft_share_selective": "sft_share"}
-"""Cases whose layouts must give another entry's one-rank result: recompute equals no recompute."""
+REFERENCE = {"sft_share_full": "sft_share", "sft_share_selective": "sft_share", "lora_steps_grouped": "lora_steps"}
+"""Cases whose layouts must give another entry's one-rank result: recompute equals no recompute, grouped experts
+equal sequential ones."""
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Grouped expert GEMM (issue 28 D3): ``model.moe_grouped_gemm`` builds Megatron-Core's ``TEGroupedMLP`` (on the
 CPU over ``cpu_compat.GroupedLinear``), whose per-expert ``weight{i}`` parameters every consumer of expert names
-handles: the HF name table, the checkpoint bridge both ways, LoRA (refused on the routed experts), the planner's
+handles: the HF name table, the checkpoint bridge both ways, LoRA (per expert, as on ``SequentialMLP``), the planner's
 fake ranks."""
 
 import hashlib
@@ -113,26 +113,64 @@ def test_grouped_round_trip_hf_megatron_hf_is_byte_identical(tiny_dir, tiny_conv
     assert _tree_hash(exports["grouped"]) == _tree_hash(exports["sequential"])
 
 
-def test_lora_on_grouped_experts_is_refused_in_one_line(tiny_dir, single_rank, tmp_path):
-    """TEGroupedMLP has no per-expert linear to wrap: adapters on ``experts.linear_fc1/2`` are refused naming
-    ``model.moe_grouped_gemm`` (by ``apply_lora`` and by the SFT/RL config checks before any work); the default
-    targets (MLA, dense MLP, shared expert) adapt the same modules as under ``SequentialMLP``."""
-    from glm5_mcore.lora.apply import apply_lora
-    from glm5_mcore.lora.config import DEFAULT_TARGETS, LoRAConfig, family_of
+def test_lora_on_grouped_experts_equals_sequential_mlp(tiny_dir, single_rank, tmp_path):
+    """Issue 40: adapters on the grouped experts (``lora.grouped``: one ``LoRALayer`` per expert under
+    ``SequentialMLP``'s names) give ``SequentialMLP``'s logits and adapter gradients, the same adapter state, and
+    the same checkpoint layout, the adapter saved from either layout loads into the other; the SFT config check
+    accepts them."""
+    from glm5_mcore.lora.apply import adapter_parameters, apply_lora, lora_layers, merge
+    from glm5_mcore.lora.config import EXPERTS, MLP, LoRAConfig, family_of
+    from glm5_mcore.lora.state import gather_adapter, load_adapter_state, read_adapter_state, save_adapter
+    from glm5_mcore.model.build import forward_logits
     from recipes.sft import validate
     from tests.support.sft_setup import sft_cfg
 
     assert family_of("decoder.layers.1.mlp.experts.linear_fc1") == "experts.linear_fc1"
     assert family_of("decoder.layers.1.mlp.shared_experts.linear_fc1") == "linear_fc1"
-    grouped, glm5 = hf_model(tiny_dir, moe_grouped_gemm=True)
-    with pytest.raises(ValueError, match=r"^lora\.targets: experts\.linear_fc2 .*model\.moe_grouped_gemm=false"):
-        apply_lora(grouped, LoRAConfig(targets=("experts.linear_fc2",)))
-    n_grouped = apply_lora(grouped, LoRAConfig(targets=DEFAULT_TARGETS))
-    assert n_grouped == apply_lora(hf_model(tiny_dir)[0], LoRAConfig(targets=DEFAULT_TARGETS))
-    cfg = sft_cfg(tiny_dir, tmp_path, lora={"enabled": True, "targets": ["linear_proj", "experts.linear_fc1"]},
-                  model={"hf_dir": tiny_dir, "moe_grouped_gemm": True})
-    with pytest.raises(ValueError, match="model.moe_grouped_gemm=false"):
-        validate(cfg, glm5, 1)
+    cfg = LoRAConfig(rank=4, alpha=8.0, targets=MLP + EXPERTS, init="random")
+    models, logits, grads, states, n = {}, {}, {}, {}, {}
+    for grouped in (False, True):
+        m, glm5 = hf_model(tiny_dir, moe_grouped_gemm=grouped)
+        n[grouped] = apply_lora(m, cfg)
+        logits[grouped] = forward_logits(m, IDS)
+        logits[grouped].float().pow(2).mean().backward()
+        grads[grouped] = {lora.module_name + k: p.grad for _, _, lora in lora_layers(m)
+                          for k, p in (("A", lora.A["default"]), ("B", lora.B["default"]))}
+        states[grouped] = gather_adapter(m, "default")
+        save_adapter(m, "default", tmp_path / f"a{int(grouped)}")
+        models[grouped] = m
+    assert n[True] == n[False] and any(".local_experts." in k for k in states[True].A)
+    assert (logits[True] - logits[False]).abs().max() <= 1e-6
+    assert grads[True].keys() == grads[False].keys()
+    assert all(torch.allclose(grads[True][k], grads[False][k], atol=1e-7) for k in grads[True])
+    assert all(torch.equal(states[True].A[k], states[False].A[k]) for k in states[False].A)
+    layout = _sharded_layout(models[True])  # the adapters (and their optimizer state) saved as SequentialMLP's
+    assert "decoder.layers.1.mlp.experts.experts.linear_fc2.lora.B.default" in layout
+    assert layout == _sharded_layout(models[False])
+    for grouped in (False, True):  # resume across the layouts: the other layout's adapter, same logits
+        m, _ = hf_model(tiny_dir, moe_grouped_gemm=grouped)
+        load_adapter_state(m, read_adapter_state(tmp_path / f"a{int(not grouped)}"), "default")
+        assert (forward_logits(m, IDS) - logits[False]).abs().max() <= 1e-6
+    with torch.no_grad():  # merged into weight{i}: the same logits without the adapters' forward
+        merge(models[True])
+        assert (forward_logits(models[True], IDS) - logits[False]).abs().max() <= 1e-5
+    assert len(adapter_parameters(models[True])) == 2 * n[True]
+    validate(sft_cfg(tiny_dir, tmp_path, lora={"enabled": True, "targets": ["linear_proj", "experts.linear_fc1"]},
+                     model={"hf_dir": tiny_dir, "moe_grouped_gemm": True}), glm5, 1)
+
+
+def test_grouped_lora_delta_of_grouped_mm_is_the_per_expert_one():
+    """The CUDA path of ``lora.grouped`` (two ``grouped_mm`` s over all experts, an empty expert included) computes
+    the per-expert loop's delta; checked here with the CPU ``grouped_mm`` forward in bf16."""
+    from glm5_mcore.lora.grouped import grouped_delta, grouped_fits
+
+    g = torch.Generator().manual_seed(0)
+    x, a, b = (torch.randn(*s, generator=g).to(torch.bfloat16) for s in ((10, 16), (3, 8, 16), (3, 24, 8)))
+    splits = [3, 0, 7]
+    ref = torch.cat([torch.nn.functional.linear(torch.nn.functional.linear(xi, a[e]), b[e]) * 0.5
+                     for e, xi in enumerate(torch.split(x, splits))])
+    assert grouped_fits(x, a, b) and not grouped_fits(x, a[:, :4], b[..., :4]) and not grouped_fits(x.float(), a, b)
+    assert torch.equal(grouped_delta(x, splits, a, b, 0.5), ref)
 
 
 def test_grouped_gemm_setting_defaults_on_for_te_only(tiny_dir, single_rank):

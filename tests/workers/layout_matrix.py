@@ -85,13 +85,14 @@ def logits(hf_dir: str, parallel: ParallelConfig, out: str) -> dict:
     return {"logits": got.contiguous()}
 
 
-def lora_steps(hf_dir: str, parallel: ParallelConfig, out: str) -> dict:
-    """{"losses": 3 steps' losses + the loss after, "adapter": the folder of the gathered adapter}."""
+def lora_steps(hf_dir: str, parallel: ParallelConfig, out: str, grouped: bool = False) -> dict:
+    """{"losses": 3 steps' losses + the loss after, "adapter": the folder of the gathered adapter}; ``grouped``:
+    the routed experts as ``TEGroupedMLP`` (``lora.grouped``)."""
     from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                            finalize_model_grads)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    m, glm5 = hf_model(hf_dir, parallel)
+    m, glm5 = hf_model(hf_dir, parallel, moe_grouped_gemm=grouped)
     apply_lora(m, LoRAConfig(rank=4, alpha=8, targets=MLA + MLP + EXPERTS, init="random"))
     m.train()
     m.config.finalize_model_grads_func = finalize_model_grads  # DP/EP grad sync + SP/TP all-reduces
