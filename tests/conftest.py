@@ -107,11 +107,10 @@ def starts_ray(argv: list[str]) -> bool:
 def pytest_collection_modifyitems(config, items):
     """Every ``ray`` test in one pytest-xdist group (``-n 2 --dist loadgroup``): one worker runs them in
     collection order (``tests/cluster`` first), so two Ray clusters never share the 2 cores, while the other
-    worker runs the rest, a module at a time: a module's fixtures (the layout matrix's torchrun launches, a
-    module's converted checkpoint) are made once, not once on each worker that gets one of its tests."""
+    worker runs the rest."""
     for item in items:
-        ray = item.get_closest_marker("ray") is not None
-        item.add_marker(pytest.mark.xdist_group("ray" if ray else item.nodeid.split("::")[0]))
+        if item.get_closest_marker("ray") is not None:
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @pytest.fixture(autouse=True)
