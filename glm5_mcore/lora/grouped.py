@@ -25,6 +25,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from glm5_mcore.lora.config import check_expert_tp
 from glm5_mcore.lora.layers import LoRALayer, attach
 
 
@@ -154,9 +155,8 @@ def attach_any(module, name: str, family: str) -> LoRALayer:
 
     if not isinstance(module, ExpertSlot):
         return attach(module, name, family)
-    if ps.get_expert_tensor_parallel_world_size() > 1:  # each rank would train an adapter of its shard only
-        raise ValueError(f"{name}: LoRA on the grouped experts is not supported with expert tensor parallelism "
-                         f"(parallel.etp={ps.get_expert_tensor_parallel_world_size()}); set parallel.etp=1")
+    # each rank would train an adapter of its shard only: the config checks' refusal, also for a direct apply_lora
+    check_expert_tp([family], ps.get_expert_tensor_parallel_world_size(), "parallel.etp")
     g = module.grouped
     if not isinstance(getattr(g, "lora", None), GroupedLoRA):
         g.lora = GroupedLoRA()

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from glm5_mcore.lora.config import routed_expert_targets
 from rl.rollout import weight_sync
 from rl.rollout.base import (AdapterPayload, Request, Result, RolloutEngine, SamplingParams, check_sleep_level,
                              check_wake_tags, token_seed)
@@ -73,7 +74,7 @@ LORA_MODE_EXPERTS = ("adapters on the routed experts ({what}) cannot be served i
 def check_lora_targets(kwargs: dict, targets) -> None:
     """``rollout.engine_kwargs`` with the policy's ``lora.targets``, before Ray starts: LoRA mode
     (``merge`` false) with routed-expert targets is refused in one line naming ``merge: true``."""
-    experts = sorted(t for t in targets if str(t).startswith("experts."))
+    experts = routed_expert_targets(targets)
     if experts and not kwargs.get("merge", False):
         raise ValueError("lora.targets: " + LORA_MODE_EXPERTS.format(what=", ".join(experts)))
 
