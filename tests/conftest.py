@@ -107,10 +107,22 @@ def starts_ray(argv: list[str]) -> bool:
 def pytest_collection_modifyitems(config, items):
     """Every ``ray`` test in one pytest-xdist group (``-n 2 --dist loadgroup``): one worker runs them in
     collection order (``tests/cluster`` first), so two Ray clusters never share the 2 cores, while the other
-    worker runs the rest."""
+    worker runs the rest a module at a time, so a module's fixtures (the layout matrix's torchrun launches, a
+    module's converted checkpoint) are made once, not once on each worker that gets one of its tests."""
     for item in items:
-        if item.get_closest_marker("ray") is not None:
-            item.add_marker(pytest.mark.xdist_group("ray"))
+        ray = item.get_closest_marker("ray") is not None
+        item.add_marker(pytest.mark.xdist_group("ray" if ray else item.nodeid.split("::")[0]))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """Under ``--dist loadgroup`` every test id a worker reports must carry its group (xdist 3.8 appends
+    ``@group`` after the hook above). On pytest 9.2 that append does nothing (pytest-xdist #1386): nothing
+    failed, the groups were silently ignored, Ray tests ran on both workers at once and the layout matrix's
+    launches ran twice; hence the ``pytest<9.2`` pin and this check."""
+    if node.config.getvalue("dist") == "loadgroup" and ids and not any("@" in i for i in ids):
+        raise pytest.UsageError(f"pytest-xdist's --dist loadgroup lost the test groups (pytest-xdist #1386 on "
+                                f"pytest {pytest.__version__}; pyproject pins pytest<9.2): e.g. {ids[0]}")
 
 
 @pytest.fixture(autouse=True)
