@@ -41,10 +41,11 @@ from glm5_mcore.model.indexer_stages import (check_indexer_learns, indexer_metri
 from glm5_mcore.model.mtp_loss import mtp_depth_losses
 from glm5_mcore.model.parallel import init_parallel
 from glm5_mcore.model.vocab import real_vocab_size
-from glm5_mcore.training.checkpointing import SaveSchedule, refuse_restart_over, restore_run, save_run
+from glm5_mcore.training.checkpointing import restore_run, save_run
 from glm5_mcore.training.loop import MoELoad, build_trainer, check_optimizer, forward_backward, synced_params
 from glm5_mcore.training.model_source import ModelSource, resolve_model
-from glm5_mcore.training.resume import claim_run_dir, file_fingerprint, guard_resume, model_fingerprint
+from glm5_mcore.training.resume import (SaveSchedule, claim_run_dir, file_fingerprint, guard_resume, model_fingerprint,
+                                         refuse_restart_over)
 from glm5_mcore.training.run_log import RunLogger
 from recipes.sft_config import DataCfg, LoRACfg, ModelCfg, SFTConfig, TrainCfg  # noqa: F401  (the schema)
 

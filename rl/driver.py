@@ -18,8 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from glm5_mcore.training.checkpointing import SaveSchedule, refuse_restart_over
-from glm5_mcore.training.resume import claim_run_dir, guard_resume
+from glm5_mcore.training.resume import SaveSchedule, claim_run_dir, guard_resume, refuse_restart_over
 from glm5_mcore.training.run_log import RunLogger
 from rl.config import RLConfig, run_settings
 from rl.metrics import CONSOLE_KEYS, StepDone, step_metrics, step_notes
@@ -154,11 +153,14 @@ class Cluster:
         start_ray(cfg.ray.address, cfg.ray.num_cpus, int(resources_needed(cfg)["CPU"]))
         if not cfg.ray.address:  # a local cluster cannot grow: what it lacks now, it lacks forever
             check_resources(cfg)
-        trainers = TrainerGroup(cfg)
+        trainers = TrainerGroup(cfg)  # its ranks build and load while the engines start (separate engines)
         try:
-            coloc = (Colocation.start(cfg, trainers, lambda: RolloutPool(cfg, trainers.pg))
-                     if cfg.rollout.colocate.enable else None)
-            rollouts = coloc.rollouts if coloc is not None else RolloutPool(cfg)
+            if cfg.rollout.colocate.enable:  # the engines start on memory the ready trainer lends them
+                coloc = Colocation.start(cfg, trainers.ready(), lambda: RolloutPool(cfg, trainers.pg))
+                rollouts = coloc.rollouts
+            else:
+                coloc, rollouts = None, RolloutPool(cfg)
+                trainers.ready()
             return Cluster(trainers, rollouts, coloc, {"trainer": trainers.nodes(), "engines": rollouts.nodes()})
         except BaseException:
             trainers.shutdown()

@@ -112,36 +112,3 @@ def restore_run(root: str | Path, iteration: int, model, opt, sched, *, adapters
                          f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
     set_rng_state(rs["rng"])
     return read_trainer_state(root, iteration), rs
-
-
-class SaveSchedule:
-    """Which steps a run saves: every ``save_every`` (0: none but the last) and the last one."""
-
-    def __init__(self, save_every: int, start_step: int):
-        self.every = save_every
-        self.saved = start_step  # a resumed run's checkpoint is already on disk
-
-    def due(self, step: int) -> bool:
-        """A periodic checkpoint is due after ``step``."""
-        return bool(self.every) and step % self.every == 0 and step != self.saved
-
-    def final_due(self, step: int) -> bool:
-        """The last step reached has no checkpoint yet."""
-        return step != self.saved
-
-    def done(self, step: int) -> None:
-        self.saved = step
-
-
-def refuse_restart_over(out: str | Path, section: str) -> None:
-    """``{section}.resume=false`` on ``out``: refused (``ValueError`` naming the folder and the ways
-    out) when it holds a checkpoint (``latest`` or an ``iter_N`` folder); nothing is touched."""
-    out = Path(out)
-    its = iterations(out) if out.is_dir() else []
-    if not its and not (out / "latest").exists():
-        return
-    latest = (out / "latest").read_text().strip()[:20] if (out / "latest").is_file() else "none"
-    shown = ", ".join(map(str, its[-4:])) + (f" and {len(its) - 4} more" if len(its) > 4 else "")
-    raise ValueError(f"{out}: {section}.resume=false, but the folder holds an earlier run's checkpoints "
-                     f"(iterations {shown or 'none'}, latest {latest}); set {section}.resume=true to continue "
-                     f"that run, or give a new {section}.out to start over (nothing was changed)")

@@ -5,7 +5,9 @@ must not change across a resume (data files with their size and xxh3 digest, bat
 rank/alpha/targets, the model's config digest, the parallel layout the per-rank optimizer files
 were saved at). A resume compares them with the new run's and refuses any difference, naming each
 field with its old and new value, unless ``allow_resume_mismatch`` (``train.`` in SFT, ``trainer.``
-in RL) is set. ``claim_run_dir`` is the ``--out`` guard of a training run's folder.
+in RL) is set. ``claim_run_dir`` is the ``--out`` guard of a training run's folder, ``refuse_restart_over``
+the ``resume=false`` one, ``SaveSchedule`` which steps a run saves. Nothing here imports Megatron-Core: the
+RL driver (which never builds a model) uses it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from glm5_mcore.checkpoint.atomic import check_output, output_kind, write_marker
-from glm5_mcore.checkpoint.layout import latest_iteration
+from glm5_mcore.checkpoint.layout import iterations, latest_iteration
 from glm5_mcore.checkpoint.manifest import file_digest
 
 SWITCH = "allow_resume_mismatch"
@@ -94,3 +96,36 @@ def claim_run_dir(out: str | Path, kind: str, inputs: Iterable = ()) -> None:
     Path(out).mkdir(parents=True, exist_ok=True)
     if output_kind(out) != kind:
         write_marker(out, kind)
+
+
+class SaveSchedule:
+    """Which steps a run saves: every ``save_every`` (0: none but the last) and the last one."""
+
+    def __init__(self, save_every: int, start_step: int):
+        self.every = save_every
+        self.saved = start_step  # a resumed run's checkpoint is already on disk
+
+    def due(self, step: int) -> bool:
+        """A periodic checkpoint is due after ``step``."""
+        return bool(self.every) and step % self.every == 0 and step != self.saved
+
+    def final_due(self, step: int) -> bool:
+        """The last step reached has no checkpoint yet."""
+        return step != self.saved
+
+    def done(self, step: int) -> None:
+        self.saved = step
+
+
+def refuse_restart_over(out: str | Path, section: str) -> None:
+    """``{section}.resume=false`` on ``out``: refused (``ValueError`` naming the folder and the ways
+    out) when it holds a checkpoint (``latest`` or an ``iter_N`` folder); nothing is touched."""
+    out = Path(out)
+    its = iterations(out) if out.is_dir() else []
+    if not its and not (out / "latest").exists():
+        return
+    latest = (out / "latest").read_text().strip()[:20] if (out / "latest").is_file() else "none"
+    shown = ", ".join(map(str, its[-4:])) + (f" and {len(its) - 4} more" if len(its) > 4 else "")
+    raise ValueError(f"{out}: {section}.resume=false, but the folder holds an earlier run's checkpoints "
+                     f"(iterations {shown or 'none'}, latest {latest}); set {section}.resume=true to continue "
+                     f"that run, or give a new {section}.out to start over (nothing was changed)")

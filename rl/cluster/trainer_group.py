@@ -54,11 +54,24 @@ class TrainerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r)).remote()
                 for r in range(t.world_size)]
             addr, port = self.gather([self.actors[0].node_address.remote()], "TrainerActor.node_address")[0]
-            self.reporting = self.gather([a.init.remote(cfg, r, t.world_size, addr, port)
-                                        for r, a in enumerate(self.actors)], "TrainerActor.init")
+            self.initializing = [a.init.remote(cfg, r, t.world_size, addr, port) for r, a in enumerate(self.actors)]
         except BaseException:
             self.shutdown()
             raise
+        self.reporting: list = []
+
+    def ready(self) -> "TrainerGroup":
+        """Wait until every rank has built its model, loaded its checkpoint and optimizer (``PolicyTrainer``);
+        the constructor only starts that, so the driver starts the rollout engines meanwhile (the two
+        start-ups overlap: on a GPU cluster both load hundreds of GB). Idempotent; returns ``self``."""
+        if self.initializing:
+            refs, self.initializing = self.initializing, []
+            try:
+                self.reporting = self.gather(refs, "TrainerActor.init")
+            except BaseException:
+                self.shutdown()
+                raise
+        return self
 
     def gather(self, refs: list, method: str) -> list:
         """``ray.get`` of one call per rank, taken as they finish: the first rank that fails ends the wait
@@ -86,12 +99,14 @@ class TrainerGroup:
 
     def call(self, method: str, *args, **kwargs) -> list:
         """``method`` on every rank; the reporting ranks' results (in rank order)."""
+        self.ready()
         args = [ray.put(a) if len(self.actors) > 1 else a for a in args]  # one copy in the object store
         refs = [a.call.remote(method, *args, **kwargs) for a in self.actors]
         out = self.gather(refs, f"PolicyTrainer.{method}")
         return [o for o, rep in zip(out, self.reporting) if rep]
 
     def first(self, method: str, *args, **kwargs):
+        self.ready()
         res = [a.call.remote(method, *args, **kwargs) for a in self.actors]
         return self.gather(res, f"PolicyTrainer.{method}")[0]
 
