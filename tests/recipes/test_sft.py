@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from glm5_mcore.data.sft import DataError, pack, read_jsonl
+from glm5_mcore.lora.state import read_adapter_state
 
 from tests.support.launch import glm5, last_json
 from tests.support.sft_setup import reverse_task, sft_cfg, tokenizer
@@ -255,3 +256,8 @@ def test_etp2_with_expert_adapters_gives_one_rank_losses(tiny_dir, tmp_path):
     ref = _losses(args, 1, tmp_path / "one")
     got = _losses(args + ["parallel.etp=2"], 2, tmp_path / "etp2")
     assert len(ref) == 2 and max(abs(a - b) / b for a, b in zip(got, ref)) <= 1e-6, (got, ref)
+    # the saved adapter (what glm5 lora export reads) gathered over the expert-TP shards: one rank's
+    one, two = (read_adapter_state(tmp_path / d / "iter_0000002" / "adapters" / "default") for d in ("one", "etp2"))
+    assert sorted(one.A) == sorted(two.A) and any(".experts.local_experts." in k for k in one.A)
+    for k in one.A:
+        assert torch.allclose(two.delta(k), one.delta(k), rtol=1e-4, atol=1e-7), k
