@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state as ps
 
-from glm5_mcore.lora.layers import LoRALayer, attach, expert_tp_factors
+from glm5_mcore.lora.layers import LoRALayer, attach, dropout_rng, expert_tp_factors
 
 
 class ExpertSlot:
@@ -88,7 +88,8 @@ def _stacked_delta(x, m_splits, layers, names) -> torch.Tensor:
     if lo0.par.expert:  # one gradient all-reduce of the replicated factor for all local experts
         a, b = expert_tp_factors(a, b, lo0.par)
     if lo0.training and lo0.dropout[n0] > 0:
-        x = F.dropout(x, lo0.dropout[n0])
+        with dropout_rng(lo0.par):
+            x = F.dropout(x, lo0.dropout[n0])
     return grouped_delta(x.to(a.dtype), m_splits, a, b, lo0.scale[n0])
 
 

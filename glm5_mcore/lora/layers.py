@@ -27,7 +27,9 @@ group in the backward (``copy_to_tensor_model_parallel_region`` on the factor it
 Adapter parameters carry the partition attributes Megatron's grad finalisation and checkpoint
 helpers read (``tensor_model_parallel``, ``partition_dim``, ``sequence_parallel``, ``allreduce``).
 Initialisation is done on the full (unsharded) tensors from a generator seeded by the module name,
-then sliced, so every TP/EP layout gets the same adapter.
+then sliced, so every TP/EP/ETP layout gets the same adapter (Megatron's expert RNG tracker is seeded per EP
+and ETP rank, so its draws could not be one rank's; the module name already makes each expert's its own).
+Dropout masks: ``dropout_rng``.
 
 Families (Megatron names): MLA ``linear_q_down_proj``, ``linear_q_up_proj``, ``linear_kv_down_proj``,
 ``linear_kv_up_proj``, ``linear_proj``; dense MLP and shared expert ``linear_fc1``, ``linear_fc2``;
@@ -37,6 +39,7 @@ it); DSA indexer ``linear_wq_b``, ``linear_wk``, ``linear_weights_proj``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from dataclasses import dataclass
@@ -248,9 +251,10 @@ class LoRALayer(torch.nn.Module):
         from megatron.core.tensor_parallel import mappings as m
 
         a, b = self.A(name), self.B(name)  # called, so DDP's pre-hooks wait for their param gather
-        if self.training and self.dropout[name] > 0:
-            x = F.dropout(x, self.dropout[name])
         p = self.par
+        if self.training and self.dropout[name] > 0:
+            with dropout_rng(p):
+                x = F.dropout(x, self.dropout[name])
         if p.expert:
             a, b = expert_tp_factors(a, b, p)
         h = F.linear(x.to(a.dtype), a)
@@ -268,6 +272,18 @@ class LoRALayer(torch.nn.Module):
     def local_delta_weight(self, name: str) -> torch.Tensor:
         """``scale · B·A`` for this rank's shard of the base weight."""
         return (self.B[name] @ self.A[name]) * self.scale[name]
+
+
+def dropout_rng(par: Parallel):
+    """Where the adapter's dropout mask is drawn: fc2's input under expert TP is sharded [T, in/etp], so from
+    Megatron's expert-parallel RNG state (seeded per EP / ETP rank, as Megatron draws dropout on TP-sharded
+    activations from the model-parallel one; the CPU's inference tracker forks nothing); every other input is
+    the same on each rank of its TP group, so from the default generator (the same seed on every rank)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+
+    if par.expert and par.mode == "row":
+        return get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name())
+    return contextlib.nullcontext()
 
 
 def expert_tp_factors(a: torch.Tensor, b: torch.Tensor, par: Parallel) -> tuple[torch.Tensor, torch.Tensor]:
