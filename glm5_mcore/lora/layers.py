@@ -277,8 +277,9 @@ class LoRALayer(torch.nn.Module):
 def dropout_rng(par: Parallel):
     """Where the adapter's dropout mask is drawn: fc2's input under expert TP is sharded [T, in/etp], so from
     Megatron's expert-parallel RNG state (seeded per EP / ETP rank, as Megatron draws dropout on TP-sharded
-    activations from the model-parallel one; the CPU's inference tracker forks nothing); every other input is
-    the same on each rank of its TP group, so from the default generator (the same seed on every rank)."""
+    activations from the model-parallel one; the CPU's inference tracker forks nothing). Every other input from
+    the default generator (the same seed on every rank): fc1's under expert TP is the same tokens on every
+    rank of the group and needs the same mask there; the dense row-parallel linears' shards draw one pattern."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 
     if par.expert and par.mode == "row":
