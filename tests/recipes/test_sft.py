@@ -4,7 +4,9 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from glm5_mcore.convert.lora_export import export_checkpoint_adapter
 from glm5_mcore.data.sft import DataError, pack, read_jsonl
 from glm5_mcore.lora.state import read_adapter_state
 
@@ -261,3 +263,9 @@ def test_etp2_with_expert_adapters_gives_one_rank_losses(tiny_dir, tmp_path):
     assert sorted(one.A) == sorted(two.A) and any(".experts.local_experts." in k for k in one.A)
     for k in one.A:
         assert torch.allclose(two.delta(k), one.delta(k), rtol=1e-4, atol=1e-7), k
+    # and its PEFT export (glm5 lora export: transformers' fused experts' target_parameters): one rank's, 7.5e-7 seen
+    peft = {d: load_file(str(export_checkpoint_adapter(tmp_path / d, tmp_path / f"peft_{d}") /
+                             "adapter_model.safetensors")) for d in ("one", "etp2")}
+    assert sorted(peft["one"]) == sorted(peft["etp2"]) and any(".experts." in k for k in peft["one"])
+    for k, t in peft["one"].items():
+        assert float((peft["etp2"][k] - t).abs().max()) <= 1e-5 * float(t.abs().max()), k
