@@ -35,8 +35,8 @@ MATRIX = {  # name: (check, tiny model fixture, check kwargs, [(layout, world si
     # LoRA on the grouped experts (TEGroupedMLP, lora.grouped) gives the one-rank SequentialMLP run's
     "lora_steps_grouped": ("lora_steps", "tiny_dir", {"grouped": True}, [(dict(ep=2), 2), (dict(tp=2), 2)]),
     # LoRA on the routed experts under expert TP (both expert layouts): logits, grads, norms, two steps
-    "lora_grads": ("lora_grads", "tiny_dir", {}, [(dict(etp=2), 2)]),
-    "lora_grads_grouped": ("lora_grads", "tiny_dir", {"grouped": True}, [(dict(etp=2), 2)]),
+    "lora_grads": ("lora_grads", "tiny_dir", {}, [(dict(etp=2), 2), (dict(tp=2, etp=2), 2)]),
+    "lora_grads_grouped": ("lora_grads", "tiny_dir", {"grouped": True}, [(dict(etp=2), 2), (dict(tp=2, etp=2), 2)]),
     "logprobs": ("logprobs", "tiny_dir", {}, [(dict(tp=2), 2)]),
     "sft_losses": ("sft_losses", "tiny_dir", {"extra": SFT_LORA},
                    [(dict(tp=2), 2), (dict(ep=2), 2), (dict(tp=2, ep=2), 2), (dict(pp=2), 2), (dict(cp=2), 2),
@@ -131,20 +131,23 @@ def _lora_grads(got, ref):
     """Expert TP 2 gives one rank's logits, losses and grad norms (≤ 1e-6 relative: each replicated factor counted
     once) and every adapter gradient, each tensor within 5e-6 of its largest element at step 1 (the fp32
     reduction-order floor: the MLA adapters, which ETP does not touch, differ by 1.9e-6) and 5e-5 at step 2
-    (after an SGD step of lr 0.1: 1.7e-5 seen). Without the expert-TP all-reduce of the replicated A (fc1) / B
-    (fc2) gradients: the experts' fc1 A gradients 1.38 apart at step 1, the step-2 loss 0.14 %, the norm 12.53
-    for 12.73."""
-    assert _rel(got["logits"], ref["logits"]) <= 1e-6
+    (after an SGD step of lr 0.1: 1.7e-5 seen). With TP 2 too (ETP = TP, the GPU presets' layout) the dense
+    adapters' own TP reductions set the floor: a dense fc1 gradient 1.2e-5 apart at step 1 (the experts' 3.7e-6),
+    8.4e-5 at step 2, the logits 1.9e-6, the step-2 norm 2.5e-6. Without the expert-TP all-reduce of the
+    replicated A (fc1) / B (fc2) gradients: the experts' fc1 A gradients 1.38 apart at step 1, the step-2 loss
+    0.14 %, the norm 12.53 for 12.73."""
+    close, step1, step2, after = (1e-6, 5e-6, 5e-5, 1e-5) if got["tp"] == 1 else (5e-6, 2e-5, 2e-4, 5e-5)
+    assert _rel(got["logits"], ref["logits"]) <= close
     for k in ("losses", "norms"):
-        assert max(abs(a - b) / b for a, b in zip(got[k], ref[k])) <= 1e-6, (k, got[k], ref[k])
-    for step, tol in enumerate((5e-6, 5e-5)):
+        assert max(abs(a - b) / b for a, b in zip(got[k], ref[k])) <= close, (k, got[k], ref[k])
+    for step, tol in enumerate((step1, step2)):
         g, r = got["grads"][step], ref["grads"][step]
         assert sorted(g) == sorted(r) and any(".experts.local_experts." in m for m in r)
         worst = max((max(_rel(g[m][0], a), _rel(g[m][1], b)), m) for m, (a, b) in r.items())
         assert worst[0] <= tol, (step, worst)
     worst = max((max(_rel(got["adapter"][m][0], a), _rel(got["adapter"][m][1], b)), m)
                 for m, (a, b) in ref["adapter"].items())
-    assert worst[0] <= 1e-5, worst
+    assert worst[0] <= after, worst
 
 
 def _logprobs(got, ref=None):

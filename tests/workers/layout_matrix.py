@@ -152,7 +152,7 @@ def lora_grads(hf_dir: str, parallel: ParallelConfig, out: str, grouped: bool = 
         assert ok
         losses.append(float(res[0]["lm"]))
         norms.append(float(norm))
-    return {"logits": logits0, "losses": losses, "norms": norms, "grads": grads,
+    return {"logits": logits0, "losses": losses, "norms": norms, "grads": grads, "tp": parallel.tp,
             "adapter": gathered(lambda lo: (lo.A["default"].detach(), lo.B["default"].detach()))}
 
 
