@@ -32,7 +32,7 @@ from glm5_mcore.data.indexed import check_data, check_tokenizer, is_jsonl, parse
 from glm5_mcore.data.sft import PackedBatch
 from glm5_mcore.data.stream import SFTDocuments, SFTStream, is_indexed
 from glm5_mcore.device import training_device
-from glm5_mcore.lora.config import INDEXER, check_expert_tp
+from glm5_mcore.lora.config import INDEXER
 from glm5_mcore.lora.apply import apply_lora
 from glm5_mcore.model.build import build_model
 from glm5_mcore.model.fp8_linear import check_base_dtype
@@ -109,8 +109,6 @@ def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConf
         raise ValueError(f"parallel.tp*cp*pp={parallel.tp * parallel.cp * parallel.pp} does not divide the "
                          f"world size {world}")
     check_base_dtype(cfg.model.base_dtype, trains_base=not cfg.lora.enabled or cfg.train.indexer_warmup)
-    if cfg.lora.enabled:
-        check_expert_tp(cfg.lora.targets, parallel.etp, "parallel.etp")
     if world % (parallel.etp * parallel.ep * parallel.pp):
         raise ValueError(f"parallel.etp*ep*pp={parallel.etp * parallel.ep * parallel.pp} does not divide the "
                          f"world size {world}")

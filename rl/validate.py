@@ -26,7 +26,6 @@ import importlib.util
 from pathlib import Path
 
 from glm5_mcore.checkpoint.layout import serving_dir
-from glm5_mcore.lora.config import check_expert_tp
 from glm5_mcore.training.loop import OptimCfg, check_optimizer
 from rl.cluster.engine_placement import check as check_engine_layout
 from rl.train.cp import cp_unit
@@ -236,7 +235,6 @@ def validate(c) -> None:
     if t.etp < 1 or t.world_size % (t.etp * t.ep):
         raise ValueError(f"trainer.etp={t.etp}: etp × ep = {t.etp * t.ep} must divide trainer.world_size="
                          f"{t.world_size}")
-    check_expert_tp([*c.lora.targets, *c.critic.lora.targets], t.etp, "trainer.etp")
     if t.recompute not in (None, "selective", "full"):
         raise ValueError(f"trainer.recompute={t.recompute!r}: null, selective or full")
     if t.cp < 1 or t.world_size % (t.tp * t.cp):

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
@@ -110,17 +111,22 @@ def _adapters_tp_sharded(sd: dict) -> dict:
     """``sd`` with the TP-sharded LoRA tensors (``tensor_model_parallel`` set by ``lora._tag``) marked
     as sharded: a base linear's ``sharded_state_dict`` covers its ``lora`` child as replicated, so
     TP rank 0's shard alone would be saved. GLU fc1's B is [gate_shard; up_shard] on each rank, as
-    Megatron's fc1 weight (``apply_swiglu_sharded_factory``)."""
+    Megatron's fc1 weight (``apply_swiglu_sharded_factory``). A routed expert's adapter (its prepended
+    global-expert axis; ``SequentialMLP`` and ``lora.grouped`` alike) is sharded over the expert-TP group,
+    one replica per expert-DP group, as the experts' own weights: the keys load at any ETP / EP."""
     out = {}
     for k, v in sd.items():
         p = getattr(v, "data", None) if isinstance(v, ShardedTensor) else None
         if ".lora." in k and p is not None and getattr(p, "tensor_model_parallel", False):
-            if v.prepend_axis_num:
-                raise ValueError(f"{k}: a TP-sharded adapter with prepended (expert) axes is not supported")
-            v = make_tp_sharded_tensor_for_checkpoint(p, v.key, tp_axis=p.partition_dim)
-            if ".linear_fc1.lora.B." in k and p.partition_dim == 0 and not k.split(".lora.")[0].endswith(
-                    "experts.linear_fc1"):
-                v = apply_swiglu_sharded_factory(v, ())
+            prepend = tuple((i, v.global_offset[i], v.axis_fragmentations[i]) for i in range(v.prepend_axis_num))
+            groups = dict(tp_group=ps.get_expert_tensor_parallel_group(),
+                          dp_cp_group=ps.get_expert_data_parallel_group()) if prepend else {}
+            sh = make_tp_sharded_tensor_for_checkpoint(p, v.key, tp_axis=p.partition_dim, prepend_offsets=prepend,
+                                                       **groups)
+            if prepend:
+                sh.replica_id = (v.replica_id[0], 0, v.replica_id[2])
+            v = apply_swiglu_sharded_factory(sh, prepend) if ".linear_fc1.lora.B." in v.key and \
+                p.partition_dim == 0 else sh
         out[k] = v
     return out
 

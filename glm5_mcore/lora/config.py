@@ -78,12 +78,3 @@ def routed_expert_targets(targets) -> list[str]:
     """The targets of ``targets`` that adapt the routed experts (``experts.linear_fc1/2``), sorted."""
     return sorted(str(t) for t in targets if str(t).startswith("experts."))
 
-
-def check_expert_tp(targets, etp: int, field: str) -> None:
-    """Adapters on the routed experts under expert tensor parallelism are refused: their replicated A
-    (fc1) / B (fc2) would need a gradient all-reduce over the expert-TP group, which the adapters'
-    TP handling (the dense TP group) does not do."""
-    experts = routed_expert_targets(targets)
-    if etp > 1 and experts:
-        raise ValueError(f"lora.targets: adapters on the routed experts ({', '.join(experts)}) are not supported "
-                         f"with {field}={etp}; drop them or set {field}=1")

@@ -12,8 +12,10 @@ experts), else per expert (the CPU: its ``grouped_mm`` has no working backward, 
 ``cpu_compat.GroupedLinear`` says).
 
 ``ExpertSlot`` stands for one expert of a grouped linear where the model-level code expects a base linear
-(``.weight`` is ``weight{i}``; merge adds into it). Expert tensor parallelism (``etp > 1``) is not covered here:
-``lora.config.check_expert_tp`` refuses it.
+(``.weight`` is ``weight{i}``; merge adds into it). Under expert tensor parallelism (``etp > 1``) it is column-
+(fc1) or row-parallel (fc2) over the expert-TP group as ``weight{i}``'s ``partition_dim`` says, and its
+``LoRALayer`` splits the factors as ``SequentialMLP``'s experts do (``lora.layers``: the replicated factor's
+gradient all-reduced over the expert-TP group); the stacked CUDA path does the same on the stacked factors.
 """
 
 from __future__ import annotations
@@ -25,17 +27,25 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from glm5_mcore.lora.config import check_expert_tp
-from glm5_mcore.lora.layers import LoRALayer, attach
+from megatron.core import parallel_state as ps
+
+from glm5_mcore.lora.layers import LoRALayer, attach, dropout_rng, expert_tp_factors
 
 
 class ExpertSlot:
     """Expert ``index`` of grouped linear ``grouped`` as a base linear: ``weight`` [out, in] is ``weight{index}``."""
 
-    explicit_expert_comm = True  # expert-local: the adapter does no TP communication (as SequentialMLP's)
+    explicit_expert_comm = True  # the dispatcher does the expert-TP communication (as for SequentialMLP's)
 
     def __init__(self, grouped: torch.nn.Module, index: int):
         self.grouped, self.index, self.config = grouped, index, grouped.config
+        # TE clears the grouped linear's own parallel_mode under explicit expert comm; the weight keeps it
+        self.parallel_mode = "row" if getattr(self.weight, "partition_dim", 0) == 1 else "column"
+
+    @property
+    def tp_group(self):
+        """The expert-TP group the grouped linear's weights are split over."""
+        return ps.get_expert_tensor_parallel_group()
 
     @property
     def weight(self) -> torch.nn.Parameter:
@@ -75,8 +85,11 @@ def _stacked_delta(x, m_splits, layers, names) -> torch.Tensor:
     lo0, n0 = layers[0], names[0]
     a = torch.stack([lo.A(n) for lo, n in zip(layers, names)])
     b = torch.stack([lo.B(n) for lo, n in zip(layers, names)])
+    if lo0.par.expert:  # one gradient all-reduce of the replicated factor for all local experts
+        a, b = expert_tp_factors(a, b, lo0.par)
     if lo0.training and lo0.dropout[n0] > 0:
-        x = F.dropout(x, lo0.dropout[n0])
+        with dropout_rng(lo0.par):
+            x = F.dropout(x, lo0.dropout[n0])
     return grouped_delta(x.to(a.dtype), m_splits, a, b, lo0.scale[n0])
 
 
@@ -127,7 +140,6 @@ def _with_adapters(grouped: torch.nn.Module, base_sd, prefix: str = "", sharded_
     ``ep_rank · n + i`` on a new leading axis, one replica per expert-DP group (``TEGroupedMLP`` then renames
     ``linear_fc1.`` to ``experts.linear_fc1.``, as for the weights). The base linear's own method does not
     recurse into children (TE's and ``cpu_compat.GroupedLinear``'s alike), so the optimizer would miss them."""
-    from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
@@ -151,12 +163,8 @@ def _with_adapters(grouped: torch.nn.Module, base_sd, prefix: str = "", sharded_
 
 def attach_any(module, name: str, family: str) -> LoRALayer:
     """``layers.attach`` for a linear, or the ``LoRALayer`` of one expert of a grouped linear (``ExpertSlot``)."""
-    from megatron.core import parallel_state as ps
-
     if not isinstance(module, ExpertSlot):
         return attach(module, name, family)
-    # each rank would train an adapter of its shard only: the config checks' refusal, also for a direct apply_lora
-    check_expert_tp([family], ps.get_expert_tensor_parallel_world_size(), "parallel.etp")
     g = module.grouped
     if not isinstance(getattr(g, "lora", None), GroupedLoRA):
         g.lora = GroupedLoRA()

@@ -16,10 +16,20 @@ Tensor parallelism follows the base module (shapes per rank, r = rank):
         h = x·Aᵀ is a partial sum, reduce-scattered (SP) or all-reduced before B.
     duplicated / local experts: plain LoRA (no communication).
 
+Routed experts under expert TP (``etp > 1``; ``explicit_expert_comm``: the token dispatcher all-gathers the
+tokens over the expert-TP group before the experts and reduce-scatters fc2's partial sums after them) are
+split as Megatron splits their weights, over ``parallel_state.get_expert_tensor_parallel_group()``: fc1 B
+[out/etp, r] (the gated halves each split, as the weight), fc2 A [r, in/etp], the other factor replicated.
+No activation is communicated (each rank's delta is its share of the base output's, reduced with it by the
+dispatcher); the replicated factor's gradient, a partial sum per rank, is all-reduced over the expert-TP
+group in the backward (``copy_to_tensor_model_parallel_region`` on the factor itself).
+
 Adapter parameters carry the partition attributes Megatron's grad finalisation and checkpoint
 helpers read (``tensor_model_parallel``, ``partition_dim``, ``sequence_parallel``, ``allreduce``).
 Initialisation is done on the full (unsharded) tensors from a generator seeded by the module name,
-then sliced, so every TP/EP layout gets the same adapter.
+then sliced, so every TP/EP/ETP layout gets the same adapter (Megatron's expert RNG tracker is seeded per EP
+and ETP rank, so its draws could not be one rank's; the module name already makes each expert's its own).
+Dropout masks: ``dropout_rng``.
 
 Families (Megatron names): MLA ``linear_q_down_proj``, ``linear_q_up_proj``, ``linear_kv_down_proj``,
 ``linear_kv_up_proj``, ``linear_proj``; dense MLP and shared expert ``linear_fc1``, ``linear_fc2``;
@@ -29,6 +39,7 @@ it); DSA indexer ``linear_wq_b``, ``linear_wk``, ``linear_weights_proj``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from dataclasses import dataclass
@@ -53,6 +64,9 @@ class Parallel:
     group: Optional[object]
     sequence_parallel: bool
     gather_output: bool
+    expert: bool = False
+    """A routed expert's linear under expert TP: no activation communication, the replicated factor's
+    gradient all-reduced over ``group`` (the expert-TP group)."""
 
 
 def parallel_of(base: torch.nn.Module) -> Parallel:
@@ -67,8 +81,10 @@ def parallel_of(base: torch.nn.Module) -> Parallel:
         mode = "row"
     group = getattr(base, "tp_group", None)
     size = get_pg_size(group) if group is not None else 1
-    if mode == "none" or size == 1 or getattr(base, "explicit_expert_comm", False):
+    if mode == "none" or size == 1:
         return Parallel("none", 1, 0, None, False, False)
+    if getattr(base, "explicit_expert_comm", False):  # a routed expert under expert TP
+        return Parallel(mode, size, get_pg_rank(group), group, False, False, expert=True)
     if mode == "row" and not getattr(base, "input_is_parallel", True):
         raise ValueError(f"{type(base).__name__}: LoRA needs input_is_parallel=True on row-parallel layers")
     return Parallel(mode, size, get_pg_rank(group), group, bool(getattr(base, "sequence_parallel", False)),
@@ -180,7 +196,11 @@ class LoRALayer(torch.nn.Module):
 
     def full(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(A, B) of adapter ``name`` gathered over TP (collective over the base's TP group)."""
-        a, b = self.A[name].detach(), self.B[name].detach()
+        return self.gather(self.A[name].detach(), self.B[name].detach())
+
+    def gather(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full ``(A [r, in], B [out, r])`` from this rank's shards ``a``, ``b`` of an adapter (or of its gradients),
+        gathered over the base's TP group (a collective; the gated fc1's B re-interleaved)."""
         p = self.par
         if p.mode == "none":
             return a.clone(), b.clone()
@@ -231,14 +251,17 @@ class LoRALayer(torch.nn.Module):
         from megatron.core.tensor_parallel import mappings as m
 
         a, b = self.A(name), self.B(name)  # called, so DDP's pre-hooks wait for their param gather
-        if self.training and self.dropout[name] > 0:
-            x = F.dropout(x, self.dropout[name])
-        h = F.linear(x.to(a.dtype), a)
         p = self.par
-        if p.mode == "column":
+        if self.training and self.dropout[name] > 0:
+            with dropout_rng(p):
+                x = F.dropout(x, self.dropout[name])
+        if p.expert:
+            a, b = expert_tp_factors(a, b, p)
+        h = F.linear(x.to(a.dtype), a)
+        if p.mode == "column" and not p.expert:
             h = (m.gather_from_sequence_parallel_region(h, group=p.group) if p.sequence_parallel
                  else m.copy_to_tensor_model_parallel_region(h, group=p.group))
-        elif p.mode == "row":
+        elif p.mode == "row" and not p.expert:
             h = (m.reduce_scatter_to_sequence_parallel_region(h, group=p.group) if p.sequence_parallel
                  else m.reduce_from_tensor_model_parallel_region(h, group=p.group))
         out = F.linear(h, b) * self.scale[name]
@@ -249,6 +272,31 @@ class LoRALayer(torch.nn.Module):
     def local_delta_weight(self, name: str) -> torch.Tensor:
         """``scale · B·A`` for this rank's shard of the base weight."""
         return (self.B[name] @ self.A[name]) * self.scale[name]
+
+
+def dropout_rng(par: Parallel):
+    """Where the adapter's dropout mask is drawn: fc2's input under expert TP is sharded [T, in/etp], so from
+    Megatron's expert-parallel RNG state (seeded per EP / ETP rank, as Megatron draws dropout on TP-sharded
+    activations from the model-parallel one; the CPU's inference tracker forks nothing). Every other input from
+    the default generator (the same seed on every rank): fc1's under expert TP is the same tokens on every
+    rank of the group and needs the same mask there; the dense row-parallel linears' shards draw one pattern."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+
+    if par.expert and par.mode == "row":
+        return get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name())
+    return contextlib.nullcontext()
+
+
+def expert_tp_factors(a: torch.Tensor, b: torch.Tensor, par: Parallel) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) of an expert linear under expert TP (``par.expert``), the replicated one (fc1's A, fc2's B) passed
+    through ``copy_to_tensor_model_parallel_region`` over the expert-TP group: the identity forward, its
+    gradient (each rank's partial sum: its shard of fc1's output, its share of fc2's input) all-reduced in the
+    backward. Also for the experts' stacked factors [E, r, in] / [E, out, r] (``lora.grouped``)."""
+    from megatron.core.tensor_parallel import mappings as m
+
+    if par.mode == "column":
+        return m.copy_to_tensor_model_parallel_region(a, group=par.group), b
+    return a, m.copy_to_tensor_model_parallel_region(b, group=par.group)
 
 
 def _lora_input(base: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,8 @@ at one rank for the reference (``tests/layouts/test_layouts.py``):
   gathered to natural token order ([B, S, V]);
 - ``lora_steps``: 3 SGD steps of LoRA on MLA + MLP + experts, every rank the same batch; the per-step
   losses + the loss after, and the adapter gathered into full tensors (saved next to OUT);
+- ``lora_grads``: two SGD steps of LoRA on MLA + MLP + experts (every rank the same batch): the logits before,
+  each step's loss, grad norm and every adapter gradient gathered into full tensors, the adapter after;
 - ``logprobs``: vocab-parallel token log-probs and entropy [B, S] next to the full-vocabulary values
   computed from the gathered logits;
 - ``sft_losses``: the per-step losses of a 3-step SGD run of the SFT recipe (``recipes.sft.run`` on the
@@ -107,6 +109,53 @@ def lora_steps(hf_dir: str, parallel: ParallelConfig, out: str, grouped: bool = 
     return {"losses": losses, "adapter": out + ".adapter"}
 
 
+def lora_grads(hf_dir: str, parallel: ParallelConfig, out: str, grouped: bool = False) -> dict:
+    """{"logits": [2, 32, V] before training, "losses", "norms": 2 steps' loss and grad norm (the optimizer's: each
+    replicated factor counted once), "grads": 2 steps' {module: (dA, dB)} full, "adapter": {module: (A, B)} full
+    after}; ``grouped``: the routed experts as ``TEGroupedMLP``."""
+    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                           finalize_model_grads)
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from glm5_mcore.lora.apply import lora_layers
+
+    m, glm5 = hf_model(hf_dir, parallel, moe_grouped_gemm=grouped)
+    apply_lora(m, LoRAConfig(rank=4, alpha=8, targets=MLA + MLP + EXPERTS, init="random"))
+    ids = load_input_ids(None, glm5.vocab_size, 2, SEQ + 1, seed=7)
+    with torch.no_grad():
+        logits0 = forward_logits(m.eval(), ids[:, :-1]).contiguous()
+    m.train()
+    m.config.finalize_model_grads_func = finalize_model_grads
+    ddp = DistributedDataParallel(m.config, DistributedDataParallelConfig(), m)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer=OPT, lr=LR, clip_grad=1e9), [ddp])  # norm, no clip
+    B, S = ids.shape[0], SEQ
+
+    def step(_it, model):
+        o = model(ids[:, :-1], torch.arange(S)[None].expand(B, -1), None, labels=ids[:, 1:])
+        return o, lambda t: (t.float().mean(), {"lm": t.float().mean().detach()})
+
+    def gathered(get) -> dict:
+        local = {lora.module_name: tuple(t.clone() for t in lora.gather(*get(lora))) for _, _, lora in lora_layers(m)}
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local)
+        return {k: v for part in parts for k, v in part.items()}
+
+    losses, norms, grads = [], [], []
+    for _ in range(2):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        res = get_forward_backward_func()(forward_step_func=step, data_iterator=iter([0]), model=[ddp],
+                                          num_microbatches=1, seq_length=S, micro_batch_size=B)
+        grads.append(gathered(lambda lo: (lo.A["default"].main_grad, lo.B["default"].main_grad)))
+        ok, norm, _ = opt.step()
+        assert ok
+        losses.append(float(res[0]["lm"]))
+        norms.append(float(norm))
+    return {"logits": logits0, "losses": losses, "norms": norms, "grads": grads, "tp": parallel.tp,
+            "adapter": gathered(lambda lo: (lo.A["default"].detach(), lo.B["default"].detach()))}
+
+
 def logprobs(hf_dir: str, parallel: ParallelConfig, out: str) -> dict:
     """{"lp", "ent"}: vocab-parallel values at ``parallel``; {"ref_lp", "ref_ent"}: from full logits."""
     glm5 = GLM5Config.from_hf_dir(hf_dir)
@@ -138,6 +187,7 @@ def sft_losses(hf_dir: str, parallel: ParallelConfig, out: str, rows: int = 64, 
             "data.global_batch_tokens=256", "data.max_tokens=64", "train.steps=3", "optim.optimizer=sgd",
             "optim.lr=0.1", "optim.decay_style=constant", "wandb.mode=disabled", "train.progress=false",
             *extra, f"parallel.tp={parallel.tp}", f"parallel.ep={parallel.ep}", f"parallel.cp={parallel.cp}",
+            f"parallel.etp={parallel.etp}",
             f"parallel.pp={parallel.pp}", f"train.out={out}.run"]
     return {"losses": [h["loss"] for h in run(SFTConfig.from_dict(compose("sft", args)))["history"]],
             "run": f"{out}.run"}
@@ -269,14 +319,14 @@ def fp8_ckpt_logits(ckpt: str, parallel: ParallelConfig, out: str) -> dict:
     return {"logits": logits.contiguous(), "fp8": n}
 
 
-CHECKS = {"logits": logits, "lora_steps": lora_steps, "logprobs": logprobs, "sft_losses": sft_losses,
+CHECKS = {"logits": logits, "lora_steps": lora_steps, "lora_grads": lora_grads, "logprobs": logprobs, "sft_losses": sft_losses,
           "rl_logprobs": rl_logprobs, "recompute_grads": recompute_grads, "fp8_ckpt_logits": fp8_ckpt_logits}
 
 
 def run_case(case: dict, out: str) -> dict:
-    """One case of the matrix at its layout (``tp``, ``ep``, ``cp``, ``pp``; 1 where absent), with the
+    """One case of the matrix at its layout (``tp``, ``ep``, ``cp``, ``pp``, ``etp``; 1 where absent), with the
     check's keyword arguments ``kwargs``."""
-    parallel = ParallelConfig(**{k: case.get(k, 1) for k in ("tp", "ep", "cp", "pp")})
+    parallel = ParallelConfig(**{k: case.get(k, 1) for k in ("tp", "ep", "cp", "pp", "etp")})
     return CHECKS[case["check"]](case["hf_dir"], parallel, f"{out}.{case['id']}", **case.get("kwargs", {}))
 
 
