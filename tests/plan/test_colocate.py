@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[2]
 GIB = 1 << 30
 
 
-def _compose(name, *overrides):
+def compose_rl_preset(name, *overrides):
+    """An RL preset (``configs/NAME.yaml``) with ``overrides``, as ``glm5 plan`` reads it (``plan_config``)."""
     from recipes.cli import compose
     from recipes.plan_cli import plan_config
 
@@ -24,7 +25,7 @@ def shipped():
     from glm5_mcore.plan.job import rl_job
     from glm5_mcore.plan.planner import plan_job
 
-    d = _compose("rl/glm5_744b_h100_colocate")
+    d = compose_rl_preset("rl/glm5_744b_h100_colocate")
     job = rl_job(d)
     return job, plan_job(glm5_744b(), job, cluster_from(d.plan.cluster))
 
@@ -67,7 +68,8 @@ def test_colocated_search_744b_h100(cluster):
     from glm5_mcore.plan.search import search_rl
 
     c = cluster_from(cluster)
-    found = search_rl(glm5_744b(), rl_job(_compose("rl/glm5_744b", "rollout.colocate.enable=true")), c, limit=64)
+    found = search_rl(glm5_744b(), rl_job(compose_rl_preset("rl/glm5_744b", "rollout.colocate.enable=true")), c,
+                      limit=64)
     assert found and found[0].mode == "colocated" and found[0].gpus == 32
     assert [x.gpus for x in found] == sorted(x.gpus for x in found) and max(x.gpus for x in found) <= c.num_gpus
     assert all(x.phases.fits and x.phases.per_gpu <= x.phases.capacity for x in found if x.mode == "colocated")
@@ -85,7 +87,8 @@ def test_colocated_plan_names_what_does_not_fit():
     from glm5_mcore.plan.job import rl_job
     from glm5_mcore.plan.planner import plan_job
 
-    d = _compose("rl/glm5_744b_h100_colocate", "rollout.colocate.offload_weights=false", "rollout.num_actors=4")
+    d = compose_rl_preset("rl/glm5_744b_h100_colocate", "rollout.colocate.offload_weights=false",
+                          "rollout.num_actors=4")
     plan = plan_job(glm5_744b(), rl_job(d), cluster_from("h100:4"))
     text = " | ".join(plan.problems)
     assert "must tile the trainer's 32 GPUs" in text
@@ -98,7 +101,7 @@ def test_gate_refuses_a_colocated_layout_and_names_the_fewest_that_fit():
     from glm5_mcore.plan.gate import check_job
     from glm5_mcore.plan.job import rl_job
 
-    d = _compose("rl/glm5_744b_h100_colocate", "rollout.colocate.offload_weights=false")
+    d = compose_rl_preset("rl/glm5_744b_h100_colocate", "rollout.colocate.offload_weights=false")
     with pytest.raises(ValueError) as e:
         check_job(glm5_744b(), rl_job(d), cluster_from("h100:4"))
     msg = str(e.value)

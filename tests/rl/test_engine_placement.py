@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.plan.test_colocate import _compose
+from tests.plan.test_colocate import compose_rl_preset
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -58,7 +58,7 @@ def test_the_744b_colocated_presets_engine_passes_vllms_own_checks(tmp_path, mon
     hf = tmp_path / "glm5_744b"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps(glm5_744b().to_hf_dict()))
-    cfg = _compose("rl/glm5_744b_h100_colocate", f"trainer.out={tmp_path / 'run'}")
+    cfg = compose_rl_preset("rl/glm5_744b_h100_colocate", f"trainer.out={tmp_path / 'run'}")
     opts, env, llm = _llm_kwargs(cfg, 1, str(hf), monkeypatch)
     assert env == {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, range(16, 32))), "VLLM_RAY_PER_WORKER_GPUS": "0.5"}
     assert opts["num_gpus"] == 0 and opts["scheduling_strategy"].placement_group_capture_child_tasks
@@ -79,10 +79,10 @@ def test_engine_layouts_vllm_refuses_are_refused_before_ray(tmp_path):
     from rl.cluster.engine_placement import check
 
     for preset in ("rl/glm5_744b_h100_colocate", "rl/glm5_744b_h100_fp8", "rl/glm5_744b"):
-        check(_compose(preset))
+        check(compose_rl_preset(preset))
     for over, field in ((["+rollout.engine_kwargs.data_parallel_size=4"], "data_parallel_size=4: vLLM's offline"),
                         (["rollout.num_actors=4"], "covers trainer.world_size / num_actors = 8 bundles"),
                         (["+rollout.engine_kwargs.weight_transport=handles"], "weight_transport=handles")):
         with pytest.raises(ValueError, match=field) as e:
-            check(_compose("rl/glm5_744b_h100_colocate", *over))
+            check(compose_rl_preset("rl/glm5_744b_h100_colocate", *over))
         assert "\n" not in str(e.value)

@@ -48,7 +48,7 @@ def tiny576(tmp_path_factory):
     return str(write_tiny(tmp_path_factory.mktemp("vllm") / "tiny576", seed=7, mla_576=True))
 
 
-def _perturb(trainer, seed: int, scale: float = 0.05) -> None:
+def perturb_adapters(trainer, seed: int, scale: float = 0.05) -> None:
     from glm5_mcore.lora.apply import lora_layers
 
     g = torch.Generator().manual_seed(seed)
@@ -74,7 +74,7 @@ def _trainer_diff(trainer, prompts, results) -> float:
     return float((batch.old_log_probs - batch.rollout_log_probs)[m].abs().max())
 
 
-def _peft_diff(hf_dir, adapter_files: dict, prompts, results, tmp: Path) -> float:
+def peft_diff(hf_dir, adapter_files: dict, prompts, results, tmp: Path) -> float:
     """max |vLLM log p - transformers+peft log p| over the sampled tokens (fp32, same temperature)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -117,18 +117,18 @@ def test_engine_matches_trainer_and_peft_and_pushes_replace(tiny576, tmp_path):
         base = engine.generate(reqs, params)
         assert all(len(r.response_ids) == MAX_NEW == len(r.logprobs) for r in base)
         FIGURES["base_vs_trainer_max_abs"] = _trainer_diff(trainer, prompts, base)
-        FIGURES["base_vs_transformers_max_abs"] = _peft_diff(tiny576, {}, prompts, base, tmp_path / "none")
+        FIGURES["base_vs_transformers_max_abs"] = peft_diff(tiny576, {}, prompts, base, tmp_path / "none")
 
         pushes = []
         for version, seed in ((1, 11), (2, 12)):
-            _perturb(trainer, seed)
+            perturb_adapters(trainer, seed)
             payload = trainer.export_adapter(version)
             t0 = time.perf_counter()
             engine.load_adapter(payload)
             FIGURES[f"push{version}_s"] = time.perf_counter() - t0
             res = engine.generate(reqs, params)
             pushes.append(res)
-            FIGURES[f"push{version}_vs_peft_max_abs"] = _peft_diff(tiny576, payload.files, prompts, res,
+            FIGURES[f"push{version}_vs_peft_max_abs"] = peft_diff(tiny576, payload.files, prompts, res,
                                                                    tmp_path / f"a{version}")
             FIGURES[f"push{version}_vs_trainer_max_abs"] = _trainer_diff(trainer, prompts, res)
         # the pushes changed the samples, and the second replaced the first (it matches adapter 2 alone)
@@ -208,7 +208,7 @@ def test_mtp_draft_head_follows_the_pushed_adapter(tiny576_mtp):
                               "rollout": {"temperature": T, "n": 2},
                               "actor": {"mtp_loss_scale": 1.0, "lr": 3e-2, "ppo_mini_batch_size": 4}})
     trainer = PolicyTrainer(cfg)
-    _perturb(trainer, 11)
+    perturb_adapters(trainer, 11)
     with torch.no_grad():  # the policy moved; the MTP head's adapter stays at its no-op init (stale head)
         from glm5_mcore.lora.apply import lora_layers
 
@@ -291,7 +291,7 @@ def test_tool_episodes_on_the_vllm_engine(tiny576, tmp_path):
     tok = AutoTokenizer.from_pretrained(tiny576)
     env, tool = load_env(mt.env), tool_token_ids(tok, mt.tool_call_stop_tokens)
     trainer = PolicyTrainer(cfg)
-    _perturb(trainer, 21)
+    perturb_adapters(trainer, 21)
     payload = trainer.export_adapter(1)
     prompts = toy_tool_prompts(tok, 6, 0)
     reqs = [Request((p.index, k), p.ids, sample_seed(5, 0, p.index, k)) for p in prompts for k in range(4)]
@@ -377,7 +377,7 @@ def test_push_after_generation_reaches_cached_prompts_and_the_mla_up_projection(
     engine = VLLMRolloutEngine(tiny576, **{**engine_kwargs(), "enable_prefix_caching": True})
     try:
         base = engine.generate(reqs, params)
-        _perturb(trainer, 21, scale=0.3)
+        perturb_adapters(trainer, 21, scale=0.3)
         engine.load_adapter(trainer.export_adapter(1))
         pushed = engine.generate(reqs, params)
     finally:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from rl.rollout.base import Request, SamplingParams, sample_seed
-from tests.rl.test_vllm_cpu import T, VLLM_PYTHON, _peft_diff, _perturb, engine_kwargs, tiny576  # noqa: F401
+from tests.rl.test_vllm_cpu import T, VLLM_PYTHON, engine_kwargs, peft_diff, perturb_adapters, tiny576  # noqa: F401
 from tests.support.rl_setup import local_ray
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray,  # vLLM's CPU server; the async run starts Ray
@@ -80,8 +80,8 @@ def test_interrupted_then_continued_matches_an_uninterrupted_engine(engine, tiny
         assert f.response_ids == a.response_ids[:3] and b.response_ids[:3] == f.response_ids
         assert b.logprobs[:3] == f.logprobs and len(b.response_ids) == MAX_NEW
     assert any(a.response_ids != b.response_ids for a, b in zip(uninterrupted, cont))  # a new draw after token 3
-    figures["sampled_continued_vs_transformers_max_abs"] = _peft_diff(tiny576, {}, _prompts(), cont, tmp_path / "tf")
-    figures["sampled_whole_vs_transformers_max_abs"] = _peft_diff(tiny576, {}, _prompts(), uninterrupted,
+    figures["sampled_continued_vs_transformers_max_abs"] = peft_diff(tiny576, {}, _prompts(), cont, tmp_path / "tf")
+    figures["sampled_whole_vs_transformers_max_abs"] = peft_diff(tiny576, {}, _prompts(), uninterrupted,
                                                                   tmp_path / "tf")
     print("\nvllm partial:", json.dumps({k: float(f"{v:.3g}") for k, v in figures.items()}))
     assert figures["greedy_continued_vs_whole_max_abs"] <= 1e-5, figures
@@ -137,7 +137,7 @@ def test_weights_change_mid_response_continued_tokens_are_the_new_weights(engine
     first = engine.generate(reqs, params)
     base = trainer_log_probs(first)  # the trainer's adapter is still zero: the base weights
     figures = {"prefix_vs_trainer_base_max_abs": float((base.old_log_probs - base.rollout_log_probs).abs().max())}
-    _perturb(trainer, 11)
+    perturb_adapters(trainer, 11)
     engine.load_adapter(trainer.export_adapter(1))
     try:
         mixed = engine.generate([Request(r.key, r.prompt_ids, r.seed, f.response_ids, f.logprobs)
