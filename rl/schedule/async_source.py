@@ -45,7 +45,7 @@ from typing import Optional
 
 import torch
 
-from rl.schedule.step_source import StepSamples
+from rl.schedule.step_source import StepSamples, engine_metrics
 from rl.rollout.base import Request, Result, sample_seed
 from rl.schedule.shaping import shape_scores
 from rl.tasks.prompts import next_prompts
@@ -104,6 +104,11 @@ class AsyncSource:
         self.thread: Optional[threading.Thread] = None
         self.last_dropped: list[tuple] = []
         self.gen_s = 0.0  # engine time (generation + scoring) since the last take
+        self.reprefill = 0  # prompt + prefix tokens of continued requests submitted since the last take
+        self.streams = bool(getattr(rollouts, "streams", False))
+        """Continuous generation (``RolloutPool.stream_*``): each finished sample is booked as it arrives and
+        freed slots are refilled; otherwise one ``submit`` / ``collect`` job at a time (static batches)."""
+        self.inflight: set = set()  # stream: request keys submitted and not back
 
     # ------------------------------------------------------------------ the driver's calls
     def take(self, step: int, state: dict) -> StepSamples:
@@ -139,6 +144,7 @@ class AsyncSource:
             state["epoch"], state["cursor"] = self.pos["epoch"], self.pos["cursor"]
             buffered = len(ready) - self.P
             gen_s, self.gen_s = self.gen_s, 0.0
+            reprefill, self.reprefill = self.reprefill, 0
             self.cv.notify_all()  # room for admission
         wait_s = time.perf_counter() - t0
         prompts = [grp.prompt for grp in groups]
@@ -152,7 +158,8 @@ class AsyncSource:
         metrics.update(staleness_metrics(results, version))
         metrics.update({"rollout/dropped_stale": float(sum(self.n for _ in dropped)),
                         "rollout/interrupted": float(sum(grp.interrupts for grp in groups)),
-                        "rollout/buffer_groups": float(buffered)})
+                        "rollout/buffer_groups": float(buffered), "rollout/reprefill_tokens": float(reprefill),
+                        **engine_metrics(self.rollouts)})
         self.last_dropped = [(grp.g, grp.prompt.index) for grp in dropped]
         t1 = time.perf_counter()
         batch = self.build(prompts, results) if self.build is not None else None
@@ -171,11 +178,13 @@ class AsyncSource:
             self.cv.notify_all()
 
     def settle(self) -> None:
-        """Pause generation (interrupting what is in flight, continued on the next ``take``) so the engines
-        are free for an evaluation; they hold the newest pushed adapter."""
+        """Pause generation so the engines are free for an evaluation; they hold the newest pushed adapter.
+        With partial rollouts what is in flight is interrupted (continued on the next ``take``); without, it
+        finishes under the adapter it started with (an interrupted prefix continued under the newer adapter
+        would mix versions)."""
         with self.cv:
             self.paused = True
-            if self.busy:
+            if self.busy and self.partial:
                 self.rollouts.interrupt()
             while self.busy and self.error is None:
                 self.cv.wait(timeout=1.0)
@@ -230,6 +239,8 @@ class AsyncSource:
         return out
 
     def _produce(self) -> None:
+        if self.streams:
+            return self._produce_stream()
         try:
             while True:
                 with self.cv:
@@ -244,6 +255,7 @@ class AsyncSource:
                         self.cv.wait(timeout=1.0)
                     job = self.rollouts.submit(reqs, self.sampling)
                     self.busy = True
+                    self.reprefill += prefill_tokens(reqs)
                 t0 = time.perf_counter()
                 try:
                     self._absorb(reqs, self.rollouts.collect(job), job["version"])
@@ -257,9 +269,49 @@ class AsyncSource:
                 self.error = e
                 self.cv.notify_all()
 
-    def _absorb(self, reqs: list[Request], results: list[Result], version: int) -> None:
-        """Book a finished job: each new token gets the job's version; interrupted responses wait for the
-        next job; groups whose samples are all done are scored (outside the lock)."""
+    def _produce_stream(self) -> None:
+        """Continuous generation: submit every sample not done and not in flight (admission permitting),
+        book whatever finished, repeat. Paused or closing: submit nothing, drain what is in flight (the
+        interrupt hands it back at once)."""
+        try:
+            while True:
+                with self.cv:
+                    while True:
+                        reqs = []
+                        if not self.paused and not self.closing:
+                            self._admit()
+                            reqs = [r for r in self._requests() if r.key not in self.inflight]
+                        if reqs or self.inflight:
+                            break
+                        if self.closing:
+                            return
+                        self.cv.wait(timeout=1.0)
+                    self.inflight.update(r.key for r in reqs)
+                    self.busy = True
+                    self.reprefill += prefill_tokens(reqs)
+                t0, back = time.perf_counter(), []
+                try:
+                    if reqs:
+                        self.rollouts.stream_submit(reqs, self.sampling)
+                    got = self.rollouts.stream_poll(0.5)
+                    back = [r.key for r in got]  # (prompt, sample, generation batch): booking renames them
+                    self._absorb([None] * len(got), got, None)
+                finally:
+                    with self.cv:
+                        self.inflight.difference_update(back)
+                        self.busy = bool(self.inflight)
+                        self.gen_s += time.perf_counter() - t0
+                        self.cv.notify_all()
+        except BaseException as e:  # surfaces in the driver's next take
+            with self.cv:
+                self.error = e
+                self.cv.notify_all()
+
+    def _absorb(self, reqs: list, results: list[Result], version: Optional[int]) -> None:
+        """Book finished results: each new token gets ``version`` (the job's; None: each result's own
+        ``Result.version``, the stream's); interrupted responses wait to be continued; groups whose samples
+        are all done are scored (outside the lock). Without partial rollouts a response never mixes versions
+        (asserted)."""
         complete = []
         with self.cv:
             for req, res in zip(reqs, results):
@@ -267,7 +319,11 @@ class AsyncSource:
                 grp = self.groups[(g, self._order[(g, p_index)])]
                 prev = grp.partial.pop(k, None)
                 base = list(prev.versions) if prev is not None else []
-                res.versions = base + [version] * (len(res.response_ids) - len(base))
+                v = res.version if version is None else version
+                res.versions = base + [v] * (len(res.response_ids) - len(base))
+                if not self.partial and len(set(res.versions)) > 1:
+                    raise AssertionError(f"sample {res.key} mixes adapter versions {sorted(set(res.versions))} "
+                                         "with trainer.partial_rollout=false")
                 res.round = g
                 res.key = (p_index, k)
                 if res.finish_reason == "interrupted":
@@ -291,6 +347,11 @@ class AsyncSource:
             if grp.raw is not None and min(min(r.versions) for r in grp.done.values()) < self.version - self.K:
                 self.dropped.append(self.groups.pop(k))
                 del self._order[(grp.g, grp.prompt.index)]
+
+
+def prefill_tokens(reqs: list[Request]) -> int:
+    """Prompt + prefix tokens the engines prefill again for continued responses (``rollout/reprefill_tokens``)."""
+    return sum(len(r.prompt_ids) + len(r.prefix_ids) for r in reqs if r.prefix_ids)
 
 
 def ranges(ints) -> list[list[int]]:
