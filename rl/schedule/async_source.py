@@ -16,8 +16,16 @@ GRPO normalises within it).
   version (``Result.versions``, [R] ints), so IcePop / TIS correct a mixed-version response per token.
   Sampling is keyed by (sample seed, token position) (``SamplingParams.seed_per_token``), so a response
   continued after an interruption is the response an uninterrupted engine draws under the same
-  versions at the same tokens. ``trainer.partial_rollout=false``: the push waits for the generation in
-  flight (its responses finish under the adapter they started with).
+  versions at the same tokens. ``trainer.partial_rollout=false``: the push (and an evaluation's ``settle``)
+  waits for the generation in flight, whose responses finish under the adapter they started with; booking
+  asserts that no sample mixes versions.
+- **Continuous generation.** With an engine that streams (``RolloutEngine.STREAMS``: the HF engine's slots,
+  ``rl.rollout.hf_slots``) every sample not done and not in flight is submitted as soon as its group is
+  admitted (``RolloutPool.stream_submit``), each finished sample is booked as it comes back
+  (``stream_poll``), so a group is complete as soon as its own samples are and the trainer takes a batch the
+  moment ``prompts_per_step`` groups are; engines that do not stream (vLLM, tool episodes) run one
+  ``submit`` / ``collect`` job at a time, which returns when its longest response is done.
+  ``rollout/reprefill_tokens``: prompt + prefix tokens of continued requests (re-prefilled by the engine).
 - **Staleness.** A sample's staleness is the trainer's version minus the oldest version among its
   tokens. A group with a sample staler than K when the trainer would take it is dropped (not
   regenerated: a response longer than K updates' worth of generation would otherwise never finish),
@@ -239,73 +247,70 @@ class AsyncSource:
         return out
 
     def _produce(self) -> None:
-        if self.streams:
-            return self._produce_stream()
         try:
-            while True:
-                with self.cv:
-                    while True:
-                        if self.closing:
-                            return
-                        if not self.paused:
-                            self._admit()
-                            reqs = self._requests()
-                            if reqs:
-                                break
-                        self.cv.wait(timeout=1.0)
-                    job = self.rollouts.submit(reqs, self.sampling)
-                    self.busy = True
-                    self.reprefill += prefill_tokens(reqs)
-                t0 = time.perf_counter()
-                try:
-                    self._absorb(reqs, self.rollouts.collect(job), job["version"])
-                finally:  # busy covers the scoring too: an evaluation's scoring never runs beside it
-                    with self.cv:
-                        self.busy = False
-                        self.gen_s += time.perf_counter() - t0
-                        self.cv.notify_all()
+            (self._stream_loop if self.streams else self._job_loop)()
         except BaseException as e:  # surfaces in the driver's next take
             with self.cv:
                 self.error = e
                 self.cv.notify_all()
 
-    def _produce_stream(self) -> None:
-        """Continuous generation: submit every sample not done and not in flight (admission permitting),
-        book whatever finished, repeat. Paused or closing: submit nothing, drain what is in flight (the
-        interrupt hands it back at once)."""
-        try:
-            while True:
-                with self.cv:
-                    while True:
-                        reqs = []
-                        if not self.paused and not self.closing:
-                            self._admit()
-                            reqs = [r for r in self._requests() if r.key not in self.inflight]
-                        if reqs or self.inflight:
-                            break
-                        if self.closing:
-                            return
-                        self.cv.wait(timeout=1.0)
-                    self.inflight.update(r.key for r in reqs)
-                    self.busy = True
-                    self.reprefill += prefill_tokens(reqs)
-                t0, back = time.perf_counter(), []
-                try:
-                    if reqs:
-                        self.rollouts.stream_submit(reqs, self.sampling)
-                    got = self.rollouts.stream_poll(0.5)
-                    back = [r.key for r in got]  # (prompt, sample, generation batch): booking renames them
-                    self._absorb([None] * len(got), got, None)
-                finally:
-                    with self.cv:
-                        self.inflight.difference_update(back)
-                        self.busy = bool(self.inflight)
-                        self.gen_s += time.perf_counter() - t0
-                        self.cv.notify_all()
-        except BaseException as e:  # surfaces in the driver's next take
+    def _job_loop(self) -> None:
+        """Static jobs: one ``submit`` / ``collect`` over every sample not done, booked when all return."""
+        while True:
             with self.cv:
-                self.error = e
-                self.cv.notify_all()
+                while True:
+                    if self.closing:
+                        return
+                    if not self.paused:
+                        self._admit()
+                        reqs = self._requests()
+                        if reqs:
+                            break
+                    self.cv.wait(timeout=1.0)
+                job = self.rollouts.submit(reqs, self.sampling)
+                self.busy = True
+                self.reprefill += prefill_tokens(reqs)
+            t0 = time.perf_counter()
+            try:
+                self._absorb(reqs, self.rollouts.collect(job), job["version"])
+            finally:  # busy covers the scoring too: an evaluation's scoring never runs beside it
+                with self.cv:
+                    self.busy = False
+                    self.gen_s += time.perf_counter() - t0
+                    self.cv.notify_all()
+
+    def _stream_loop(self) -> None:
+        """Continuous generation: submit every sample not done and not in flight (admission permitting),
+        book whatever finished, repeat. Paused or closing: submit nothing, drain what is in flight (an
+        interrupt hands it back at once; without one it finishes)."""
+        while True:
+            with self.cv:
+                while True:
+                    reqs = []
+                    if not self.paused and not self.closing:
+                        self._admit()
+                        reqs = [r for r in self._requests() if r.key not in self.inflight]
+                    if reqs or self.inflight:
+                        break
+                    if self.closing:
+                        return
+                    self.cv.wait(timeout=1.0)
+                self.inflight.update(r.key for r in reqs)
+                self.busy = True
+                self.reprefill += prefill_tokens(reqs)
+            t0, back = time.perf_counter(), []
+            try:
+                if reqs:
+                    self.rollouts.stream_submit(reqs, self.sampling)
+                got = self.rollouts.stream_poll(0.5)
+                back = [r.key for r in got]  # (prompt, sample, generation batch): booking renames them
+                self._absorb([None] * len(got), got, None)
+            finally:
+                with self.cv:
+                    self.inflight.difference_update(back)
+                    self.busy = bool(self.inflight)
+                    self.gen_s += time.perf_counter() - t0
+                    self.cv.notify_all()
 
     def _absorb(self, reqs: list, results: list[Result], version: Optional[int]) -> None:
         """Book finished results: each new token gets ``version`` (the job's; None: each result's own
