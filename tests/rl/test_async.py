@@ -537,3 +537,21 @@ def test_sigkill_mid_generation_then_resume_loses_and_repeats_no_prompt(tiny_dir
     assert set(expand(killed["trained"])) <= set(trained)
     every = trained + [g * 4 + j for g, j, _ in end["pending"]] + expand(end["dropped"])
     assert sorted(every) == list(range(end["next_batch"] * 4))
+
+
+def test_step_metrics_report_trainer_idle_and_engine_occupancy():
+    """``perf/trainer_idle_fraction`` = 1 - (old log-probs + update) / step; ``rollout/engine_occupancy`` comes
+    from a pool that measures it, and is absent for one that does not (the fakes above)."""
+    from rl.metrics import trainer_idle_fraction
+    from rl.schedule.step_source import engine_metrics
+
+    assert trainer_idle_fraction({"timing_s/step": 10.0, "timing_s/old_log_prob": 1.0,
+                                  "timing_s/update_actor": 3.0}) == pytest.approx(0.6)
+    assert trainer_idle_fraction({}) == 0.0
+
+    class Measured:
+        def occupancy(self):
+            return 0.25
+
+    assert engine_metrics(Measured()) == {"rollout/engine_occupancy": 0.25}
+    assert engine_metrics(TokenPool()) == {}
