@@ -26,6 +26,14 @@ def _load_class(path: str):
         raise ValueError(f"rollout.engine={path!r}: cannot import ({e})") from None
 
 
+def engine_streams(cfg) -> bool:
+    """Whether async RL uses continuous generation (``stream_submit`` / ``stream_poll``): the engine streams
+    (``RolloutEngine.STREAMS``), ``rollout.engine_kwargs.stream`` is not false (the static-batch path kept
+    selectable), and no tool episodes (a turn loop per sample stays on ``generate``)."""
+    return bool(_load_class(cfg.rollout.engine).STREAMS and cfg.rollout.engine_kwargs.get("stream", True)
+                and not cfg.rollout.multi_turn.enable)
+
+
 @ray.remote(concurrency_groups={"control": 1})
 class RolloutActor:
     def __init__(self, engine: str, hf_dir: str, deterministic_topk: bool, kwargs: dict, multi_turn=None,
@@ -110,9 +118,7 @@ class RolloutPool:
         self.restarts = 0
         self.events: list[str] = []
         self.loading: list = []
-        self.streams = _load_class(cfg.rollout.engine).STREAMS and not cfg.rollout.multi_turn.enable
-        """Continuous generation (``stream_submit`` / ``stream_poll``): the engine decodes in slots, and tool
-        episodes (a turn loop per sample) stay on ``generate``."""
+        self.streams = engine_streams(cfg)
         self.stream_live: dict[tuple, tuple] = {}  # request key -> (actor, Request, params): submitted, not back
         self.polls: dict = {}  # actor -> its stream_poll in flight
         self.submits: list = []
