@@ -67,5 +67,14 @@ def step_metrics(done: StepDone, actor_restarts: int) -> dict:
     metrics.update(timing)
     metrics.update({"perf/rollout_tokens_per_s": gen_tokens / max(timing["timing_s/gen"], 1e-9),
                     "perf/train_tokens_per_s": train_tokens / timing["timing_s/update_actor"],
-                    "perf/weight_sync_bytes": float(done.payload.nbytes)})
+                    "perf/weight_sync_bytes": float(done.payload.nbytes),
+                    "perf/trainer_idle_fraction": trainer_idle_fraction(timing)})
     return metrics
+
+
+def trainer_idle_fraction(timing: dict) -> float:
+    """1 - (old log-probs + update) / step: the share of the step the trainer ranks wait (for samples, the
+    push, the log), in every mode; 0 when the step time is not known."""
+    step = timing.get("timing_s/step", 0.0)
+    busy = timing.get("timing_s/old_log_prob", 0.0) + timing.get("timing_s/update_actor", 0.0)
+    return max(0.0, 1.0 - busy / step) if step > 0 else 0.0

@@ -26,6 +26,14 @@ def _load_class(path: str):
         raise ValueError(f"rollout.engine={path!r}: cannot import ({e})") from None
 
 
+def engine_streams(cfg) -> bool:
+    """Whether async RL uses continuous generation (``stream_submit`` / ``stream_poll``): the engine streams
+    (``RolloutEngine.STREAMS``), ``rollout.engine_kwargs.stream`` is not false (the static-batch path kept
+    selectable), and no tool episodes (a turn loop per sample stays on ``generate``)."""
+    return bool(_load_class(cfg.rollout.engine).STREAMS and cfg.rollout.engine_kwargs.get("stream", True)
+                and not cfg.rollout.multi_turn.enable)
+
+
 @ray.remote(concurrency_groups={"control": 1})
 class RolloutActor:
     def __init__(self, engine: str, hf_dir: str, deterministic_topk: bool, kwargs: dict, multi_turn=None,
@@ -55,6 +63,23 @@ class RolloutActor:
     def load_adapter(self, payload: Optional[AdapterPayload]) -> dict:
         self.engine.load_adapter(payload)
         return self.engine.last_push()
+
+    @ray.method(concurrency_group="control")
+    def stream_submit(self, requests: list[Request], params: SamplingParams) -> None:
+        """Beside a running ``stream_poll`` (the control group): queued requests enter freed slots at the
+        next token boundary of the poll in flight."""
+        self.engine.stream_submit(requests, params)
+
+    def stream_poll(self, timeout_s: float) -> list[Result]:
+        from rl.rollout.routes import stash_routes  # routes by ObjectRef (R3)
+
+        return stash_routes(self.engine.stream_poll(timeout_s))
+
+    @ray.method(concurrency_group="control")
+    def take_occupancy(self) -> Optional[dict]:
+        """The engine's time-averaged live rows / slots since the last call (None: it does not measure)."""
+        take = getattr(self.engine, "take_occupancy", None)
+        return take() if take is not None else None
 
     def sleep(self, level: int) -> str:
         return self.engine.sleep(level)
@@ -93,6 +118,10 @@ class RolloutPool:
         self.restarts = 0
         self.events: list[str] = []
         self.loading: list = []
+        self.streams = engine_streams(cfg)
+        self.stream_live: dict[tuple, tuple] = {}  # request key -> (actor, Request, params): submitted, not back
+        self.polls: dict = {}  # actor -> its stream_poll in flight
+        self.submits: list = []
         self.actors = [self._new(i) for i in range(cfg.rollout.num_actors)]
         try:
             self._started(range(len(self.actors)))
@@ -263,6 +292,87 @@ class RolloutPool:
         if missing:
             raise RuntimeError(f"samples {missing[:3]} never returned")
         return [results[r.key] for r in job["requests"]]
+
+    # ------------------------------------------------------------------ continuous generation (the stream)
+    def stream_submit(self, requests: list[Request], params: SamplingParams) -> None:
+        """Queue ``requests`` on the engines and return at once: a prompt's samples go to one actor, each new
+        prompt to the actor with the fewest requests in flight; ``stream_poll`` collects."""
+        load = {i: 0 for i in range(len(self.actors))}
+        owner: dict = {}
+        for i, _, _ in self.stream_live.values():
+            load[i] += 1
+        for key, (i, _, _) in self.stream_live.items():
+            owner.setdefault(key[0:1] + key[2:], i)
+        shards: dict[int, list] = {}
+        for r in requests:
+            if r.key in self.stream_live:
+                raise RuntimeError(f"sample {r.key} submitted while still in flight")
+            p = r.key[0:1] + r.key[2:]  # (prompt, generation batch): the samples of one group
+            if p not in owner:
+                owner[p] = min(load, key=load.get)
+            i = owner[p]
+            load[i] += 1
+            self.stream_live[r.key] = (i, r, params)
+            shards.setdefault(i, []).append(r)
+        self.submits += [(i, self.actors[i].stream_submit.remote(reqs, params)) for i, reqs in shards.items()]
+
+    def stream_poll(self, timeout_s: float = 0.5) -> list[Result]:
+        """The results finished since the last poll (at least one, unless ``timeout_s`` passes or nothing is in
+        flight), each with ``Result.version``. An actor that died is replaced with the current adapter and its
+        requests in flight are submitted again, from the prefixes they were submitted with."""
+        self._check_submits()
+        busy = {i for i, _, _ in self.stream_live.values()}
+        for i in busy - set(self.polls):
+            self.polls[i] = self.actors[i].stream_poll.remote(min(timeout_s, 0.25))
+        if not self.polls:
+            return []
+        ready, _ = ray.wait(list(self.polls.values()), num_returns=1, timeout=timeout_s)
+        if ready:
+            ready, _ = ray.wait(list(self.polls.values()), num_returns=len(self.polls), timeout=0)
+        out: list[Result] = []
+        for i in [i for i, ref in self.polls.items() if ref in ready]:
+            ref = self.polls.pop(i)
+            try:
+                got = ray.get(ref)
+            except ray.exceptions.RayTaskError as e:
+                raise RayJobError(f"rollout actor {i}, {error_line(e)}") from None
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
+                self._replace(i, e, note="; resubmitting its requests in flight")
+                lost = [(r, p) for j, r, p in self.stream_live.values() if j == i]
+                for r, p in lost:
+                    del self.stream_live[r.key]
+                    self.stream_submit([r], p)
+                continue
+            for res in got:
+                if self.stream_live.pop(res.key, None) is None:
+                    raise RuntimeError(f"sample {res.key} returned twice or never submitted")
+                out.append(res)
+        return out
+
+    def _check_submits(self) -> None:
+        """A submit the engine refused (a bad request) stops the run with its line."""
+        done = [(i, ref) for i, ref in self.submits if not ray.wait([ref], timeout=0)[1]]
+        self.submits = [s for s in self.submits if s not in done]
+        for i, ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayTaskError as e:
+                raise RayJobError(f"rollout actor {i}, {error_line(e)}") from None
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
+                pass  # its poll reports the death
+
+    def occupancy(self) -> Optional[float]:
+        """The engines' live rows / slots, time-averaged since the last call, averaged over the actors (None
+        when no engine measures it)."""
+        refs = [a.take_occupancy.remote() for a in self.actors]
+        got = []
+        for ref in refs:
+            try:
+                got.append(ray.get(ref))
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
+                pass
+        got = [g["occupancy"] for g in got if g is not None]
+        return sum(got) / len(got) if got else None
 
     def shutdown(self) -> None:
         for a in self.actors:

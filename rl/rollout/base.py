@@ -69,6 +69,9 @@ class Result:
     (every token it processed; ``rl.train.routing``), or None when the engine does not report them."""
     index_topk: Optional[tuple] = None
     """DSA: (positions int32 [m], selected keys int32 [m, indexer_layers, index_topk]) of sampled query rows."""
+    version: Optional[int] = None
+    """Stream engines (``RolloutEngine.STREAMS``): the ``AdapterPayload.version`` (-1: none) its tokens past the
+    request's prefix were sampled under; None from ``generate`` (the caller knows the job's adapter)."""
     tool_stats: Optional[dict] = None
     """Tool episodes: counts of calls, errors, timeouts, cut and dropped observations (``rl.tasks.episodes``)."""
 
@@ -148,6 +151,10 @@ class RolloutEngine(ABC):
     @abstractmethod
     def load_adapter(self, payload: Optional[AdapterPayload]) -> None:
         ...
+
+    STREAMS = False
+    """True: the engine also decodes continuously (``stream_submit(requests, params)``, ``stream_poll(timeout_s)
+    -> finished results``, ``take_occupancy()``; ``rl.rollout.hf_slots``), which fully async RL then uses."""
 
     INTERRUPTIBLE = False
     """True: ``interrupt`` ends a running ``generate`` at the next token boundary (partial rollouts)."""

@@ -1,8 +1,10 @@
 """The embedded rollout engine: transformers' ``GlmMoeDsaForCausalLM`` with the adapter loaded
 through ``peft`` — the HF PEFT folder ``glm5 lora export`` writes is also the weight-sync format.
 
-KV-cached decoding, batched over every request that shares a prompt length (no padding, so no
-position or mask games: a finished row just keeps decoding filler that nobody reads), per-request
+Two ways to decode. ``generate``: a static batch per prompt + prefix length (no padding, so no position
+or mask games: a finished row just keeps decoding filler that nobody reads, until the batch's longest
+response ends). ``stream_submit`` / ``stream_poll``: continuous decoding over ``max_num_seqs`` slots
+(``rl.rollout.hf_slots``), each response returned the token it finishes and its slot refilled. Both: per-request
 ``torch.Generator`` sampling with temperature and top-p, stop tokens, a token budget. With
 ``deterministic_topk`` the indexer selects its top-k with ``glm5_mcore.model.sparse_attention.deterministic_topk`` (ties
 to the lower index), the same rule as the trainer.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import inspect
 import tempfile
 import threading
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Optional
@@ -24,6 +27,7 @@ from glm5_mcore.device import HostCopy, device_memory
 from rl.rollout.base import (AdapterPayload, Request, Result, RolloutEngine, SamplingParams, check_sleep_level,
                              check_wake_tags, token_seed)
 from rl.rollout.draft import adapter_without_mtp
+from rl.rollout.hf_slots import Occupancy, SlotDecoder, top_p_probs
 from rl.rollout.routes import HFIndexRecorder, HFRouteRecorder
 
 
@@ -64,24 +68,17 @@ def _deterministic_indexer_class():
     return DeterministicIndexer
 
 
-def _top_p_probs(logits_BV: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    probs = torch.softmax(logits_BV / temperature, dim=-1)
-    if top_p >= 1.0:
-        return probs
-    sp, si = probs.sort(dim=-1, descending=True)
-    drop = sp.cumsum(-1) - sp > top_p
-    sp = sp.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter(-1, si, sp / sp.sum(-1, keepdim=True))
-
-
 class HFRolloutEngine(RolloutEngine):
     DTYPES = ("float32", "bfloat16", "float16")
     INTERRUPTIBLE = True
 
+    STREAMS = True
+
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, dtype: str = "float32", threads: int = 1,
-                 index_row_stride: int = 1024):
+                 index_row_stride: int = 1024, max_num_seqs: int = 64, stream: bool = True):
         super().__init__(hf_dir, deterministic_topk)
-        self.check_kwargs({"dtype": dtype, "threads": threads, "index_row_stride": index_row_stride})
+        self.check_kwargs({"dtype": dtype, "threads": threads, "index_row_stride": index_row_stride,
+                           "max_num_seqs": max_num_seqs, "stream": stream})
         from transformers import AutoModelForCausalLM
 
         from glm5_mcore.device import training_device
@@ -107,30 +104,107 @@ class HFRolloutEngine(RolloutEngine):
         self._asleep: Optional[HostCopy] = None
         self._interrupt = threading.Event()
         self._running = threading.Lock()  # held by generate: interrupt() outside it is a no-op
+        self.occupancy = Occupancy(max_num_seqs)
+        self.slots = SlotDecoder(lambda: self._net, self.cache_kw, self.routes, self.index_rows, self.device,
+                                 max_num_seqs, lambda r, p: self.response_budget(r, p))
+        self.payload_version = -1
+        """The ``AdapterPayload.version`` loaded (-1: none yet): what a stream ``Result.version`` reports."""
+        self._stream_stop = threading.Event()  # sticky while the stream holds work (see interrupt)
+        self._deferred: Optional[AdapterPayload] = None  # an adapter waiting for the live rows to finish
 
     @classmethod
     def check_kwargs(cls, kwargs: dict) -> None:
         super().check_kwargs(kwargs)
         if kwargs.get("dtype", "float32") not in cls.DTYPES:
             raise ValueError(f"rollout.engine_kwargs.dtype={kwargs['dtype']!r}: one of {cls.DTYPES}")
-        for key in ("threads", "index_row_stride"):
+        if not isinstance(kwargs.get("stream", True), bool):
+            raise ValueError(f"rollout.engine_kwargs.stream={kwargs['stream']!r} must be true or false")
+        for key in ("threads", "index_row_stride", "max_num_seqs"):
             v = kwargs.get(key, 1)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"rollout.engine_kwargs.{key}={v!r} must be an integer >= 1")
 
     def interrupt(self) -> bool:
+        """A running ``generate`` stops at its next token boundary; the stream, while it holds work, hands
+        back every live row and queued request as ``"interrupted"`` at its next ``stream_poll`` (sticky: an
+        interrupt between two polls is not lost)."""
         if self._running.locked():
             self._interrupt.set()
+        if self.slots.has_work():
+            self._stream_stop.set()
         return True
+
+    # ------------------------------------------------------------------ the stream (continuous decoding)
+    def response_budget(self, request: Request, params: SamplingParams) -> int:
+        """The response tokens (prefix included) ``request`` may hold: ``params.max_new_tokens``."""
+        return params.max_new_tokens
+
+    def stream_submit(self, requests: list[Request], params: SamplingParams) -> None:
+        """Queue ``requests`` for the slots (checked as ``generate`` checks them); ``stream_poll`` decodes."""
+        for r in requests:
+            if len(r.prompt_ids) + params.max_new_tokens > self.max_positions:
+                raise ValueError(f"request {r.key}: prompt {len(r.prompt_ids)} + max_new_tokens "
+                                 f"{params.max_new_tokens} exceeds max_position_embeddings={self.max_positions}")
+            r.check_prefix(params.max_new_tokens)
+        self.slots.submit(requests, params)
+
+    @torch.no_grad()
+    def stream_poll(self, timeout_s: float = 0.25) -> list[Result]:
+        """Decode token by token until at least one response finishes, ``timeout_s`` passes, or an interrupt
+        (then every live row and queued request comes back ``"interrupted"``). Each ``Result.version`` is the
+        adapter its new tokens were sampled under: an adapter loaded while rows are live waits until they
+        have finished (admission holds meanwhile), so no response spans two adapters without an interrupt."""
+        t_end = time.perf_counter() + timeout_s
+        out: list[Result] = []
+        with self._running:
+            if not self.slots.has_work():
+                self.slots.wait_for_work(timeout_s)
+            while not out and time.perf_counter() < t_end:
+                if self._stream_stop.is_set():
+                    out = self.slots.drain()
+                    for r in out:
+                        r.version = self.payload_version
+                    break
+                self._install_deferred()
+                if not self.slots.has_work():
+                    break
+                out = self.slots.step(self.occupancy)
+                for r in out:  # before a deferred adapter is installed below
+                    r.version = self.payload_version
+                if self.slots.cohorts and not self._stream_stop.is_set():
+                    self.slots.forward(self.occupancy)
+            if not self.slots.has_work():
+                self._stream_stop.clear()
+            self._install_deferred()
+        return out
+
+    def _install_deferred(self) -> None:
+        if self._deferred is not None and not self.slots.cohorts:
+            payload, self._deferred = self._deferred, None
+            self._load(payload)
+            self.slots.hold = False
+
+    def take_occupancy(self) -> dict:
+        """Live rows / ``max_num_seqs``, time-averaged since the last call (``Occupancy.take``), both paths."""
+        return self.occupancy.take()
 
     # ------------------------------------------------------------------ weights
     def load_adapter(self, payload: Optional[AdapterPayload]) -> None:
         """Install the PEFT adapter in ``payload`` (None or no files: run the base model). Its MTP-layer
-        tensors, if any, are dropped: transformers' GLM-5 has no MTP module, so this engine never drafts."""
+        tensors, if any, are dropped: transformers' GLM-5 has no MTP module, so this engine never drafts.
+        While stream rows are live the load waits for them (``stream_poll``): a row never spans two adapters."""
+        if self.slots.cohorts:
+            self._deferred, self.slots.hold = payload, True
+            return
+        self._deferred = None
+        self._load(payload)
+
+    def _load(self, payload: Optional[AdapterPayload]) -> None:
         from peft import PeftModel, set_peft_model_state_dict
         from safetensors.torch import load as load_bytes
 
 
+        self.payload_version = payload.version if payload is not None else -1
         if payload is None or not payload.files:
             if self.peft is not None:
                 self.peft.base_model.disable_adapter_layers()
@@ -216,7 +290,9 @@ class HFRolloutEngine(RolloutEngine):
         start = [len(r.prefix_ids) for r in reqs]
         budget = p.max_new_tokens - min(start)  # rows of one group may hold prefixes of other lengths
         ids = torch.tensor([r.prompt_ids + list(r.prefix_ids) for r in reqs], dtype=torch.long, device=self.device)
+        t0 = time.perf_counter()
         out = self._net(input_ids=ids, use_cache=True)
+        self.occupancy.add(B, time.perf_counter() - t0)
         chunks = [self.routes.step(B, ids.shape[1])]
         index_steps = [self.index_rows.step(0, B, ids.shape[1])]
         cache = out.past_key_values
@@ -226,9 +302,10 @@ class HFRolloutEngine(RolloutEngine):
         done = [False] * B
         reason = ["length"] * B
         for t in range(budget):
+            t0, live = time.perf_counter(), B - sum(done)
             # sampled on the CPU with each request's CPU generator: the same tokens on any device
             logp = torch.log_softmax(logits / p.temperature, dim=-1).cpu()
-            probs = _top_p_probs(logits, p.temperature, p.top_p).cpu()
+            probs = top_p_probs(logits, p.temperature, p.top_p).cpu()
             nxt = torch.zeros(B, dtype=torch.long)
             for i in range(B):
                 if done[i]:
@@ -253,6 +330,7 @@ class HFRolloutEngine(RolloutEngine):
             index_steps.append(self.index_rows.step(ids.shape[1] + t, B, 1))
             cache = out.past_key_values
             logits = out.logits[:, -1].float()
+            self.occupancy.add(live, time.perf_counter() - t0)
         routes = [None] * B if chunks[0] is None else [
             self.routes.sample_routes(chunks, i, len(r.prompt_ids) + len(toks[i]) - 1) for i, r in enumerate(reqs)]
         index = [self.index_rows.sample_rows(index_steps, i, len(r.prompt_ids) + len(toks[i]) - 1)

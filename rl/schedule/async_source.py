@@ -16,8 +16,16 @@ GRPO normalises within it).
   version (``Result.versions``, [R] ints), so IcePop / TIS correct a mixed-version response per token.
   Sampling is keyed by (sample seed, token position) (``SamplingParams.seed_per_token``), so a response
   continued after an interruption is the response an uninterrupted engine draws under the same
-  versions at the same tokens. ``trainer.partial_rollout=false``: the push waits for the generation in
-  flight (its responses finish under the adapter they started with).
+  versions at the same tokens. ``trainer.partial_rollout=false``: the push (and an evaluation's ``settle``)
+  waits for the generation in flight, whose responses finish under the adapter they started with; booking
+  asserts that no sample mixes versions.
+- **Continuous generation.** With an engine that streams (``RolloutEngine.STREAMS``: the HF engine's slots,
+  ``rl.rollout.hf_slots``) every sample not done and not in flight is submitted as soon as its group is
+  admitted (``RolloutPool.stream_submit``), each finished sample is booked as it comes back
+  (``stream_poll``), so a group is complete as soon as its own samples are and the trainer takes a batch the
+  moment ``prompts_per_step`` groups are; engines that do not stream (vLLM, tool episodes) run one
+  ``submit`` / ``collect`` job at a time, which returns when its longest response is done.
+  ``rollout/reprefill_tokens``: prompt + prefix tokens of continued requests (re-prefilled by the engine).
 - **Staleness.** A sample's staleness is the trainer's version minus the oldest version among its
   tokens. A group with a sample staler than K when the trainer would take it is dropped (not
   regenerated: a response longer than K updates' worth of generation would otherwise never finish),
@@ -45,7 +53,7 @@ from typing import Optional
 
 import torch
 
-from rl.schedule.step_source import StepSamples
+from rl.schedule.step_source import StepSamples, engine_metrics
 from rl.rollout.base import Request, Result, sample_seed
 from rl.schedule.shaping import shape_scores
 from rl.tasks.prompts import next_prompts
@@ -104,6 +112,11 @@ class AsyncSource:
         self.thread: Optional[threading.Thread] = None
         self.last_dropped: list[tuple] = []
         self.gen_s = 0.0  # engine time (generation + scoring) since the last take
+        self.reprefill = 0  # prompt + prefix tokens of continued requests submitted since the last take
+        self.streams = bool(getattr(rollouts, "streams", False))
+        """Continuous generation (``RolloutPool.stream_*``): each finished sample is booked as it arrives and
+        freed slots are refilled; otherwise one ``submit`` / ``collect`` job at a time (static batches)."""
+        self.inflight: set = set()  # stream: request keys submitted and not back
 
     # ------------------------------------------------------------------ the driver's calls
     def take(self, step: int, state: dict) -> StepSamples:
@@ -139,6 +152,7 @@ class AsyncSource:
             state["epoch"], state["cursor"] = self.pos["epoch"], self.pos["cursor"]
             buffered = len(ready) - self.P
             gen_s, self.gen_s = self.gen_s, 0.0
+            reprefill, self.reprefill = self.reprefill, 0
             self.cv.notify_all()  # room for admission
         wait_s = time.perf_counter() - t0
         prompts = [grp.prompt for grp in groups]
@@ -152,7 +166,8 @@ class AsyncSource:
         metrics.update(staleness_metrics(results, version))
         metrics.update({"rollout/dropped_stale": float(sum(self.n for _ in dropped)),
                         "rollout/interrupted": float(sum(grp.interrupts for grp in groups)),
-                        "rollout/buffer_groups": float(buffered)})
+                        "rollout/buffer_groups": float(buffered), "rollout/reprefill_tokens": float(reprefill),
+                        **engine_metrics(self.rollouts)})
         self.last_dropped = [(grp.g, grp.prompt.index) for grp in dropped]
         t1 = time.perf_counter()
         batch = self.build(prompts, results) if self.build is not None else None
@@ -171,11 +186,13 @@ class AsyncSource:
             self.cv.notify_all()
 
     def settle(self) -> None:
-        """Pause generation (interrupting what is in flight, continued on the next ``take``) so the engines
-        are free for an evaluation; they hold the newest pushed adapter."""
+        """Pause generation so the engines are free for an evaluation; they hold the newest pushed adapter.
+        With partial rollouts what is in flight is interrupted (continued on the next ``take``); without, it
+        finishes under the adapter it started with (an interrupted prefix continued under the newer adapter
+        would mix versions)."""
         with self.cv:
             self.paused = True
-            if self.busy:
+            if self.busy and self.partial:
                 self.rollouts.interrupt()
             while self.busy and self.error is None:
                 self.cv.wait(timeout=1.0)
@@ -231,35 +248,75 @@ class AsyncSource:
 
     def _produce(self) -> None:
         try:
-            while True:
-                with self.cv:
-                    while True:
-                        if self.closing:
-                            return
-                        if not self.paused:
-                            self._admit()
-                            reqs = self._requests()
-                            if reqs:
-                                break
-                        self.cv.wait(timeout=1.0)
-                    job = self.rollouts.submit(reqs, self.sampling)
-                    self.busy = True
-                t0 = time.perf_counter()
-                try:
-                    self._absorb(reqs, self.rollouts.collect(job), job["version"])
-                finally:  # busy covers the scoring too: an evaluation's scoring never runs beside it
-                    with self.cv:
-                        self.busy = False
-                        self.gen_s += time.perf_counter() - t0
-                        self.cv.notify_all()
+            (self._stream_loop if self.streams else self._job_loop)()
         except BaseException as e:  # surfaces in the driver's next take
             with self.cv:
                 self.error = e
                 self.cv.notify_all()
 
-    def _absorb(self, reqs: list[Request], results: list[Result], version: int) -> None:
-        """Book a finished job: each new token gets the job's version; interrupted responses wait for the
-        next job; groups whose samples are all done are scored (outside the lock)."""
+    def _job_loop(self) -> None:
+        """Static jobs: one ``submit`` / ``collect`` over every sample not done, booked when all return."""
+        while True:
+            with self.cv:
+                while True:
+                    if self.closing:
+                        return
+                    if not self.paused:
+                        self._admit()
+                        reqs = self._requests()
+                        if reqs:
+                            break
+                    self.cv.wait(timeout=1.0)
+                job = self.rollouts.submit(reqs, self.sampling)
+                self.busy = True
+                self.reprefill += prefill_tokens(reqs)
+            t0 = time.perf_counter()
+            try:
+                self._absorb(reqs, self.rollouts.collect(job), job["version"])
+            finally:  # busy covers the scoring too: an evaluation's scoring never runs beside it
+                with self.cv:
+                    self.busy = False
+                    self.gen_s += time.perf_counter() - t0
+                    self.cv.notify_all()
+
+    def _stream_loop(self) -> None:
+        """Continuous generation: submit every sample not done and not in flight (admission permitting),
+        book whatever finished, repeat. Paused or closing: submit nothing, drain what is in flight (an
+        interrupt hands it back at once; without one it finishes)."""
+        while True:
+            with self.cv:
+                while True:
+                    reqs = []
+                    if not self.paused and not self.closing:
+                        self._admit()
+                        reqs = [r for r in self._requests() if r.key not in self.inflight]
+                    if reqs or self.inflight:
+                        break
+                    if self.closing:
+                        return
+                    self.cv.wait(timeout=1.0)
+                self.inflight.update(r.key for r in reqs)
+                self.busy = True
+                self.reprefill += prefill_tokens(reqs)
+            t0, back = time.perf_counter(), []
+            try:
+                if reqs:
+                    self.rollouts.stream_submit(reqs, self.sampling)
+                got = self.rollouts.stream_poll(0.5)
+                back = [r.key for r in got]  # (prompt, sample, generation batch): booking renames them
+                self._absorb([None] * len(got), got, None)
+            finally:
+                with self.cv:
+                    self.inflight.difference_update(back)
+                    self.busy = bool(self.inflight)
+                    self.gen_s += time.perf_counter() - t0
+                    self.cv.notify_all()
+
+    def _absorb(self, reqs: list, results: list[Result], version: Optional[int]) -> None:
+        """Book finished results: each new token gets ``version`` (the job's; None: each result's own
+        ``Result.version``, the stream's); interrupted responses wait to be continued; groups whose samples
+        are all done are scored (outside the lock). Without partial rollouts a response never mixes versions
+        (asserted)."""
         complete = []
         with self.cv:
             for req, res in zip(reqs, results):
@@ -267,7 +324,11 @@ class AsyncSource:
                 grp = self.groups[(g, self._order[(g, p_index)])]
                 prev = grp.partial.pop(k, None)
                 base = list(prev.versions) if prev is not None else []
-                res.versions = base + [version] * (len(res.response_ids) - len(base))
+                v = res.version if version is None else version
+                res.versions = base + [v] * (len(res.response_ids) - len(base))
+                if not self.partial and len(set(res.versions)) > 1:
+                    raise AssertionError(f"sample {res.key} mixes adapter versions {sorted(set(res.versions))} "
+                                         "with trainer.partial_rollout=false")
                 res.round = g
                 res.key = (p_index, k)
                 if res.finish_reason == "interrupted":
@@ -291,6 +352,11 @@ class AsyncSource:
             if grp.raw is not None and min(min(r.versions) for r in grp.done.values()) < self.version - self.K:
                 self.dropped.append(self.groups.pop(k))
                 del self._order[(grp.g, grp.prompt.index)]
+
+
+def prefill_tokens(reqs: list[Request]) -> int:
+    """Prompt + prefix tokens the engines prefill again for continued responses (``rollout/reprefill_tokens``)."""
+    return sum(len(r.prompt_ids) + len(r.prefix_ids) for r in reqs if r.prefix_ids)
 
 
 def ranges(ints) -> list[list[int]]:

@@ -44,6 +44,13 @@ class StepSamples:
     """What ``build(prompts, results)`` made in the gather (the driver's padded ``RolloutBatch``)."""
 
 
+def engine_metrics(rollouts) -> dict:
+    """``rollout/engine_occupancy``: the engines' live rows / slots, time-averaged since the last step
+    (``RolloutPool.occupancy``); {} for a pool or engine that does not measure it."""
+    occ = rollouts.occupancy() if hasattr(rollouts, "occupancy") else None
+    return {} if occ is None else {"rollout/engine_occupancy": float(occ)}
+
+
 class StepSource:
     """``take(step, state)`` → the step's ``StepSamples``; ``push(payload)`` after each update;
     ``settle()`` before generating anything else on the engines (evaluation); ``close()`` at the end.
@@ -87,6 +94,7 @@ class StepSource:
                 self._busy = True
             self._ahead = (step + 1, self._pool.submit(self._gather, step + 1), self.rollouts.payload)
         got.metrics["timing_s/gen_wait"] = time.perf_counter() - t0
+        got.metrics.update({"rollout/reprefill_tokens": 0.0, **engine_metrics(self.rollouts)})
         return got
 
     def push(self, payload) -> None:

@@ -86,6 +86,78 @@ class TokenPool:
         self.payload = payload
 
 
+class StreamTokenPool:
+    """``RolloutPool``'s stream (``stream_submit`` / ``stream_poll``) over the same fake tokens as ``TokenPool``,
+    decoding at most ``slots`` requests at a time (queued ones enter freed slots), each returned the tick it
+    finishes, with the version it was sampled under (``Result.version``). As the HF engine: ``interrupt`` while
+    requests are in flight makes the next poll hand them all back; an adapter synced under live requests is
+    installed once they have finished."""
+
+    streams = True
+
+    def __init__(self, tick=0.0, slots=3):
+        self.payload, self.tick, self.slots = AdapterPayload(0), tick, slots
+        self.version, self.deferred = 0, None
+        self.live: dict = {}  # key -> (Request, Result so far), in submission order
+        self.interrupts, self.submitted = 0, []
+        self._stop, self._lock = False, threading.Lock()
+
+    def stream_submit(self, requests, params):
+        assert params.seed_per_token
+        with self._lock:
+            for r in requests:
+                assert r.key not in self.live
+                self.live[r.key] = (r, Result(r.key, list(r.prefix_ids), list(r.prefix_logprobs), "length"))
+            self.submitted += requests
+
+    def stream_poll(self, timeout_s=0.5):
+        t_end = time.perf_counter() + timeout_s
+        while time.perf_counter() < t_end:
+            with self._lock:
+                if self._stop:
+                    out = [res for _, res in self.live.values()]
+                    for res in out:
+                        res.finish_reason, res.version = "interrupted", self.version
+                    self.live, self._stop = {}, False
+                    self._install()
+                    return out
+                done = []
+                for key in list(self.live)[: self.slots]:
+                    r, res = self.live[key]
+                    res.response_ids.append(token_seed(r.seed, len(res.response_ids)) % 1000)
+                    res.logprobs.append(-(self.version + 1.0))
+                    if len(res.response_ids) >= fake_length(r.seed):
+                        res.version = self.version
+                        done.append(self.live.pop(key)[1])
+                if not self.live:
+                    self._install()
+                if done or not self.live:
+                    return done
+            time.sleep(self.tick)
+        return []
+
+    def _install(self):
+        if self.deferred is not None:
+            self.version, self.deferred = self.deferred.version, None
+
+    def interrupt(self):
+        with self._lock:
+            if self.live:
+                self.interrupts += 1
+                self._stop = True
+
+    def sync(self, payload, wait=True):
+        with self._lock:
+            self.payload = payload
+            if self.live:
+                self.deferred = payload
+            else:
+                self.version = payload.version
+
+
+POOLS = [TokenPool, StreamTokenPool]
+
+
 def _score(prompts, results, n):
     return torch.tensor([float(len(r.response_ids) % 2) for r in results])
 
@@ -115,12 +187,13 @@ def _stream(cfg, batches):
     return [next_prompts(_prompts(), P, cfg.data.seed, pos) for _ in range(batches)]
 
 
-def test_buffer_hands_out_the_stream_with_sync_seeds_and_token_versions():
+@pytest.mark.parametrize("pool_cls", POOLS)
+def test_buffer_hands_out_the_stream_with_sync_seeds_and_token_versions(pool_cls):
     """Every group taken is a prompt of generation batch g with the synchronous step g's seeds; each token's
     version is the adapter it was sampled under (its fake log-prob says so); interrupted responses were
-    continued, never restarted; staleness stays <= K."""
+    continued, never restarted; staleness stays <= K. Static jobs and the stream alike."""
     cfg = _cfg(trainer={"max_staleness": 2})
-    taken, snap, pool, _ = _run(cfg, 5, TokenPool(tick=0.002), train_s=0.01)
+    taken, snap, pool, _ = _run(cfg, 5, pool_cls(tick=0.002), train_s=0.01)
     stream = _stream(cfg, snap["next_batch"])
     seen = []
     for step, got in enumerate(taken):
@@ -137,24 +210,83 @@ def test_buffer_hands_out_the_stream_with_sync_seeds_and_token_versions():
     assert len(seen) == len(set(seen))
     assert pool.interrupts > 0 and any(got.metrics["rollout/interrupted"] for got in taken)
     assert any(got.metrics["rollout/mixed_version_fraction"] > 0 for got in taken)
+    assert any(got.metrics["rollout/reprefill_tokens"] > 0 for got in taken)  # continued responses re-prefill
 
 
-def test_without_partial_rollouts_a_push_never_interrupts():
+@pytest.mark.parametrize("pool_cls", POOLS)
+def test_without_partial_rollouts_a_push_never_interrupts(pool_cls):
     """``trainer.partial_rollout=false``: the generation in flight finishes under its adapter (one version per
     sample), the new adapter waits behind it."""
     cfg = _cfg(trainer={"max_staleness": 2, "partial_rollout": False})
-    taken, _, pool, _ = _run(cfg, 4, TokenPool(tick=0.002), train_s=0.01)
+    taken, _, pool, _ = _run(cfg, 4, pool_cls(tick=0.002), train_s=0.01)
     assert pool.before_close == 0
     assert all(len(set(r.versions)) == 1 for got in taken for r in got.results)
     assert all(got.metrics["rollout/interrupted"] == 0 for got in taken)
+    assert all(got.metrics["rollout/reprefill_tokens"] == 0 for got in taken)
 
 
-def test_stale_groups_are_dropped_and_counted():
+@pytest.mark.parametrize("pool_cls", POOLS)
+def test_settle_without_partial_rollouts_lets_the_flight_finish(pool_cls):
+    """An evaluation's ``settle`` after each push with ``partial_rollout=false``: what is in flight finishes under
+    the adapter it started with. Was: interrupted, and continued under the newer adapter (a sample mixing
+    versions: slime #2092's bug), which booking now refuses."""
+    cfg = _cfg(trainer={"max_staleness": 2, "partial_rollout": False})
+    pool, state = pool_cls(tick=0.002), {"step": 0, "epoch": 0, "cursor": 0}
+    src = AsyncSource(cfg, _prompts(), pool, SamplingParams(max_new_tokens=12), _score, state)
+    try:
+        taken = []
+        for step in range(4):
+            taken.append(src.take(step, state))
+            src.push(AdapterPayload(step + 1))
+            src.settle()
+        interrupts = pool.interrupts
+    finally:
+        src.close()
+    assert interrupts == 0
+    assert all(len(set(r.versions)) == 1 for got in taken for r in got.results)
+
+
+def test_a_sample_mixing_versions_without_partial_rollouts_is_refused():
+    """The guard: a continued response whose new tokens come from another adapter than its prefix is refused
+    at booking with ``partial_rollout=false``, never trained."""
+    cfg = _cfg(trainer={"max_staleness": 2, "partial_rollout": False})
+    src = AsyncSource(cfg, _prompts(), StreamTokenPool(), SamplingParams(max_new_tokens=12), _score,
+                      {"step": 0, "epoch": 0, "cursor": 0})
+    src._admit()
+    prefix = Result((0, 0, 0), [1, 2], [-1.0, -1.0], "interrupted", version=0)
+    grp = next(iter(src.groups.values()))
+    key = (grp.prompt.index, 0, grp.g)
+    prefix.key = key
+    src._absorb([None], [prefix], None)
+    with pytest.raises(AssertionError, match=r"mixes adapter versions \[0, 1\]"):
+        src._absorb([None], [Result(key, [1, 2, 3], [-1.0, -1.0, -2.0], "length", version=1)], None)
+
+
+def test_stream_books_groups_as_they_finish_and_keeps_the_slots_fed():
+    """The stream submits every admitted sample (more than the fake's slots: queued ones enter freed slots),
+    a sample is never in flight twice (the fake asserts it), and every sample trained was submitted."""
+    cfg = _cfg(trainer={"max_staleness": 2})
+    pool = StreamTokenPool(tick=0.002, slots=3)
+    real, most = pool.stream_submit, [0]
+
+    def submit(requests, params):
+        real(requests, params)
+        most[0] = max(most[0], len(pool.live))
+
+    pool.stream_submit = submit
+    taken, snap, pool, _ = _run(cfg, 4, pool, train_s=0.01)
+    assert most[0] > pool.slots  # queued beyond the slots, admitted as they free
+    sent = {(r.key[2], r.key[0], r.key[1]) for r in pool.submitted}
+    assert {(r.round, *r.key) for got in taken for r in got.results} <= sent
+
+
+@pytest.mark.parametrize("pool_cls", POOLS)
+def test_stale_groups_are_dropped_and_counted(pool_cls):
     """Two pushes with no take in between: the groups generated under version 0 are 2 > K=1 versions old at
     the take, so they are dropped (counted, ledgered), and the batch comes from the next generation batch."""
     cfg = _cfg(trainer={"max_staleness": 1})
     state = {"step": 0, "epoch": 0, "cursor": 0}
-    pool = TokenPool()
+    pool = pool_cls()
     src = AsyncSource(cfg, _prompts(), pool, SamplingParams(max_new_tokens=12), _score, state)
     try:
         first = src.take(0, state)
@@ -176,16 +308,17 @@ def test_stale_groups_are_dropped_and_counted():
     assert src.last_dropped and all(g == 1 for g, _ in src.last_dropped)
 
 
-def test_resumed_source_regenerates_the_untrained_groups_once():
+@pytest.mark.parametrize("pool_cls", POOLS)
+def test_resumed_source_regenerates_the_untrained_groups_once(pool_cls):
     """A source resumed from a snapshot taken after step 2 regenerates the groups admitted and not trained
     (with their seeds) before drawing new ones: the killed run's trained groups plus the resumed run's are
     every slot of the stream once, the same ledger an uninterrupted run ends with."""
     cfg = _cfg(trainer={"max_staleness": 2})
-    full, full_snap, _, _ = _run(cfg, 5, train_s=0.01)
-    first, snap, _, state = _run(cfg, 3, train_s=0.01)
+    full, full_snap, _, _ = _run(cfg, 5, pool_cls(), train_s=0.01)
+    first, snap, _, state = _run(cfg, 3, pool_cls(), train_s=0.01)
     assert snap["pending"]  # something was buffered or in flight at the "kill"
     state = {**state, "async": snap}
-    rest, end, _, _ = _run(cfg, 5, state=state, train_s=0.01)
+    rest, end, _, _ = _run(cfg, 5, pool_cls(), state=state, train_s=0.01)
     ids = [(r.round, r.key) for got in first + rest for r in got.results]
     assert len(ids) == len(set(ids)) == 5 * P * N
     trained = expand(end["trained"])
@@ -404,3 +537,35 @@ def test_sigkill_mid_generation_then_resume_loses_and_repeats_no_prompt(tiny_dir
     assert set(expand(killed["trained"])) <= set(trained)
     every = trained + [g * 4 + j for g, j, _ in end["pending"]] + expand(end["dropped"])
     assert sorted(every) == list(range(end["next_batch"] * 4))
+
+
+def test_step_metrics_report_trainer_idle_and_engine_occupancy():
+    """``perf/trainer_idle_fraction`` = 1 - (old log-probs + update) / step; ``rollout/engine_occupancy`` comes
+    from a pool that measures it, and is absent for one that does not (the fakes above)."""
+    from rl.metrics import trainer_idle_fraction
+    from rl.schedule.step_source import engine_metrics
+
+    assert trainer_idle_fraction({"timing_s/step": 10.0, "timing_s/old_log_prob": 1.0,
+                                  "timing_s/update_actor": 3.0}) == pytest.approx(0.6)
+    assert trainer_idle_fraction({}) == 0.0
+
+    class Measured:
+        def occupancy(self):
+            return 0.25
+
+    assert engine_metrics(Measured()) == {"rollout/engine_occupancy": 0.25}
+    assert engine_metrics(TokenPool()) == {}
+
+
+def test_continuous_generation_is_chosen_per_engine_and_can_be_turned_off():
+    """The HF engine streams in async mode unless ``rollout.engine_kwargs.stream=false`` (the static-batch
+    path); vLLM and tool episodes stay on ``generate`` jobs; a non-bool ``stream`` is refused."""
+    from rl.cluster.rollout_pool import engine_streams
+    from rl.rollout.hf_engine import HFRolloutEngine
+
+    assert engine_streams(_cfg(trainer={"max_staleness": 2}))
+    assert not engine_streams(_cfg(trainer={"max_staleness": 2}, rollout={"engine_kwargs": {"stream": False}}))
+    assert not engine_streams(_cfg(rollout={"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine"},
+                                   trainer={"max_staleness": 2}))
+    with pytest.raises(ValueError, match=r"rollout.engine_kwargs.stream='yes'"):
+        HFRolloutEngine.check_kwargs({"stream": "yes"})

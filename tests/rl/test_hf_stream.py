@@ -1,0 +1,135 @@
+"""The HF engine's continuous decoding (``stream_submit`` / ``stream_poll``, ``rl.rollout.hf_slots``): with fewer
+slots than requests every response equals the static-batch engine's (tokens exactly, log-probs to float
+rounding), routes and indexer rows included; finished responses come back before the long ones end and their
+slots are refilled; an interrupt hands back every live row, continued to the uninterrupted response; an
+adapter loaded under live rows waits for them (no response spans two versions); occupancy is measured."""
+
+import pytest
+import torch
+
+from rl.rollout.base import AdapterPayload, Request, SamplingParams, sample_seed
+
+PARAMS = SamplingParams(temperature=1.5, max_new_tokens=10, seed_per_token=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    from rl.rollout.hf_engine import HFRolloutEngine
+
+    return HFRolloutEngine(tiny_dir, max_num_seqs=4)
+
+
+def _requests(n_prompts=4, n=3):
+    """Prompts of three lengths (several cohorts), ``n`` samples each."""
+    return [Request((p, k), [3 + p, 9, 4, 7 + p] * (2 + p % 3), sample_seed(7, 0, p, k))
+            for p in range(n_prompts) for k in range(n)]
+
+
+def _drain(engine, limit=500):
+    polls = []
+    while engine.slots.has_work() and len(polls) < limit:
+        polls.append(engine.stream_poll(timeout_s=5.0))
+    assert not engine.slots.has_work()
+    return polls
+
+
+def _by_key(polls):
+    out = {}
+    for got in polls:
+        for r in got:
+            assert r.key not in out, f"{r.key} returned twice"
+            out[r.key] = r
+    return out
+
+
+def test_stream_equals_the_batch_engine_with_slot_refill(engine):
+    reqs = _requests()
+    whole = {r.key: r for r in engine.generate(reqs, PARAMS)}
+    engine.stream_submit(reqs, PARAMS)
+    polls = _drain(engine)
+    got = _by_key(polls)
+    assert set(got) == set(whole)
+    for key, a in whole.items():
+        b = got[key]
+        assert b.response_ids == a.response_ids and b.finish_reason == a.finish_reason, key
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+        assert b.version == -1
+        if a.routes is not None:
+            assert b.routes.shape == a.routes.shape and (b.routes == a.routes).all()
+        if a.index_topk is not None:
+            assert (b.index_topk[0] == a.index_topk[0]).all() and (b.index_topk[1] == a.index_topk[1]).all()
+    assert len(polls) > 1  # returned as they finished, not as one batch
+    assert engine.slots.prefill_tokens > 0
+
+
+def test_short_responses_come_back_while_long_ones_decode(engine):
+    """A forced budget: sample 0 of each prompt is short (2 tokens), the others long (10); with 4 slots the
+    short ones return first and the queued requests enter their slots while the long ones still decode."""
+    short = {k for k in ((p, 0) for p in range(4))}
+    old = engine.response_budget
+    engine.response_budget = lambda r, p: 2 if r.key in short else p.max_new_tokens
+    try:
+        params = SamplingParams(temperature=1.5, max_new_tokens=10, seed_per_token=True, stop_token_ids=())
+        engine.stream_submit(_requests(), params)
+        first = engine.stream_poll(timeout_s=5.0)
+        assert first and {r.key for r in first} <= short and all(len(r.response_ids) == 2 for r in first)
+        assert engine.slots.live > 0 and engine.slots.live + len(engine.slots.waiting) == 12 - len(first)
+        got = _by_key([first] + _drain(engine))
+        assert len(got) == 12
+    finally:
+        engine.response_budget = old
+
+
+def test_interrupt_hands_back_every_row_continued_to_the_uninterrupted_response(engine):
+    reqs = _requests(2, 2)
+    whole = {r.key: r for r in engine.generate(reqs, PARAMS)}
+    engine.stream_submit(reqs, PARAMS)
+    engine.slots.step(engine.occupancy)  # 1 token each for the admitted rows
+    engine.slots.forward(engine.occupancy)
+    engine.interrupt()
+    cut = engine.stream_poll(timeout_s=5.0)
+    assert {r.key for r in cut} == set(whole) and all(r.finish_reason == "interrupted" for r in cut)
+    assert not engine.slots.has_work()
+    cont = [Request(r.key, q.prompt_ids, q.seed, r.response_ids, r.logprobs) for q, r in
+            zip(reqs, sorted(cut, key=lambda r: reqs.index(next(q for q in reqs if q.key == r.key))))]
+    engine.stream_submit(cont, PARAMS)
+    got = _by_key(_drain(engine))
+    for key, a in whole.items():
+        assert got[key].response_ids == a.response_ids
+        assert got[key].logprobs == pytest.approx(a.logprobs, abs=1e-5)
+    assert engine.interrupt() is True and not engine._stream_stop.is_set()  # idle: nothing to stop
+
+
+def test_an_adapter_loaded_under_live_rows_waits_for_them(engine):
+    """``partial_rollout=false``'s guarantee at the engine: rows live at the load finish under the adapter they
+    started with (version 0 here), the queued ones start under the new one (version 1)."""
+    engine.payload_version = 0
+    reqs = _requests()
+    engine.stream_submit(reqs, PARAMS)
+    first = engine.slots.step(engine.occupancy)  # one token: 4 rows live, 8 queued
+    engine.slots.forward(engine.occupancy)
+    live = {r.req.key for c in engine.slots.cohorts for r in c.rows}
+    assert live
+    engine.load_adapter(AdapterPayload(1))  # no files: the base model, version 1
+    assert engine.payload_version == 0 and engine.slots.hold
+    got = _by_key([first] + _drain(engine))
+    assert all(got[k].version == 0 for k in live)
+    assert any(r.version == 1 for r in got.values())
+    assert engine.payload_version == 1 and not engine.slots.hold
+
+
+def test_occupancy_is_live_rows_over_slots(engine):
+    engine.take_occupancy()
+    engine.stream_submit(_requests(), PARAMS)
+    _drain(engine)
+    occ = engine.take_occupancy()
+    assert 0.3 < occ["occupancy"] <= 1.0 and occ["slots"] == 4
+    assert engine.take_occupancy()["occupancy"] == pytest.approx(0.0, abs=1e-3)
+
+
+def test_mixed_sampling_params_in_one_stream_are_refused(engine):
+    engine.stream_submit(_requests(1, 1), PARAMS)
+    with pytest.raises(ValueError, match="differ from the stream"):
+        engine.stream_submit(_requests(1, 1), SamplingParams(max_new_tokens=4, seed_per_token=True))
+    _drain(engine)
+    torch.manual_seed(0)
