@@ -10,8 +10,9 @@ bench's sampling settings (``LongTailEngine``): each request's length is drawn f
 fit ~12 minutes: a synchronous step then takes ~9 s, and the rollout is ~4x the training (as it is, and
 more, with reasoning-length responses). The engine decodes a batch until its longest response (static batching, as the
 HF engine's ``generate`` does) in the synchronous and one-step-off modes: the slowest response sets the
-rollout time. Fully async runs the engine's stream (``HFRolloutEngine.stream_*``, continuous decoding over
-``max_num_seqs`` slots): each response returns the token it reaches its forced length, its slot refilled.
+rollout time, and in fully async as shipped (``fully_async``); ``fully_async_stream`` runs the engine's stream
+(``rollout.engine_kwargs.stream=true``: ``HFRolloutEngine.stream_*``, continuous decoding over ``max_num_seqs``
+slots): each response returns the token it reaches its forced length, its slot refilled.
 
 **Each mode's ideal is measured in that mode** (three runs of the driver per mode, back to back):
 
@@ -67,6 +68,8 @@ MODES = [
     ("sync", ["trainer.off_policy_steps=0"]),
     ("one_step_off", ["trainer.off_policy_steps=1"]),
     ("fully_async", ["trainer.max_staleness=2", "trainer.partial_rollout=true"]),
+    ("fully_async_stream", ["trainer.max_staleness=2", "trainer.partial_rollout=true",
+                            "+rollout.engine_kwargs.stream=true"]),
 ]
 """(name, overrides) of each mode measured. A mode is one more entry; a target ``<name>_of_ideal_ge`` in
 ``TARGETS`` applies to the mode of that name."""

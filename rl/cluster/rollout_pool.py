@@ -28,9 +28,10 @@ def _load_class(path: str):
 
 def engine_streams(cfg) -> bool:
     """Whether async RL uses continuous generation (``stream_submit`` / ``stream_poll``): the engine streams
-    (``RolloutEngine.STREAMS``), ``rollout.engine_kwargs.stream`` is not false (the static-batch path kept
-    selectable), and no tool episodes (a turn loop per sample stays on ``generate``)."""
-    return bool(_load_class(cfg.rollout.engine).STREAMS and cfg.rollout.engine_kwargs.get("stream", True)
+    (``RolloutEngine.STREAMS``), ``rollout.engine_kwargs.stream=true`` (opt-in: on the long-tailed bench it is
+    still slower than the static-batch jobs, docs/rl-async.md), and no tool episodes (a turn loop per sample
+    stays on ``generate``)."""
+    return bool(_load_class(cfg.rollout.engine).STREAMS and cfg.rollout.engine_kwargs.get("stream", False)
                 and not cfg.rollout.multi_turn.enable)
 
 

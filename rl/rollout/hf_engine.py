@@ -75,7 +75,7 @@ class HFRolloutEngine(RolloutEngine):
     STREAMS = True
 
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, dtype: str = "float32", threads: int = 1,
-                 index_row_stride: int = 1024, max_num_seqs: int = 64, stream: bool = True):
+                 index_row_stride: int = 1024, max_num_seqs: int = 64, stream: bool = False):
         super().__init__(hf_dir, deterministic_topk)
         self.check_kwargs({"dtype": dtype, "threads": threads, "index_row_stride": index_row_stride,
                            "max_num_seqs": max_num_seqs, "stream": stream})
@@ -117,7 +117,7 @@ class HFRolloutEngine(RolloutEngine):
         super().check_kwargs(kwargs)
         if kwargs.get("dtype", "float32") not in cls.DTYPES:
             raise ValueError(f"rollout.engine_kwargs.dtype={kwargs['dtype']!r}: one of {cls.DTYPES}")
-        if not isinstance(kwargs.get("stream", True), bool):
+        if not isinstance(kwargs.get("stream", False), bool):
             raise ValueError(f"rollout.engine_kwargs.stream={kwargs['stream']!r} must be true or false")
         for key in ("threads", "index_row_stride", "max_num_seqs"):
             v = kwargs.get(key, 1)
