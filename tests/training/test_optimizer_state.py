@@ -85,7 +85,8 @@ def test_expert_adapter_optimizer_state_saved_at_etp2_is_the_etp1_state_and_resu
 
     for etp in (1, 2):
         sft(tmp_path / f"etp{etp}", etp, 2)
-    # ETP 2 chains a dense and an expert optimizer (the experts' expert-DP group is not the DP group)
+    # ETP 2 chains a dense and an expert optimizer (the experts' expert-DP group is not the DP group); the
+    # distributed optimizer's keys would carry a ``chained_N.`` prefix there
     one, two = ({re.sub(r"^chained_\d+\.", "", k): v for k, v in
                  _optimizer_tensors(tmp_path / f"etp{etp}" / "iter_0000002" / "optimizer" / "dist").items()}
                 for etp in (1, 2))
@@ -95,8 +96,8 @@ def test_expert_adapter_optimizer_state_saved_at_etp2_is_the_etp1_state_and_resu
         assert one[k].shape == two[k].shape, (k, one[k].shape, two[k].shape)
         diff = float((two[k] - one[k]).abs().max() / one[k].abs().max())  # fp32 reduction order: 1.4e-6 seen
         assert diff <= 1e-5, (k, diff)
-    # each resumed at its own ETP (across ETP 1 / 2 the optimizer is chained on one side only, its keys
-    # prefixed ``chained_N.`` there: Megatron's ChainedOptimizer, not the adapters' shards)
+    # each resumed at its own ETP (across ETP 1 / 2, where the optimizer is chained on one side only:
+    # test_sft_resumed_at_another_expert_layout_gives_the_uninterrupted_runs_next_loss)
     nexts = [sft(tmp_path / f"etp{etp}", etp, 3) for etp in (1, 2)]
     assert [len(n) for n in nexts] == [1, 1], nexts  # resumed: step 3 only
     assert abs(nexts[1][0] - nexts[0][0]) / nexts[0][0] <= 1e-5, nexts
