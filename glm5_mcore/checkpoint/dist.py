@@ -228,7 +228,7 @@ def load_optimizer(opt, model, path: str | Path) -> None:
             load_across_chaining(sharded, common, path)
         opt.load_state_dict(state)
     except (Exception, CheckpointException) as e:
-        raise ValueError(f"{path}: could not load the optimizer state ({type(e).__name__}: {str(e)[:500]})") from None
+        raise ValueError(f"{path}: could not load the optimizer state ({short_error(e)})") from None
 
 
 def load_rank_state(root: str | Path, iteration: int, rank: int) -> dict:
