@@ -216,14 +216,14 @@ def load_optimizer(opt, model, path: str | Path) -> None:
     if not (path / "metadata.json").is_file():
         raise FileNotFoundError(f"{path}: no optimizer state (not a Megatron-Core distributed checkpoint)")
     verify_once(path)
-    sharded = optimizer_sharded_state_dict(opt, model, is_loading=True)
     try:
         common = dist_checkpointing.load_common_state_dict(str(path))
-        saved, built = len(chained_parts(common)), len(chained_parts(sharded))
+        saved, built = len(chained_parts(common)), len(sub_optimizers(opt))
         if saved != built and is_distributed(opt):
             raise ValueError(f"saved by {saved} chained optimizer(s), this layout builds {built}; the distributed "
                              f"optimizer's state (dp_reshardable) loads only at an expert layout that chains as it "
                              f"did: resume at the saved parallel layout")
+        sharded = optimizer_sharded_state_dict(opt, model, is_loading=True)
         state = dist_checkpointing.load(sharded, str(path)) if saved == built else \
             load_across_chaining(sharded, common, path)
         opt.load_state_dict(state)
