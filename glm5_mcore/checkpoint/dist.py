@@ -5,6 +5,7 @@ RNG) and ``trainer_state.json``. Every load verifies the files it reads against 
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
@@ -13,7 +14,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase, ShardedTensor
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
@@ -102,9 +105,43 @@ def load_model(model, path: str | Path, allow_nonfinite: bool = False) -> None:
 
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
                       "chained_optim_avoid_prefix": True}
-"""Megatron-LM's sharded-state metadata: the distributed optimizer's buffers saved as they are
-sharded over DP (fully parallel, no gather; reshardable over DP), the plain optimizer's state in
-parameter space (reshardable over every layout)."""
+"""Megatron-LM's sharded-state metadata of the distributed optimizer: its buffers saved as they are
+sharded over DP (fully parallel, no gather; reshardable over DP only, so a ``ChainedOptimizer``'s
+keys carry its ``chained_N.`` prefix)."""
+
+PLAIN_OPTIMIZER_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+"""The plain (not distributed) optimizer's: its state is per parameter, keyed by the parameter's sharded key,
+so it reshards over every layout; without a DP-only sharding type a ``ChainedOptimizer`` (dense + expert
+optimizers, built when the experts' gradients reduce over another group than DP: EP > 1 or ETP != TP) adds no
+``chained_N.`` prefix and its tensors have the keys a single optimizer's have."""
+
+
+def sub_optimizers(opt) -> list:
+    """The optimizers a ``ChainedOptimizer`` chains (``[opt]`` for one that is not chained)."""
+    return list(getattr(opt, "chained_optimizers", [opt]))
+
+
+def is_distributed(opt) -> bool:
+    """Whether any of ``opt``'s optimizers is Megatron's distributed optimizer."""
+    return any(isinstance(o, DistributedOptimizer) for o in sub_optimizers(opt))
+
+
+def chained_parts(state: dict) -> list:
+    """The per-optimizer parts of an optimizer (sharded) state dict: a ``ChainedOptimizer`` of several gives
+    ``{0: part, 1: part, ...}``, one optimizer its own dict (keys ``optimizer``, ``state``, ...)."""
+    if isinstance(state, dict) and state and all(isinstance(k, int) for k in state):
+        return [state[k] for k in sorted(state)]
+    return [state]
+
+
+def _common_step(state: dict):
+    """The shared Adam step Megatron saves as ``state.common_step`` (under ``optimizer`` for the mixed-precision
+    optimizer) in any of ``state``'s parts; None before the first step."""
+    for part in chained_parts(state):
+        inner = part.get("optimizer", part)
+        if isinstance(inner, dict) and "common_step" in inner.get("state", {}):
+            return inner["state"]["common_step"]
+    return None
 
 
 def _adapters_tp_sharded(sd: dict) -> dict:
@@ -135,7 +172,29 @@ def optimizer_sharded_state_dict(opt, model, is_loading: bool = False) -> dict:
     """Megatron-Core's sharded optimizer state of ``opt`` over ``model``'s parameters (the plain
     optimizer's per-parameter state, or the distributed optimizer's moments and fp32 main params)."""
     model_sd = _adapters_tp_sharded(model.sharded_state_dict())
-    return opt.sharded_state_dict(model_sd, is_loading=is_loading, metadata=dict(OPTIMIZER_METADATA))
+    meta = OPTIMIZER_METADATA if is_distributed(opt) else PLAIN_OPTIMIZER_METADATA
+    return opt.sharded_state_dict(model_sd, is_loading=is_loading, metadata=dict(meta))
+
+
+def load_across_chaining(sharded: dict, saved_common: dict, path: Path) -> dict:
+    """The state dict to give ``opt.load_state_dict`` when the checkpoint at ``path`` was saved by a
+    differently chained optimizer (``saved_common``, its common state: one optimizer at EP 1 / ETP = TP, a dense
+    and an expert one at EP > 1 or ETP != TP): ``dist_checkpointing.load`` builds its result on the saved
+    common state, whose structure is then not this optimizer's. Each parameter's tensors (moments, fp32 main
+    params) are loaded by their sharded keys into this optimizer's own structure (``sharded``, from
+    ``optimizer_sharded_state_dict(..., is_loading=True)``) and every part gets the saved shared step; the param
+    groups' hyperparameters are this run's (the scheduler, restored from the rank files, sets lr and wd)."""
+    step = _common_step(saved_common)
+    if step is None:
+        raise ValueError(f"{path}: the optimizer state has no step (common_step) to resume from")
+    # a list, not a dict by key: the local routed experts' shards share one key (offsets on the expert axis)
+    shards = [v for v in nested_values(sharded) if isinstance(v, ShardedBase)]
+    loaded = iter(dist_checkpointing.load({"across_chaining": shards}, str(path))["across_chaining"])
+    dict_list_map_inplace(lambda v: next(loaded) if isinstance(v, ShardedBase) else
+                          v.unwrap() if isinstance(v, LocalNonpersistentObject) else v, sharded)
+    for part in chained_parts(sharded):
+        part.get("optimizer", part)["state"]["common_step"] = copy.deepcopy(step)
+    return sharded
 
 
 def save_optimizer(opt, model, path: str | Path) -> None:
@@ -149,17 +208,27 @@ def save_optimizer(opt, model, path: str | Path) -> None:
 
 
 def load_optimizer(opt, model, path: str | Path) -> None:
-    """Restore ``opt`` from ``save_optimizer``'s folder (every rank calls it); errors name the folder."""
+    """Restore ``opt`` from ``save_optimizer``'s folder (every rank calls it); errors name the folder. A checkpoint
+    of a plain optimizer loads at any layout, also one that chains the experts' optimizer differently
+    (``load_across_chaining``); the distributed optimizer's only where it chains as saved."""
     cpu_compat.apply()
     path = Path(path)
     if not (path / "metadata.json").is_file():
         raise FileNotFoundError(f"{path}: no optimizer state (not a Megatron-Core distributed checkpoint)")
     verify_once(path)
     try:
-        state = dist_checkpointing.load(optimizer_sharded_state_dict(opt, model, is_loading=True), str(path))
+        common = dist_checkpointing.load_common_state_dict(str(path))
+        saved, built = len(chained_parts(common)), len(sub_optimizers(opt))
+        if saved != built and is_distributed(opt):
+            raise ValueError(f"saved by {saved} chained optimizer(s), this layout builds {built}; the distributed "
+                             f"optimizer's state (dp_reshardable) loads only at an expert layout that chains as it "
+                             f"did: resume at the saved parallel layout")
+        sharded = optimizer_sharded_state_dict(opt, model, is_loading=True)
+        state = dist_checkpointing.load(sharded, str(path)) if saved == built else \
+            load_across_chaining(sharded, common, path)
         opt.load_state_dict(state)
     except (Exception, CheckpointException) as e:
-        raise ValueError(f"{path}: could not load the optimizer state ({type(e).__name__}: {str(e)[:500]})") from None
+        raise ValueError(f"{path}: could not load the optimizer state ({short_error(e)})") from None
 
 
 def load_rank_state(root: str | Path, iteration: int, rank: int) -> dict:

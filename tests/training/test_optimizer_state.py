@@ -4,6 +4,7 @@ the run that was never interrupted."""
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -84,7 +85,8 @@ def test_expert_adapter_optimizer_state_saved_at_etp2_is_the_etp1_state_and_resu
 
     for etp in (1, 2):
         sft(tmp_path / f"etp{etp}", etp, 2)
-    # ETP 2 chains a dense and an expert optimizer (the experts' expert-DP group is not the DP group)
+    # ETP 2 chains a dense and an expert optimizer (the experts' expert-DP group is not the DP group); the
+    # distributed optimizer's keys would carry a ``chained_N.`` prefix there
     one, two = ({re.sub(r"^chained_\d+\.", "", k): v for k, v in
                  _optimizer_tensors(tmp_path / f"etp{etp}" / "iter_0000002" / "optimizer" / "dist").items()}
                 for etp in (1, 2))
@@ -94,8 +96,51 @@ def test_expert_adapter_optimizer_state_saved_at_etp2_is_the_etp1_state_and_resu
         assert one[k].shape == two[k].shape, (k, one[k].shape, two[k].shape)
         diff = float((two[k] - one[k]).abs().max() / one[k].abs().max())  # fp32 reduction order: 1.4e-6 seen
         assert diff <= 1e-5, (k, diff)
-    # each resumed at its own ETP (across ETP 1 / 2 the optimizer is chained on one side only, its keys
-    # prefixed ``chained_N.`` there: Megatron's ChainedOptimizer, not the adapters' shards)
+    # each resumed at its own ETP (across ETP 1 / 2, where the optimizer is chained on one side only:
+    # test_sft_resumed_at_another_expert_layout_gives_the_uninterrupted_runs_next_loss)
     nexts = [sft(tmp_path / f"etp{etp}", etp, 3) for etp in (1, 2)]
     assert [len(n) for n in nexts] == [1, 1], nexts  # resumed: step 3 only
     assert abs(nexts[1][0] - nexts[0][0]) / nexts[0][0] <= 1e-5, nexts
+
+
+@pytest.mark.slow
+def test_sft_resumed_at_another_expert_layout_gives_the_uninterrupted_runs_next_loss(tiny_dir, tmp_path, single_rank):
+    """ETP 1 saved at step 2, resumed at ETP 2 and at EP 2 (where Megatron chains a dense and an expert optimizer,
+    ETP 1 / EP 1 builds one), and ETP 2 saved, resumed at ETP 1: step 3's loss is the uninterrupted ETP 1 run's
+    within fp32 reordering (1e-5 relative), each parameter's Adam state loaded into the other optimizer structure.
+    Without ``train.allow_resume_mismatch`` the layout change is refused in one line naming the field; the
+    distributed optimizer's state (``dp_reshardable``, DP-reshardable only) is refused in one line even with it."""
+    from tests.support.launch import glm5
+
+    args = [f"model.hf_dir={tiny_dir}", f"data.train={_data(tmp_path / 't.jsonl')}", "data.micro_batch_tokens=64",
+            "data.global_batch_tokens=256", "data.max_tokens=48", "lora.rank=4", "optim.lr=3e-3",
+            "lora.targets=[linear_q_up_proj,experts.linear_fc1,experts.linear_fc2]",
+            "optim.decay_style=constant", "train.save_every=2", "train.keep_last=0", "train.eval_every=0",
+            "train.progress=false", "wandb.mode=disabled"]
+    allow = "train.allow_resume_mismatch=true"
+
+    def sft(out, steps, *extra, ok=True):
+        r = glm5("sft", *args, *extra, f"train.steps={steps}", f"train.out={tmp_path / out}", nproc=2, ok=ok)
+        return last_json(r.stdout)["losses"] if ok else r
+
+    def one_line_errors(r):
+        ranks = r.stderr.split("torch/distributed/elastic/multiprocessing/api.py")[0]  # before torchrun's own
+        errors = [line for line in ranks.splitlines() if line.startswith("glm5 sft: error:")]
+        assert r.returncode != 0 and errors and "Traceback" not in ranks, r.stderr[-3000:]
+        return errors
+
+    first = sft("a", 2, "parallel.etp=1")
+    for copy in ("etp2", "ep2"):
+        shutil.copytree(tmp_path / "a", tmp_path / copy)
+    (ref,) = sft("a", 3, "parallel.etp=1")  # the uninterrupted run's step 3
+    errors = one_line_errors(sft("etp2", 3, "parallel.etp=2", ok=False))
+    assert all("layout.etp: '<absent>' -> 2" in e and allow in e for e in errors), errors
+    resumed = {"etp2": sft("etp2", 3, "parallel.etp=2", allow), "ep2": sft("ep2", 3, "parallel.ep=2", allow)}
+    assert sft("b", 2, "parallel.etp=2") == pytest.approx(first, rel=1e-5)
+    resumed["etp2->etp1"] = sft("b", 3, "parallel.etp=1", allow)
+    for name, losses in resumed.items():
+        assert len(losses) == 1 and abs(losses[0] - ref) / ref <= 1e-5, (name, losses, ref)
+    # the distributed optimizer's dp_reshardable buffers: refused in one line, even with the switch
+    sft("dist", 2, "parallel.etp=1", "optim.distributed=true")
+    errors = one_line_errors(sft("dist", 3, "parallel.etp=2", "optim.distributed=true", allow, ok=False))
+    assert all("saved by 1 chained optimizer(s), this layout builds 2" in e for e in errors), errors
