@@ -38,7 +38,8 @@ LAYER_EXPERTS = "model.layers.{i}.mlp.experts"
 def grouped_run(tiny_dir, tmp_path_factory):
     """(run dir, input ids, our grouped model's logits, the adapter state, base transformers logits): the tiny
     model with ``moe_grouped_gemm=True``, adapters on MLA + routed experts with B perturbed well away from zero,
-    saved adapters-only at iteration 1 (its base: the HF origin)."""
+    saved adapters-only at iteration 1 (its base: the HF origin); also saved with its base weights (in the
+    grouped layout) in ``run``'s sibling ``full``."""
     m, _ = hf_model(tiny_dir, moe_grouped_gemm=True)
     assert any(type(mod).__name__ == "TEGroupedMLP" for mod in m.modules())
     cfg = LoRAConfig(rank=4, alpha=8.0, targets=MLA + EXPERTS, init="random")
@@ -54,6 +55,8 @@ def grouped_run(tiny_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("grouped_lora") / "run"
     save_checkpoint(root, 1, m, {"iteration": 1}, adapters={"default": cfg}, save_base=False)
     write_hf_meta(root / "hf", tiny_dir)
+    save_checkpoint(root.parent / "full", 1, m, {"iteration": 1}, adapters={"default": cfg})
+    write_hf_meta(root.parent / "full" / "hf", tiny_dir)
     ids = load_input_ids(None, 128, 2, 32, seed=5)
     with torch.no_grad():
         ours = forward_logits(m, ids).float()
@@ -108,6 +111,7 @@ def test_peft_round_trip_of_a_grouped_expert_run(grouped_run, peft_export, tiny_
         for p in expert_b:
             p.zero_()
         dropped = pm(ids).logits
+    print(f"routed-expert adapters zeroed in peft: max |Δ logits| {(dropped - ours).abs().max():.3e}")
     assert (dropped - ours).abs().max() > 100 * TOL, (dropped - ours).abs().max()
 
 
@@ -121,8 +125,9 @@ def test_merged_export_of_a_grouped_run_equals_peft_merge(grouped_run, peft_expo
     got = _fused_experts(hf)
     plain = _fused_experts(AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32))
     assert got.keys() == want.keys() and got
-    for k in want:
-        rel = (got[k] - want[k]).norm() / want[k].norm()
+    rels = {k: ((got[k] - want[k]).norm() / want[k].norm()).item() for k in want}
+    print(f"--merged vs peft merge_and_unload, routed experts: max rel {max(rels.values()):.3e}")
+    for k, rel in rels.items():
         assert rel <= 1e-5, (k, rel)
         assert (want[k] - plain[k]).norm() / plain[k].norm() > 1e-2, k  # the merge changed this weight
     ck = HFCheckpoint(merged_export)  # on disk: per-expert gate/up/down, as the release stores them
@@ -134,6 +139,18 @@ def test_merged_export_of_a_grouped_run_equals_peft_merge(grouped_run, peft_expo
     assert torch.allclose(ck.get(f"{prefix}.1.up_proj.weight").float(), fused[1, I:], rtol=1e-5, atol=1e-6)
     with torch.no_grad():
         assert (hf(ids).logits - ours).abs().max() <= TOL
+
+
+def test_merged_export_onto_base_weights_saved_grouped(grouped_run, merged_export, tmp_path):
+    """``--merged`` of the grouped run saved with its base weights (``TEGroupedMLP``'s ``weight{e}`` layout, read
+    by the converter's ``SequentialMLP`` model) writes the same tensors as the merge onto its HF origin."""
+    root = grouped_run[0]
+    out = export_checkpoint_adapter(root.parent / "full", tmp_path / "m", merged=True, progress=False)
+    got, want = HFCheckpoint(out), HFCheckpoint(merged_export)
+    assert sorted(got.keys()) == sorted(want.keys())
+    for k in want.keys():
+        a, b = got.get(k).float(), want.get(k).float()
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (k, (a - b).abs().max())
 
 
 def _late_merges(state: AdapterState, plain: dict, n_experts: int, scale_of) -> dict[str, dict]:
