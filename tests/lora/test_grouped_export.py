@@ -14,11 +14,14 @@ run saves (adapters only, the base its HF origin) and exported as ``glm5 lora ex
   by far more than the tolerance the export meets, so the export checks would fail if its order changed.
 """
 
+import re
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from glm5_mcore.checkpoint.hf_io import HFCheckpoint
+from glm5_mcore.checkpoint.fp8 import quantize_fp8_blocks
+from glm5_mcore.checkpoint.hf_io import HFCheckpoint, dequantize_fp8_blocks
 from glm5_mcore.checkpoint.layout import write_hf_meta
 from glm5_mcore.convert.lora_export import export_checkpoint_adapter
 from glm5_mcore.lora.apply import apply_lora, lora_layers
@@ -28,10 +31,11 @@ from glm5_mcore.model.build import forward_logits
 from glm5_mcore.parity import load_input_ids
 from glm5_mcore.training.checkpointing import save_checkpoint
 
-from tests.support.helpers import hf_model, peft_model
+from tests.support.helpers import fp8_folders, hf_model, peft_model
 
 TOL = 1e-4  # fp32 logits, ours vs transformers + peft
 LAYER_EXPERTS = "model.layers.{i}.mlp.experts"
+FP8_BLOCK = 16
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +219,34 @@ def test_a_late_merge_is_measurably_wrong_and_the_export_is_not(grouped_run, mer
         l_err = (logits_with(weights) - ours).abs().max().item()
         print(f"late merge {how}: weight rel err {w_err:.3e}, max |Δ logits| {l_err:.3e}")
         assert w_err > 1e-2 and l_err > 100 * TOL, (how, w_err, l_err)
+
+
+def test_fp8_merged_export_of_a_grouped_run_requantizes_each_merged_expert(grouped_run, tmp_path):
+    """``--merged --base`` an FP8 release (the grouped run's architecture): every adapted routed expert's gate /
+    up / down is the release's quantization of (its dequantized weight + that expert's own delta), not the base's
+    bytes; the dense-base export of the same values gives those merged weights."""
+    state = grouped_run[3]
+    fp8, dense = fp8_folders(tmp_path / "f", block=FP8_BLOCK)
+    out8 = export_checkpoint_adapter(grouped_run[0], tmp_path / "m8", merged=True, progress=False, base=fp8)
+    ref = export_checkpoint_adapter(grouped_run[0], tmp_path / "m32", merged=True, progress=False, base=dense)
+    got, want, base = HFCheckpoint(out8), HFCheckpoint(ref), HFCheckpoint(fp8)
+    n = 0
+    for k in base.keys():
+        m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$", k)
+        if not m:
+            continue
+        i, e, kind = int(m.group(1)), int(m.group(2)), m.group(3)
+        q, s = got.get_stored(k)
+        qb, sb = base.get_stored(k)
+        w = want.get(k).float()
+        fc = "linear_fc2" if kind == "down" else "linear_fc1"
+        d = state.delta(f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{fc}")
+        if fc == "linear_fc1":
+            d = d.chunk(2, 0)[kind == "up"]
+        assert torch.allclose(w, dequantize_fp8_blocks(qb, sb, FP8_BLOCK) + d, atol=1e-6), k
+        q_ref, s_ref = quantize_fp8_blocks(w, FP8_BLOCK)
+        assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), k
+        assert not torch.equal(q.view(torch.uint8), qb.view(torch.uint8)), k
+        n += 1
+    print(f"FP8 merged export: {n} routed-expert tensors re-quantized from their merged weight")
+    assert n >= 3 * 2 * 4, n
