@@ -7,7 +7,9 @@ run saves (adapters only, the base its HF origin) and exported as ``glm5 lora ex
 - PEFT: peft loads the folder onto transformers' model (fused ``experts.gate_up_proj`` [E, 2I, H] /
   ``down_proj`` [E, H, I] as ``target_parameters``) and gives our grouped model's logits; the adapter moves the
   logits far more than the tolerance, and the routed experts' part of it alone does too (a dropped family fails).
-- ``--merged``: the merged routed-expert weights equal peft's own ``merge_and_unload``.
+- ``--merged``: the merged routed-expert weights equal peft's own ``merge_and_unload``; the same from the run saved
+  with its base weights in the grouped layout; onto an FP8 release, each adapted expert re-quantized from its
+  own merged weight.
 - Late merge: the export merges ``scale·B_e·A_e`` into each expert's own Megatron ``linear_fc1`` [2I, H] before it
   is split into gate/up and written per expert. Merging later — the real merge (``AdapterState.delta``) of the
   fused factors peft stores, or the per-expert delta onto the transposed or gate/up-swapped fused weight — is off
@@ -157,7 +159,7 @@ def test_merged_export_onto_base_weights_saved_grouped(grouped_run, merged_expor
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (k, (a - b).abs().max())
 
 
-def _late_merges(state: AdapterState, plain: dict, n_experts: int, scale_of) -> dict[str, dict]:
+def _late_merges(state: AdapterState, plain: dict, n_experts: int) -> dict[str, dict]:
     """Routed-expert weights {hf fused name: tensor} merged one step too late, three ways:
 
     - ``fused_factors``: the real merge (``AdapterState.delta``) of the fused factors peft stores (A [E·r, in]
@@ -173,7 +175,7 @@ def _late_merges(state: AdapterState, plain: dict, n_experts: int, scale_of) -> 
         fused = AdapterState()
         fused.A["f"] = torch.cat([state.A[mod] for mod in mods])
         fused.B["f"] = torch.stack([state.B[mod] for mod in mods], -1).reshape(w.shape[1], -1)
-        fused.scale["f"] = scale_of(mods[0])
+        fused.scale["f"] = state.scale[mods[0]]
         out["fused_factors"][name] = w + fused.delta("f")
         out["transposed"][name] = (w.transpose(1, 2) + deltas.reshape(w.shape[0], w.shape[2], w.shape[1])
                                    ).transpose(1, 2)
@@ -195,7 +197,7 @@ def test_a_late_merge_is_measurably_wrong_and_the_export_is_not(grouped_run, mer
     plain = _fused_experts(model)
     E = model.config.n_routed_experts
     exported = _fused_experts(AutoModelForCausalLM.from_pretrained(merged_export, dtype=torch.float32))
-    late = _late_merges(state, plain, E, lambda mod: state.scale[mod])
+    late = _late_merges(state, plain, E)
     right = {}
     for name, w in plain.items():
         i = int(name.split(".")[2])
