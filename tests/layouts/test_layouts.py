@@ -42,6 +42,9 @@ MATRIX = {  # name: (check, tiny model fixture, check kwargs, [(layout, world si
                    [(dict(tp=2), 2), (dict(ep=2), 2), (dict(tp=2, ep=2), 2), (dict(pp=2), 2), (dict(cp=2), 2),
                     (dict(etp=2), 2)]),
     # the last stage's MTP embedding copy is synced on CPU (cpu_compat, language_module.py:307)
+    # SFT with LoRA on the grouped experts (TEGroupedMLP, lora.grouped) gives the one-rank SequentialMLP run's losses
+    "sft_losses_grouped": ("sft_losses", "tiny_dir", {"extra": (*SFT_LORA, "model.moe_grouped_gemm=true")},
+                           [(dict(pp=2), 2), (dict(ep=2), 2)]),
     "sft_losses_mtp": ("sft_losses", "tiny_mtp_dir", {"rows": 32}, [(dict(pp=2), 2)]),
     # a vocabulary of 129 (and the MTP layer): TP 2 pads it to 130 rows, the padded logits masked (model.vocab)
     "logits_odd_vocab": ("logits", "tiny_odd_dir", {}, [(dict(tp=2), 2)]),
@@ -59,7 +62,7 @@ MATRIX = {  # name: (check, tiny model fixture, check kwargs, [(layout, world si
     "fp8_ckpt": ("fp8_ckpt_logits", "tiny_fp8_ckpt", {}, [(dict(tp=2, ep=2), 2)]),
 }
 REFERENCE = {"sft_share_full": "sft_share", "sft_share_selective": "sft_share", "lora_steps_grouped": "lora_steps",
-             "lora_grads_grouped": "lora_grads"}
+             "lora_grads_grouped": "lora_grads", "sft_losses_grouped": "sft_losses"}
 """Cases whose layouts must give another entry's one-rank result: recompute equals no recompute, grouped experts
 equal sequential ones."""
 
