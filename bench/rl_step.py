@@ -62,7 +62,7 @@ def main() -> None:
     from glm5_mcore.tiny import write_tiny
     from rl.train import algos
     from rl.config import RLConfig
-    from rl.tasks.rewards import Rewards
+    from rl.tasks.step_rewards import Rewards
     from rl.train.batch import fill_log_probs, make_batch
     from rl.rollout.base import Request, SamplingParams, sample_seed
     from rl.rollout.hf_engine import HFRolloutEngine

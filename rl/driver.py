@@ -28,7 +28,7 @@ from rl.schedule.async_source import AsyncSource
 from rl.schedule.colocate import Colocation
 from rl.schedule.step_source import StepSource
 from rl.tasks.prompts import load_prompts
-from rl.tasks.rewards import Rewards
+from rl.tasks.step_rewards import Rewards
 from rl.train import algos
 from rl.train.batch import fill_log_probs, make_batch
 from rl.train.routing import index_metrics, router_metrics

@@ -1,6 +1,6 @@
 """Calls of a user's function in worker processes, each with a wall timeout and crash isolation.
 
-Used for reward functions (``rl.tasks.rewards.RewardPool``) and tool environments (``rl.tasks.episodes``): the
+Used for reward functions (``rl.tasks.rewards.RewardScorer``) and tool environments (``rl.tasks.episodes``): the
 function runs in the main thread of a worker process (so signal-based timeouts such as math-verify's
 work, whatever thread the driver calls from), and a call that hangs past ``timeout_s`` or kills its
 process (segfault, ``os._exit``, OOM kill) costs that call only: the worker is killed and a new one

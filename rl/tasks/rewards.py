@@ -18,7 +18,8 @@ the run goes on — unless the failed share of one scoring call reaches ``reward
 (default 1.0: every sample failed, e.g. a function with the wrong signature), which stops the run in one
 line. Nothing a failed call started outlives it (``rl.tasks.proc_pool``: the worker's process group is
 killed). ``reward.num_workers=0`` calls it in the driver (no isolation: a raise stops the run).
-``Rewards`` is what a step's sources call: the responses decoded and scored, the failures counted.
+``rl.tasks.step_rewards.Rewards`` is what a step's sources call (the responses decoded, scored here, the
+failures counted); it lives apart so that a worker process importing a built-in function does not import torch.
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ import math
 import re
 from fractions import Fraction
 from typing import Any, Callable, Optional
-
-import torch
 
 from rl.tasks.proc_pool import ProcessPool, resolve
 
@@ -152,35 +151,6 @@ class RewardScorer:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
-
-
-class Rewards:
-    """A step's samples scored: each response decoded with ``tokenizer`` and scored by ``RewardScorer``
-    against its prompt's ground truth; ``rewards(prompts, results, n)`` -> [len(prompts) * n] float32.
-    ``metrics`` sums ``reward/timeouts`` and ``reward/errors`` since the last ``take_metrics``, ``events``
-    names the failed samples."""
-
-    def __init__(self, cfg, tokenizer):
-        self.scorer, self.tok = RewardScorer(cfg.reward), tokenizer
-        self.metrics = {"reward/timeouts": 0.0, "reward/errors": 0.0}
-        self.events: list[str] = []
-
-    def __call__(self, prompts, results, n: int) -> torch.Tensor:
-        rows = [p for p in prompts for _ in range(n)]
-        text = [self.tok.decode(r.response_ids, skip_special_tokens=True) for r in results]
-        scores, counts, events = self.scorer.score([p.data_source for p in rows], text,
-                                                   [p.ground_truth for p in rows], [p.extra for p in rows])
-        for k, v in counts.items():
-            self.metrics[k] += v
-        self.events += events
-        return torch.tensor(scores)
-
-    def take_metrics(self) -> dict:
-        out, self.metrics = self.metrics, {k: 0.0 for k in self.metrics}
-        return out
-
-    def close(self) -> None:
-        self.scorer.close()
 
 
 def _batched_values(out: Any, name: str, n: int) -> list:

@@ -14,7 +14,7 @@ import torch
 
 from rl.train import algos
 from rl.config import RLConfig
-from rl.tasks.rewards import Rewards
+from rl.tasks.step_rewards import Rewards
 from rl.train.batch import fill_log_probs, make_batch
 from rl.rollout.base import Request, SamplingParams, sample_seed
 from rl.tasks.prompts import next_prompts, toy_prompts
