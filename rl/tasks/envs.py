@@ -7,16 +7,25 @@ is returned only by the ``lookup`` tool, which the policy calls by sampling any 
 (the preset's tool-call stop tokens). The answer is the episode's last word ``w{j}``: reward 1 when the
 episode called the tool and j < 64 and j ≡ v (mod 2); an answer that did not consult the tool scores 0
 (so neither guessing nor memorising the training prompts pays). A random policy scores about 0.1.
-The task's prompts and hidden value are data (``rl.tasks.prompts``); the tool and the reward live here.
+The task's prompts are data (``rl.tasks.prompts``); the hidden value, the tool and the reward live here (a tool
+worker process imports this module only: no torch).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 
-from rl.tasks.prompts import TOOL_WORDS, hidden_value
-
 OBS_REPEAT = 6
+
+TOOL_WORDS = range(64, 119)
+"""The words that call the tool (and the range of the hidden value)."""
+
+
+def hidden_value(prompt_text: str) -> int:
+    words = " ".join(re.findall(r"w\d+", prompt_text))
+    h = int.from_bytes(hashlib.blake2b(words.encode(), digest_size=8).digest(), "little")
+    return TOOL_WORDS[h % len(TOOL_WORDS)]
 
 
 def toy_lookup_env(prompt: str, episode: str) -> str:

@@ -11,7 +11,6 @@ each checked against the tokenizer and the vocabulary.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 
 from glm5_mcore.data.order import epoch_order
 from rl.tasks.datasets import PromptDataError, iter_rows, render_prompt, row_fields
+from rl.tasks.envs import hidden_value
 
 TOY_SOURCE = "glm5_toy_residue"
 
@@ -101,16 +101,6 @@ def next_prompts(prompts: list[Prompt], count: int, seed: int, pos: dict) -> lis
 
 
 TOOL_SOURCE = "glm5_toy_lookup"
-
-
-TOOL_WORDS = range(64, 119)
-"""The words that call the tool (and the range of the hidden value)."""
-
-
-def hidden_value(prompt_text: str) -> int:
-    words = " ".join(re.findall(r"w\d+", prompt_text))
-    h = int.from_bytes(hashlib.blake2b(words.encode(), digest_size=8).digest(), "little")
-    return TOOL_WORDS[h % len(TOOL_WORDS)]
 
 
 def toy_tool_prompts(tokenizer, size: int, seed: int) -> list[Prompt]:
