@@ -184,7 +184,7 @@ class StepSource:
                     "is then topped up with uniform groups) or check reward.fn")
         prompts, results, raw, shaped, metrics = filt.take()
         metrics.update(shape_m)
-        if hasattr(self.rewards, "take_metrics"):  # rl.tasks.rewards.Rewards (tests pass a plain function)
+        if hasattr(self.rewards, "take_metrics"):  # rl.tasks.step_rewards.Rewards (tests pass a plain function)
             metrics.update(self.rewards.take_metrics())
         ver = torch.tensor([versions[(r.round, r.key)] for r in results], dtype=torch.float32)
         stale = step - ver
