@@ -4,6 +4,7 @@ crashes and raises cost one sample each and are counted; math-verify scores as v
 
 import json
 import multiprocessing as mp
+import sys
 import textwrap
 
 import pytest
@@ -13,6 +14,7 @@ from rl.tasks.datasets import PromptDataError
 from rl.tasks.rewards import RewardScorer
 from rl.tasks.proc_pool import ProcessPool
 from rl.tasks.prompts import read_prompts
+from tests.support.launch import run_child
 
 GLM5_SPECIAL = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
                 "<|assistant|>", "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>", "<think>",
@@ -146,6 +148,15 @@ USER_FNS = textwrap.dedent('''
 
 
 @pytest.mark.slow  # worker processes
+def test_worker_modules_import_without_torch():
+    """A reward or tool worker process imports the module of its function: the built-in rewards'
+    (``rl.tasks.rewards``) and the toy tool's (``rl.tasks.envs``) load no torch (~2 s per worker start)."""
+    code = ("import sys, rl.tasks.rewards, rl.tasks.envs, rl.tasks.proc_pool; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = run_child([sys.executable, "-c", code]).stdout.strip().splitlines()[-1]
+    assert out == "[]", out
+
+
 def test_reward_pool_hang_crash_raise_cost_one_sample_each(tmp_path):
     (tmp_path / "my_reward.py").write_text(USER_FNS)
     cfg = RewardCfg(fn=f"{tmp_path / 'my_reward.py'}:compute_score", num_workers=2, timeout_s=3.0,
