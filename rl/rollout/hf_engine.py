@@ -62,8 +62,9 @@ def _deterministic_indexer_class():
             else:
                 index_scores = index_scores + attention_mask
             idx = deterministic_topk(index_scores, min(self.index_topk, index_scores.shape[-1]))
-            # rows with fewer than k causal keys: pad with a selected (valid) key, as the mask ignores repeats
-            return torch.where(idx < 0, idx.max(-1, keepdim=True).values, idx).to(torch.int32)
+            # rows with fewer than k causal keys: pad with a selected (valid) key, as the mask ignores repeats;
+            # a left-padded prefill's pad rows have none (key 0: the row is masked whole)
+            return torch.where(idx < 0, idx.max(-1, keepdim=True).values.clamp_min(0), idx).to(torch.int32)
 
     return DeterministicIndexer
 
@@ -75,7 +76,7 @@ class HFRolloutEngine(RolloutEngine):
     STREAMS = True
 
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, dtype: str = "float32", threads: int = 1,
-                 index_row_stride: int = 1024, max_num_seqs: int = 64, stream: bool = False):
+                 index_row_stride: int = 1024, max_num_seqs: int = 64, stream: bool = True):
         super().__init__(hf_dir, deterministic_topk)
         self.check_kwargs({"dtype": dtype, "threads": threads, "index_row_stride": index_row_stride,
                            "max_num_seqs": max_num_seqs, "stream": stream})
@@ -117,7 +118,7 @@ class HFRolloutEngine(RolloutEngine):
         super().check_kwargs(kwargs)
         if kwargs.get("dtype", "float32") not in cls.DTYPES:
             raise ValueError(f"rollout.engine_kwargs.dtype={kwargs['dtype']!r}: one of {cls.DTYPES}")
-        if not isinstance(kwargs.get("stream", False), bool):
+        if not isinstance(kwargs.get("stream", True), bool):
             raise ValueError(f"rollout.engine_kwargs.stream={kwargs['stream']!r} must be true or false")
         for key in ("threads", "index_row_stride", "max_num_seqs"):
             v = kwargs.get(key, 1)

@@ -2,19 +2,24 @@
 (``max_num_seqs``), requests admitted into freed slots at token boundaries, each ``Result`` handed back the
 token it finishes — the engine never decodes a finished row, nor waits for a batch's longest response.
 
-**Cohorts.** Requests admitted at one token boundary with equal prompt + prefix length form a cohort: one
-prefill forward, one batched KV cache (transformers' ``DynamicCache``, the DSA indexer's key cache with it),
-then one decode forward per token for the cohort. A row that finishes leaves at once
-(``Cache.reorder_cache`` keeps the others' rows), its slot is free for the next admission. Rows of different
-lengths never share a forward, so no padding, attention mask or position offset enters a forward: each row
-sees the forward the batch engine (``HFRolloutEngine.generate``) runs for it. Sampling is per row and keyed as
-there (``SamplingParams.seed_per_token``: token t's generator is seeded ``token_seed(seed, t)``), so which
-rows share a cohort changes no draw. What it can change: CPU GEMM blocking depends on a forward's row count,
-so a row's logits agree with the batch engine's to float rounding (~1e-6 on the tiny model), not bitwise —
-the batch engine is no different (its batches are whichever requests share a length).
+**Cohorts, merged.** Requests admitted at one token boundary with equal prompt + prefix length are prefilled
+together (one forward, no padding: each row's prefill is the batch engine's). Their KV cache (transformers'
+``DynamicCache``, the DSA indexer's key cache with it) then joins the live rows' cache: the shorter side is
+left-padded along the sequence, so every live row decodes in **one forward per token** whatever its length.
+A padded row's forward gets a 2-D attention mask (0 on its pad columns: the attention and the indexer both
+add it, so a pad key is never attended nor counted among the top-k of a row that has k real keys) and its
+own position id (RoPE sees the unpadded position). A row that finishes leaves at once
+(``Cache.reorder_cache``), the pad columns every remaining row has are cut, and its slot is free for the next
+admission. Without padding (one cohort) the forward is exactly the batch engine's; with it the same math over
+masked columns. Sampling is per row and keyed as there (``SamplingParams.seed_per_token``: token t's generator
+is seeded ``token_seed(seed, t)``), so which rows share a forward changes no draw. What it can change: CPU
+GEMM blocking depends on a forward's shape, so a row's logits agree with the batch engine's to float rounding
+(~1e-6 on the tiny model), not bitwise — the batch engine is no different (its batches are whichever
+requests share a length). A cache whose layers hold tensors this module does not know is not merged (its
+cohorts decode one forward each, as before).
 
-Admission waits until ``admit_fraction`` of the slots are free (or the queue fits): each cohort is a forward
-per token, so admitting one request per freed slot would multiply the forwards of a token boundary.
+Admission waits until ``admit_fraction`` of the slots are free (or the queue fits): each admission is a
+prefill forward per distinct length.
 
 ``Occupancy`` is the time-averaged live rows / slots (``rollout/engine_occupancy``), for this path and the
 batch one alike (a static batch keeps its finished rows' slots until the batch ends).
@@ -85,7 +90,93 @@ class Cohort:
     logits: torch.Tensor
     """[B, V] float32: the next token's logits of each row."""
     length: int
-    """Tokens in the cache (every row's prompt + response so far)."""
+    """Columns in the cache (the longest row's prompt + response so far; shorter rows left-padded)."""
+    pads: list = None
+    """Per row: its left pad columns (0: unpadded)."""
+
+    def __post_init__(self):
+        if self.pads is None:
+            self.pads = [0] * len(self.rows)
+
+
+CACHE_SEQ_DIMS = {"keys": -2, "values": -2, "indexer_keys": 1}
+"""Per-row tensors of a transformers cache layer (batch first) and their sequence dim: ``DynamicLayer``'s
+keys / values [B, H, L, D], ``DynamicIndexedLayer``'s indexer keys [B, L, D]."""
+
+
+def cache_tensors(cache) -> Optional[list[dict]]:
+    """Per layer {name: tensor} of ``cache``'s per-row tensors, or None where a layer holds another tensor
+    (a layout this module cannot pad or concatenate)."""
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        return None
+    out = []
+    for layer in layers:
+        found = {}
+        for name, v in vars(layer).items():
+            if isinstance(v, torch.Tensor) and v.numel() > 0:
+                if name not in CACHE_SEQ_DIMS:
+                    return None
+                found[name] = v
+        if "keys" not in found:
+            return None
+        out.append(found)
+    return out
+
+
+def merge_cohorts(cohorts: list[Cohort]) -> Optional[Cohort]:
+    """One cohort holding every row of ``cohorts``: each cache left-padded (zeros) to the longest, then
+    concatenated along the batch into the first cohort's cache object. None (nothing changed) where a cache
+    layout is unknown."""
+    per = [cache_tensors(c.cache) for c in cohorts]
+    if any(p is None for p in per) or len({len(p) for p in per}) != 1:
+        return None
+    L = max(c.length for c in cohorts)
+    first = cohorts[0].cache
+    for li, layer in enumerate(first.layers):
+        for name, dim in CACHE_SEQ_DIMS.items():
+            if name not in per[0][li]:
+                continue
+            parts = []
+            for c, p in zip(cohorts, per):
+                t, pad = p[li][name], L - c.length
+                if pad:
+                    shape = list(t.shape)
+                    shape[dim] = pad
+                    t = torch.cat([t.new_zeros(shape), t], dim=dim)
+                parts.append(t)
+            setattr(layer, name, torch.cat(parts, dim=0))
+    rows = [r for c in cohorts for r in c.rows]
+    pads = [p + L - c.length for c in cohorts for p in c.pads]
+    return Cohort(rows, first, torch.cat([c.logits for c in cohorts]), L, pads)
+
+
+def zero_pad_columns(c: Cohort) -> bool:
+    """Zero each row's pad columns in ``c``'s cache (a padded prefill wrote its pad tokens' keys there);
+    False where the cache layout is unknown."""
+    per = cache_tensors(c.cache)
+    if per is None:
+        return False
+    for layer in per:
+        for name, t in layer.items():
+            for i, p in enumerate(c.pads):
+                if p:
+                    t.narrow(0, i, 1).narrow(CACHE_SEQ_DIMS[name] % t.dim(), 0, p).zero_()
+    return True
+
+
+def trim_cohort(c: Cohort) -> None:
+    """Cut the left columns that are padding in every row of ``c`` (after rows left)."""
+    cut = min(c.pads)
+    if not cut:
+        return
+    for layer in c.cache.layers:
+        for name, dim in CACHE_SEQ_DIMS.items():
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor) and t.numel() > 0:
+                setattr(layer, name, t.narrow(dim % t.dim(), cut, t.shape[dim] - cut))
+    c.pads = [p - cut for p in c.pads]
+    c.length -= cut
 
 
 class SlotDecoder:
@@ -106,6 +197,10 @@ class SlotDecoder:
         self.hold = False
         """True: admit nothing (an adapter waits for the live rows to finish: no row spans two adapters)."""
         self.prefill_tokens = 0
+        self.forwards = self.padded_forwards = 0
+        """Decode forwards run, and those of them over a padded (merged) cache."""
+        self.merge = True
+        """Live cohorts share one padded forward (False once a cache layout could not be merged)."""
 
     @property
     def live(self) -> int:
@@ -154,6 +249,8 @@ class SlotDecoder:
             keep = [i for i, r in enumerate(c.rows) if not r.done]
             if len(keep) < len(c.rows) and keep:
                 c.cache.reorder_cache(torch.tensor(keep, device=self.device))
+                c.logits, c.pads = c.logits[keep], [c.pads[i] for i in keep]
+                trim_cohort(c)
             c.rows = [c.rows[i] for i in keep]
         self.cohorts = [c for c in self.cohorts if c.rows]
         occupancy.add(live, time.perf_counter() - t0)
@@ -165,8 +262,17 @@ class SlotDecoder:
         for c in self.cohorts:
             B = len(c.rows)
             nxt = torch.tensor([[r.toks[-1]] for r in c.rows], dtype=torch.long, device=self.device)
-            out = self.net()(input_ids=nxt, use_cache=True, **{self.cache_kw: c.cache})
-            self._record(c.rows, B, 1, c.length)
+            kw = {self.cache_kw: c.cache}
+            if any(c.pads):
+                mask = torch.ones(B, c.length + 1, dtype=torch.long, device=self.device)
+                for i, p in enumerate(c.pads):
+                    mask[i, :p] = 0
+                kw["attention_mask"] = mask
+                kw["position_ids"] = torch.tensor([[c.length - p] for p in c.pads], device=self.device)
+            out = self.net()(input_ids=nxt, use_cache=True, **kw)
+            self.forwards += 1
+            self.padded_forwards += "attention_mask" in kw
+            self._record(c.rows, B, 1, c.length, c.pads)
             c.cache, c.logits, c.length = out.past_key_values, out.logits[:, -1].float(), c.length + 1
         occupancy.add(self.live, time.perf_counter() - t0)
 
@@ -192,22 +298,50 @@ class SlotDecoder:
         groups: dict[int, list[Request]] = {}
         for r in take:
             groups.setdefault(len(r.prompt_ids) + len(r.prefix_ids), []).append(r)
-        for n, reqs in groups.items():
-            ids = torch.tensor([r.prompt_ids + list(r.prefix_ids) for r in reqs], dtype=torch.long, device=self.device)
-            out = self.net()(input_ids=ids, use_cache=True)
-            self.prefill_tokens += ids.numel()
-            rows = [Row(r, torch.Generator().manual_seed(r.seed), self.budget(r, self.params), list(r.prefix_ids),
-                        list(r.prefix_logprobs)) for r in reqs]
-            self._record(rows, len(rows), n, 0)
-            self.cohorts.append(Cohort(rows, out.past_key_values, out.logits[:, -1].float(), n))
+        self.cohorts += self._prefill(take) if self.merge and len(groups) > 1 else [
+            c for reqs in groups.values() for c in self._prefill(reqs)]
+        if self.merge and len(self.cohorts) > 1:
+            merged = merge_cohorts(self.cohorts)
+            if merged is None:
+                self.merge = False
+            else:
+                self.cohorts = [merged]
 
-    def _record(self, rows: list[Row], B: int, S: int, start: int) -> None:
-        """This forward's routes and indexer rows, split per row."""
+    def _prefill(self, reqs: list[Request]) -> list[Cohort]:
+        """One prefill forward over ``reqs`` (prompt + prefix each), left-padded to the longest (mask 0 and
+        position ids of the unpadded row), the pad columns of its cache zeroed. A cache layout that cannot be
+        padded turns merging off and prefills per length instead."""
+        seqs = [r.prompt_ids + list(r.prefix_ids) for r in reqs]
+        S = max(map(len, seqs))
+        pads = [S - len(x) for x in seqs]
+        ids = torch.tensor([[0] * p + x for p, x in zip(pads, seqs)], dtype=torch.long, device=self.device)
+        kw = {}
+        if any(pads):
+            col = torch.arange(S, device=self.device)[None]
+            pad_B1 = torch.tensor(pads, device=self.device)[:, None]
+            kw = {"attention_mask": (col >= pad_B1).long(), "position_ids": (col - pad_B1).clamp_min(0)}
+        out = self.net()(input_ids=ids, use_cache=True, **kw)
+        rows = [Row(r, torch.Generator().manual_seed(r.seed), self.budget(r, self.params), list(r.prefix_ids),
+                    list(r.prefix_logprobs)) for r in reqs]
+        self._record(rows, len(rows), S, 0, pads)
+        c = Cohort(rows, out.past_key_values, out.logits[:, -1].float(), S, pads)
+        if any(pads) and not zero_pad_columns(c):
+            self.merge = False
+            groups: dict[int, list[Request]] = {}
+            for r in reqs:
+                groups.setdefault(len(r.prompt_ids) + len(r.prefix_ids), []).append(r)
+            return [c for g in groups.values() for c in self._prefill(g)]
+        self.prefill_tokens += sum(map(len, seqs))
+        return [c]
+
+    def _record(self, rows: list[Row], B: int, S: int, start: int, pads: Optional[list] = None) -> None:
+        """This forward's routes and indexer rows over cache columns [start, start + S), split per row
+        (``pads``: each row's left pad columns; a padded prefill's pad tokens have no routes)."""
         chunk = self.routes.step(B, S)
-        index = self.index_rows.step(start, B, S)
+        index = self.index_rows.step(start, B, S, pads)
         for i, r in enumerate(rows):
             if chunk is not None:
-                r.routes.append(chunk[i: i + 1])
+                r.routes.append(chunk[i: i + 1, max(0, (pads[i] if pads else 0) - start):])
             r.index.append(index[i])
 
     def result(self, r: Row) -> Result:

@@ -84,14 +84,22 @@ class HFIndexRecorder:
         for m in self.indexers:
             m.register_forward_hook(lambda _m, _a, out: self._cur.append(out))
 
-    def step(self, start: int, B: int, S: int) -> list:
-        """After a forward over positions [start, start + S): per row b, [(pos, [Li, K] int32)]."""
+    def step(self, start: int, B: int, S: int, pads: Optional[list] = None) -> list:
+        """After a forward over cache columns [start, start + S): per row b, [(pos, [Li, K] int32)], positions
+        and keys the row's own (``pads[b]`` left pad columns taken off; a recorded row has more than K real
+        keys, so a masked pad column is never among its top-k)."""
         cur, self._cur = self._cur, []
-        keep = [s for s in range(S) if start + s >= self.K and (start + s - self.K) % self.stride == 0]
-        if not self.indexers or not keep:
+        if not self.indexers:
             return [[] for _ in range(B)]
-        idx = torch.stack([c[:, keep] for c in cur], dim=2).to(torch.int32).cpu().numpy()  # [B, m, Li, K]
-        return [[(start + s, idx[b, j]) for j, s in enumerate(keep)] for b in range(B)]
+        out = []
+        for b, pad in enumerate(pads or [0] * B):
+            keep = [s for s in range(S) if start + s - pad >= self.K and (start + s - pad - self.K) % self.stride == 0]
+            if not keep:
+                out.append([])
+                continue
+            idx = (torch.stack([c[b, keep] for c in cur], dim=1).to(torch.int32) - pad).cpu().numpy()  # [m, Li, K]
+            out.append([(start + s - pad, idx[j]) for j, s in enumerate(keep)])
+        return out
 
     @staticmethod
     def sample_rows(steps: list, row: int, num_tokens: int) -> Optional[tuple]:

@@ -1,6 +1,7 @@
 """The HF engine's continuous decoding (``stream_submit`` / ``stream_poll``, ``rl.rollout.hf_slots``): with fewer
 slots than requests every response equals the static-batch engine's (tokens exactly, log-probs to float
-rounding), routes and indexer rows included; finished responses come back before the long ones end and their
+rounding), routes and indexer rows included, rows of different lengths sharing each decode forward (a
+left-padded cache); finished responses come back before the long ones end and their
 slots are refilled; an interrupt hands back every live row, continued to the uninterrupted response; an
 adapter loaded under live rows waits for them (no response spans two versions); occupancy is measured."""
 
@@ -16,7 +17,7 @@ PARAMS = SamplingParams(temperature=1.5, max_new_tokens=10, seed_per_token=True)
 def engine(tiny_dir):
     from rl.rollout.hf_engine import HFRolloutEngine
 
-    return HFRolloutEngine(tiny_dir, max_num_seqs=4)
+    return HFRolloutEngine(tiny_dir, max_num_seqs=4, index_row_stride=1)  # every query row past k recorded
 
 
 def _requests(n_prompts=4, n=3):
@@ -60,6 +61,7 @@ def test_stream_equals_the_batch_engine_with_slot_refill(engine):
             assert (b.index_topk[0] == a.index_topk[0]).all() and (b.index_topk[1] == a.index_topk[1]).all()
     assert len(polls) > 1  # returned as they finished, not as one batch
     assert engine.slots.prefill_tokens > 0
+    assert engine.slots.padded_forwards > 0  # rows of other lengths shared a forward (left-padded cache)
 
 
 def test_short_responses_come_back_while_long_ones_decode(engine):
