@@ -558,13 +558,13 @@ def test_step_metrics_report_trainer_idle_and_engine_occupancy():
 
 
 def test_continuous_generation_is_chosen_per_engine_and_can_be_turned_off():
-    """The HF engine streams in async mode with ``rollout.engine_kwargs.stream=true`` (opt-in; the default is the
-    static-batch path); vLLM and tool episodes stay on ``generate`` jobs; a non-bool ``stream`` is refused."""
+    """The HF engine streams in async mode (the default; ``rollout.engine_kwargs.stream=false`` keeps the
+    static-batch jobs); vLLM and tool episodes stay on ``generate`` jobs; a non-bool ``stream`` is refused."""
     from rl.cluster.rollout_pool import engine_streams
     from rl.rollout.hf_engine import HFRolloutEngine
 
-    assert not engine_streams(_cfg(trainer={"max_staleness": 2}))
-    assert engine_streams(_cfg(trainer={"max_staleness": 2}, rollout={"engine_kwargs": {"stream": True}}))
+    assert engine_streams(_cfg(trainer={"max_staleness": 2}))
+    assert not engine_streams(_cfg(trainer={"max_staleness": 2}, rollout={"engine_kwargs": {"stream": False}}))
     assert not engine_streams(_cfg(rollout={"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine",
                                             "engine_kwargs": {"stream": True}}, trainer={"max_staleness": 2}))
     with pytest.raises(ValueError, match=r"rollout.engine_kwargs.stream='yes'"):
