@@ -55,11 +55,7 @@ def check_async(c) -> None:
            (a.filter_groups.enable, "algorithm.filter_groups.enable=true (DAPO's refill rounds are per step; "
                                     "the asynchronous buffer has no step to refill)"),
            (r.multi_turn.enable, "rollout.multi_turn.enable=true (a tool episode's turns are not resumable "
-                                 "across an interrupted generation yet)"),
-           (a.router_replay and t.partial_rollout, "algorithm.router_replay=true with trainer.partial_rollout="
-                                                   "true (a continued response's routes are re-prefilled "
-                                                   "under the new adapter, not those that sampled its prefix; "
-                                                   "set partial_rollout=false)")]
+                                 "across an interrupted generation yet)")]
     for bad, what in why:
         if bad:
             raise ValueError(f"trainer.max_staleness={t.max_staleness}: not with {what}")

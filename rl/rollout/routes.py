@@ -5,12 +5,15 @@ each sample for the trainer (``rl.train.routing`` replays it).
   order) that keep the selected expert indices of every token the embedded engine processes.
   ``sample_routes`` gives one sample's routes as ``uint8 [P + n - 1, moe_layers, top_k]`` (prompt and every
   response token but the last, which no kept log-prob depends on; ``uint16`` past 256 experts, ``route_dtype``).
-- ``stash_routes`` / ``fetch_routes``: a sample's routes travel by Ray ``ObjectRef``, never through the driver.
+- ``stash_routes`` / ``fetch_routes``: a sample's routes travel by Ray ``ObjectRef``, never through the driver;
+  a response continued after an interruption carries ``RouteSegments`` (``continue_routes``): each token's
+  routes from the engine call that sampled it.
 - ``HFIndexRecorder``: the DSA indexer's selected keys of sampled query rows, for the top-k agreement check.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -62,10 +65,37 @@ def stash_routes(results: list) -> list:
     return results
 
 
+@dataclass
+class RouteSegments:
+    """A continued response's routes (partial rollouts): ``parts`` [(routes, start, stop)], each engine
+    call's own routes (an array or its ``ObjectRef``, over positions [0, its length)) cut to the positions
+    that call sampled from: the prefix's tokens keep the routes that produced them, never those of the
+    continuation's re-prefill (verl #6029's bug is the duplicate). ``stop`` None: to the end."""
+    parts: list
+
+
+def continue_routes(prev, new, prompt_len: int, prev_len: int, new_len: int):
+    """The routes of a response continued from an interrupted one of ``prev_len`` tokens (``prev``: its
+    routes) to ``new_len`` tokens (``new``: the continuation call's, prefix re-prefilled). Positions
+    [0, prompt_len + prev_len - 1) fed the tokens the earlier calls sampled, so they come from ``prev``; the
+    rest from ``new``. No new token: ``prev`` as it was (a queued request handed back unstarted)."""
+    if new_len == prev_len or new is None:
+        return prev if new_len == prev_len else None
+    if prev is None or prev_len == 0:
+        return new
+    cut = prompt_len + prev_len - 1
+    parts = prev.parts if isinstance(prev, RouteSegments) else [(prev, 0, None)]
+    kept = [(r, a, cut if b is None else min(b, cut)) for r, a, b in parts if a < cut]
+    return RouteSegments(kept + [(new, cut, None)])
+
+
 def fetch_routes(r):
-    """A sample's routes as an array (fetched from the Ray object store if it is an ``ObjectRef``)."""
+    """A sample's routes as an array (fetched from the Ray object store if it is an ``ObjectRef``; a
+    ``RouteSegments`` concatenated from its parts)."""
     if r is None or isinstance(r, np.ndarray):
         return r
+    if isinstance(r, RouteSegments):
+        return np.ascontiguousarray(np.concatenate([fetch_routes(x)[a:b] for x, a, b in r.parts], axis=0))
     import ray
 
     return ray.get(r)

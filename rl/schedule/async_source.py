@@ -55,6 +55,7 @@ import torch
 
 from rl.schedule.step_source import StepSamples, engine_metrics
 from rl.rollout.base import Request, Result, sample_seed
+from rl.rollout.routes import continue_routes
 from rl.schedule.shaping import shape_scores
 from rl.tasks.prompts import next_prompts
 
@@ -326,6 +327,9 @@ class AsyncSource:
                 base = list(prev.versions) if prev is not None else []
                 v = res.version if version is None else version
                 res.versions = base + [v] * (len(res.response_ids) - len(base))
+                if prev is not None:  # R3: the prefix keeps the routes that sampled it
+                    res.routes = continue_routes(prev.routes, res.routes, len(grp.prompt.ids),
+                                                 len(prev.response_ids), len(res.response_ids))
                 if not self.partial and len(set(res.versions)) > 1:
                     raise AssertionError(f"sample {res.key} mixes adapter versions {sorted(set(res.versions))} "
                                          "with trainer.partial_rollout=false")

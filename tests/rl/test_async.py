@@ -7,6 +7,7 @@ continued response equals the uninterrupted one (per-token RNG); settings that c
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,6 +33,15 @@ def _prompts(count=40):
 
 def fake_length(seed: int, budget: int = 12) -> int:
     return 1 + seed % budget
+
+
+def with_routes(pool, requests, results, version):
+    """R3 on a fake pool (``pool.record_routes``): each result's routes [P + n - 1, 1, 1] over every position
+    the call processed, prefix re-prefill included, valued with the call's adapter version."""
+    if getattr(pool, "record_routes", False):
+        for r, res in zip(requests, results):
+            res.routes = np.full((len(r.prompt_ids) + len(res.response_ids) - 1, 1, 1), version, np.uint8)
+    return results
 
 
 class TokenPool:
@@ -61,7 +71,7 @@ class TokenPool:
             while True:
                 live = [r for r in job["requests"] if len(out[r.key].response_ids) < fake_length(r.seed)]
                 if not live:
-                    return [out[r.key] for r in job["requests"]]
+                    return with_routes(self, job["requests"], [out[r.key] for r in job["requests"]], job["version"])
                 for r in live:
                     res = out[r.key]
                     res.response_ids.append(token_seed(r.seed, len(res.response_ids)) % 1000)
@@ -71,7 +81,7 @@ class TokenPool:
                     for r in live:
                         if len(out[r.key].response_ids) < fake_length(r.seed):
                             out[r.key].finish_reason = "interrupted"
-                    return [out[r.key] for r in job["requests"]]
+                    return with_routes(self, job["requests"], [out[r.key] for r in job["requests"]], job["version"])
         finally:
             with self._lock:
                 self.running = False
@@ -115,10 +125,11 @@ class StreamTokenPool:
         while time.perf_counter() < t_end:
             with self._lock:
                 if self._stop:
-                    out = [res for _, res in self.live.values()]
+                    reqs, out = [r for r, _ in self.live.values()], [res for _, res in self.live.values()]
                     for res in out:
                         res.finish_reason, res.version = "interrupted", self.version
                     self.live, self._stop = {}, False
+                    with_routes(self, reqs, out, self.version)
                     self._install()
                     return out
                 done = []
@@ -129,6 +140,7 @@ class StreamTokenPool:
                     if len(res.response_ids) >= fake_length(r.seed):
                         res.version = self.version
                         done.append(self.live.pop(key)[1])
+                        with_routes(self, [r], done[-1:], self.version)
                 if not self.live:
                     self._install()
                 if done or not self.live:
@@ -211,6 +223,29 @@ def test_buffer_hands_out_the_stream_with_sync_seeds_and_token_versions(pool_cls
     assert pool.interrupts > 0 and any(got.metrics["rollout/interrupted"] for got in taken)
     assert any(got.metrics["rollout/mixed_version_fraction"] > 0 for got in taken)
     assert any(got.metrics["rollout/reprefill_tokens"] > 0 for got in taken)  # continued responses re-prefill
+
+
+@pytest.mark.parametrize("pool_cls", POOLS)
+def test_r3_with_partial_rollouts_keeps_each_tokens_routes(pool_cls):
+    """R3 with partial rollouts (was refused): a continued response's routes come from the engine calls that
+    sampled its tokens — position j fed response token j - P + 1 (the prompt's positions the first call's),
+    so its route shows that token's version — P + n - 1 of them, none from the continuation's re-prefill of
+    the prefix and none twice (verl #6029's bug). Static jobs and the stream alike."""
+    from rl.rollout.routes import RouteSegments, fetch_routes
+
+    cfg = _cfg(trainer={"max_staleness": 2}, algorithm={"router_replay": True})
+    pool = pool_cls(tick=0.002)
+    pool.record_routes = True
+    taken, _, pool, _ = _run(cfg, 5, pool, train_s=0.01)
+    continued = 0
+    for got in taken:
+        for p, res in zip([p for p in got.prompts for _ in range(N)], got.results):
+            r = fetch_routes(res.routes)
+            assert r.shape == (len(p.ids) + len(res.response_ids) - 1, 1, 1)
+            want = [res.versions[0]] * (len(p.ids) - 1) + res.versions
+            assert r[:, 0, 0].tolist() == want, (res.key, res.versions)
+            continued += isinstance(res.routes, RouteSegments) and len(set(res.versions)) > 1
+    assert continued  # some responses spanned an interruption and a new version
 
 
 @pytest.mark.parametrize("pool_cls", POOLS)
@@ -339,7 +374,6 @@ def test_resumed_source_regenerates_the_untrained_groups_once(pool_cls):
     ({"algorithm": {"filter_groups": {"enable": True}}}, "algorithm.filter_groups.enable=true"),
     ({"rollout": {"multi_turn": {"enable": True, "env": "rl.tasks.envs.lookup_env",
                                  "tool_call_stop_tokens": [3]}}}, "rollout.multi_turn.enable=true"),
-    ({"algorithm": {"router_replay": True}}, "algorithm.router_replay=true"),
 ])
 def test_async_refuses_what_it_cannot_serve(extra, field):
     with pytest.raises(ValueError, match=f"trainer.max_staleness=1: not with {field}".replace(".", r"\.")
@@ -494,7 +528,8 @@ def test_hf_engine_interrupt_when_idle_is_a_no_op(engine):
 @pytest.mark.slow
 @pytest.mark.ray
 def test_sigkill_mid_generation_then_resume_loses_and_repeats_no_prompt(tiny_dir, tmp_path):
-    """``glm5 rl`` in async mode (K=2) SIGKILLed while the engines generate past the step-2 checkpoint, then
+    """``glm5 rl`` in async mode (K=2, the HF engine's stream, R3 on) SIGKILLed while the engines generate past
+    the step-2 checkpoint, then
     the same command again: the run completes; its last checkpoint's ledger holds every slot of the prompt
     stream once (trained, still pending, or dropped as stale), with steps x prompts_per_step trained (so
     none twice: ``AsyncSource.take`` refuses a slot handed out twice), the killed run's trained slots among
@@ -510,7 +545,7 @@ def test_sigkill_mid_generation_then_resume_loses_and_repeats_no_prompt(tiny_dir
     args = ["rl", f"model.hf_dir={tiny_dir}", f"trainer.out={out}", "trainer.steps=4", "trainer.save_every=2",
             "trainer.max_staleness=2", "trainer.eval_every=0", "trainer.progress=false", "data.val=null",
             "data.prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=6", "actor.ppo_mini_batch_size=4",
-            "wandb.mode=disabled"]
+            "wandb.mode=disabled", "algorithm.router_replay=true"]  # R3's routes of continued responses, by Ray
     log = tmp_path / "killed.log"
     with open(log, "w") as f:  # its own session: the kill takes Ray's processes with it
         proc = subprocess.Popen(torchrun_cmd("-m recipes.main", *args, nproc=1), env=child_env(WANDB_SILENT="true"),
@@ -537,6 +572,9 @@ def test_sigkill_mid_generation_then_resume_loses_and_repeats_no_prompt(tiny_dir
     assert set(expand(killed["trained"])) <= set(trained)
     every = trained + [g * 4 + j for g, j, _ in end["pending"]] + expand(end["dropped"])
     assert sorted(every) == list(range(end["next_batch"] * 4))
+    steps = [json.loads(line) for line in metrics.read_text().splitlines() if '"step"' in line]
+    agree = [h["rollout_corr/router_agree"] for h in steps if "rollout_corr/router_agree" in h]
+    assert len(agree) >= 4 and all(0.5 < a <= 1.0 for a in agree), agree  # the replayed routes fit every sample
 
 
 def test_step_metrics_report_trainer_idle_and_engine_occupancy():
