@@ -146,7 +146,9 @@ class FilterGroupsCfg:
     ``data.prompts_per_step`` groups are kept or ``max_num_gen_batches`` generation rounds ran (<= 0: no
     limit, but a step that has drawn every prompt of ``data.train`` once without filling stops the run with
     one line saying so, instead of regenerating forever); a step that hits the limit is topped up with
-    dropped groups (zero advantage) and says so."""
+    dropped groups (zero advantage) and says so. In async mode (``trainer.max_staleness``) a uniform group
+    leaves the buffer as soon as it is scored and the next prompt is admitted in its place, with the same
+    bound per step (``rl.schedule.async_source.AsyncSource``)."""
     enable: bool = False
     metric: str = "score"
     """``score`` (the reward function's value) or ``seq_reward`` (after the overlong penalty)."""

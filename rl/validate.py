@@ -52,8 +52,6 @@ def check_async(c) -> None:
     why = [(t.off_policy_steps, "trainer.off_policy_steps=1 (max_staleness already generates ahead; set it to 0)"),
            (r.colocate.enable, "rollout.colocate.enable=true (colocated engines and trainer share the GPUs, so "
                                "generation cannot run while the trainer updates)"),
-           (a.filter_groups.enable, "algorithm.filter_groups.enable=true (DAPO's refill rounds are per step; "
-                                    "the asynchronous buffer has no step to refill)"),
            (r.multi_turn.enable, "rollout.multi_turn.enable=true (a tool episode's turns are not resumable "
                                  "across an interrupted generation yet)")]
     for bad, what in why:

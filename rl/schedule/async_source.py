@@ -56,7 +56,7 @@ import torch
 from rl.schedule.step_source import StepSamples, engine_metrics
 from rl.rollout.base import Request, Result, sample_seed
 from rl.rollout.routes import continue_routes
-from rl.schedule.shaping import shape_scores
+from rl.schedule.shaping import shape_scores, uniform_groups
 from rl.tasks.prompts import next_prompts
 
 
@@ -118,6 +118,8 @@ class AsyncSource:
         """Continuous generation (``RolloutPool.stream_*``): each finished sample is booked as it arrives and
         freed slots are refilled; otherwise one ``submit`` / ``collect`` job at a time (static batches)."""
         self.inflight: set = set()  # stream: request keys submitted and not back
+        self.filtered: list[Group] = []  # DAPO: uniform groups dropped since the last take
+        self.fg = cfg.algorithm.filter_groups
 
     # ------------------------------------------------------------------ the driver's calls
     def take(self, step: int, state: dict) -> StepSamples:
@@ -142,12 +144,13 @@ class AsyncSource:
             for grp in groups:
                 del self._order[(grp.g, grp.prompt.index)]
             dropped, self.dropped = self.dropped, []
+            filtered, self.filtered = self.filtered, []
             slots = [g * self.P + j for g, j in ready[: self.P]]
             twice = self.ledger["trained"].intersection(slots)
             if twice:
                 raise RuntimeError(f"generation-batch slots {sorted(twice)[:3]} handed to the trainer twice")
             self.ledger["trained"].update(slots)
-            self.ledger["dropped"].update(grp.g * self.P + grp.order for grp in dropped)
+            self.ledger["dropped"].update(grp.g * self.P + grp.order for grp in dropped + filtered)
             version = self.version
             state["async"] = self.snapshot()
             state["epoch"], state["cursor"] = self.pos["epoch"], self.pos["cursor"]
@@ -169,6 +172,11 @@ class AsyncSource:
                         "rollout/interrupted": float(sum(grp.interrupts for grp in groups)),
                         "rollout/buffer_groups": float(buffered), "rollout/reprefill_tokens": float(reprefill),
                         **engine_metrics(self.rollouts)})
+        if self.fg.enable:
+            uniform = int(uniform_groups(raw if self.fg.metric == "score" else shaped, self.n).sum())
+            metrics.update({"filter_groups/kept_groups": float(self.P - uniform),
+                            "filter_groups/dropped_groups": float(len(filtered)),
+                            "filter_groups/filled_with_uniform": float(uniform)})
         self.last_dropped = [(grp.g, grp.prompt.index) for grp in dropped]
         t1 = time.perf_counter()
         batch = self.build(prompts, results) if self.build is not None else None
@@ -348,7 +356,35 @@ class AsyncSource:
             with self.cv:
                 for i, grp in enumerate(complete):
                     grp.raw = raw[i * self.n: (i + 1) * self.n]
+                    self._filter(grp)
                 self.cv.notify_all()
+
+    def _filter(self, grp: Group) -> None:
+        """DAPO's dynamic sampling, asynchronously: a scored group whose ``filter_groups.metric`` is the same
+        for every sample leaves the buffer at once (its slot booked as dropped, ``filter_groups/dropped_groups``)
+        and admission draws the next prompt in its place. The synchronous ``max_num_gen_batches`` bound holds per
+        step: past ``(max_num_gen_batches - 1) · prompts_per_step`` groups filtered since the last take, uniform
+        groups stay and fill the batch (zero advantage, ``filter_groups/filled_with_uniform``); with no bound,
+        filtering as many groups as ``data.train`` holds without a take stops the run in one line."""
+        if not self.fg.enable:
+            return
+        results = [grp.done[k] for k in range(self.n)]
+        metric = grp.raw
+        if self.fg.metric != "score":
+            metric, _ = shape_scores(self.cfg, grp.raw, torch.tensor([len(r.response_ids) for r in results]))
+        if not bool(uniform_groups(metric, self.n)[0]):
+            return
+        limit = self.fg.max_num_gen_batches
+        if limit > 0 and len(self.filtered) >= (limit - 1) * self.P:
+            return
+        if limit <= 0 and len(self.filtered) >= len(self.train):
+            raise ValueError(
+                f"algorithm.filter_groups.max_num_gen_batches={limit} (no limit): {len(self.filtered)} prompt groups "
+                f"in a row (as many as data.train holds) had the same {self.fg.metric} for all rollout.n={self.n} "
+                "samples, so the asynchronous buffer would regenerate forever; set max_num_gen_batches > 0 (a "
+                "step is then topped up with uniform groups) or check reward.fn")
+        self.filtered.append(self.groups.pop(grp.key))
+        del self._order[(grp.g, grp.prompt.index)]
 
     def _drop_stale(self) -> None:
         """Complete groups holding a token more than K versions older than the trainer's: dropped."""

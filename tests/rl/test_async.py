@@ -248,6 +248,57 @@ def test_r3_with_partial_rollouts_keeps_each_tokens_routes(pool_cls):
     assert continued  # some responses spanned an interruption and a new version
 
 
+def _uniform_on_even_prompts(prompts, results, n):
+    """Scores: the same for every sample of an even-indexed prompt (no GRPO signal), else 0, 1, 0, ..."""
+    return torch.tensor([1.0 if p.index % 2 == 0 else float(k % 2) for p in prompts for k in range(n)])
+
+
+@pytest.mark.parametrize("pool_cls", POOLS)
+def test_dapo_dynamic_sampling_filters_uniform_groups_asynchronously(pool_cls):
+    """``algorithm.filter_groups`` in async mode (was refused): a uniform group leaves the buffer when it is
+    scored and the next prompt is admitted in its place, so every batch holds only groups with a signal;
+    filtered slots are booked as dropped, and the ledger still accounts for every slot once. With
+    ``max_num_gen_batches=1`` nothing is filtered (the synchronous bound: one generation batch per step)."""
+    cfg = _cfg(trainer={"max_staleness": 2}, algorithm={"filter_groups": {"enable": True}})
+    pool = pool_cls(tick=0.001)
+    src = AsyncSource(cfg, _prompts(), pool, SamplingParams(max_new_tokens=12), _uniform_on_even_prompts,
+                      {"step": 0, "epoch": 0, "cursor": 0})
+    filtered = 0
+    try:
+        for step in range(4):
+            got = src.take(step, {"step": step})
+            assert all(p.index % 2 == 1 for p in got.prompts), [p.index for p in got.prompts]
+            assert got.metrics["filter_groups/kept_groups"] == P and got.metrics["filter_groups/filled_with_uniform"] == 0
+            filtered += got.metrics["filter_groups/dropped_groups"]
+            src.push(AdapterPayload(step + 1))
+        snap = src.snapshot()
+    finally:
+        src.close()
+    assert filtered > 0 and len(expand(snap["dropped"])) >= filtered
+    every = expand(snap["trained"]) + [g * P + j for g, j, _ in snap["pending"]] + expand(snap["dropped"])
+    assert sorted(every) == list(range(snap["next_batch"] * P))
+
+    one = _cfg(trainer={"max_staleness": 2}, algorithm={"filter_groups": {"enable": True, "max_num_gen_batches": 1}})
+    src = AsyncSource(one, _prompts(), pool_cls(tick=0.001), SamplingParams(max_new_tokens=12),
+                      _uniform_on_even_prompts, {"step": 0, "epoch": 0, "cursor": 0})
+    try:
+        got = src.take(0, {"step": 0})
+    finally:
+        src.close()
+    assert got.metrics["filter_groups/dropped_groups"] == 0 and got.metrics["filter_groups/filled_with_uniform"] > 0
+
+
+def test_dapo_without_a_bound_stops_when_every_group_is_uniform():
+    cfg = _cfg(trainer={"max_staleness": 2}, algorithm={"filter_groups": {"enable": True, "max_num_gen_batches": 0}})
+    src = AsyncSource(cfg, _prompts(12), TokenPool(), SamplingParams(max_new_tokens=12),
+                      lambda prompts, results, n: torch.ones(len(results)), {"step": 0, "epoch": 0, "cursor": 0})
+    try:
+        with pytest.raises(ValueError, match=r"max_num_gen_batches=0 \(no limit\): 12 prompt groups in a row"):
+            src.take(0, {"step": 0})
+    finally:
+        src.close()
+
+
 @pytest.mark.parametrize("pool_cls", POOLS)
 def test_without_partial_rollouts_a_push_never_interrupts(pool_cls):
     """``trainer.partial_rollout=false``: the generation in flight finishes under its adapter (one version per
@@ -371,7 +422,6 @@ def test_resumed_source_regenerates_the_untrained_groups_once(pool_cls):
 @pytest.mark.parametrize("extra, field", [
     ({"trainer": {"off_policy_steps": 1}}, "trainer.off_policy_steps=1"),
     ({"rollout": {"colocate": {"enable": True}}}, "rollout.colocate.enable=true"),
-    ({"algorithm": {"filter_groups": {"enable": True}}}, "algorithm.filter_groups.enable=true"),
     ({"rollout": {"multi_turn": {"enable": True, "env": "rl.tasks.envs.lookup_env",
                                  "tool_call_stop_tokens": [3]}}}, "rollout.multi_turn.enable=true"),
 ])
