@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from rl.schedule.async_source import AsyncSource, expand
+from rl.schedule.async_ledger import expand
+from rl.schedule.async_source import AsyncSource
 from rl.config import RLConfig
 from rl.rollout.base import AdapterPayload, Request, Result, SamplingParams, sample_seed, token_seed
 from rl.tasks.prompts import Prompt, next_prompts
