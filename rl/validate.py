@@ -52,8 +52,10 @@ def check_async(c) -> None:
     why = [(t.off_policy_steps, "trainer.off_policy_steps=1 (max_staleness already generates ahead; set it to 0)"),
            (r.colocate.enable, "rollout.colocate.enable=true (colocated engines and trainer share the GPUs, so "
                                "generation cannot run while the trainer updates)"),
-           (r.multi_turn.enable, "rollout.multi_turn.enable=true (a tool episode's turns are not resumable "
-                                 "across an interrupted generation yet)")]
+           (r.multi_turn.enable and t.partial_rollout,
+            "rollout.multi_turn.enable=true with trainer.partial_rollout=true (a tool episode's turns and its "
+            "environment are not resumable across an interrupted generation yet; trainer.partial_rollout=false "
+            "serves tool episodes: each finishes under the adapter it started with)")]
     for bad, what in why:
         if bad:
             raise ValueError(f"trainer.max_staleness={t.max_staleness}: not with {what}")

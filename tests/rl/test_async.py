@@ -424,7 +424,8 @@ def test_resumed_source_regenerates_the_untrained_groups_once(pool_cls):
     ({"trainer": {"off_policy_steps": 1}}, "trainer.off_policy_steps=1"),
     ({"rollout": {"colocate": {"enable": True}}}, "rollout.colocate.enable=true"),
     ({"rollout": {"multi_turn": {"enable": True, "env": "rl.tasks.envs.lookup_env",
-                                 "tool_call_stop_tokens": [3]}}}, "rollout.multi_turn.enable=true"),
+                                 "tool_call_stop_tokens": [3]}}},
+     "rollout.multi_turn.enable=true with trainer.partial_rollout=true"),
 ])
 def test_async_refuses_what_it_cannot_serve(extra, field):
     with pytest.raises(ValueError, match=f"trainer.max_staleness=1: not with {field}".replace(".", r"\.")

@@ -10,7 +10,7 @@ from rl.config import RLConfig
 from rl.train.batch import fill_log_probs, make_batch
 from rl.tasks.episodes import load_env, observation_ids, run_episodes, tool_token_ids
 from rl.rollout.base import Request, SamplingParams, sample_seed
-from tests.support.rl_setup import assert_observations_inert, perturb
+from tests.support.rl_setup import assert_observations_inert, local_ray, perturb
 
 
 def _cfg(tiny_dir, **over):
@@ -119,3 +119,22 @@ def test_bad_multi_turn_settings_name_the_field(tiny_dir):
         _cfg(tiny_dir, **{"rollout.multi_turn.tool_call_stop_tokens": "[]"})
     with pytest.raises(ValueError, match="rollout.multi_turn.max_assistant_turns"):
         _cfg(tiny_dir, **{"rollout.multi_turn.max_assistant_turns": 0})
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_tool_episodes_in_async_mode_without_partial_rollouts(tiny_dir, tmp_path):
+    """``trainer.max_staleness=2`` with tool episodes and ``trainer.partial_rollout=false`` (with partial
+    rollouts it is refused: an episode's turns are not resumable): the driver runs, tools are called, and
+    each episode is sampled under one adapter version while the generation runs ahead of the trainer."""
+    from rl.driver import run
+
+    cfg = _cfg(tiny_dir, **{"trainer.out": str(tmp_path / "rl"), "trainer.steps": 3, "trainer.eval_every": 0,
+                            "trainer.save_every": 0, "trainer.progress": "false", "trainer.max_staleness": 2,
+                            "trainer.partial_rollout": "false", "rollout.num_actors": 1, "data.prompts_per_step": 4,
+                            "rollout.n": 2, "actor.ppo_mini_batch_size": 4})
+    with local_ray():
+        hist = run(cfg)["history"]
+    assert len(hist) == 3 and sum(h["tool/calls"] for h in hist) > 0
+    assert all(h["rollout/mixed_version_fraction"] == 0.0 and h["rollout/interrupted"] == 0.0 for h in hist)
+    assert max(h["rollout/staleness_max"] for h in hist) >= 1  # generated ahead of the trainer
