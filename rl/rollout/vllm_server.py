@@ -1,10 +1,11 @@
 """The vLLM side of ``VLLMRolloutEngine``: the only module that imports vLLM (0.32).
 
-It runs where vLLM is installed: in the engine's own process when the rollout environment has vLLM,
+It runs where vLLM is installed (with ``rl.rollout.vllm_stream``, its continuous-generation half): in the
+engine's own process when the rollout environment has vLLM,
 or as ``python -m rl.rollout.vllm_server`` under another interpreter (``vllm_python``: vLLM pins
 torch / transformers versions the trainer's environment need not share), answering the engine over
-a ``multiprocessing.connection`` socket. It imports nothing of the project but this file and
-``rl.rollout.weight_sync`` (torch only), and what crosses the socket is plain data (token ids, floats, file paths,
+a ``multiprocessing.connection`` socket. It imports nothing of the project but this file,
+``rl.rollout.vllm_stream`` and ``rl.rollout.weight_sync`` (torch only), and what crosses the socket is plain data (token ids, floats, file paths,
 bucket handles): weights travel as safetensors files, or (colocated engines) as weight-sync buckets.
 
 - ``generate``: ``TokensPrompt`` in, token ids + ``processed_logprobs`` out (token-in/token-out, no
@@ -31,7 +32,7 @@ import sys
 import traceback
 from typing import Optional
 
-import numpy as np
+from rl.rollout.vllm_stream import ServerStream, absorb, add_requests
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
@@ -221,6 +222,7 @@ class Server:
         self.llm = LLM(**kw)
         self.calls = 0  # generate calls so far (request ids; vLLM's own counter is LLM's)
         self.interrupted: Optional[int] = None  # the engine's call number ``interrupt`` names
+        self.stream: Optional[ServerStream] = None
 
     def generate(self, prompts: list[list[int]], params: list[dict], lora: Optional[tuple] = None,
                  call: Optional[int] = None, stop_after: Optional[int] = None) -> list:
@@ -237,51 +239,36 @@ class Server:
         the trainer's per-token log-probs of a continued response are.) ``stop_after``: interrupted after
         that many engine steps that sampled (one token per running request each, without speculative
         decoding): a deterministic interruption point."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.renderers.inputs.preprocess import parse_model_prompt
-        from vllm.sampling_params import RequestOutputKind
-
-        request = None
-        if lora is not None:
-            from vllm.lora.request import LoRARequest
-
-            request = LoRARequest(lora_name=lora[0], lora_int_id=lora[1], lora_path=lora[2])
-        engine, renderer = self.llm.llm_engine, self.llm.renderer
-        inputs = renderer.render_cmpl([parse_model_prompt(self.llm.model_config, TokensPrompt(prompt_token_ids=list(p)))
-                                       for p in prompts], renderer.default_cmpl_tok_params)
+        if self.stream is not None and self.stream.acc:
+            raise RuntimeError(f"generate while {len(self.stream.acc)} stream requests are live (abort them first)")
         self.calls += 1
         ids = [f"glm5-{self.calls}-{i}" for i in range(len(prompts))]
-        acc = {rid: ([], [], None, None) for rid in ids}
-        live: set = set()
+        acc = {rid: [[], [], None, None] for rid in ids}
+        live: set = set(ids)
         steps = 0
         try:
-            for rid, engine_input, p in zip(ids, inputs, params):
-                sp = SamplingParams(**p)
-                sp.output_kind = RequestOutputKind.DELTA
-                engine.add_request(rid, engine_input, sp, lora_request=request)
-                live.add(rid)
-            while live and engine.has_unfinished_requests():
+            add_requests(self.llm, ids, prompts, params, lora)
+            while live and self.llm.llm_engine.has_unfinished_requests():
                 if (call is not None and self.interrupted == call) or (stop_after is not None and steps >= stop_after):
                     break
-                sampled = False
-                for o in engine.step():
-                    toks, lps, _, _ = acc[o.request_id]
-                    c = o.outputs[0]
-                    new = list(c.token_ids)
-                    sampled = sampled or bool(new)
-                    toks += new
-                    lps += [float(step[t].logprob) for step, t in zip(c.logprobs, new)]
-                    if o.finished:
-                        routes = getattr(c, "routed_experts", None)  # [tokens, moe_layers, top_k] (R3)
-                        acc[o.request_id] = (toks, lps, str(c.finish_reason),
-                                             None if routes is None else np.asarray(routes))
-                        live.discard(o.request_id)
-                steps += sampled
+                before = sum(len(a[0]) for a in acc.values())
+                live.difference_update(absorb(acc, self.llm.llm_engine.step()))
+                steps += sum(len(a[0]) for a in acc.values()) > before
         finally:
             if live:  # interrupted (or failed): nothing of this call stays in the engine
-                engine.abort_request(sorted(live))
+                self.llm.llm_engine.abort_request(sorted(live))
         return [(toks, lps, reason or "interrupted", routes) for toks, lps, reason, routes in (acc[r] for r in ids)]
+
+    def stream_step(self, adds: list, timeout_s: float, abort: bool = False, call: Optional[int] = None) -> list:
+        """Continuous generation (``rl.rollout.vllm_stream``): add ``adds`` [(rid, prompt ids, params, lora)] to
+        the running stream, then engine steps until a request finishes or ``timeout_s`` passes; ``abort`` or
+        ``interrupt(call)`` hands every live request back ``"interrupted"``. [(rid, ids, lps, reason, routes)]."""
+        if self.stream is None:
+            self.stream = ServerStream(self.llm)
+        if abort:
+            return self.stream.abort()
+        self.stream.add(adds)
+        return self.stream.step(timeout_s, lambda: call is not None and self.interrupted == call)
 
     def interrupt(self, call: int) -> None:
         """End ``generate`` number ``call`` at its next step boundary (a no-op once it has returned: an

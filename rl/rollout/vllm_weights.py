@@ -17,6 +17,7 @@ from glm5_mcore.checkpoint.fp8 import quantize_fp8_blocks
 from glm5_mcore.checkpoint.hf_io import FP8, HFCheckpoint
 from glm5_mcore.checkpoint.hf_names import hf_source
 from glm5_mcore.config import GLM5Config
+from glm5_mcore.lora.config import routed_expert_targets
 from glm5_mcore.lora.peft import import_peft
 
 MLA_UP_KV = "self_attn.kv_b_proj"
@@ -24,6 +25,19 @@ MLA_UP_KV = "self_attn.kv_b_proj"
 decode multiplies by ``W_UK_T`` / ``W_UV``, split once from the base weight in
 ``MLAAttention.process_weights_after_loading`` (``mla_attention.py:1220-1327``), so in LoRA mode the
 engine merges this module into the served weights (an in-place reload re-runs that split)."""
+
+
+ROUTED_ADAPTER = re.compile(r"\.mlp\.experts\.")  # a routed expert's PEFT key (not ``mlp.shared_experts.``)
+LORA_MODE_EXPERTS = ("adapters on the routed experts ({what}) cannot be served in vLLM's LoRA mode (vLLM 0.32's "
+                     "FusedMoEWithLoRA takes a layout this push does not send): set rollout.engine_kwargs.merge: true")
+
+
+def check_lora_targets(kwargs: dict, targets) -> None:
+    """``rollout.engine_kwargs`` with the policy's ``lora.targets``, before Ray starts: LoRA mode
+    (``merge`` false) with routed-expert targets is refused in one line naming ``merge: true``."""
+    experts = routed_expert_targets(targets)
+    if experts and not kwargs.get("merge", False):
+        raise ValueError("lora.targets: " + LORA_MODE_EXPERTS.format(what=", ".join(experts)))
 
 
 def is_mla_up_kv(hf_name: str) -> bool:

@@ -586,45 +586,10 @@ def test_sigkill_mid_generation_then_resume_loses_and_repeats_no_prompt(tiny_dir
     stream once (trained, still pending, or dropped as stale), with steps x prompts_per_step trained (so
     none twice: ``AsyncSource.take`` refuses a slot handed out twice), the killed run's trained slots among
     them, and the resumed run's log says the buffered groups were regenerated."""
-    import json
-    import os
-    import signal
-    import subprocess
+    from tests.support.async_kill import kill_then_resume
 
-    from tests.support.launch import child_env, glm5, torchrun_cmd
-
-    out = tmp_path / "rl"
-    args = ["rl", f"model.hf_dir={tiny_dir}", f"trainer.out={out}", "trainer.steps=4", "trainer.save_every=2",
-            "trainer.max_staleness=2", "trainer.eval_every=0", "trainer.progress=false", "data.val=null",
-            "data.prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=6", "actor.ppo_mini_batch_size=4",
-            "wandb.mode=disabled", "algorithm.router_replay=true"]  # R3's routes of continued responses, by Ray
-    log = tmp_path / "killed.log"
-    with open(log, "w") as f:  # its own session: the kill takes Ray's processes with it
-        proc = subprocess.Popen(torchrun_cmd("-m recipes.main", *args, nproc=1), env=child_env(WANDB_SILENT="true"),
-                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path)
-    metrics = out / "metrics.jsonl"
-    try:
-        deadline = time.time() + 600
-        while proc.poll() is None and time.time() < deadline and not (
-                (out / "latest").is_file() and metrics.is_file() and '"step": 3' in metrics.read_text()):
-            time.sleep(0.05)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, log.read_text()[-3000:]
-    assert int((out / "latest").read_text()) == 2
-    killed = json.loads((out / "iter_0000002" / "trainer_state.json").read_text())["async"]
-    assert killed["pending"]  # groups were buffered / in flight at the checkpoint
-    p = glm5(*args, cwd=tmp_path, env=child_env(WANDB_SILENT="true"), timeout=600)
-    assert "prompt group(s) that were buffered or being generated at the checkpoint: regenerated first" in \
-        p.stdout + p.stderr
-    end = json.loads((out / "iter_0000004" / "trainer_state.json").read_text())["async"]
-    trained = expand(end["trained"])
-    assert len(trained) == len(set(trained)) == 4 * 4
-    assert set(expand(killed["trained"])) <= set(trained)
-    every = trained + [g * 4 + j for g, j, _ in end["pending"]] + expand(end["dropped"])
-    assert sorted(every) == list(range(end["next_batch"] * 4))
-    steps = [json.loads(line) for line in metrics.read_text().splitlines() if '"step"' in line]
+    steps = kill_then_resume(tmp_path, f"model.hf_dir={tiny_dir}", "rollout.max_new_tokens=6",
+                             "algorithm.router_replay=true")  # R3's routes of continued responses, by Ray
     agree = [h["rollout_corr/router_agree"] for h in steps if "rollout_corr/router_agree" in h]
     assert len(agree) >= 4 and all(0.5 < a <= 1.0 for a in agree), agree  # the replayed routes fit every sample
 
@@ -648,14 +613,18 @@ def test_step_metrics_report_trainer_idle_and_engine_occupancy():
 
 
 def test_continuous_generation_is_chosen_per_engine_and_can_be_turned_off():
-    """The HF engine streams in async mode (the default; ``rollout.engine_kwargs.stream=false`` keeps the
-    static-batch jobs); vLLM and tool episodes stay on ``generate`` jobs; a non-bool ``stream`` is refused."""
+    """The HF and vLLM engines stream in async mode (the default; ``rollout.engine_kwargs.stream=false`` keeps
+    the static-batch jobs); tool episodes and engines that do not stream stay on ``generate`` jobs; a non-bool
+    ``stream`` is refused."""
     from rl.cluster.rollout_pool import engine_streams
     from rl.rollout.hf_engine import HFRolloutEngine
 
     assert engine_streams(_cfg(trainer={"max_staleness": 2}))
     assert not engine_streams(_cfg(trainer={"max_staleness": 2}, rollout={"engine_kwargs": {"stream": False}}))
-    assert not engine_streams(_cfg(rollout={"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine",
-                                            "engine_kwargs": {"stream": True}}, trainer={"max_staleness": 2}))
+    vllm = {"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine"}
+    assert engine_streams(_cfg(rollout=vllm, trainer={"max_staleness": 2}))
+    assert not engine_streams(_cfg(rollout={**vllm, "engine_kwargs": {"stream": False}}, trainer={"max_staleness": 2}))
+    assert not engine_streams(_cfg(rollout={"engine": "rl.rollout.base.RolloutEngine"},
+                                   trainer={"max_staleness": 2, "partial_rollout": False}))
     with pytest.raises(ValueError, match=r"rollout.engine_kwargs.stream='yes'"):
         HFRolloutEngine.check_kwargs({"stream": "yes"})

@@ -111,6 +111,65 @@ def test_interrupt_from_another_thread_stops_a_running_generation(engine):
     assert [r.finish_reason for r in again] == ["length"] * 4
 
 
+def _drain(engine, limit=2000):
+    got = {}
+    while engine.stream.has_work() and limit:
+        for r in engine.stream_poll(1.0):
+            assert r.key not in got, f"{r.key} returned twice"
+            got[r.key] = r
+        limit -= 1
+    assert not engine.stream.has_work()
+    return got
+
+
+def test_stream_equals_generate_and_returns_each_response_as_it_finishes(engine):
+    """Continuous generation (``rl.rollout.vllm_stream``): requests submitted to the stream give ``generate``'s
+    tokens (the same per-request seeds) and log-probs to 1e-5, short ones returned while long ones still
+    decode; each ``Result.version`` is the adapter loaded (-1: none)."""
+    reqs = [Request((p, k), [3 + p, 9, 4, 7 + p] * 3, sample_seed(9, 0, p, k)) for p in range(3) for k in range(2)]
+    params = SamplingParams(T, 1.0, 12, (5, 6, 7))  # stop tokens: lengths differ
+    whole = {r.key: r for r in engine.generate(reqs, params)}
+    engine.stream_submit(reqs, params)
+    polls = []
+    while engine.stream.has_work():
+        polls.append(engine.stream_poll(1.0))
+    got = {r.key: r for p in polls for r in p}
+    assert set(got) == set(whole) and sum(map(len, polls)) == len(reqs)
+    for k, a in whole.items():
+        b = got[k]
+        assert b.response_ids == a.response_ids and b.finish_reason == a.finish_reason and b.version == -1, k
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+    lengths = sorted({len(r.response_ids) for r in whole.values()})
+    if len(lengths) > 1:  # the first poll with results did not wait for the longest response
+        first = next(p for p in polls if p)
+        assert min(len(r.response_ids) for r in first) < lengths[-1]
+
+
+def test_stream_interrupt_hands_back_every_request_then_continues(engine):
+    """An interrupt (a push, partial rollouts) while the stream decodes: the next poll hands back every live
+    and queued request ``"interrupted"`` with its prefix and one log-prob per token; continued from those
+    prefixes, each runs to its budget; an interrupt when idle is a no-op for the next stream."""
+    params = SamplingParams(1.0, 1.0, 200, ())
+    reqs = _requests()
+    engine.stream_submit(reqs, params)
+    assert engine.stream_poll(0.3) == []  # decoding (200 tokens take seconds here)
+    engine.interrupt()
+    got = _drain(engine)
+    assert set(got) == {r.key for r in reqs}
+    assert all(r.finish_reason == "interrupted" and len(r.logprobs) == len(r.response_ids) < 200 for r in got.values())
+    assert any(len(r.response_ids) > 0 for r in got.values())
+    engine.stream_submit([Request(r.key, r.prompt_ids, r.seed, got[r.key].response_ids, got[r.key].logprobs)
+                          for r in reqs], params)
+    done = _drain(engine)
+    for r in reqs:
+        d = done[r.key]
+        assert d.finish_reason == "length" and len(d.response_ids) == 200 and len(d.logprobs) == 200
+        assert d.response_ids[:len(got[r.key].response_ids)] == got[r.key].response_ids
+    engine.interrupt()  # idle
+    engine.stream_submit(reqs[:1], SamplingParams(1.0, 1.0, 4, ()))
+    assert [r.finish_reason for r in _drain(engine).values()] == ["length"]
+
+
 def test_weights_change_mid_response_continued_tokens_are_the_new_weights(engine, tiny576):  # noqa: F811
     """Interrupted after 4 tokens under the base weights, adapter v1 pushed, continued: the prefix is the
     base engine's tokens and log-probs (the trainer's base log-softmax, 1e-4), every continued token's
@@ -166,7 +225,7 @@ def test_weights_change_mid_response_continued_tokens_are_the_new_weights(engine
 
 
 def test_async_rl_with_vllm_partial_rollouts_runs_three_steps(tiny576, tmp_path):  # noqa: F811
-    """``trainer.max_staleness=2`` with the vLLM engine and partial rollouts (refused before): three steps
+    """``trainer.max_staleness=2`` with the vLLM engine, its stream and partial rollouts: three steps
     complete, every token carries its version, staleness stays within K."""
     from rl.config import RLConfig
     from rl.driver import run
@@ -179,6 +238,9 @@ def test_async_rl_with_vllm_partial_rollouts_runs_three_steps(tiny576, tmp_path)
         "data": {"prompts_per_step": 4, "val": None}, "actor": {"ppo_mini_batch_size": 4},
         "trainer": {"steps": 3, "max_staleness": 2, "partial_rollout": True, "out": str(tmp_path / "run"),
                     "save_every": 0, "eval_every": 0, "progress": False}})
+    from rl.cluster.rollout_pool import engine_streams
+
+    assert engine_streams(cfg)  # continuous generation: the server's stream (rl.rollout.vllm_stream)
     t0 = time.perf_counter()
     with local_ray():  # Ray workers import rl
         out = run(cfg)
@@ -191,3 +253,15 @@ def test_async_rl_with_vllm_partial_rollouts_runs_three_steps(tiny576, tmp_path)
                                        "interrupted": [m["rollout/interrupted"] for m in h],
                                        "mixed": [m["rollout/mixed_version_fraction"] for m in h],
                                        "staleness": [m["rollout/staleness"] for m in h]}))
+
+
+def test_sigkill_mid_stream_then_resume_loses_and_repeats_no_prompt(tiny576, tmp_path):  # noqa: F811
+    """``glm5 rl`` in async mode on the vLLM engine's stream (vLLM-CPU, partial rollouts) SIGKILLed past the
+    step-2 checkpoint, then the same command again: every prompt of the stream accounted for once
+    (``tests.support.async_kill``), as with the HF engine."""
+    from tests.support.async_kill import kill_then_resume
+
+    kw = {**engine_kwargs(), "max_num_seqs": 2}  # generation outlasts a step: groups pending at the checkpoint
+    kill_then_resume(tmp_path, f"model.hf_dir={tiny576}", "rollout.engine=rl.rollout.vllm_engine.VLLMRolloutEngine",
+                     "rollout.num_actors=1", f"rollout.temperature={T}", "rollout.max_new_tokens=64",
+                     *[f"+rollout.engine_kwargs.{k}={v}" for k, v in kw.items()])
