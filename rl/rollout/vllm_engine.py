@@ -47,11 +47,12 @@ from rl.rollout import weight_sync
 from rl.rollout.base import (AdapterPayload, Request, Result, RolloutEngine, SamplingParams, check_sleep_level,
                              check_wake_tags)
 from rl.rollout.draft import adapter_without_mtp, mtp_speculative_config
+from rl.rollout.hf_slots import Occupancy
 from rl.rollout.routes import route_dtype
 from rl.rollout.vllm_client import LocalServer, RemoteServer
 from rl.rollout.vllm_stream import EngineStream, to_result, vllm_sampling
-from rl.rollout.vllm_weights import (HF_LAYER, LORA_MODE_EXPERTS, MLA_UP_KV, ROUTED_ADAPTER, check_lora_targets, default_push_threads, is_mla_up_kv, is_mtp_tensor,
-                                     iter_merged_weights)
+from rl.rollout.vllm_weights import (HF_LAYER, LORA_MODE_EXPERTS, MLA_UP_KV, ROUTED_ADAPTER, check_lora_targets,
+                                     default_push_threads, is_mla_up_kv, is_mtp_tensor, iter_merged_weights)
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -124,6 +125,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._calls, self._running, self._stop_after = 0, None, None
         self._discarded = False  # a level-2 sleep: the next push brings every weight back
         self.stream = EngineStream()
+        self.occupancy = Occupancy(int(kwargs.get("max_num_seqs") or 256))  # vLLM's default max_num_seqs
         self.payload_version = -1  # the AdapterPayload.version loaded (what a stream Result.version reports)
         self._deferred: Optional[tuple] = None  # (payload,): a push waiting for the live stream requests
         env: dict = {}
@@ -316,15 +318,13 @@ class VLLMRolloutEngine(RolloutEngine):
                                 lambda handle, metas: self.server.call(method + "_handle", handle, metas, codec.name),
                                 group_of, torch.device("cuda", torch.cuda.current_device()) if cuda else None)
 
-    def _sampling(self, requests: list[Request], params: SamplingParams) -> list[dict]:
-        return vllm_sampling(requests, params, self.drafts and self.device == "cpu")
-
     def generate(self, requests: list[Request], params: SamplingParams, batched: bool = True) -> list[Result]:
         """A request with ``prefix_ids`` (partial rollouts) goes to vLLM as prompt + prefix with
         ``max_new_tokens - len(prefix_ids)`` tokens left and the seed ``request_seed(seed, len(prefix_ids))``;
         its ``Result`` is the prefix (with ``prefix_logprobs``) then what vLLM sampled. ``interrupt`` from
         another thread ends the call at vLLM's next step: unfinished responses come back ``"interrupted"``."""
-        sps = self._sampling(requests, params)
+        sps = vllm_sampling(requests, params, self.drafts and self.device == "cpu")
+        t0 = time.perf_counter()
         with self._call_lock:
             self._calls += 1
             self._running, stop_after, self._stop_after = self._calls, self._stop_after, None
@@ -334,13 +334,20 @@ class VLLMRolloutEngine(RolloutEngine):
         finally:
             with self._call_lock:
                 self._running = None
+        self.occupancy.add(min(len(requests), self.occupancy.slots), time.perf_counter() - t0)  # finished rows too
         return [to_result(r, ids, lps, reason, routes[0] if routes else None, self.route_dtype)
                 for r, (ids, lps, reason, *routes) in zip(requests, outs)]
+
+    def take_occupancy(self) -> dict:
+        """Requests in vLLM (at most ``max_num_seqs``) / ``max_num_seqs``, time-averaged since the last call: a
+        stream poll counts the requests live when it started (it returns when one finishes), a ``generate``
+        its whole batch for the call (an upper bound: finished rows count until the call ends)."""
+        return self.occupancy.take()
 
     # ------------------------------------------------------------------ the stream (continuous generation)
     def stream_submit(self, requests: list[Request], params: SamplingParams) -> None:
         """Queue ``requests`` (checked as ``generate`` checks them); the next ``stream_poll`` adds them."""
-        self.stream.submit(list(zip(requests, self._sampling(requests, params))))
+        self.stream.submit(list(zip(requests, vllm_sampling(requests, params, self.drafts and self.device == "cpu"))))
 
     def stream_poll(self, timeout_s: float = 0.25) -> list[Result]:
         """vLLM steps until a response finishes or ``timeout_s`` passes (``rl.rollout.vllm_stream``), each
@@ -355,9 +362,11 @@ class VLLMRolloutEngine(RolloutEngine):
             with self._call_lock:
                 self._calls += 1
                 self._running = self._calls
+            t0, live = time.perf_counter(), min(len(self.stream.live), self.occupancy.slots)
             try:
                 return self.server.call("stream_step", adds, timeout, abort=abort, call=self._running)
             finally:
+                self.occupancy.add(live, time.perf_counter() - t0)
                 with self._call_lock:
                     self._running = None
 

@@ -248,6 +248,7 @@ def test_async_rl_with_vllm_partial_rollouts_runs_three_steps(tiny576, tmp_path)
     assert len(h) == 3 and out["state"]["step"] == 3
     for m in h:
         assert m["rollout/staleness_max"] <= 2, m
+        assert 0.0 < m["rollout/engine_occupancy"] <= 1.0, m  # live requests / max_num_seqs
         assert all(v == v for k, v in m.items() if isinstance(v, float) and not k.startswith("rollout_corr/")), m
     print("\nvllm async:", json.dumps({"s": round(time.perf_counter() - t0, 1),
                                        "interrupted": [m["rollout/interrupted"] for m in h],
