@@ -1,6 +1,7 @@
 """Ray start-up and waits shared by the trainer group and the rollout pool (``rl.cluster.trainer_group``, ``rl.cluster.rollout_pool``).
 
-- ``start_ray``: a local Ray (or join ``ray.address``) whose workers get the run's quiet environment.
+- ``start_ray``: a local Ray (or join ``ray.address``) whose workers get the run's quiet environment and the
+  driver's CPU priority (``WORKER_NICENESS``).
 - ``resources_needed`` / ``check_resources``: the CPUs / GPUs a job reserves, checked against a local cluster.
 - ``wait_for``: wait on Ray refs, saying what for every minute, failing after ``ray.wait_timeout_s``.
 - ``RayJobError``, ``cause_line``, ``error_line``: an actor's failure or a timed-out wait as one line.
@@ -22,6 +23,13 @@ _ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_SILENT
         "RAY_DEDUP_LOGS": "1"}
 
 
+WORKER_NICENESS = 0
+"""The niceness of the workers of a Ray this job starts (Ray's ``worker_niceness``, default 15, as Ray's job
+manager sets it for job drivers): the trainer and the engines compete with the node's other processes as the
+driver does; in the overlapping modes the engines then run ``RolloutPool.CPU_NICE`` lower than the trainer.
+A cluster joined by ``ray.address`` keeps its own setting."""
+
+
 def start_ray(address: Optional[str], num_cpus: Optional[int], min_cpus: int = 0) -> None:
     """Local Ray by default (``num_cpus``, else at least ``min_cpus``: the actors the job reserves); join
     ``address`` ("auto", "ray://host:10001") when given. A second job in one process (a notebook, a
@@ -36,9 +44,10 @@ def start_ray(address: Optional[str], num_cpus: Optional[int], min_cpus: int = 0
     runtime_env = {"env_vars": {**_ENV, "PYTHONPATH": os.pathsep.join(path)}}
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
-    else:
+    else:  # workers at the driver's priority (Ray's default niceness 15 starves them beside any other process)
         ray.init(num_cpus=num_cpus or max(4, os.cpu_count() or 1, min_cpus), include_dashboard=False,
-                 runtime_env=runtime_env, log_to_driver=True, configure_logging=False)
+                 runtime_env=runtime_env, log_to_driver=True, configure_logging=False,
+                 _system_config={"worker_niceness": WORKER_NICENESS})
 
 
 class RayJobError(ValueError):

@@ -104,10 +104,12 @@ class RolloutActor:
 
 class RolloutPool:
     CPU_NICE = 4
-    """With one-step-off-policy overlap and no GPUs (engines and trainer ranks share the CPU cores), the
-    engine processes run this much lower in CPU priority (Ray starts workers at niceness 15: the engines
-    end at 19): the trainer is the chain every step waits for, and the scheduler stays work-conserving,
-    so generation still takes every cycle the trainer leaves."""
+    """With one-step-off-policy or async overlap and no GPUs (engines and trainer ranks share the CPU cores),
+    the engine processes run this much lower in CPU priority than the trainer (CFS weights 1024 : 423): the
+    trainer is the chain every step waits for, and the scheduler stays work-conserving, so generation still
+    takes every cycle the trainer leaves. On top of the workers' niceness: 0 in a Ray this job starts
+    (``rl.cluster.ray_jobs.WORKER_NICENESS``), so the engines end at 4 and still get their share beside the
+    node's other processes (on top of Ray's default 15 they ended at 19, weight 15 against 1024: starved)."""
 
     def __init__(self, cfg, placement_group=None):
         """``placement_group``: the trainer's (``TrainerGroup.pg``) for colocated engines: engine ``i`` covers
