@@ -54,12 +54,14 @@ def ray_run_dict(tiny_dir, out, base: dict, **sections) -> dict:
 @contextmanager
 def local_ray(num_cpus=None):
     """A fresh local Ray whose workers import this checkout (``tests.support.rl_fault_engine``): started
-    here with ``num_cpus`` when given, else by the job; shut down and ``PYTHONPATH`` restored after."""
+    here with ``num_cpus`` when given, else by the job; shut down and the environment restored after
+    (``PYTHONPATH``, and what ``ray.init`` sets in it, e.g. ``RAY_AUTH_MODE=token``: a later test's
+    ``ray start`` nodes would otherwise inherit token auth their drivers do not have)."""
     import ray
 
     from rl.cluster.ray_jobs import start_ray
 
-    before = os.environ.get("PYTHONPATH")
+    before = dict(os.environ)
     os.environ["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
     ray.shutdown()
     if num_cpus is not None:
@@ -68,10 +70,8 @@ def local_ray(num_cpus=None):
         yield
     finally:
         ray.shutdown()
-        if before is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = before
+        os.environ.clear()
+        os.environ.update(before)
 
 
 def perturb(trainer, name="default", seed=0, scale=0.05):
