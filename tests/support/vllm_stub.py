@@ -28,6 +28,7 @@ def recording_engine(hf_dir, tmp_path, merge: bool, drafts: bool = False):
     """The engine's state as ``VLLMRolloutEngine.__init__`` leaves it for a separate (file-transport) engine,
     with a ``RecordingServer`` instead of vLLM."""
     from rl.rollout.vllm_engine import VLLMRolloutEngine
+    from rl.rollout.vllm_stream import EngineStream
 
     config = json.loads((Path(hf_dir) / "config.json").read_text())
     e = VLLMRolloutEngine.__new__(VLLMRolloutEngine)
@@ -35,5 +36,6 @@ def recording_engine(hf_dir, tmp_path, merge: bool, drafts: bool = False):
     e.num_hidden_layers, e.n_experts = config["num_hidden_layers"], int(config.get("n_routed_experts") or 1)
     e._dir, e.server, e.device, e.push_threads = str(tmp_path), RecordingServer(), None, 2
     e.sleep_mode, e.transport, e.sync_log, e._discarded = False, "file", [], False
+    e.stream, e.payload_version, e._deferred = EngineStream(), -1, None  # no stream requests: pushes go at once
     Path(tmp_path).mkdir(parents=True, exist_ok=True)
     return e
