@@ -1,6 +1,6 @@
-"""The vLLM side of ``VLLMRolloutEngine``: the only module that imports vLLM (0.32).
+"""The vLLM side of ``VLLMRolloutEngine``: with ``rl.rollout.vllm_stream``, the only modules that import vLLM (0.32).
 
-It runs where vLLM is installed (with ``rl.rollout.vllm_stream``, its continuous-generation half): in the
+It runs where vLLM is installed (``rl.rollout.vllm_stream`` holds its continuous-generation half): in the
 engine's own process when the rollout environment has vLLM,
 or as ``python -m rl.rollout.vllm_server`` under another interpreter (``vllm_python``: vLLM pins
 torch / transformers versions the trainer's environment need not share), answering the engine over
