@@ -10,6 +10,7 @@ a restart, a resume, or on another actor — gives the same sample.
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Optional
@@ -105,6 +106,23 @@ SLEEP_LEVELS = (1, 2)
 """vLLM's: 1 = weights to host memory, KV cache discarded; 2 = weights and KV cache discarded (the next
 push must bring every weight back)."""
 WAKE_TAGS = ("weights", "kv_cache")
+
+
+class Occupancy:
+    """Live rows x seconds accumulated by the decode loops; ``take()`` is their time average over the wall
+    time since the last ``take`` (idle time counts as empty slots), divided by ``slots``."""
+
+    def __init__(self, slots: int):
+        self.slots, self.live_s, self.t0 = slots, 0.0, time.perf_counter()
+
+    def add(self, live: int, seconds: float) -> None:
+        self.live_s += live * seconds
+
+    def take(self) -> dict:
+        now = time.perf_counter()
+        wall, self.t0 = max(now - self.t0, 1e-9), now
+        live_s, self.live_s = self.live_s, 0.0
+        return {"occupancy": live_s / (self.slots * wall), "live_row_s": live_s, "wall_s": wall, "slots": self.slots}
 
 
 class RolloutEngine(ABC):

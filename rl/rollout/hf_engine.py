@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from glm5_mcore.device import HostCopy, device_memory
-from rl.rollout.base import (AdapterPayload, Request, Result, RolloutEngine, SamplingParams, check_sleep_level,
-                             check_wake_tags, token_seed)
+from rl.rollout.base import (AdapterPayload, Occupancy, Request, Result, RolloutEngine, SamplingParams,
+                             check_sleep_level, check_wake_tags, token_seed)
 from rl.rollout.draft import adapter_without_mtp
-from rl.rollout.hf_slots import Occupancy, SlotDecoder, top_p_probs
+from rl.rollout.hf_slots import SlotDecoder, top_p_probs
 from rl.rollout.routes import HFIndexRecorder, HFRouteRecorder
 
 

@@ -2,10 +2,11 @@
 (``max_num_seqs``), requests admitted into freed slots at token boundaries, each ``Result`` handed back the
 token it finishes — the engine never decodes a finished row, nor waits for a batch's longest response.
 
-**Cohorts, merged.** Requests admitted at one token boundary with equal prompt + prefix length are prefilled
-together (one forward, no padding: each row's prefill is the batch engine's). Their KV cache (transformers'
-``DynamicCache``, the DSA indexer's key cache with it) then joins the live rows' cache: the shorter side is
-left-padded along the sequence, so every live row decodes in **one forward per token** whatever its length.
+**Cohorts, merged.** Requests admitted at one token boundary are prefilled together in one forward,
+left-padded to the longest (no padding where they share a length: each row's prefill is then the batch
+engine's). Their KV cache (transformers' ``DynamicCache``, the DSA indexer's key cache with it) then joins the
+live rows' cache: the shorter side is left-padded along the sequence, so every live row decodes in **one
+forward per token** whatever its length.
 A padded row's forward gets a 2-D attention mask (0 on its pad columns: the attention and the indexer both
 add it, so a pad key is never attended nor counted among the top-k of a row that has k real keys) and its
 own position id (RoPE sees the unpadded position). A row that finishes leaves at once
@@ -19,10 +20,10 @@ requests share a length). A cache whose layers hold tensors this module does not
 cohorts decode one forward each, as before).
 
 Admission waits until ``admit_fraction`` of the slots are free (or the queue fits): each admission is a
-prefill forward per distinct length.
+prefill forward (one per distinct length where merging is off).
 
-``Occupancy`` is the time-averaged live rows / slots (``rollout/engine_occupancy``), for this path and the
-batch one alike (a static batch keeps its finished rows' slots until the batch ends).
+``Occupancy`` (``rl.rollout.base``) is the time-averaged live rows / slots (``rollout/engine_occupancy``), for
+this path and the batch one alike (a static batch keeps its finished rows' slots until the batch ends).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Callable, Optional
 
 import torch
 
-from rl.rollout.base import Request, Result, SamplingParams, token_seed
+from rl.rollout.base import Occupancy, Request, Result, SamplingParams, token_seed
 
 
 def top_p_probs(logits_BV: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -47,23 +48,6 @@ def top_p_probs(logits_BV: torch.Tensor, temperature: float, top_p: float) -> to
     drop = sp.cumsum(-1) - sp > top_p
     sp = sp.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter(-1, si, sp / sp.sum(-1, keepdim=True))
-
-
-class Occupancy:
-    """Live rows x seconds accumulated by the decode loops; ``take()`` is their time average over the wall
-    time since the last ``take`` (idle time counts as empty slots), divided by ``slots``."""
-
-    def __init__(self, slots: int):
-        self.slots, self.live_s, self.t0 = slots, 0.0, time.perf_counter()
-
-    def add(self, live: int, seconds: float) -> None:
-        self.live_s += live * seconds
-
-    def take(self) -> dict:
-        now = time.perf_counter()
-        wall, self.t0 = max(now - self.t0, 1e-9), now
-        live_s, self.live_s = self.live_s, 0.0
-        return {"occupancy": live_s / (self.slots * wall), "live_row_s": live_s, "wall_s": wall, "slots": self.slots}
 
 
 @dataclass
@@ -149,6 +133,14 @@ def merge_cohorts(cohorts: list[Cohort]) -> Optional[Cohort]:
     rows = [r for c in cohorts for r in c.rows]
     pads = [p + L - c.length for c in cohorts for p in c.pads]
     return Cohort(rows, first, torch.cat([c.logits for c in cohorts]), L, pads)
+
+
+def by_length(reqs: list[Request]) -> list[list[Request]]:
+    """``reqs`` grouped by prompt + prefix length (first-seen order): the batches that need no padding."""
+    groups: dict[int, list[Request]] = {}
+    for r in reqs:
+        groups.setdefault(len(r.prompt_ids) + len(r.prefix_ids), []).append(r)
+    return list(groups.values())
 
 
 def zero_pad_columns(c: Cohort) -> bool:
@@ -295,11 +287,9 @@ class SlotDecoder:
             if self.hold or not self.waiting or free < min(len(self.waiting), self.admit_min):
                 return
             take = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
-        groups: dict[int, list[Request]] = {}
-        for r in take:
-            groups.setdefault(len(r.prompt_ids) + len(r.prefix_ids), []).append(r)
+        groups = by_length(take)
         self.cohorts += self._prefill(take) if self.merge and len(groups) > 1 else [
-            c for reqs in groups.values() for c in self._prefill(reqs)]
+            c for reqs in groups for c in self._prefill(reqs)]
         if self.merge and len(self.cohorts) > 1:
             merged = merge_cohorts(self.cohorts)
             if merged is None:
@@ -327,10 +317,7 @@ class SlotDecoder:
         c = Cohort(rows, out.past_key_values, out.logits[:, -1].float(), S, pads)
         if any(pads) and not zero_pad_columns(c):
             self.merge = False
-            groups: dict[int, list[Request]] = {}
-            for r in reqs:
-                groups.setdefault(len(r.prompt_ids) + len(r.prefix_ids), []).append(r)
-            return [c for g in groups.values() for c in self._prefill(g)]
+            return [c for g in by_length(reqs) for c in self._prefill(g)]
         self.prefill_tokens += sum(map(len, seqs))
         return [c]
 

@@ -44,10 +44,9 @@ import torch
 from safetensors import safe_open
 
 from rl.rollout import weight_sync
-from rl.rollout.base import (AdapterPayload, Request, Result, RolloutEngine, SamplingParams, check_sleep_level,
-                             check_wake_tags)
+from rl.rollout.base import (AdapterPayload, Occupancy, Request, Result, RolloutEngine, SamplingParams,
+                             check_sleep_level, check_wake_tags)
 from rl.rollout.draft import adapter_without_mtp, mtp_speculative_config
-from rl.rollout.hf_slots import Occupancy
 from rl.rollout.routes import route_dtype
 from rl.rollout.vllm_client import LocalServer, RemoteServer
 from rl.rollout.vllm_stream import EngineStream, to_result, vllm_sampling
