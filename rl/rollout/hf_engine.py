@@ -111,7 +111,7 @@ class HFRolloutEngine(RolloutEngine):
         self.payload_version = -1
         """The ``AdapterPayload.version`` loaded (-1: none yet): what a stream ``Result.version`` reports."""
         self._stream_stop = threading.Event()  # sticky while the stream holds work (see interrupt)
-        self._deferred: Optional[AdapterPayload] = None  # an adapter waiting for the live rows to finish
+        self._deferred: Optional[tuple] = None  # (payload,): an adapter (None: the base) waiting for the live rows
 
     @classmethod
     def check_kwargs(cls, kwargs: dict) -> None:
@@ -181,7 +181,7 @@ class HFRolloutEngine(RolloutEngine):
 
     def _install_deferred(self) -> None:
         if self._deferred is not None and not self.slots.cohorts:
-            payload, self._deferred = self._deferred, None
+            (payload,), self._deferred = self._deferred, None
             self._load(payload)
             self.slots.hold = False
 
@@ -195,7 +195,7 @@ class HFRolloutEngine(RolloutEngine):
         tensors, if any, are dropped: transformers' GLM-5 has no MTP module, so this engine never drafts.
         While stream rows are live the load waits for them (``stream_poll``): a row never spans two adapters."""
         if self.slots.cohorts:
-            self._deferred, self.slots.hold = payload, True
+            self._deferred, self.slots.hold = (payload,), True
             return
         self._deferred = None
         self._load(payload)

@@ -5,6 +5,8 @@ left-padded cache); finished responses come back before the long ones end and th
 slots are refilled; an interrupt hands back every live row, continued to the uninterrupted response; an
 adapter loaded under live rows waits for them (no response spans two versions); occupancy is measured."""
 
+import time
+
 import pytest
 import torch
 
@@ -26,10 +28,10 @@ def _requests(n_prompts=4, n=3):
             for p in range(n_prompts) for k in range(n)]
 
 
-def _drain(engine, limit=500):
-    polls = []
-    while engine.slots.has_work() and len(polls) < limit:
-        polls.append(engine.stream_poll(timeout_s=5.0))
+def _drain(engine, limit=500, deadline_s=120.0):
+    polls, t_end = [], time.perf_counter() + deadline_s  # a stuck admission fails below, not after 500 polls
+    while engine.slots.has_work() and len(polls) < limit and time.perf_counter() < t_end:
+        polls.append(engine.stream_poll(timeout_s=1.0))
     assert not engine.slots.has_work()
     return polls
 
@@ -102,9 +104,11 @@ def test_interrupt_hands_back_every_row_continued_to_the_uninterrupted_response(
     assert engine.interrupt() is True and not engine._stream_stop.is_set()  # idle: nothing to stop
 
 
-def test_an_adapter_loaded_under_live_rows_waits_for_them(engine):
+@pytest.mark.parametrize("payload", [AdapterPayload(1), None], ids=["adapter", "base"])
+def test_an_adapter_loaded_under_live_rows_waits_for_them(engine, payload):
     """``partial_rollout=false``'s guarantee at the engine: rows live at the load finish under the adapter they
-    started with (version 0 here), the queued ones start under the new one (version 1)."""
+    started with (version 0 here), the queued ones start under the new one (version 1; None, the base model:
+    -1), and admission resumes once it is installed."""
     engine.payload_version = 0
     reqs = _requests()
     engine.stream_submit(reqs, PARAMS)
@@ -112,12 +116,13 @@ def test_an_adapter_loaded_under_live_rows_waits_for_them(engine):
     engine.slots.forward(engine.occupancy)
     live = {r.req.key for c in engine.slots.cohorts for r in c.rows}
     assert live
-    engine.load_adapter(AdapterPayload(1))  # no files: the base model, version 1
+    engine.load_adapter(payload)  # AdapterPayload(1) has no files: the base model too, as version 1
     assert engine.payload_version == 0 and engine.slots.hold
     got = _by_key([first] + _drain(engine))
+    new = payload.version if payload is not None else -1
     assert all(got[k].version == 0 for k in live)
-    assert any(r.version == 1 for r in got.values())
-    assert engine.payload_version == 1 and not engine.slots.hold
+    assert {r.version for r in got.values()} == {0, new} and len(got) == len(reqs)
+    assert engine.payload_version == new and not engine.slots.hold
 
 
 def test_occupancy_is_live_rows_over_slots(engine):
