@@ -64,32 +64,52 @@ def test_sft_resume_at_dp2_and_tp2_restores_the_optimizer_state_bitwise(tiny_dir
     assert not shapes, list(shapes.items())[:4]
 
 
+EXPERT_SFT = ["data.micro_batch_tokens=64", "data.global_batch_tokens=256", "data.max_tokens=48", "lora.rank=4",
+              "optim.lr=3e-3", "lora.targets=[linear_q_up_proj,experts.linear_fc1,experts.linear_fc2]",
+              "optim.decay_style=constant", "train.save_every=2", "train.keep_last=0", "train.eval_every=0",
+              "train.progress=false", "wandb.mode=disabled"]
+ALLOW = "train.allow_resume_mismatch=true"
+
+
+class ExpertRuns:
+    """``glm5 sft`` at two gloo ranks with adapters on the routed experts, in folders under ``root``."""
+
+    def __init__(self, tiny_dir, root):
+        self.root = root
+        self.args = [f"model.hf_dir={tiny_dir}", f"data.train={_data(root / 't.jsonl')}", *EXPERT_SFT]
+
+    def sft(self, out, steps, *extra, ok=True):
+        from tests.support.launch import glm5
+
+        r = glm5("sft", *self.args, *extra, f"train.steps={steps}", f"train.out={self.root / out}", nproc=2, ok=ok)
+        return last_json(r.stdout)["losses"] if ok else r
+
+
+@pytest.fixture(scope="module")
+def expert_runs(tiny_dir, tmp_path_factory):
+    """The runs both expert-layout tests read, made once: ETP 1 ("a") and ETP 2 ("b") saved at step 2, each
+    copied there ("a_at2", "b_at2"), then each resumed at its own ETP to step 3. (runs, {name: losses})."""
+    runs = ExpertRuns(tiny_dir, tmp_path_factory.mktemp("expert_layouts"))
+    losses = {"a": runs.sft("a", 2, "parallel.etp=1"), "b": runs.sft("b", 2, "parallel.etp=2")}
+    for name in ("a", "b"):
+        shutil.copytree(runs.root / name, runs.root / f"{name}_at2")
+    losses["a3"] = runs.sft("a", 3, "parallel.etp=1")  # the uninterrupted ETP 1 run's step 3
+    losses["b3"] = runs.sft("b", 3, "parallel.etp=2")
+    return runs, losses
+
+
 @pytest.mark.slow
-def test_expert_adapter_optimizer_state_saved_at_etp2_is_the_etp1_state_and_resumes_across_etp(tiny_dir, tmp_path,
-                                                                                             single_rank):
+def test_expert_adapter_optimizer_state_saved_at_etp2_is_the_etp1_state_and_resumes_across_etp(expert_runs, single_rank):
     """Adapters on the routed experts at expert TP 2 (issue 40 item 2): their Adam moments are saved as the global
     tensors the ETP 1 run saves (each expert's fc1 B as gate and up halves over the ETP shards, fc2 A split on
     dim 1, the replicated factors once), with its values (the keys and offsets of the experts' own weights), and
     the ETP 2 run resumes from it to the ETP 1 run's next loss."""
-    from tests.support.launch import glm5
-
-    args = [f"model.hf_dir={tiny_dir}", f"data.train={_data(tmp_path / 't.jsonl')}", "data.micro_batch_tokens=64",
-            "data.global_batch_tokens=256", "data.max_tokens=48", "lora.rank=4", "optim.lr=3e-3",
-            "lora.targets=[linear_q_up_proj,experts.linear_fc1,experts.linear_fc2]",
-            "optim.decay_style=constant", "train.save_every=2", "train.keep_last=0", "train.eval_every=0",
-            "train.progress=false", "wandb.mode=disabled"]
-
-    def sft(out, etp, steps):
-        return last_json(glm5("sft", *args, f"parallel.etp={etp}", f"train.steps={steps}", f"train.out={out}",
-                              nproc=2).stdout)["losses"]
-
-    for etp in (1, 2):
-        sft(tmp_path / f"etp{etp}", etp, 2)
+    runs, losses = expert_runs
     # ETP 2 chains a dense and an expert optimizer (the experts' expert-DP group is not the DP group); the
     # distributed optimizer's keys would carry a ``chained_N.`` prefix there
     one, two = ({re.sub(r"^chained_\d+\.", "", k): v for k, v in
-                 _optimizer_tensors(tmp_path / f"etp{etp}" / "iter_0000002" / "optimizer" / "dist").items()}
-                for etp in (1, 2))
+                 _optimizer_tensors(runs.root / f"{name}_at2" / "iter_0000002" / "optimizer" / "dist").items()}
+                for name in ("a", "b"))
     experts = [k for k in one if ".experts." in k and ".lora." in k and "exp_avg" in k]
     assert len(experts) >= 4 and set(one) == set(two), (experts, sorted(set(one) ^ set(two))[:4])
     for k in one:
@@ -98,30 +118,20 @@ def test_expert_adapter_optimizer_state_saved_at_etp2_is_the_etp1_state_and_resu
         assert diff <= 1e-5, (k, diff)
     # each resumed at its own ETP (across ETP 1 / 2, where the optimizer is chained on one side only:
     # test_sft_resumed_at_another_expert_layout_gives_the_uninterrupted_runs_next_loss)
-    nexts = [sft(tmp_path / f"etp{etp}", etp, 3) for etp in (1, 2)]
+    nexts = [losses["a3"], losses["b3"]]
     assert [len(n) for n in nexts] == [1, 1], nexts  # resumed: step 3 only
     assert abs(nexts[1][0] - nexts[0][0]) / nexts[0][0] <= 1e-5, nexts
 
 
 @pytest.mark.slow
-def test_sft_resumed_at_another_expert_layout_gives_the_uninterrupted_runs_next_loss(tiny_dir, tmp_path, single_rank):
+def test_sft_resumed_at_another_expert_layout_gives_the_uninterrupted_runs_next_loss(expert_runs):
     """ETP 1 saved at step 2, resumed at ETP 2 and at EP 2 (where Megatron chains a dense and an expert optimizer,
     ETP 1 / EP 1 builds one), and ETP 2 saved, resumed at ETP 1: step 3's loss is the uninterrupted ETP 1 run's
     within fp32 reordering (1e-5 relative), each parameter's Adam state loaded into the other optimizer structure.
     Without ``train.allow_resume_mismatch`` the layout change is refused in one line naming the field; the
     distributed optimizer's state (``dp_reshardable``, DP-reshardable only) is refused in one line even with it."""
-    from tests.support.launch import glm5
-
-    args = [f"model.hf_dir={tiny_dir}", f"data.train={_data(tmp_path / 't.jsonl')}", "data.micro_batch_tokens=64",
-            "data.global_batch_tokens=256", "data.max_tokens=48", "lora.rank=4", "optim.lr=3e-3",
-            "lora.targets=[linear_q_up_proj,experts.linear_fc1,experts.linear_fc2]",
-            "optim.decay_style=constant", "train.save_every=2", "train.keep_last=0", "train.eval_every=0",
-            "train.progress=false", "wandb.mode=disabled"]
-    allow = "train.allow_resume_mismatch=true"
-
-    def sft(out, steps, *extra, ok=True):
-        r = glm5("sft", *args, *extra, f"train.steps={steps}", f"train.out={tmp_path / out}", nproc=2, ok=ok)
-        return last_json(r.stdout)["losses"] if ok else r
+    runs, losses = expert_runs
+    root, sft = runs.root, runs.sft
 
     def one_line_errors(r):
         ranks = r.stderr.split("torch/distributed/elastic/multiprocessing/api.py")[0]  # before torchrun's own
@@ -129,18 +139,18 @@ def test_sft_resumed_at_another_expert_layout_gives_the_uninterrupted_runs_next_
         assert r.returncode != 0 and errors and "Traceback" not in ranks, r.stderr[-3000:]
         return errors
 
-    first = sft("a", 2, "parallel.etp=1")
     for copy in ("etp2", "ep2"):
-        shutil.copytree(tmp_path / "a", tmp_path / copy)
-    (ref,) = sft("a", 3, "parallel.etp=1")  # the uninterrupted run's step 3
+        shutil.copytree(root / "a_at2", root / copy)
+    shutil.copytree(root / "b_at2", root / "b_to_etp1")
+    (ref,) = losses["a3"]  # the uninterrupted run's step 3
     errors = one_line_errors(sft("etp2", 3, "parallel.etp=2", ok=False))
-    assert all("layout.etp: '<absent>' -> 2" in e and allow in e for e in errors), errors
-    resumed = {"etp2": sft("etp2", 3, "parallel.etp=2", allow), "ep2": sft("ep2", 3, "parallel.ep=2", allow)}
-    assert sft("b", 2, "parallel.etp=2") == pytest.approx(first, rel=1e-5)
-    resumed["etp2->etp1"] = sft("b", 3, "parallel.etp=1", allow)
-    for name, losses in resumed.items():
-        assert len(losses) == 1 and abs(losses[0] - ref) / ref <= 1e-5, (name, losses, ref)
+    assert all("layout.etp: '<absent>' -> 2" in e and ALLOW in e for e in errors), errors
+    resumed = {"etp2": sft("etp2", 3, "parallel.etp=2", ALLOW), "ep2": sft("ep2", 3, "parallel.ep=2", ALLOW)}
+    assert losses["b"] == pytest.approx(losses["a"], rel=1e-5)
+    resumed["etp2->etp1"] = sft("b_to_etp1", 3, "parallel.etp=1", ALLOW)
+    for name, got in resumed.items():
+        assert len(got) == 1 and abs(got[0] - ref) / ref <= 1e-5, (name, got, ref)
     # the distributed optimizer's dp_reshardable buffers: refused in one line, even with the switch
     sft("dist", 2, "parallel.etp=1", "optim.distributed=true")
-    errors = one_line_errors(sft("dist", 3, "parallel.etp=2", "optim.distributed=true", allow, ok=False))
+    errors = one_line_errors(sft("dist", 3, "parallel.etp=2", "optim.distributed=true", ALLOW, ok=False))
     assert all("saved by 1 chained optimizer(s), this layout builds 2" in e for e in errors), errors
