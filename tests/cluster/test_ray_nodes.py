@@ -76,9 +76,13 @@ def _stop(procs) -> None:
             pass
 
 
-@pytest.fixture
-def two_nodes(tmp_path):
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """(address, {"node_a" | "node_b": node id}, temp dir) of a two-node cluster both tests use (each job a
+    client of its own, in a process of its own); its start logs under a module temp folder."""
     import ray
+
+    tmp_path = tmp_path_factory.mktemp("two_nodes")
 
     ray.shutdown()
     port = _free_port()
