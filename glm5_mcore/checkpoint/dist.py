@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import queue
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase, ShardedTensor
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
@@ -60,6 +62,18 @@ def base_sharded_state_dict(model) -> dict:
     return {k: v for k, v in model.sharded_state_dict().items() if ".lora." not in k}
 
 
+def save_sharded(sharded_state_dict: dict, path: str | Path) -> None:
+    """``dist_checkpointing.save`` (every rank calls it), synchronous as every save here is, with its write
+    results handed back through a thread queue. Megatron's synchronous torch_dist save is its async save run
+    at once (``strategies/torch.py:725-729``), whose writer fetches ``get_write_results_queue()``
+    (``filesystem_async.py:53-66``): a ``multiprocessing`` Manager queue, i.e. a spawned server process per
+    rank that imports the main module again (seconds of CPU and a Python process's memory, at the first save of
+    every process), though its only reader is this process (``retrieve_write_results``: ``get_nowait``)."""
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+    dist_checkpointing.save(sharded_state_dict, str(path))
+
+
 def save_model(model, path: str | Path) -> None:
     """Megatron-Core distributed save of ``model`` (every rank calls it) into the empty folder ``path``; a frozen
     FP8 base as its stored bytes and block scales (``fp8_sharded``)."""
@@ -68,7 +82,7 @@ def save_model(model, path: str | Path) -> None:
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(fp8_sharded_state_dict(base_sharded_state_dict(model)), str(path))
+    save_sharded(fp8_sharded_state_dict(base_sharded_state_dict(model)), path)
 
 
 @torch.no_grad()
@@ -204,7 +218,7 @@ def save_optimizer(opt, model, path: str | Path) -> None:
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(optimizer_sharded_state_dict(opt, model), str(path))
+    save_sharded(optimizer_sharded_state_dict(opt, model), path)
 
 
 def load_optimizer(opt, model, path: str | Path) -> None:
