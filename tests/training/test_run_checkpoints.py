@@ -97,6 +97,19 @@ def test_resume_false_over_an_earlier_run_is_refused_and_harms_nothing(run3, tin
     assert _tree(root) == before
 
 
+def test_saves_hand_their_write_results_back_without_a_process(run3):
+    """The run's sharded saves (``checkpoint.dist.save_sharded``) gave Megatron's writer a thread queue for its
+    results: no ``multiprocessing`` Manager (a spawned server process per rank) was started for them."""
+    import multiprocessing
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    assert (run3[0] / "iter_0000002" / "optimizer" / "dist").is_dir()
+    assert type(filesystem_async._results_queue) is queue.Queue
+    assert not [p.name for p in multiprocessing.active_children() if "Manager" in p.name]
+
+
 def test_keep_last_never_prunes_the_iteration_just_saved(tmp_path):
     """Class 1, the shared mechanism: pruning counts iterations up to the one just saved only."""
     from glm5_mcore.checkpoint.layout import iterations, prune_iterations
