@@ -26,6 +26,7 @@ at one rank for the reference (``tests/layouts/test_layouts.py``):
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -332,7 +333,12 @@ def run_case(case: dict, out: str) -> dict:
 
 def main(cases_path: str, out: str) -> None:
     torch.set_num_threads(1)
-    results = {case["id"]: run_case(case, out) for case in json.loads(Path(cases_path).read_text())}
+    results = {}
+    for case in json.loads(Path(cases_path).read_text()):
+        t = time.perf_counter()
+        results[case["id"]] = run_case(case, out)
+        if dist.get_rank() == 0:
+            print(f"{case['id']}: {time.perf_counter() - t:.1f} s", file=sys.stderr)
     if dist.get_rank() == 0:
         torch.save(results, out)
     dist.destroy_process_group()
