@@ -12,6 +12,12 @@ import torch
 from tests.support.launch import last_json, torchrun
 
 
+SFT = ["data.micro_batch_tokens=64", "data.global_batch_tokens=256", "data.max_tokens=48", "lora.rank=4",
+       "optim.lr=3e-3", "optim.decay_style=constant", "train.save_every=2", "train.keep_last=0", "train.eval_every=0",
+       "train.progress=false", "wandb.mode=disabled"]
+"""The LoRA SFT runs every test here resumes (save at step 2), beside the model and the data."""
+
+
 def _data(path, n=48):
     with open(path, "w") as f:
         for i in range(n):
@@ -51,10 +57,7 @@ def _check_layout(runs, root):
 def test_sft_resume_at_dp2_and_tp2_restores_the_optimizer_state_bitwise(tiny_dir, tmp_path, single_rank):
     """Both layouts on two gloo ranks: DP 2, and TP 2, where the TP-sharded LoRA tensors' moments are
     saved as the two halves of one global tensor (GLU fc1's B as gate and up halves)."""
-    args = [f"model.hf_dir={tiny_dir}", f"data.train={_data(tmp_path / 't.jsonl')}", "data.micro_batch_tokens=64",
-            "data.global_batch_tokens=256", "data.max_tokens=48", "lora.rank=4", "optim.lr=3e-3",
-            "optim.decay_style=constant", "train.save_every=2", "train.keep_last=0", "train.eval_every=0",
-            "train.progress=false", "wandb.mode=disabled"]
+    args = [f"model.hf_dir={tiny_dir}", f"data.train={_data(tmp_path / 't.jsonl')}", *SFT]
     runs = _resume_runs(args, tmp_path, 4)  # b is "killed" after step 2's checkpoint
     dp2 = _check_layout(runs["dp2"], tmp_path / "dp2")
     tp2 = _check_layout(runs["tp2"], tmp_path / "tp2")
@@ -64,10 +67,7 @@ def test_sft_resume_at_dp2_and_tp2_restores_the_optimizer_state_bitwise(tiny_dir
     assert not shapes, list(shapes.items())[:4]
 
 
-EXPERT_SFT = ["data.micro_batch_tokens=64", "data.global_batch_tokens=256", "data.max_tokens=48", "lora.rank=4",
-              "optim.lr=3e-3", "lora.targets=[linear_q_up_proj,experts.linear_fc1,experts.linear_fc2]",
-              "optim.decay_style=constant", "train.save_every=2", "train.keep_last=0", "train.eval_every=0",
-              "train.progress=false", "wandb.mode=disabled"]
+EXPERT_SFT = [*SFT, "lora.targets=[linear_q_up_proj,experts.linear_fc1,experts.linear_fc2]"]
 ALLOW = "train.allow_resume_mismatch=true"
 
 
@@ -99,7 +99,8 @@ def expert_runs(tiny_dir, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_expert_adapter_optimizer_state_saved_at_etp2_is_the_etp1_state_and_resumes_across_etp(expert_runs, single_rank):
+def test_expert_adapter_optimizer_state_saved_at_etp2_is_the_etp1_state_and_resumes_across_etp(expert_runs,
+                                                                                             single_rank):
     """Adapters on the routed experts at expert TP 2 (issue 40 item 2): their Adam moments are saved as the global
     tensors the ETP 1 run saves (each expert's fc1 B as gate and up halves over the ETP shards, fc2 A split on
     dim 1, the replicated factors once), with its values (the keys and offsets of the experts' own weights), and
