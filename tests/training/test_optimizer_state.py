@@ -4,7 +4,6 @@ the run that was never interrupted."""
 
 import json
 import re
-import shutil
 
 import pytest
 import torch
@@ -71,31 +70,44 @@ EXPERT_SFT = [*SFT, "lora.targets=[linear_q_up_proj,experts.linear_fc1,experts.l
 ALLOW = "train.allow_resume_mismatch=true"
 
 
-class ExpertRuns:
-    """``glm5 sft`` at two gloo ranks with adapters on the routed experts, in folders under ``root``."""
-
-    def __init__(self, tiny_dir, root):
-        self.root = root
-        self.args = [f"model.hf_dir={tiny_dir}", f"data.train={_data(root / 't.jsonl')}", *EXPERT_SFT]
-
-    def sft(self, out, steps, *extra, ok=True):
-        from tests.support.launch import glm5
-
-        r = glm5("sft", *self.args, *extra, f"train.steps={steps}", f"train.out={self.root / out}", nproc=2, ok=ok)
-        return last_json(r.stdout)["losses"] if ok else r
-
-
 @pytest.fixture(scope="module")
 def expert_runs(tiny_dir, tmp_path_factory):
-    """The runs both expert-layout tests read, made once: ETP 1 ("a") and ETP 2 ("b") saved at step 2, each
-    copied there ("a_at2", "b_at2"), then each resumed at its own ETP to step 3. (runs, {name: losses})."""
-    runs = ExpertRuns(tiny_dir, tmp_path_factory.mktemp("expert_layouts"))
-    losses = {"a": runs.sft("a", 2, "parallel.etp=1"), "b": runs.sft("b", 2, "parallel.etp=2")}
-    for name in ("a", "b"):
-        shutil.copytree(runs.root / name, runs.root / f"{name}_at2")
-    losses["a3"] = runs.sft("a", 3, "parallel.etp=1")  # the uninterrupted ETP 1 run's step 3
-    losses["b3"] = runs.sft("b", 3, "parallel.etp=2")
-    return runs, losses
+    """Every ``glm5 sft`` run both expert-layout tests read, at two gloo ranks with adapters on the routed
+    experts, in one torchrun launch (``tests/workers/sft_cli_runs.py``: each run through the console's entry
+    point, in order): ETP 1 ("a") and ETP 2 ("b") saved at step 2, each copied there ("a_at2", "b_at2"), then
+    each resumed at its own ETP to step 3 ("a3", "b3"); the step-2 copies resumed at another expert layout
+    (refused without ``train.allow_resume_mismatch``, then with it: "etp2", "ep2", "etp2->etp1"); a
+    distributed-optimizer run saved at step 2 and its refused resume at ETP 2. (root, {name: result})."""
+    root = tmp_path_factory.mktemp("expert_layouts")
+    base = [f"model.hf_dir={tiny_dir}", f"data.train={_data(root / 't.jsonl')}", *EXPERT_SFT]
+
+    def sft(name, out, steps, *extra, copy=()):
+        return {"name": name, "argv": [*base, *extra, f"train.steps={steps}", f"train.out={root / out}"],
+                "copy": [[str(root / a), str(root / b)] for a, b in copy]}
+
+    runs = [sft("a", "a", 2, "parallel.etp=1"), sft("b", "b", 2, "parallel.etp=2"),
+            sft("a3", "a", 3, "parallel.etp=1", copy=[("a", "a_at2"), ("b", "b_at2")]),  # uninterrupted step 3
+            sft("b3", "b", 3, "parallel.etp=2"),
+            sft("etp2_refused", "etp2", 3, "parallel.etp=2",
+                copy=[("a_at2", "etp2"), ("a_at2", "ep2"), ("b_at2", "b_to_etp1")]),
+            sft("etp2", "etp2", 3, "parallel.etp=2", ALLOW), sft("ep2", "ep2", 3, "parallel.ep=2", ALLOW),
+            sft("etp2->etp1", "b_to_etp1", 3, "parallel.etp=1", ALLOW),
+            sft("dist", "dist", 2, "parallel.etp=1", "optim.distributed=true"),
+            sft("dist_refused", "dist", 3, "parallel.etp=2", "optim.distributed=true", ALLOW)]
+    (root / "runs.json").write_text(json.dumps(runs))
+    return root, last_json(torchrun("sft_cli_runs.py", root / "runs.json", timeout=1200).stdout)
+
+
+def _losses(results, name):
+    r = results[name]
+    assert r["rc"] == [0, 0] and not r["traceback"], (name, r)
+    return r["out"]["losses"]
+
+
+def _one_line_errors(results, name):
+    r = results[name]
+    assert all(rc != 0 for rc in r["rc"]) and len(r["errors"]) == 2 and not r["traceback"], (name, r)  # each rank
+    return r["errors"]
 
 
 @pytest.mark.slow
@@ -105,11 +117,11 @@ def test_expert_adapter_optimizer_state_saved_at_etp2_is_the_etp1_state_and_resu
     tensors the ETP 1 run saves (each expert's fc1 B as gate and up halves over the ETP shards, fc2 A split on
     dim 1, the replicated factors once), with its values (the keys and offsets of the experts' own weights), and
     the ETP 2 run resumes from it to the ETP 1 run's next loss."""
-    runs, losses = expert_runs
+    root, results = expert_runs
     # ETP 2 chains a dense and an expert optimizer (the experts' expert-DP group is not the DP group); the
     # distributed optimizer's keys would carry a ``chained_N.`` prefix there
     one, two = ({re.sub(r"^chained_\d+\.", "", k): v for k, v in
-                 _optimizer_tensors(runs.root / f"{name}_at2" / "iter_0000002" / "optimizer" / "dist").items()}
+                 _optimizer_tensors(root / f"{name}_at2" / "iter_0000002" / "optimizer" / "dist").items()}
                 for name in ("a", "b"))
     experts = [k for k in one if ".experts." in k and ".lora." in k and "exp_avg" in k]
     assert len(experts) >= 4 and set(one) == set(two), (experts, sorted(set(one) ^ set(two))[:4])
@@ -119,7 +131,7 @@ def test_expert_adapter_optimizer_state_saved_at_etp2_is_the_etp1_state_and_resu
         assert diff <= 1e-5, (k, diff)
     # each resumed at its own ETP (across ETP 1 / 2, where the optimizer is chained on one side only:
     # test_sft_resumed_at_another_expert_layout_gives_the_uninterrupted_runs_next_loss)
-    nexts = [losses["a3"], losses["b3"]]
+    nexts = [_losses(results, "a3"), _losses(results, "b3")]
     assert [len(n) for n in nexts] == [1, 1], nexts  # resumed: step 3 only
     assert abs(nexts[1][0] - nexts[0][0]) / nexts[0][0] <= 1e-5, nexts
 
@@ -131,27 +143,15 @@ def test_sft_resumed_at_another_expert_layout_gives_the_uninterrupted_runs_next_
     within fp32 reordering (1e-5 relative), each parameter's Adam state loaded into the other optimizer structure.
     Without ``train.allow_resume_mismatch`` the layout change is refused in one line naming the field; the
     distributed optimizer's state (``dp_reshardable``, DP-reshardable only) is refused in one line even with it."""
-    runs, losses = expert_runs
-    root, sft = runs.root, runs.sft
-
-    def one_line_errors(r):
-        ranks = r.stderr.split("torch/distributed/elastic/multiprocessing/api.py")[0]  # before torchrun's own
-        errors = [line for line in ranks.splitlines() if line.startswith("glm5 sft: error:")]
-        assert r.returncode != 0 and errors and "Traceback" not in ranks, r.stderr[-3000:]
-        return errors
-
-    for copy in ("etp2", "ep2"):
-        shutil.copytree(root / "a_at2", root / copy)
-    shutil.copytree(root / "b_at2", root / "b_to_etp1")
-    (ref,) = losses["a3"]  # the uninterrupted run's step 3
-    errors = one_line_errors(sft("etp2", 3, "parallel.etp=2", ok=False))
+    root, results = expert_runs
+    (ref,) = _losses(results, "a3")  # the uninterrupted run's step 3
+    errors = _one_line_errors(results, "etp2_refused")
     assert all("layout.etp: '<absent>' -> 2" in e and ALLOW in e for e in errors), errors
-    resumed = {"etp2": sft("etp2", 3, "parallel.etp=2", ALLOW), "ep2": sft("ep2", 3, "parallel.ep=2", ALLOW)}
-    assert losses["b"] == pytest.approx(losses["a"], rel=1e-5)
-    resumed["etp2->etp1"] = sft("b_to_etp1", 3, "parallel.etp=1", ALLOW)
-    for name, got in resumed.items():
+    assert _losses(results, "b") == pytest.approx(_losses(results, "a"), rel=1e-5)
+    for name in ("etp2", "ep2", "etp2->etp1"):
+        got = _losses(results, name)
         assert len(got) == 1 and abs(got[0] - ref) / ref <= 1e-5, (name, got, ref)
     # the distributed optimizer's dp_reshardable buffers: refused in one line, even with the switch
-    sft("dist", 2, "parallel.etp=1", "optim.distributed=true")
-    errors = one_line_errors(sft("dist", 3, "parallel.etp=2", "optim.distributed=true", ALLOW, ok=False))
+    _losses(results, "dist")
+    errors = _one_line_errors(results, "dist_refused")
     assert all("saved by 1 chained optimizer(s), this layout builds 2" in e for e in errors), errors
