@@ -38,9 +38,11 @@ MATRIX = {  # name: (check, tiny model fixture, check kwargs, [(layout, world si
     "lora_grads": ("lora_grads", "tiny_dir", {}, [(dict(etp=2), 2), (dict(tp=2, etp=2), 2)]),
     "lora_grads_grouped": ("lora_grads", "tiny_dir", {"grouped": True}, [(dict(etp=2), 2), (dict(tp=2, etp=2), 2)]),
     "logprobs": ("logprobs", "tiny_dir", {}, [(dict(tp=2), 2)]),
+    # PP 2 x CP 2 (issue 28 A4): Megatron's schedule sizes the P2P buffers from ``seq_length // cp``, so the recipe
+    # passes the sequence length before the CP split (the split one hung or broke a shape between the stages)
     "sft_losses": ("sft_losses", "tiny_dir", {"extra": SFT_LORA},
                    [(dict(tp=2), 2), (dict(ep=2), 2), (dict(tp=2, ep=2), 2), (dict(pp=2), 2), (dict(cp=2), 2),
-                    (dict(etp=2), 2)]),
+                    (dict(etp=2), 2), (dict(pp=2, cp=2), 4)]),
     # the last stage's MTP embedding copy is synced on CPU (cpu_compat, language_module.py:307)
     # SFT with LoRA on the grouped experts (TEGroupedMLP, lora.grouped) gives the one-rank SequentialMLP run's losses
     "sft_losses_grouped": ("sft_losses", "tiny_dir", {"extra": (*SFT_LORA, "model.moe_grouped_gemm=true")},
