@@ -39,6 +39,19 @@ def training_device_override(device: torch.device | str):
         _override = prev
 
 
+def to_device_async(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A small host tensor ``t`` on ``device`` without a host sync: under CUDA from pinned memory with
+    ``non_blocking=True`` (a copy from pageable memory, or a blocking one, waits for the stream: ATen's
+    ``memcpy_and_sync``). The pinned buffer is PyTorch's cached one, kept until the copy is done. ``t`` itself on
+    the CPU."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def dist_timeout() -> datetime.timedelta:
     """The timeout of every process group this project creates: ``GLM5_DIST_TIMEOUT_MINUTES`` (default 30;
     Megatron-LM's ``--distributed-timeout-minutes``). PyTorch's NCCL default is 10 minutes, which a

@@ -9,7 +9,8 @@ forward hook adds, over the dispatched tokens ``x [T, in]`` split by ``m_splits`
 ``scale · B_i(A_i(dropout(x_i)))``: with ``torch.nn.functional.grouped_mm`` on CUDA when every expert runs the same
 rank and ``grouped_mm`` takes the shapes (bf16, rank / in / out % 8: ``grouped_fits``; no Python loop over
 experts), else per expert (the CPU: its ``grouped_mm`` has no working backward, as
-``cpu_compat.GroupedLinear`` says).
+``cpu_compat.GroupedLinear`` says). The groups' offsets go to the device without a host sync (pinned,
+non-blocking: ``grouped_offsets``), once for fc1 and fc2 of a layer, which get the same ``m_splits``.
 
 ``ExpertSlot`` stands for one expert of a grouped linear where the model-level code expects a base linear
 (``.weight`` is ``weight{i}``; merge adds into it). Under expert tensor parallelism (``etp > 1``) it is column-
@@ -29,7 +30,11 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state as ps
 
+from glm5_mcore.device import to_device_async
 from glm5_mcore.lora.layers import LoRALayer, attach, dropout_rng, expert_tp_factors
+
+GROUPED_MM_DEVICES = {"cuda"}
+"""Device types whose ``grouped_mm`` has a backward (the stacked path runs there; tests add their stand-in)."""
 
 
 class ExpertSlot:
@@ -71,7 +76,7 @@ class GroupedLoRA(torch.nn.Module):
         names = [lora.applied() if lora is not None else None for lora in layers]
         if all(n is None for n in names):
             return None
-        if x.is_cuda and None not in names and len({(lo.A[n].shape, lo.scale[n], lo.dropout[n])
+        if x.device.type in GROUPED_MM_DEVICES and None not in names and len({(lo.A[n].shape, lo.scale[n], lo.dropout[n])
                                                       for lo, n in zip(layers, names)}) == 1 and \
                 grouped_fits(x, layers[0].A[names[0]], layers[0].B[names[0]]):
             return _stacked_delta(x, m_splits, layers, names)
@@ -94,14 +99,32 @@ def _stacked_delta(x, m_splits, layers, names) -> torch.Tensor:
 
 
 def grouped_fits(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``grouped_mm`` takes these: bf16, every row stride a multiple of 16 bytes (rank, in, out % 8)."""
-    return x.dtype == a.dtype == b.dtype == torch.bfloat16 and all(d % 8 == 0 for d in (*a.shape[1:], b.shape[1]))
+    """Whether ``grouped_mm`` takes these factors (one expert's ``a [r, in]``, ``b [out, r]``, or stacked ``[E, ...]``):
+    bf16, every row stride of its operands a multiple of 16 bytes, forward and backward (rank, in, out % 8; the
+    backward's upstream gradient is ``[T, out]``)."""
+    dims = (a.shape[-2], a.shape[-1], b.shape[-2])
+    return x.dtype == a.dtype == b.dtype == torch.bfloat16 and all(d % 8 == 0 for d in dims)
+
+
+_OFFSETS: list = [None, None]
+"""The last (key, offsets) ``grouped_offsets`` made: fc2 reuses fc1's (the same ``m_splits``), a recompute its own."""
+
+
+def grouped_offsets(m_splits: list[int], device: torch.device) -> torch.Tensor:
+    """int32 [E] cumulative group ends of ``m_splits`` on ``device``, as ``grouped_mm``'s ``offs`` takes them, copied
+    without a host sync (``device.to_device_async``: pinned, non-blocking; a pageable copy waits for the stream) and
+    shared by consecutive calls with the same splits (fc1 and fc2 of one MoE layer)."""
+    key = (tuple(m_splits), str(device))
+    if _OFFSETS[0] != key:
+        ends = torch.tensor(m_splits, dtype=torch.int64).cumsum(0).to(torch.int32)
+        _OFFSETS[:] = [key, to_device_async(ends, device)]
+    return _OFFSETS[1]
 
 
 def grouped_delta(x: torch.Tensor, m_splits: list[int], a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """``scale · B_e(A_e x_e)`` for the rows ``x [T, in]`` of each expert ``e`` (``m_splits``), ``a [E, r, in]``,
     ``b [E, out, r]``: two ``grouped_mm`` s, no loop over experts."""
-    offs = torch.cumsum(torch.tensor(m_splits, device=x.device), 0).to(torch.int32)
+    offs = grouped_offsets(m_splits, x.device)
     h = F.grouped_mm(x, a.transpose(1, 2), offs=offs)
     return F.grouped_mm(h, b.transpose(1, 2), offs=offs) * scale
 

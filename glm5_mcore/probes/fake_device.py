@@ -75,8 +75,9 @@ def _is_meta_arg(d) -> bool:
 
 
 OBSERVERS: list = []
-"""Callables ``(func, args, kwargs)`` shown every op that reaches the stand-in device, in any thread
-(``host_reads`` counts device→host reads through it)."""
+"""Callables ``(func, args, kwargs)`` shown every op that reaches the stand-in device, in any thread, and every
+``torch.tensor`` / ``torch.as_tensor`` of host data made on it (``host_reads`` counts device→host reads through it,
+``host_writes`` the host→device copies)."""
 
 
 def _dispatch(func, args, kwargs):
@@ -124,7 +125,9 @@ class _Factories(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in (torch.tensor, torch.as_tensor):
             args = tree_map(host, args)  # device scalars in a list are read on the host, as CUDA does
-            if _is_meta_arg(kwargs.get("device")):
+            if _is_meta_arg(kwargs.get("device")):  # CUDA builds it on the host and copies it over, blocking
+                for observe in OBSERVERS:
+                    observe(func, args, kwargs)
                 return OnDevice(func(*args, **{**kwargs, "device": "cpu"}))
         return func(*args, **kwargs)
 

@@ -24,7 +24,8 @@ SYNC_OPS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonz
 BOOL_INDEX_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 
 
-def _caller() -> str:
+def project_caller() -> str:
+    """file:line of the innermost project / Megatron frame on the stack (outside the probes)."""
     for fr in reversed(traceback.extract_stack()[:-3]):
         f = fr.filename
         if ("glm5_mcore" in f or "megatron" in f or "/rl/" in f or "/recipes/" in f) and "/probes/" not in f:
@@ -43,7 +44,7 @@ class HostReads:
     def hit(self, what: str):
         if not self.active:
             return
-        self.reads.append((what, _caller()))
+        self.reads.append((what, project_caller()))
         if self.raise_on_read:
             raise AssertionError(f"device→host read {what} at {self.reads[-1][1]}")
 

@@ -188,3 +188,47 @@ def test_grouped_gemm_setting_defaults_on_for_te_only(tiny_dir, single_rank):
     m, _ = hf_model(tiny_dir)
     assert isinstance(_experts(m), SequentialMLP) and m.config.moe_grouped_gemm is False
 
+
+
+def test_grouped_fits_checks_every_width_the_backward_strides():
+    """``grouped_fits`` checks rank, in and out % 8 on one expert's factors (``a [r, in]``, ``b [out, r]``, what
+    ``GroupedLoRA.delta`` passes) as on stacked ones: the backward's upstream gradient ``[T, out]`` is an operand of
+    ``grouped_mm`` too, so out = 12 (a 24-byte bf16 row) does not fit."""
+    from glm5_mcore.lora.grouped import grouped_fits
+
+    x = torch.zeros(4, 16, dtype=torch.bfloat16)
+    a, b = torch.zeros(8, 16, dtype=torch.bfloat16), torch.zeros(12, 8, dtype=torch.bfloat16)
+    assert not grouped_fits(x, a, b) and not grouped_fits(x, a[None], b[None])
+    assert grouped_fits(x, a, torch.zeros(16, 8, dtype=torch.bfloat16))
+
+
+def test_grouped_lora_forward_uploads_its_offsets_without_a_host_sync(tiny_dir, single_rank, monkeypatch):
+    """The stacked ``grouped_mm`` path of routed-expert LoRA (the stand-in device plays CUDA) copies each MoE layer's
+    group offsets to the device once, shared by fc1 and fc2, and never with a blocking copy (on CUDA a
+    ``torch.tensor(m_splits, device=cuda)`` waits for the stream in every fc1 and fc2)."""
+    from glm5_mcore.config import GLM5Config
+    from glm5_mcore.lora import grouped
+    from glm5_mcore.lora.apply import apply_lora
+    from glm5_mcore.lora.config import LoRAConfig
+    from glm5_mcore.mcore_settings import ParallelConfig
+    from glm5_mcore.model.build import build_model
+    from glm5_mcore.probes.fake_device import fake_device
+    from glm5_mcore.probes.host_writes import count_host_writes
+
+    monkeypatch.setattr(grouped, "GROUPED_MM_DEVICES", {"cuda", "meta"})
+    glm5 = GLM5Config.from_hf_dir(tiny_dir)
+    stacked = []
+    monkeypatch.setattr(grouped, "grouped_delta", lambda *a, f=grouped.grouped_delta: stacked.append(1) or f(*a))
+    with fake_device() as dev:
+        m = build_model(glm5, ParallelConfig(), moe_grouped_gemm=True, bf16=True, params_dtype=torch.bfloat16)
+        apply_lora(m, LoRAConfig(rank=8, targets=("experts.linear_fc1", "experts.linear_fc2"), init="random",
+                                 seed=1), "default")
+        ids = torch.randint(3, 100, (1, 24), generator=torch.Generator().manual_seed(0)).to(dev)
+        with torch.no_grad(), count_host_writes() as w:
+            m(input_ids=ids, position_ids=torch.arange(24, device=dev)[None], attention_mask=None)
+    moe_layers = sum(glm5.moe_layer_pattern)
+    offsets = [u for u in w.uploads if "lora/grouped.py" in u[1] or "device.py" in u[1]]
+    print("uploads:", w.uploads, "blocking:", w.blocking)
+    assert len(stacked) == 2 * moe_layers  # fc1 and fc2 of every MoE layer took the grouped_mm path
+    assert not w.blocking, w.blocking
+    assert len(offsets) == moe_layers, offsets
