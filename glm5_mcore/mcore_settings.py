@@ -5,6 +5,7 @@
 - ``padded_vocab_size``: the embedding / output-layer rows at a TP (Megatron-LM's ``_vocab_size_with_padding``);
 - ``recompute_overrides``: activation recompute as Megatron-Core's recompute fields (SFT and RL);
 - ``grouped_gemm``: ``model.moe_grouped_gemm`` resolved for a layer-spec backend;
+- ``token_multiple``: what every rank's packed micro-batch is padded to a multiple of (SFT and RL packers);
 - ``dsa_loss_scale``: the schedule hook that scales the DSA indexer loss's backward.
 """
 
@@ -36,6 +37,29 @@ def grouped_gemm(setting, backend: str) -> bool:
     if setting not in (None, True, False):
         raise ValueError(f"model.moe_grouped_gemm={setting!r}: null, true or false")
     return backend == "te" if setting is None else setting
+
+
+FP8_SHARD_TOKENS = 16
+"""Tokens each rank's share of a micro-batch is a multiple of when Transformer Engine computes in FP8 (or FP4):
+every FP8 ``Linear`` asserts a multiple of 8 on its (sequence-parallel) input (TE ``module/linear.py``
+``assert_dim_for_fp8_exec``, ``utils.py``; the block-scaled cuBLAS GEMM asks the same); 16 as Megatron-Bridge and NeMo
+pad packed FP8 batches (16·TP·2·CP)."""
+
+
+def token_multiple(config) -> int:
+    """The token count every rank's packed micro-batch is padded to a multiple of, for a Megatron-Core
+    ``TransformerConfig``: ``token_multiple_of`` its TP size, sequence parallelism and FP8 / FP4 under TE
+    (``config.fp8``: ``model.base_dtype=fp8`` with the TE backend; the local spec's FP8 base needs nothing). The
+    one rule the SFT stream and the RL trainer's packer use."""
+    return token_multiple_of(config.tensor_model_parallel_size, config.sequence_parallel,
+                             bool(config.fp8 or getattr(config, "fp4", None)))
+
+
+def token_multiple_of(tp: int, sequence_parallel: bool, fp8: bool) -> int:
+    """The TP size under sequence parallelism (each TP rank holds 1/TP of the tokens), times ``FP8_SHARD_TOKENS``
+    when TE computes in FP8. Under context parallelism every document is padded to 2·cp times it
+    (``data.cp_split``), so each TP shard of each CP rank holds a multiple of 16 tokens (Bridge's 16·TP·2·CP)."""
+    return (tp if sequence_parallel else 1) * (FP8_SHARD_TOKENS if fp8 else 1)
 
 
 @dataclass

@@ -27,7 +27,7 @@ from megatron.core import parallel_state as ps
 from transformers import AutoTokenizer
 
 from glm5_mcore.config import GLM5Config
-from glm5_mcore.mcore_settings import ParallelConfig, recompute_overrides
+from glm5_mcore.mcore_settings import ParallelConfig, recompute_overrides, token_multiple
 from glm5_mcore.data.indexed import check_data, check_tokenizer, is_jsonl, parse_blend, resolve_prefix
 from glm5_mcore.data.sft import PackedBatch
 from glm5_mcore.data.stream import SFTDocuments, SFTStream, is_indexed
@@ -264,7 +264,7 @@ def restore(cfg: SFTConfig, model, opt, sched, settings: dict) -> dict:
 def make_stream(cfg: SFTConfig, docs: SFTDocuments, state: dict, parallel: ParallelConfig, accum: int, model,
                 pad_id: int) -> SFTStream:
     """This rank's data stream at ``state``, padded as the layout needs (``data.stream``)."""
-    multiple = parallel.tp if model.config.sequence_parallel else 1
+    multiple = token_multiple(model.config)  # TP under sequence parallelism, x 16 for TE's FP8
     return SFTStream(cfg.data, docs, state, steps=cfg.train.steps, accum=accum,
                      dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(), cp=parallel.cp,
                      cp_rank=ps.get_context_parallel_rank(), multiple=multiple, pad_id=pad_id,

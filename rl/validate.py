@@ -26,6 +26,7 @@ import importlib.util
 from pathlib import Path
 
 from glm5_mcore.checkpoint.layout import serving_dir
+from glm5_mcore.mcore_settings import token_multiple_of
 from glm5_mcore.training.loop import OptimCfg, check_optimizer
 from rl.cluster.engine_placement import check as check_engine_layout
 from rl.train.cp import cp_unit
@@ -129,7 +130,8 @@ def preflight(c, tokenizer, prompt_sets: dict) -> tuple[int, ...]:
                              f"max_new_tokens={r.max_new_tokens} exceeds the model's context "
                              f"(max_position_embeddings={ctx}); lower data.max_prompt_tokens or rollout.max_new_tokens")
         longest = len(p.ids) + r.max_new_tokens
-        unit = cp_unit(t.cp, t.tp if t.tp > 1 else 1)  # the trainer pads each sample for the CP split
+        # the trainer pads each sample for the CP split (mcore_settings.token_multiple: SP at TP > 1, TE's FP8)
+        unit = cp_unit(t.cp, token_multiple_of(t.tp, t.tp > 1, m.base_dtype == "fp8" and t.backend == "te"))
         padded = -(-longest // unit) * unit
         pad = f", padded to {padded} for the trainer.cp={t.cp} split" if padded != longest else ""
         for field, budget in budgets:

@@ -23,18 +23,21 @@ from glm5_mcore.data.cp_split import cp_shard, cp_unsplit_index, gather_from_cp
 
 def cp_unit(cp: int, multiple: int) -> int:
     """The length every document is padded to a multiple of under CP (``cp_split``'s 2·cp·m: two
-    load-balanced chunks per rank, ``multiple`` = the TP size under sequence parallelism); 1 at CP 1."""
+    load-balanced chunks per rank, ``multiple`` = ``mcore_settings.token_multiple``); 1 at CP 1."""
     return 2 * cp * multiple if cp > 1 else 1
 
 
 class RLContextParallel:
-    def __init__(self, multiple: int):
-        """``multiple``: the local length multiple sequence parallelism needs (the TP size, else 1)."""
+    def __init__(self, multiple: int, size: int | None = None, rank: int | None = None):
+        """``multiple``: the local length multiple a rank needs (``mcore_settings.token_multiple``: the TP size under
+        sequence parallelism, x 16 for TE's FP8); ``size`` / ``rank``: this rank's place in the CP group (default:
+        Megatron's parallel state; given, no group: the packer alone, as the tests plan another rank's share)."""
         from megatron.core import parallel_state as ps
 
-        self.size = ps.get_context_parallel_world_size()
-        self.rank = ps.get_context_parallel_rank()
-        self.group = ps.get_context_parallel_group() if self.size > 1 else None
+        given = size is not None
+        self.size = size if given else ps.get_context_parallel_world_size()
+        self.rank = rank if given else ps.get_context_parallel_rank()
+        self.group = ps.get_context_parallel_group() if self.size > 1 and not given else None
         self.multiple = multiple
 
     @property

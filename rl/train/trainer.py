@@ -38,7 +38,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from transformers import AutoTokenizer
 
 from glm5_mcore.checkpoint.layout import latest_iteration
-from glm5_mcore.mcore_settings import recompute_overrides
+from glm5_mcore.mcore_settings import recompute_overrides, token_multiple
 from glm5_mcore.device import training_device
 from glm5_mcore.lora.apply import apply_lora, disable_adapters, set_adapter
 from glm5_mcore.lora.peft import export_peft
@@ -105,7 +105,8 @@ class PolicyTrainer:
         check_indexer_learns(model, "trainer.freeze_indexer")
         fp32_output_layer(model)  # log-probs from fp32 logits under bf16 (old, ref, new: IcePop's ratios)
         self.model = model
-        self.cp = RLContextParallel(self.parallel.tp if model.config.sequence_parallel else 1)
+        self.multiple = token_multiple(model.config)  # TP under sequence parallelism, x 16 for TE's FP8
+        self.cp = RLContextParallel(self.multiple)
         self.routing = TrainerRouting(model, replay=cfg.algorithm.router_replay)
         self.mtp = DraftAcceptance(model) if mtp else None
         self.mtp_loss = PerTokenMTP(model, cfg.actor.mtp_loss_scale, mtp) if mtp else None
@@ -145,8 +146,7 @@ class PolicyTrainer:
         cp = self.cp if self.cp.size > 1 else None
         check_fits(batch, rows, budget, field, cp)  # every rank holds the same batch: all refuse together
         dp, dp_rank = self._dp()
-        return pack_micro_batches(batch, rows, budget, self.pad_id, cp,
-                                  self.parallel.tp if self.model.config.sequence_parallel else 1,
+        return pack_micro_batches(batch, rows, budget, self.pad_id, cp, self.multiple,
                                   (len(self.routing.instances), self.routing.top_k), dp, dp_rank)
 
     def _logprobs(self, model, mb: PackedMicroBatch, temperature: float):
