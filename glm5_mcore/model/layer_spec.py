@@ -6,6 +6,10 @@ expert) otherwise. "shared" IndexShare layers get a core attention without an in
 is a full DSA + MoE layer. One function serves both backends: ``"local"`` (Megatron-Core modules,
 runs on CPU) and ``"te"`` (Transformer Engine, GPU).
 
+Under Transformer Engine's FP8 (the FP8 base, ``model.base_dtype=fp8``) every TE linear holds and computes FP8,
+so the two linears the release keeps in bf16, the indexer's ``linear_weights_proj`` and the MTP ``eh_proj``, are
+Megatron-Core's own linears there, in the trainer's dtype (``quantized_te``).
+
 The q_a / kv_a RMSNorms carry GLM-5's own eps (``GLM5Config.qk_norm_eps``, 1e-6) because
 Megatron-Core passes ``layernorm_epsilon`` (1e-5, the decoder norms' eps) to every norm it builds.
 """
@@ -20,6 +24,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_mtp_block_spec_for_backend,
     get_mlp_module_spec_for_backend,
 )
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.experimental_attention_variant.dsa import (
     DSAIndexer,
@@ -73,6 +78,21 @@ def _down_proj(backend: BackendSpecProvider) -> type:
     return backend.linear()
 
 
+def quantized_te(config, backend: BackendSpecProvider) -> bool:
+    """Whether ``backend``'s linears compute in FP8 / FP4: Transformer Engine under ``config.fp8`` (the FP8 base,
+    ``model.base_dtype=fp8``), whose ``fp8_param`` builds whole layers under ``fp8_model_init`` (Megatron-Core
+    ``transformer_block.py:342-347``, ``multi_token_prediction.py:1708-1716``) and runs them under ``fp8_autocast``."""
+    return not isinstance(backend, cpu_compat.LocalBackend) and bool(config.fp8 or getattr(config, "fp4", None))
+
+
+def _unquantized_linear(config, backend: BackendSpecProvider) -> type:
+    """The indexer's ``linear_weights_proj``: a replicated linear in the trainer's dtype. The release stores it in
+    bf16 and vLLM serves it so; it decides the top-k, so an FP8 copy would select other keys than the engine. Under
+    TE's FP8 it is Megatron-Core's own replicated ``Linear`` (``cpu_compat.LocalBackend.linear``), which neither
+    ``fp8_model_init`` nor ``fp8_autocast`` touches."""
+    return cpu_compat.LocalBackend().linear() if quantized_te(config, backend) else backend.linear()
+
+
 def get_glm5_attention_spec(config, backend: BackendSpecProvider, computes_topk: bool = True) -> ModuleSpec:
     """MLA self-attention with GLM-5's DSA core. ``computes_topk=False``: an IndexShare layer."""
     qk_norm = fixed_eps_norm(backend.layer_norm(rms_norm=True, for_qk=True), config.glm5.qk_norm_eps)
@@ -82,7 +102,7 @@ def get_glm5_attention_spec(config, backend: BackendSpecProvider, computes_topk:
             linear_wq_b=backend.linear(),
             linear_wk=backend.linear(),
             k_norm=backend.layer_norm(rms_norm=False, for_qk=True),
-            linear_weights_proj=backend.linear(),
+            linear_weights_proj=_unquantized_linear(config, backend),
         ),
     )
     return ModuleSpec(
@@ -113,7 +133,8 @@ def get_glm5_layer_spec(config, backend: BackendSpecProvider, moe: bool, compute
         backend=backend, num_experts=config.num_moe_experts if moe else None,
         moe_grouped_gemm=config.moe_grouped_gemm)
     if not moe and backend.fuse_layernorm_and_linear():
-        mlp = get_mlp_module_spec_for_backend(backend=_UnfusedNorm(backend), num_experts=None)
+        mlp = get_mlp_module_spec_for_backend(backend=_BackendView(backend, fuse_layernorm_and_linear=False),
+                                              num_experts=None)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -127,17 +148,20 @@ def get_glm5_layer_spec(config, backend: BackendSpecProvider, moe: bool, compute
     )
 
 
-class _UnfusedNorm:
-    """Backend view that keeps norms separate from linears, so HF's post_attention_layernorm maps
-    to ``pre_mlp_layernorm`` on every layer and both backends share one state-dict layout."""
+class _BackendView:
+    """``backend`` with some of its methods answering otherwise (``answers``: method name -> what it returns):
+    ``fuse_layernorm_and_linear=False`` keeps norms separate from linears, so HF's post_attention_layernorm maps to
+    ``pre_mlp_layernorm`` on every layer and both backends share one state-dict layout; under TE's FP8,
+    ``column_parallel_linear=ColumnParallelLinear`` makes the MTP ``eh_proj`` (the only linear
+    ``get_mtp_layer_spec_for_backend`` takes from it) Megatron-Core's own, in the trainer's dtype, as the release
+    stores it and vLLM serves it."""
 
-    def __init__(self, backend):
-        self._b = backend
-
-    def fuse_layernorm_and_linear(self) -> bool:
-        return False
+    def __init__(self, backend, **answers):
+        self._b, self._answers = backend, answers
 
     def __getattr__(self, name):
+        if name in self._answers:
+            return lambda *_, **__: self._answers[name]
         return getattr(self._b, name)
 
 
@@ -168,10 +192,13 @@ def get_glm5_decoder_block_spec(config, backend: str = "local", vp_stage: Option
 
 def get_glm5_mtp_block_spec(config, backend: str = "local", vp_stage: Optional[int] = None,
                             pp_rank: Optional[int] = None):
-    """MTP block: ``eh_proj(cat[enorm(emb), hnorm(h)])`` through a full DSA + MoE layer."""
+    """MTP block: ``eh_proj(cat[enorm(emb), hnorm(h)])`` through a full DSA + MoE layer (``eh_proj`` in the
+    trainer's dtype under TE's FP8: ``_BackendView``)."""
     if not config.mtp_num_layers:
         return None
     b = get_backend(backend)
     layer = get_glm5_layer_spec(config, b, moe=True, computes_topk=True)
-    return get_gpt_mtp_block_spec_for_backend(config=config, spec=layer, backend=b,
+    return get_gpt_mtp_block_spec_for_backend(config=config, spec=layer,
+                                              backend=_BackendView(b, column_parallel_linear=ColumnParallelLinear)
+                                              if quantized_te(config, b) else b,
                                               vp_stage=vp_stage, pp_rank=pp_rank)

@@ -84,3 +84,60 @@ def test_fp8_base_is_read_only_and_refused_for_full_fine_tuning(fp8_dir, single_
         check_base_dtype("fp8", trains_base=True)
     with pytest.raises(ValueError, match="model.base_dtype='bf8': expected null"):
         check_base_dtype("bf8", trains_base=False)
+
+
+def _spec_leaves(spec, path):
+    """(module path, what builds it) of every leaf slot of a Megatron-Core spec tree, named as the built model's
+    modules are (a block's ``layer_specs[i]`` is its ``layers.{i}``)."""
+    import dataclasses
+    import functools
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(spec, ModuleSpec):
+        yield from _spec_leaves(spec.submodules, path) if spec.submodules is not None else [(path, spec.module)]
+    elif isinstance(spec, functools.partial):
+        subs = spec.keywords.get("submodules")
+        yield from _spec_leaves(subs, path) if subs is not None else [(path, spec.func)]
+    elif dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        for f in dataclasses.fields(spec):
+            v = getattr(spec, f.name)
+            if f.name == "layer_specs":
+                for i, layer in enumerate(v):
+                    yield from _spec_leaves(layer, f"{path}.layers.{i}")
+            elif v is not None:
+                yield from _spec_leaves(v, f"{path}.{f.name}")
+    else:
+        yield path, spec
+
+
+def test_te_fp8_linears_are_exactly_the_release_fp8_weights(single_rank):
+    """With the FP8 base on TE (``fp8_param``: every TE linear is built and computed in FP8), every slot of the
+    decoder and MTP specs that a TE linear fills maps to a weight the release stores in FP8
+    (``is_fp8_base_weight``); the indexer's ``linear_weights_proj`` and the MTP ``eh_proj``, bf16 in the release
+    and in vLLM, are Megatron-Core's own linears there. (The layout is the 16 x H100 preset's.)"""
+    from glm5_mcore.config import glm5_744b
+    from glm5_mcore.mcore_settings import ParallelConfig
+    from glm5_mcore.model.fp8_linear import is_fp8_base_weight, te_fp8_overrides
+    from glm5_mcore.model.layer_spec import get_backend, get_glm5_decoder_block_spec, get_glm5_mtp_block_spec
+    from tests.support.te_stand_in import te_version
+
+    glm5 = glm5_744b()
+    with te_version():
+        cfg = glm5.to_mcore_config(ParallelConfig(tp=8, ep=16, cp=2), transformer_impl="transformer_engine",
+                                   mtp_num_layers=1, bf16=True, params_dtype=torch.bfloat16, **te_fp8_overrides())
+    te = get_backend("te")
+    te_linears = [te.linear(), te.column_parallel_linear(), te.row_parallel_linear(),
+                  te.column_parallel_layer_norm_linear()]
+    leaves = [*_spec_leaves(get_glm5_decoder_block_spec(cfg, "te", pp_rank=0), "decoder"),
+              *_spec_leaves(get_glm5_mtp_block_spec(cfg, "te", pp_rank=0), "mtp")]
+    built = [(p, m) for p, m in leaves if not (p.endswith(".linear_q_proj") and cfg.q_lora_rank)]  # q_lora: unused
+    te_sites = [p for p, m in built if any(m is c for c in te_linears)]
+    bf16_in_fp8 = [p for p in te_sites if not is_fp8_base_weight(f"{p}.weight", glm5.num_hidden_layers)]
+    assert not bf16_in_fp8, f"{len(bf16_in_fp8)} TE linears would hold and compute in FP8: {bf16_in_fp8[:3]} ..."
+    names = {p.split(".", 3)[-1] for p in te_sites}
+    assert {"self_attention.linear_kv_up_proj", "self_attention.core_attention.indexer.linear_wq_b",
+            "mlp.shared_experts.linear_fc1", "mlp.linear_fc2"} <= names, sorted(names)
+    kept = {p: m for p, m in built if p.endswith(("indexer.linear_weights_proj", ".eh_proj"))}
+    assert len(kept) == glm5.num_hidden_layers + 2 and "mtp.layers.0.eh_proj" in kept  # MTP: its layer + eh_proj
+    assert all(isinstance(m, type) and "transformer_engine" not in m.__module__ for m in kept.values())
