@@ -99,7 +99,7 @@ def load_model(model, path: str | Path, allow_nonfinite: bool = False) -> None:
     if not (path / "metadata.json").is_file():
         raise FileNotFoundError(f"{path}: not a Megatron-Core distributed checkpoint (no metadata.json)")
     verify_once(path)
-    fp8 = FP8Load(base_sharded_state_dict(model), path)
+    fp8 = FP8Load(base_sharded_state_dict(model), path, model)
     try:
         state = dist_checkpointing.load(dict(fp8.sharded), str(path))
     except (Exception, CheckpointException) as e:

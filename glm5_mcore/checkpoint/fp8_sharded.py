@@ -17,6 +17,16 @@ Loading (``FP8Load``) takes each weight as the model holds it: stored FP8 into a
 bytes are (``fp8_linear.load_block_fp8_``); stored FP8 into a dense weight (bf16 LoRA, full fine-tuning,
 parity) dequantized per block; a dense checkpoint into an FP8-base weight quantized once with the release's
 block scheme (said on stderr). A checkpoint without FP8 tensors is read exactly as before.
+
+A dense weight quantized into the FP8 base is quantized as the HF path (``hf_load``) quantizes a dense
+folder, so the frozen base does not depend on the layout: every rank reads the whole stored tensor
+(``dcp_pieces.load_pieces``, no collective; one layer at a time), splits a GLU ``linear_fc1`` into its HF gate and
+up, quantizes each whole HF tensor in ``b``×``b`` blocks, then fuses and takes its shard
+(``hf_load.load_fp8_parts``). One rank, TP 2 and ETP 2 hold the same bytes; a layout whose shard (or a gate
+half) would cut a block is refused in the HF path's words. Quantizing the rank's shard instead would cut
+blocks at shard edges and straddle gate and up: another base at each layout. ``b`` is the model's FP8 block
+(``model_source.base_fp8_block``: ``hf/config.json``'s ``quantization_config``, which ``hf-to-mcore
+--dequantize-fp8`` keeps, so a dequantized release comes back in its own blocks).
 """
 
 from __future__ import annotations
@@ -25,15 +35,20 @@ import dataclasses
 from pathlib import Path
 from typing import Optional
 
+import re
+
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from torch.distributed.checkpoint import FileSystemReader
 
 from glm5_mcore.checkpoint.checks import check_finite, check_finite_fp8
+from glm5_mcore.checkpoint.dcp_pieces import load_pieces
 from glm5_mcore.checkpoint.fp8 import quantize_fp8_blocks, scale_shape
 from glm5_mcore.checkpoint.folder_config import notice
 from glm5_mcore.checkpoint.hf_io import FP8_BLOCK, dequantize_fp8_blocks
+from glm5_mcore.checkpoint.hf_load import load_fp8_parts, mcore_to_hf_sources
 from glm5_mcore.checkpoint.megatron_lm import dcp_metadata
 from glm5_mcore.model.fp8_linear import BlockFP8Weight, is_te_quantized, load_block_fp8_
 
@@ -143,14 +158,43 @@ class _Pending:
     param: torch.Tensor
     kind: str  # "stored" (FP8 into FP8), "dequantize" (FP8 into dense), "quantize" (dense into FP8)
     block: int
+    entry: object = None  # "quantize": the model's sharded entry (its key and grid name the whole stored tensor)
+
+
+_LAYER = re.compile(r"^((?:decoder|mtp)\.layers\.\d+)\.")
+
+
+def whole_tensor_pieces(entry, md: dict) -> list[ShardedTensor]:
+    """ShardedTensors covering the whole stored tensor(s) of a model's sharded ``entry`` (a ShardedTensor, or a
+    factory such as Megatron's GLU split of ``linear_fc1``), in the stored dtype: the prepended axes (a routed
+    expert's global index) as the entry has them, the weight's own axes whole. A GLU weight stored under one key
+    is its ``[gate; up]``, under two (``singleton_local_shards``) gate then up."""
+    if isinstance(entry, ShardedTensorFactory):  # built on a meta copy: no dequantized weight made
+        meta = torch.empty(entry.data.shape, dtype=entry.data.dtype, device="meta")
+        shards = [t for t in nested_values(dataclasses.replace(entry, data=meta).build())
+                  if isinstance(t, ShardedTensor)]
+    else:
+        shards = [entry]
+    out, seen = [], set()
+    for sh in shards:
+        if sh.key in seen:
+            continue
+        seen.add(sh.key)
+        p = sh.prepend_axis_num
+        dtype = getattr(getattr(md.get(sh.key), "properties", None), "dtype", None) or sh.dtype
+        out.append(ShardedTensor.from_rank_offsets(
+            sh.key, torch.empty(tuple(sh.global_shape[p:]), dtype=dtype),
+            *[(i, sh.global_offset[i], sh.global_shape[i]) for i in range(p)], prepend_axis_num=p))
+    return out
 
 
 class FP8Load:
     """A model's sharded state dict to load from the checkpoint at ``path``, FP8 weights as each side holds them
-    (module docstring); ``finish`` writes them into the model after Megatron-Core's load."""
+    (module docstring); ``finish`` writes them into the model after Megatron-Core's load. ``model``: the model
+    ``sharded`` is of (the HF layout of a dense weight quantized into its FP8 base)."""
 
-    def __init__(self, sharded: dict, path: str | Path):
-        self.path = Path(path)
+    def __init__(self, sharded: dict, path: str | Path, model=None):
+        self.path, self.model = Path(path), model
         md = dcp_metadata(path)
         stored = {k[: -len(SCALE_SUFFIX)] for k in md if k.endswith(SCALE_SUFFIX)}
         for k in stored:
@@ -167,10 +211,10 @@ class FP8Load:
             if held is None and not in_ckpt:
                 self.sharded[name] = entry
                 continue
-            if held is not None and not in_ckpt:  # a dense checkpoint into the FP8 base: quantized once
-                dest = torch.empty(param.shape, dtype=param.dtype, device=held[0].device)
-                self.sharded[name] = dataclasses.replace(entry, data=dest)
-                self.pending.append(_Pending(name, param, "quantize", held[2]))
+            if held is not None and not in_ckpt:  # a dense checkpoint into the FP8 base: read whole in finish
+                if model is None:
+                    raise ValueError(f"{path}: {name} is stored dense; quantizing it into the FP8 base needs the model")
+                self.pending.append(_Pending(name, param, "quantize", held[2], entry))
                 continue
             if held is not None and held[2] != ckpt_block:
                 raise ValueError(f"{path}: {name} is stored in {ckpt_block}x{ckpt_block} FP8 blocks, the model's FP8 "
@@ -189,17 +233,11 @@ class FP8Load:
         """Write the FP8 weights of the loaded ``state`` into the model. Returns (the rest of ``state``, for
         ``load_state_dict``, with FP8 checkpoint weights dequantized for dense parameters; the names written
         here)."""
-        state, done, quantized = dict(state), set(), set()
+        state, done = dict(state), set()
         for p in self.pending:
-            t = state.pop(p.name)
             if p.kind == "quantize":
-                if not allow_nonfinite:
-                    check_finite(t, p.name, self.path)
-                q, s = quantize_fp8_blocks(t, p.block)
-                load_block_fp8_(p.param, q, s, p.block, f"{self.path}: {p.name}")
-                done.add(p.name)
-                quantized.add(p.block)
                 continue
+            t = state.pop(p.name)
             s = state.pop(p.name + SCALE_SUFFIX)
             if not allow_nonfinite:
                 check_finite_fp8(t, s, p.name, self.path)
@@ -208,8 +246,34 @@ class FP8Load:
                 done.add(p.name)
             else:
                 state[p.name] = dequantize_fp8_blocks(t, s, p.block).to(p.param.dtype)
-        if quantized:
-            n, b = sum(p.kind == "quantize" for p in self.pending), max(quantized)
-            notice(f"{self.path}: {n} base tensors stored dense quantized once to FP8 (e4m3, {b}x{b} blocks, the "
-                   "release's scheme) for model.base_dtype=fp8")
-        return state, done
+        return state, done | self._quantize_whole(allow_nonfinite)
+
+    def _quantize_whole(self, allow_nonfinite: bool) -> set[str]:
+        """The dense weights of an FP8 base (module docstring): each stored tensor read whole, one layer at a time,
+        quantized per HF tensor and laid out by ``hf_load.load_fp8_parts``. Returns the names written."""
+        todo = [p for p in self.pending if p.kind == "quantize"]
+        if not todo:
+            return set()
+        layout = {name: (src, rank, size) for name, _, src, rank, size in
+                  mcore_to_hf_sources(self.model, self.model.config.num_layers)}
+        md, reader = dcp_metadata(self.path), FileSystemReader(str(self.path))
+        layers: dict[str, list[_Pending]] = {}
+        for p in todo:
+            m = _LAYER.match(p.name)
+            layers.setdefault(m.group(1) if m else "", []).append(p)
+        for group in layers.values():
+            pieces = {p.name: whole_tensor_pieces(p.entry, md) for p in group}
+            load_pieces(pieces, reader, str(self.path))
+            for p in group:
+                src, rank, size = layout[p.name]
+                full = torch.cat([sh.data for sh in pieces[p.name]], 0)
+                parts = []
+                for h, t in zip(src.names, full.chunk(2, 0) if src.is_glu else (full,)):
+                    if not allow_nonfinite:
+                        check_finite(t, p.name, self.path)
+                    parts.append(quantize_fp8_blocks(t, p.block))
+                load_fp8_parts(p.param, parts, p.block, p.name, src, rank, size, self.path)
+        b = todo[0].block
+        notice(f"{self.path}: {len(todo)} base tensors stored dense quantized once to FP8 (e4m3, {b}x{b} blocks, the "
+               "release's scheme: each HF tensor whole, before sharding) for model.base_dtype=fp8")
+        return {p.name for p in todo}

@@ -97,11 +97,22 @@ def _copy_fp8(name, target, src, rank: int, size: int, ckpt: HFCheckpoint) -> li
         else:
             check_finite_fp8(t, scale, h, ckpt.dir)
         parts.append(stored_or_quantized(t, scale, ckpt.block, h))
+    load_fp8_parts(target, parts, ckpt.block, name, src, rank, size, ckpt.dir)
+    return quantized
+
+
+def load_fp8_parts(target, parts: list[tuple[torch.Tensor, torch.Tensor]], block: int, name: str, src, rank: int,
+                   size: int, where) -> None:
+    """The one way a frozen FP8-base weight is laid out from its whole HF tensors: ``parts`` = (e4m3 ``[M, N]``,
+    scales) of each HF tensor ``src.names`` (gate and up apart for a GLU weight), fused as Megatron holds it
+    (``fuse_blocks``: the gate's rows whole blocks), this rank's shard taken (``block_shard``: a shard that cuts a
+    block is refused naming the tensor) and written into ``target`` (the Megatron parameter ``name``). The HF
+    path and a dense distributed checkpoint (``fp8_sharded.FP8Load``) both go through it, so a layout gets the
+    same bytes, or the same refusal, from either."""
     label = "+".join(src.names)
     if src.is_glu and parts[0][0].shape != parts[1][0].shape:
-        raise ValueError(f"{ckpt.dir}: {src.names[0]} {tuple(parts[0][0].shape)} and {src.names[1]} "
+        raise ValueError(f"{where}: {src.names[0]} {tuple(parts[0][0].shape)} and {src.names[1]} "
                          f"{tuple(parts[1][0].shape)} differ")
-    q, s = fuse_blocks(parts, ckpt.block, label)
-    q, s = block_shard(q, s, ckpt.block, target, rank, size, src.is_glu, f"{label} ({name})")
-    load_block_fp8_(target, q, s, ckpt.block, f"{ckpt.dir}: {label} ({name})")
-    return quantized
+    q, s = fuse_blocks(parts, block, label)
+    q, s = block_shard(q, s, block, target, rank, size, src.is_glu, f"{label} ({name})")
+    load_block_fp8_(target, q, s, block, f"{where}: {label} ({name})")

@@ -130,7 +130,9 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, workers: int = 1, dtype: Op
     """Convert an HF GLM-5 folder into ``out`` (``iter_0000000/model``, ``hf/``, ``latest``). The linears an
     FP8 release stores in FP8 stay so, bytes and block scales as stored (``convert.fp8_stored``; ``hf/config.json``
     keeps the folder's ``quantization_config``); ``dequantize_fp8``: every tensor dense in ``dtype`` (what
-    Megatron-LM / Bridge load)."""
+    Megatron-LM / Bridge load), ``quantization_config`` still kept: the origin's block size, in which
+    ``model.base_dtype=fp8`` quantizes the base again (the release's bytes where the scales were canonical) and
+    ``mcore-to-hf`` writes the tensors the origin stored in FP8."""
     hf_dir = Path(hf_dir)
     check_output(out, "convert hf-to-mcore", [hf_dir], overwrite)
     checks = StreamVerifier(hf_dir)  # an HF folder we wrote (mcore-to-hf) has a manifest: checked from the reads
@@ -144,7 +146,8 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, workers: int = 1, dtype: Op
     else:
         raise ValueError(f"--dtype {dtype}: expected one of {sorted(DTYPES)}")
     model = meta_model(glm5, td)
-    kept = 0 if dequantize_fp8 else keep_fp8(model, named_tensors(model), glm5.num_hidden_layers, ckpt)
+    if not dequantize_fp8:
+        keep_fp8(model, named_tensors(model), glm5.num_hidden_layers, ckpt)
     plan = _HFSourcePlan(model, glm5, ckpt, allow_nonfinite)
     bar = Progress(plan.total_bytes, sum(len(s.names) for s in plan.sources.values()), "hf-to-mcore", progress)
     with verified_run(checks, bar):
@@ -154,9 +157,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, workers: int = 1, dtype: Op
             except BaseException as e:
                 reraise_nonfinite(e)
                 raise
-            config = json.loads((hf_dir / "config.json").read_text())
-            if not kept:  # the weights are dense: no longer what quantization_config describes
-                config.pop("quantization_config", None)
+            config = json.loads((hf_dir / "config.json").read_text())  # quantization_config kept, dense or not
             config["dtype"] = HF_DTYPE_NAMES[td]
             config.pop("torch_dtype", None)
             write_hf_meta(tmp / "hf", hf_dir, config)

@@ -17,7 +17,7 @@ from glm5_mcore.checkpoint.layout import HF_META_FILES
 from glm5_mcore.checkpoint.checks import check_finite, check_finite_fp8, short_error
 from glm5_mcore.checkpoint.fp8 import QUANTIZATION_CONFIG, scale_shape
 from glm5_mcore.checkpoint.fp8_sharded import SCALE_SUFFIX, fp8_pair
-from glm5_mcore.convert.dcp_pieces import load_pieces
+from glm5_mcore.checkpoint.dcp_pieces import load_pieces
 from glm5_mcore.convert.dcp_read import DirectReader, load_sharded
 from glm5_mcore.checkpoint.direct_io import bulk_io
 from glm5_mcore.convert.out_dtypes import OutputDtypes

@@ -72,12 +72,13 @@ def test_fp8_release_round_trips_bit_for_bit(folders, converted, tmp_path):
         assert got[k].dtype == t.dtype and torch.equal(got[k].view(torch.uint8), t.view(torch.uint8)), k
     assert json.loads((back / "config.json").read_text())["quantization_config"] == qc
 
-    # a dense folder converts as before (no FP8 in the checkpoint); --dequantize-fp8 makes an FP8 one dense
+    # a dense folder converts as before (no FP8 in the checkpoint); --dequantize-fp8 makes an FP8 one dense and
+    # keeps its quantization_config (the block size model.base_dtype=fp8 quantizes it in again)
     for folder, kw in ((dense, {}), (fp8, {"dequantize_fp8": True})):
         ck = hf_to_mcore(folder, tmp_path / f"dense{len(kw)}", progress=False, **kw)
         md = dcp_metadata(model_dir(ck))
         assert not any(k.endswith(SCALE_SUFFIX) for k in md) and md[w].properties.dtype == torch.float32
-        assert "quantization_config" not in json.loads((ck / "hf" / "config.json").read_text())
+        assert json.loads((ck / "hf" / "config.json").read_text()).get("quantization_config") == (qc if kw else None)
 
 
 def test_fp8_checkpoint_loads_as_stored_and_dequantized(folders, converted, single_rank):
@@ -109,6 +110,31 @@ def test_fp8_checkpoint_loads_as_stored_and_dequantized(folders, converted, sing
     with torch.no_grad():
         a, b = forward_logits(models["fp8"].eval(), ids), forward_logits(models[None].eval(), ids)
     assert (a - b).abs().max() <= 1e-6
+
+
+def test_a_dense_checkpoint_into_an_fp8_base_is_refused_as_the_hf_folder_is(folders, tmp_path, single_rank):
+    """A dense checkpoint whose FP8 block (128: its folder declares none) cuts the routed experts' [gate; up]
+    (32 gate rows) is refused when ``model.base_dtype=fp8`` quantizes it, in the very words the HF path
+    (``model.hf_dir``) refuses the same folder with; rank-by-rank quantization used to take it (a base no release
+    scheme gives)."""
+    from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
+    from glm5_mcore.model.build import build_model
+    from glm5_mcore.training.model_source import resolve_model
+    from glm5_mcore.training.schema import ModelCfg
+
+    from tests.support.helpers import hf_model
+
+    _, dense = folders
+    with pytest.raises(ValueError) as hf_path:
+        hf_model(dense, base_fp8_block=128)
+    ck = hf_to_mcore(dense, tmp_path / "ck", progress=False)
+    source = resolve_model(ModelCfg(ckpt=str(ck), base_dtype="fp8"), lora_enabled=True)
+    assert source.base_fp8_block == 128
+    with pytest.raises(ValueError) as ckpt_path:
+        source.load_weights(build_model(source.glm5, base_fp8_block=source.base_fp8_block))
+    errors = [str(hf_path.value), str(ckpt_path.value)]
+    assert "the gate half has 32 rows, not a multiple of the 128-row FP8 block" in errors[0], errors
+    assert errors[1] == errors[0], errors
 
 
 def _fp8_step(q: torch.Tensor, s: torch.Tensor, block: int) -> torch.Tensor:

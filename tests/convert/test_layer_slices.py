@@ -57,7 +57,7 @@ def test_layers_3x_the_shard_round_trip_bit_exact_in_slices(tmp_path):
 
 
 def test_missing_piece_is_named(tmp_path):
-    from glm5_mcore.convert.dcp_pieces import _PiecePlanner
+    from glm5_mcore.checkpoint.dcp_pieces import _PiecePlanner
 
     class MD:
         state_dict_metadata = {}

@@ -176,15 +176,17 @@ def logprobs(hf_dir: str, parallel: ParallelConfig, out: str) -> dict:
     return {"lp": lp, "ent": ent, "ref_lp": ref_lp, "ref_ent": ref_ent}
 
 
-def sft_losses(hf_dir: str, parallel: ParallelConfig, out: str, rows: int = 64, extra: tuple = ()) -> dict:
+def sft_losses(hf_dir: str, parallel: ParallelConfig, out: str, rows: int = 64, extra: tuple = (),
+               source: str = "model.hf_dir") -> dict:
     """{"losses": [3 steps]} of ``glm5 sft`` at ``parallel`` (SGD: equal gradients give equal updates,
-    Adam would amplify fp32 reduction-order noise); ``extra``: more overrides (LoRA targets)."""
+    Adam would amplify fp32 reduction-order noise); ``extra``: more overrides (LoRA targets); ``source``: the
+    field ``hf_dir`` is given as (``model.ckpt``: a checkpoint)."""
     init_parallel(parallel)
     data = f"{out}.train.jsonl"
     if dist.get_rank() == 0:
         reverse_task(data, rows, 0)
     dist.barrier()  # written before any rank reads it
-    args = [f"model.hf_dir={hf_dir}", f"data.train={data}", "data.micro_batch_tokens=128",
+    args = [f"{source}={hf_dir}", f"data.train={data}", "data.micro_batch_tokens=128",
             "data.global_batch_tokens=256", "data.max_tokens=64", "train.steps=3", "optim.optimizer=sgd",
             "optim.lr=0.1", "optim.decay_style=constant", "wandb.mode=disabled", "train.progress=false",
             *extra, f"parallel.tp={parallel.tp}", f"parallel.ep={parallel.ep}", f"parallel.cp={parallel.cp}",
@@ -297,9 +299,10 @@ def recompute_grads(hf_dir: str, parallel: ParallelConfig, out: str, dropout: fl
 
 
 def fp8_ckpt_logits(ckpt: str, parallel: ParallelConfig, out: str) -> dict:
-    """{"logits": [2, 32, V], "fp8": #FP8 weights}: a checkpoint storing its base in FP8 (``hf-to-mcore`` of an FP8
-    folder) loaded as stored (``model.ckpt`` + ``model.base_dtype=fp8``) at ``parallel``, after checking every
-    FP8 shard holds the bytes and scales ``load_hf_weights`` shards out of the HF origin's stored ones."""
+    """{"logits": [2, 32, V], "fp8": #FP8 weights, "ep"}: a checkpoint storing its base in FP8 (``hf-to-mcore`` of an
+    FP8 folder) loaded as stored, or a dense one (``--dequantize-fp8``) quantized into the base, by ``model.ckpt`` +
+    ``model.base_dtype=fp8`` at ``parallel``, after checking every FP8 shard holds the bytes and scales
+    ``load_hf_weights`` shards out of the HF origin's stored ones."""
     init_parallel(parallel)
     source = resolve_model(ModelCfg(ckpt=ckpt, base_dtype="fp8"), lora_enabled=True)
     m = build_model(source.glm5, parallel, base_fp8_block=source.base_fp8_block)
@@ -317,7 +320,7 @@ def fp8_ckpt_logits(ckpt: str, parallel: ParallelConfig, out: str) -> dict:
     ids = load_input_ids(None, source.glm5.vocab_size, 2, SEQ, seed=11)
     with torch.no_grad():
         logits = forward_logits(m.eval(), ids)
-    return {"logits": logits.contiguous(), "fp8": n}
+    return {"logits": logits.contiguous(), "fp8": n, "ep": parallel.ep}
 
 
 CHECKS = {"logits": logits, "lora_steps": lora_steps, "lora_grads": lora_grads, "logprobs": logprobs, "sft_losses": sft_losses,

@@ -6,7 +6,10 @@ fragment of the tensor, the ones another rank would load placed on "rank + 1 mod
 that is rank 0 itself, so loading only some of a key's fragments (a slice of a layer's experts,
 which share one key with an expert axis) fails its local-shard count check. ``load_pieces`` asks
 PyTorch DCP for exactly the chunks wanted, by global offset and size, through a minimal load
-planner: each read lands in a view of its destination (``DirectReader`` copies raw bytes there).
+planner: each read lands in a view of its destination (``DirectReader`` copies raw bytes there). With
+``no_dist`` it needs no collective, so one rank may read what others do not: ``mcore-to-hf``'s slices of a layer's
+experts, and the whole stored tensors a dense checkpoint's weights are quantized from into an FP8 base
+(``fp8_sharded.FP8Load``), whatever the rank's shard.
 """
 
 from __future__ import annotations
