@@ -5,7 +5,10 @@ An episode is prompt → assistant turn → [tool call → observation → assis
 every observation's ids — never re-tokenised text), with the tool-call stop tokens added to the stop
 set. A turn that ends in a tool-call stop token goes to the environment (a dotted-path function, like
 rewards); its observation text is rendered with the chat template's observation role and appended as
-ids, then generation continues, up to ``max_assistant_turns``. The ``Result`` holds the whole episode
+ids, then generation continues, up to ``max_assistant_turns``. The observation's text stays text: only the
+template's own header and closing carry control tokens, a control token's string inside the text (a tool that
+prints ``<|assistant|>`` or ``<|endoftext|>``) is tokenized as plain characters (``text_ids``), never as a turn
+boundary or an EOS the policy did not emit. The ``Result`` holds the whole episode
 after the prompt: ``response_ids``, ``logprobs`` (0 on observation tokens) and ``mask`` (1 = sampled by
 the policy, 0 = observation), so the trainer scores exactly the ids the engine produced and consumed,
 and observation tokens carry no loss, no IcePop weight and no KL (``batch.response_mask``).
@@ -87,43 +90,87 @@ def tool_token_ids(tokenizer, tokens: list) -> set[int]:
     return set(token_ids(tokenizer, tokens, "rollout.multi_turn.tool_call_stop_tokens", len(tokenizer)))
 
 
-def observation_ids(tokenizer, text: str, role: str, prev_id: int) -> list[int]:
-    """The ids of an observation message with the chat template's ``role`` header and the assistant
-    generation prompt after it: rendered after a dummy user turn and cut at that turn's end. When the
-    turn's last sampled id ``prev_id`` is the role header itself (GLM's ``<|observation|>`` is both the
-    tool-call stop token and the observation role), it is not repeated."""
-    def render(msgs, gen):
-        out = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+CONTENT_MARK = "GLM5OBSERVATIONCONTENT"
+"""What the observation message is rendered with to find where the template puts its content."""
+ESCAPE = "\u200b"
+"""Put after a control token's first character in observation text whose plain-text tokenization still gives
+that token (a vocabulary holding the token's string as an ordinary word): a zero-width space."""
+
+
+def control_ids(tokenizer) -> set[int]:
+    """The ids an environment's text must never become: every special added token (turn headers, EOS, BOS,
+    pad, ``[gMASK]``, ...) but the unknown token, which is what text a vocabulary cannot spell becomes."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    ids = {int(i) for i, t in decoder.items() if getattr(t, "special", False)} | set(tokenizer.all_special_ids)
+    return ids - {tokenizer.unk_token_id}
+
+
+def text_ids(tokenizer, text: str) -> list[int]:
+    """The ids of untrusted ``text`` (a tool's output, an environment's message), a control token's string in it
+    taken as plain text (``split_special_tokens``): a tool that prints ``<|assistant|>`` or ``<|endoftext|>``
+    gives the policy those characters, never a turn boundary or an EOS it did not emit. Where the vocabulary
+    itself spells such a string as that token (a word-level vocabulary), the string is escaped (``ESCAPE``)
+    first; a tokenizer that still gives a control id is a ValueError."""
+    control = control_ids(tokenizer)
+    ids = list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+    if not control.intersection(ids):
+        return ids
+    for tok in sorted(tokenizer.convert_ids_to_tokens(sorted(control)), key=len, reverse=True):
+        if tok and len(tok) > 1:
+            text = text.replace(tok, tok[0] + ESCAPE + tok[1:])
+    ids = list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+    bad = sorted(control.intersection(ids))
+    if bad:
+        raise ValueError(f"observation text: the tokenizer turns it into control token(s) "
+                         f"{tokenizer.convert_ids_to_tokens(bad)} even escaped")
+    return ids
+
+
+def observation_parts(tokenizer, text: str, role: str, prev_id: int) -> tuple[list[int], list[int], list[int]]:
+    """(header ids, content ids, closing ids) of an observation message: the chat template's ``role`` message
+    after a dummy user turn, with the assistant generation prompt after it. The template's own text (the role
+    header, its closing, the generation prompt) is tokenized with its control tokens; the content, as the
+    template renders ``text``, by ``text_ids``, so nothing in it becomes a control token. When the turn's last
+    sampled id ``prev_id`` is the role header itself (GLM's ``<|observation|>`` is both the tool-call stop token
+    and the observation role), it is not repeated."""
+    def render(msgs, gen) -> str:
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+    def ids(s: str) -> list[int]:
+        return list(tokenizer.encode(s, add_special_tokens=False))
 
     user = [{"role": "user", "content": "x"}]
     base = render(user, False)
+    head, found, tail = render(user + [{"role": role, "content": CONTENT_MARK}], True).partition(CONTENT_MARK)
     full = render(user + [{"role": role, "content": text}], True)
-    if full[: len(base)] != base:
+    if not found or CONTENT_MARK in tail or not head.startswith(base) or not full.startswith(head) or \
+            not full.endswith(tail) or len(full) < len(head) + len(tail):
+        raise ValueError(f"chat template: the {role!r} message's content is not rendered between a fixed header "
+                         "and closing")
+    base_ids, head_ids = ids(base), ids(head)
+    if head_ids[: len(base_ids)] != base_ids:
         raise ValueError(f"chat template: the {role!r} message does not extend the conversation's ids")
-    ids = full[len(base):]
-    if ids and ids[0] == prev_id:
-        ids = ids[1:]
-    return ids
+    header = head_ids[len(base_ids):]
+    if header and header[0] == prev_id:
+        header = header[1:]
+    return header, text_ids(tokenizer, full[len(head): len(full) - len(tail)]), ids(tail)
+
+
+def observation_ids(tokenizer, text: str, role: str, prev_id: int) -> list[int]:
+    """The ids of an observation message (``observation_parts``, joined)."""
+    header, content, closing = observation_parts(tokenizer, text, role, prev_id)
+    return header + content + closing
 
 
 def fit_observation(tokenizer, text: str, role: str, prev_id: int, budget: int) -> tuple[Optional[list[int]], bool]:
     """(ids, cut): ``observation_ids`` within ``budget`` tokens, cutting the content and keeping the
     message's header and the generation prompt after it; (None, True) when not even the empty message
     fits."""
-    ids = observation_ids(tokenizer, text, role, prev_id)
-    if len(ids) <= budget:
-        return ids, False
-    shell = observation_ids(tokenizer, "", role, prev_id)
-    if len(shell) > budget:
+    header, content, closing = observation_parts(tokenizer, text, role, prev_id)
+    room = budget - len(header) - len(closing)
+    if room < 0:
         return None, True
-    h = 0
-    while h < min(len(ids), len(shell)) and ids[h] == shell[h]:
-        h += 1
-    tail = shell[h:]
-    if ids[len(ids) - len(tail):] != tail:
-        raise ValueError(f"chat template: the {role!r} message's closing ids do not follow its content")
-    return ids[: h + budget - len(shell)] + tail, True
+    return header + content[:room] + closing, len(content) > room
 
 
 def run_episodes(engine, tokenizer, env: Callable | ToolRunner, requests: list[Request], params: SamplingParams,

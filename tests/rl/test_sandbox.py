@@ -332,6 +332,9 @@ ENVS = textwrap.dedent('''
 
     def flood(prompt, episode, words=1000):
         return " ".join(["w9"] * words)
+
+    def echo(prompt, episode, tokens=()):
+        return "\\n".join(f"{t} w9{t}w9" for t in tokens)  # what code printing each of them gives back
 ''')
 
 
@@ -403,6 +406,30 @@ def test_a_cut_observation_keeps_its_assistant_header(tiny_dir, tmp_path):
     obs = tok.convert_ids_to_tokens(res.response_ids[k: k + 6])
     assert obs[0] == "<|observation|>" and obs[-1] == "<|assistant|>" and obs[1:-1] == ["w9"] * 4, obs
     assert res.mask[k: k + 6] == [0] * 6 and res.mask[k + 6] == 1 and res.tool_stats["cut"] == 2
+
+
+def test_a_tool_that_prints_control_tokens_gives_the_policy_text(tiny_dir, tmp_path):
+    """A tool whose output holds every special token of the tokenizer (alone and glued to words: a forged turn
+    header, EOS, BOS, pad, the observation header itself) gives an observation whose content has none of them as
+    a token: the policy's next context holds the control tokens it emitted and the template's own observation
+    header and closing, nothing else."""
+    from rl.tasks.episodes import control_ids
+
+    from tests.support.sft_setup import tokenizer
+
+    tok = tokenizer(tiny_dir)
+    specials = [t.content for t in tok.added_tokens_decoder.values() if t.special]
+    assert {"<|assistant|>", "<|user|>", "<|endoftext|>", "<|observation|>", "[gMASK]", "<pad>"} <= set(specials)
+    _, _, res, text = _episode(tiny_dir, tmp_path, "echo", turns=("w5", "w8"), tool_workers=0,
+                               env_kwargs={"tokens": specials})
+    assert all(t in text for t in specials), text
+    k = res.mask.index(0)
+    n = res.mask[k:].index(1)
+    obs = res.response_ids[k: k + n]
+    assert tok.convert_ids_to_tokens([obs[0], obs[-1]]) == ["<|observation|>", "<|assistant|>"], obs
+    forged = control_ids(tok) & set(obs[1:-1])
+    assert not forged and len(obs) > 2 * len(specials), tok.convert_ids_to_tokens(obs)
+    assert tok.convert_ids_to_tokens(res.response_ids[k + n:]) == ["w8"]  # the policy's next turn followed
 
 
 def test_an_observation_longer_than_the_context_is_cut_to_fit(tiny_dir, tmp_path):
