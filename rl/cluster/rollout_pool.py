@@ -27,12 +27,17 @@ def _load_class(path: str):
 
 
 def engine_streams(cfg) -> bool:
-    """Whether async RL uses continuous generation (``stream_submit`` / ``stream_poll``): the engine streams
-    (``RolloutEngine.STREAMS``: the HF and vLLM engines), ``rollout.engine_kwargs.stream`` is not false (the
-    default: on the long-tailed bench fully async streamed runs 2.17x synchronous, docs/rl-async.md), and no
-    tool episodes (a turn loop per sample stays on ``generate``)."""
-    return bool(_load_class(cfg.rollout.engine).STREAMS and cfg.rollout.engine_kwargs.get("stream", True)
-                and not cfg.rollout.multi_turn.enable)
+    """Whether the run decodes on the engines' stream (``stream_submit`` / ``stream_poll``, continuous batching)
+    rather than ``generate`` jobs: the engine streams (``RolloutEngine.STREAMS``: the HF and vLLM engines),
+    ``rollout.engine_kwargs.stream`` is not false, no tool episodes (a turn loop per sample stays on
+    ``generate``), and either the run is fully async (``trainer.max_staleness``) or the engine's ``generate`` is
+    a static batch (``STATIC_GENERATE``: the HF engine's; vLLM's ``generate`` batches continuously already). So
+    every mode of the HF engine streams by default (docs/rl-async.md: the figures), and ``stream=false`` keeps
+    the static-batch ``generate``."""
+    engine = _load_class(cfg.rollout.engine)
+    if not (engine.STREAMS and cfg.rollout.engine_kwargs.get("stream", True) and not cfg.rollout.multi_turn.enable):
+        return False
+    return bool(cfg.trainer.max_staleness or getattr(engine, "STATIC_GENERATE", False))
 
 
 @ray.remote(concurrency_groups={"control": 1})
@@ -242,7 +247,7 @@ class RolloutPool:
     def submit(self, requests: list[Request], params: SamplingParams) -> dict:
         """Start generating ``requests`` (sharded by prompt) and return at once; ``collect`` waits. The
         adapter is the last one ``sync``-ed before this call (its version travels with the handle)."""
-        self._settle_loads()
+        self.settle_loads()
         prompt_ids = sorted({r.key[0] for r in requests})
         n = len(self.actors)
         owner = {p: j % n for j, p in enumerate(prompt_ids)}
@@ -252,10 +257,10 @@ class RolloutPool:
         return {"requests": requests, "params": params, "shards": shards, "pending": pending,
                 "payload": self.payload, "version": self.payload.version if self.payload is not None else -1}
 
-    def _settle_loads(self) -> None:
+    def settle_loads(self) -> None:
         """Wait for queued ``sync(wait=False)`` loads (done by now: they ran after the previous generation),
         so a failed load stops the run instead of leaving an actor on an old adapter; a dead actor is
-        replaced, with the current adapter, by the next ``collect``."""
+        replaced, with the current adapter, by the next ``collect`` or ``stream_poll``."""
         loads, self.loading = self.loading, []
         for ref in loads:
             try:

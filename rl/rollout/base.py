@@ -174,6 +174,12 @@ class RolloutEngine(ABC):
     """True: the engine also decodes continuously (``stream_submit(requests, params)``, ``stream_poll(timeout_s)
     -> finished results``, ``take_occupancy()``; ``rl.rollout.hf_slots``), which fully async RL then uses."""
 
+    STATIC_GENERATE = False
+    """True: ``generate`` decodes a static batch, every row until the batch's longest response ends (the HF
+    engine's), so where the engine also ``STREAMS`` the synchronous and one-step-off modes decode on the stream
+    (``rl.cluster.rollout_pool.engine_streams``): the continuous batching every mode of a vLLM user has. False
+    (vLLM: ``LLM.generate`` batches continuously already): those modes keep ``generate``."""
+
     INTERRUPTIBLE = False
     """True: ``interrupt`` ends a running ``generate`` at the next token boundary (partial rollouts)."""
 

@@ -72,8 +72,8 @@ def _deterministic_indexer_class():
 class HFRolloutEngine(RolloutEngine):
     DTYPES = ("float32", "bfloat16", "float16")
     INTERRUPTIBLE = True
-
     STREAMS = True
+    STATIC_GENERATE = True  # generate decodes each batch to its longest response: every mode streams by default
 
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, dtype: str = "float32", threads: int = 1,
                  index_row_stride: int = 1024, max_num_seqs: int = 64, stream: bool = True):

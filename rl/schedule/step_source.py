@@ -3,7 +3,10 @@ scores, applies DAPO's dynamic sampling (``rl.schedule.shaping``: refill rounds 
 with ``trainer.off_policy_steps=1``, gathers step n+1 in a background thread while the trainer works
 on step n (verl's one-step-off-policy recipe): the engines generate, the driver scores and refills
 step n+1's batch, all while the trainer computes log-probs, updates and exports the adapter; the
-driver's main thread only waits for the trainer.
+driver's main thread only waits for the trainer. A round decodes on the engines' stream where the run has
+one (``rl.cluster.rollout_pool.engine_streams``: the HF engine's continuous slots, drained until every
+request of the round is back, so a short response frees its slot for a queued one instead of decoding
+filler until the batch's longest ends), else as one static ``generate`` job.
 
 Everything that decides a sample is fixed by the step, not by timing: prompts come from the epoch
 stream in step order (a step's refill rounds before the next step's first round: one gather at a
@@ -26,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from rl.metrics import push_metrics
 from rl.rollout.base import Request, sample_seed
 from rl.schedule.shaping import GroupFilter, shape_scores
 from rl.tasks.prompts import next_prompts
@@ -46,9 +50,11 @@ class StepSamples:
 
 def engine_metrics(rollouts) -> dict:
     """``rollout/engine_occupancy``: the engines' live rows / slots, time-averaged since the last step
-    (``RolloutPool.occupancy``); {} for a pool or engine that does not measure it."""
+    (``RolloutPool.occupancy``), and ``rollout/push_*`` of the adapter pushes since then (``rl.metrics.push_metrics``);
+    {} for a pool or engine that does not measure them."""
     occ = rollouts.occupancy() if hasattr(rollouts, "occupancy") else None
-    return {} if occ is None else {"rollout/engine_occupancy": float(occ)}
+    out = push_metrics(rollouts.pushes()) if hasattr(rollouts, "pushes") else {}
+    return out if occ is None else {**out, "rollout/engine_occupancy": float(occ)}
 
 
 class StepSource:
@@ -69,6 +75,9 @@ class StepSource:
         self._busy = False
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="glm5-rollout") if self.overlap else None
+        self.streams = bool(getattr(rollouts, "streams", False))
+        """Decode on the engines' stream (``rl.cluster.rollout_pool.engine_streams``: the HF engine's default in
+        every mode), else ``generate`` jobs."""
 
     @property
     def inflight_payload(self):
@@ -151,6 +160,26 @@ class StepSource:
         return [Request((p.index, k), p.ids, sample_seed(seed, step, p.index, k))
                 for p in prompts for k in range(self.cfg.rollout.n)]
 
+    def _generate(self, requests: list[Request]) -> tuple[list, int]:
+        """``requests`` under the adapter the engines hold: (results in request order, its version). On the
+        engines' stream (``RolloutPool.streams``: every request submitted at once, polled until each is back; a
+        slot is refilled the moment its response ends, so nothing decodes past its own end) or as one
+        ``submit`` / ``collect`` job (``rollout.engine_kwargs.stream=false``: the HF engine's static batches)."""
+        if not self.streams:
+            job = self.rollouts.submit(requests, self.sampling)
+            return self.rollouts.collect(job), job["version"]
+        self.rollouts.settle_loads()  # a queued push (one step off) has loaded; a failed one stops here
+        version = self.rollouts.payload.version if self.rollouts.payload is not None else -1
+        self.rollouts.stream_submit(requests, self.sampling)
+        got: dict = {}
+        while len(got) < len(requests):
+            for res in self.rollouts.stream_poll(0.5):
+                if res.version is not None and res.version != version:
+                    raise RuntimeError(f"sample {res.key} was generated with adapter v{res.version}, the step's is "
+                                       f"v{version}: a push reached the engines mid-step")
+                got[res.key] = res
+        return [got[r.key] for r in requests], version
+
     def _rounds(self, step: int) -> StepSamples:
         """Generation rounds of ``step`` until DAPO's filter has the batch (one round without it)."""
         t_start = time.perf_counter()
@@ -160,11 +189,10 @@ class StepSource:
         versions, t_reward, rnd, shape_m = {}, 0.0, 0, {}
         while True:
             prompts = next_prompts(self.train, self.cfg.data.prompts_per_step, self.cfg.data.seed, self.pos)
-            job = self.rollouts.submit(self._requests(prompts, step, rnd), self.sampling)
-            results = self.rollouts.collect(job)
+            results, version = self._generate(self._requests(prompts, step, rnd))
             t0 = time.perf_counter()
             for res in results:
-                versions[(rnd, res.key)] = job["version"]
+                versions[(rnd, res.key)] = version
                 res.round = rnd
             raw = self.rewards(prompts, results, n)
             lengths = torch.tensor([len(r.response_ids) for r in results])

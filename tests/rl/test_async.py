@@ -614,13 +614,18 @@ def test_step_metrics_report_trainer_idle_and_engine_occupancy():
 
 def test_continuous_generation_is_chosen_per_engine_and_can_be_turned_off():
     """The HF and vLLM engines stream in async mode (the default; ``rollout.engine_kwargs.stream=false`` keeps
-    the static-batch jobs); tool episodes and engines that do not stream stay on ``generate`` jobs; a non-bool
-    ``stream`` is refused."""
+    the static-batch jobs); the HF engine streams in the synchronous and one-step-off modes too (its
+    ``generate`` is a static batch), vLLM keeps ``generate`` there (continuous already); tool episodes and
+    engines that do not stream stay on ``generate`` jobs; a non-bool ``stream`` is refused."""
     from rl.cluster.rollout_pool import engine_streams
     from rl.rollout.hf_engine import HFRolloutEngine
 
     assert engine_streams(_cfg(trainer={"max_staleness": 2}))
     assert not engine_streams(_cfg(trainer={"max_staleness": 2}, rollout={"engine_kwargs": {"stream": False}}))
+    for sync in ({"max_staleness": 0}, {"max_staleness": 0, "off_policy_steps": 1}):
+        assert engine_streams(_cfg(trainer=sync))
+        assert not engine_streams(_cfg(trainer=sync, rollout={"engine_kwargs": {"stream": False}}))
+        assert not engine_streams(_cfg(trainer=sync, rollout={"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine"}))
     vllm = {"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine"}
     assert engine_streams(_cfg(rollout=vllm, trainer={"max_staleness": 2}))
     assert not engine_streams(_cfg(rollout={**vllm, "engine_kwargs": {"stream": False}}, trainer={"max_staleness": 2}))

@@ -5,6 +5,7 @@ left-padded cache); finished responses come back before the long ones end and th
 slots are refilled; an interrupt hands back every live row, continued to the uninterrupted response; an
 adapter loaded under live rows waits for them (no response spans two versions); occupancy is measured."""
 
+import dataclasses
 import time
 
 import pytest
@@ -45,10 +46,14 @@ def _by_key(polls):
     return out
 
 
-def test_stream_equals_the_batch_engine_with_slot_refill(engine):
+@pytest.mark.parametrize("params", [PARAMS, dataclasses.replace(PARAMS, seed_per_token=False)],
+                         ids=["per_token_seed", "running_generator"])
+def test_stream_equals_the_batch_engine_with_slot_refill(engine, params):
+    """Both samplings: async's per-token seeds, and the synchronous modes' running generator per request (those
+    modes decode on the stream by default: the same samples as ``generate``'s static batches)."""
     reqs = _requests()
-    whole = {r.key: r for r in engine.generate(reqs, PARAMS)}
-    engine.stream_submit(reqs, PARAMS)
+    whole = {r.key: r for r in engine.generate(reqs, params)}
+    engine.stream_submit(reqs, params)
     polls = _drain(engine)
     got = _by_key(polls)
     assert set(got) == set(whole)

@@ -10,7 +10,7 @@ import torch
 
 from rl.config import RLConfig
 from rl.schedule.step_source import StepSource
-from rl.rollout.base import AdapterPayload, Result
+from rl.rollout.base import AdapterPayload, Result, sample_seed
 from rl.schedule.shaping import GroupFilter, mask_truncated, overlong_penalty, uniform_groups
 from rl.tasks.prompts import Prompt
 
@@ -45,6 +45,38 @@ class FakePool:
         self.payload = payload
         self.syncs.append((payload.version, wait))
         self.log.append(("sync", payload.version))
+
+
+class StreamPool(FakePool):
+    """``RolloutPool``'s stream (``streams``: what every mode of the HF engine decodes on by default):
+    ``stream_submit`` queues (logged as a job), each ``stream_poll`` returns up to two finished results, the
+    last submitted first, each with the adapter loaded at the poll (``Result.version``); ``delay`` is spent a
+    quarter per poll. ``submit`` / ``collect`` are refused."""
+
+    streams = True
+
+    def __init__(self, delay=0.0):
+        super().__init__(delay)
+        self.queue = []
+
+    def submit(self, requests, params):
+        raise AssertionError("a generate job on a pool that streams")
+
+    def settle_loads(self):
+        pass
+
+    def stream_submit(self, requests, params):
+        self.jobs.append({"requests": requests, "version": self.payload.version})
+        self.log.append(("job", self.payload.version))
+        self.queue += requests
+
+    def stream_poll(self, timeout_s=0.5):
+        time.sleep(self.delay / 4)
+        out, self.queue = self.queue[-2:][::-1], self.queue[:-2]
+        return [Result(r.key, [r.key[0], r.seed], [0.0, 0.0], "stop", version=self.payload.version) for r in out]
+
+
+POOLS = [FakePool, StreamPool]
 
 
 def uniform_if_even(prompts, results, n):
@@ -151,13 +183,15 @@ def test_overlong_penalty_and_truncation_mask_in_the_step():
     assert mask_truncated(batch, got.results)["overlong/all_truncated"] == 1 and batch.response_mask.sum() == 24
 
 
-def test_one_step_off_policy_prefetch_keeps_prompts_seeds_and_versions():
+@pytest.mark.parametrize("pool_cls", POOLS)
+def test_one_step_off_policy_prefetch_keeps_prompts_seeds_and_versions(pool_cls):
     """With overlap, step s+1's round 0 is submitted inside take(s) with the adapter of version s
-    (the update of step s has not been pushed yet); prompts and seeds equal the synchronous run's."""
+    (the update of step s has not been pushed yet); prompts and seeds equal the synchronous run's. On a
+    generate job and on the stream alike (results arrive out of order: kept in request order)."""
     runs = {}
     for off in (0, 1):
         cfg = _cfg(trainer={"off_policy_steps": off})
-        pool, state = FakePool(), {"epoch": 0, "cursor": 0}
+        pool, state = pool_cls(), {"epoch": 0, "cursor": 0}
         src = StepSource(cfg, _prompts(), pool, None, uniform_if_even, state)
         seen = []
         for step in range(3):
@@ -171,6 +205,23 @@ def test_one_step_off_policy_prefetch_keeps_prompts_seeds_and_versions():
         assert runs[0][s][0] == runs[1][s][0]  # identical samples
         assert set(runs[0][s][1]) == {s} and runs[0][s][2] == 0
         assert set(runs[1][s][1]) == {max(s - 1, 0)} and runs[1][s][2] == (1 if s else 0)
+    assert [ids for ids, _, _ in runs[0]] == [[[p, sample_seed(1234, s, p, k)] for p in rnd for k in range(3)]
+                                             for s, rnd in enumerate(_stream_rounds(_cfg(), 3))]
+
+
+def test_a_push_reaching_the_stream_mid_step_is_refused():
+    """The stream's results say which adapter sampled them: one that is not the step's (a load that raced the
+    step's requests) stops the run instead of training samples booked under the wrong version."""
+    pool, state = StreamPool(), {"epoch": 0, "cursor": 0}
+    poll = pool.stream_poll
+
+    def late_push(timeout_s=0.5):
+        pool.payload = AdapterPayload(7)
+        return poll(timeout_s)
+
+    pool.stream_poll = late_push
+    with pytest.raises(RuntimeError, match=r"generated with adapter v7, the step's is v0: a push reached"):
+        StepSource(_cfg(), _prompts(), pool, None, uniform_if_even, state).take(0, state)
 
 
 def _resume_inflight(cfg, step: int):
@@ -202,7 +253,8 @@ def test_resumed_overlap_regenerates_inflight_batch_with_its_adapter():
     assert pool2.payload.version == 1  # the current adapter is back on the engines after the redo
 
 
-def test_refill_rounds_of_the_next_step_overlap_the_update():
+@pytest.mark.parametrize("pool_cls", POOLS)
+def test_refill_rounds_of_the_next_step_overlap_the_update(pool_cls):
     """filter_groups + overlap: step s+1's whole gather — round 0 and its refill rounds, scored and
     packed — runs in the background while the trainer works on step s (nothing waits for ``take(s+1)``);
     the adapter pushed meanwhile is queued after its last round, so every round of step s+1 is generated
@@ -212,7 +264,7 @@ def test_refill_rounds_of_the_next_step_overlap_the_update():
     runs = {}
     for off in (0, 1):
         cfg = _cfg(trainer={"off_policy_steps": off, "steps": 3}, algorithm=fg)
-        pool, state = FakePool(delay=0.02), {"epoch": 0, "cursor": 0}
+        pool, state = pool_cls(delay=0.02), {"epoch": 0, "cursor": 0}
         built, rounds_of, jobs_before_take = [], [], []
         src = StepSource(cfg, _prompts(), pool, None, uniform_if_even, state,
                          build=lambda p, r: built.append(len(r)) or "batch")

@@ -1,5 +1,5 @@
-"""A rollout engine that kills its own process on its first ``generate`` of a run (the first actor
-to get there wins an O_EXCL marker file), to test that the driver restarts it and redoes its prompts."""
+"""A rollout engine that kills its own process on its first ``generate`` or stream poll with work of a run (the
+first actor to get there wins an O_EXCL marker file), to test that the driver restarts it and redoes its prompts."""
 
 import os
 
@@ -11,7 +11,7 @@ class DyingEngine(HFRolloutEngine):
         super().__init__(hf_dir, deterministic_topk, **kw)
         self.die_marker = die_marker
 
-    def generate(self, requests, params, batched=True):
+    def _die_once(self) -> None:
         if self.die_marker:
             try:
                 os.close(os.open(self.die_marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
@@ -19,7 +19,16 @@ class DyingEngine(HFRolloutEngine):
                 pass
             else:
                 os._exit(1)  # mid-step, after the driver handed this actor its prompts
+
+    def generate(self, requests, params, batched=True):
+        self._die_once()
         return super().generate(requests, params, batched)
+
+    def stream_poll(self, timeout_s=0.25):
+        """The stream (every mode's default): dies at the first poll that finds requests submitted."""
+        if self.slots.wait_for_work(timeout_s):
+            self._die_once()
+        return super().stream_poll(timeout_s)
 
 
 class FailingEngine(HFRolloutEngine):
