@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import contextlib
+
 import torch
 
 from glm5_mcore import cpu_compat
@@ -20,7 +22,9 @@ from glm5_mcore.mcore_settings import ParallelConfig, grouped_gemm, padded_vocab
 from glm5_mcore.device import training_device
 from glm5_mcore.model.dsa_backend import select as select_dsa_backend
 from glm5_mcore.model.dsa import GLM5SparseAttention, link_absorbed_mla, link_index_share
-from glm5_mcore.model.fp8_linear import apply_fp8_base, drop_columnwise_after_backward, te_fp8_overrides
+from glm5_mcore.model.fp8_linear import apply_fp8_base
+from glm5_mcore.model.fp8_te import (drop_columnwise_after_backward, release_te_copies, te_fp8_build,
+                                     te_fp8_overrides)
 from glm5_mcore.model.layer_spec import get_glm5_decoder_block_spec, get_glm5_mtp_block_spec
 from glm5_mcore.model.vocab import mask_padded_logits, real_vocab_size
 
@@ -48,7 +52,8 @@ def build_model(glm5: GLM5Config, parallel: Optional[ParallelConfig] = None, bac
 
     ``base_fp8_block``: a frozen FP8 base (``model.base_dtype=fp8``, ``model.fp8_linear``) in
     ``base_fp8_block``-square blocks: the local spec holds ``BlockFP8Weight`` s, TE its blockwise FP8
-    primary weights (Megatron-Core ``fp8_recipe="blockwise"``, ``fp8_param``); weights come from the load."""
+    primary weights (Megatron-Core ``fp8_recipe="blockwise"``, ``fp8_param``; built without grad and held
+    row-wise only outside a module's backward: ``model.fp8_te``); weights come from the load."""
     from megatron.core import parallel_state as ps
 
     from megatron.core.models.gpt import GPTModel
@@ -56,7 +61,8 @@ def build_model(glm5: GLM5Config, parallel: Optional[ParallelConfig] = None, bac
     cpu_compat.apply()
     parallel = parallel or ParallelConfig()
     config_overrides.setdefault("transformer_impl", "local" if backend == "local" else "transformer_engine")
-    if base_fp8_block is not None and backend != "local":
+    te_fp8 = base_fp8_block is not None and backend != "local"
+    if te_fp8:
         config_overrides.update(te_fp8_overrides())
     config_overrides.setdefault("expert_tensor_parallel_size", parallel.etp)
     config_overrides["moe_grouped_gemm"] = grouped_gemm(config_overrides.get("moe_grouped_gemm"), backend)
@@ -71,18 +77,19 @@ def build_model(glm5: GLM5Config, parallel: Optional[ParallelConfig] = None, bac
     reset_global_trackers()
     block = get_glm5_decoder_block_spec(cfg, backend)
     mtp = get_glm5_mtp_block_spec(cfg, backend) if post_process else None
-    model = GPTModel(
-        config=cfg,
-        transformer_layer_spec=block,
-        vocab_size=padded_vocab_size(glm5.vocab_size, parallel.tp, parallel.make_vocab_size_divisible_by),
-        max_sequence_length=glm5.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-        rotary_base=int(glm5.rope_theta),
-        mtp_block_spec=mtp,
-    )
+    with te_fp8_build() if te_fp8 else contextlib.nullcontext():  # TE's FP8 weights row-wise only (model.fp8_te)
+        model = GPTModel(
+            config=cfg,
+            transformer_layer_spec=block,
+            vocab_size=padded_vocab_size(glm5.vocab_size, parallel.tp, parallel.make_vocab_size_divisible_by),
+            max_sequence_length=glm5.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=False,
+            position_embedding_type="rope",
+            rotary_base=int(glm5.rope_theta),
+            mtp_block_spec=mtp,
+        )
     link_index_share(m for m in model.decoder.modules() if isinstance(m, GLM5SparseAttention))
     link_absorbed_mla(model)
     keep_router_fp32(model)
@@ -96,6 +103,7 @@ def build_model(glm5: GLM5Config, parallel: Optional[ParallelConfig] = None, bac
     model = model.to(training_device() if device is None else device)
     if base_fp8_block is not None:
         apply_fp8_base(model, glm5.num_hidden_layers, base_fp8_block)
+        release_te_copies(model)
         drop_columnwise_after_backward(model)
     return model
 

@@ -24,10 +24,9 @@ Two backends hold it:
   on the fly in 1×128 groups, as vLLM's block-FP8 linears do; activations and adapters stay bf16 in
   memory). The weights are TE ``Float8BlockwiseQTensor`` s; ``load_block_fp8_`` writes the stored bytes
   and scales into their row-wise data (the column-wise copy TE's dgrad needs on Hopper is the exact
-  transpose, made by TE; ``drop_columnwise_after_backward`` frees it after each layer's backward so a
-  step holds 1 byte per element, not 2). TE needs the weight to tile into 128-row blocks
-  (``te_tiles``): a linear that does not (``linear_kv_down_proj``, 576 rows) keeps the trainer's dtype,
-  filled with the dequantized stored values.
+  transpose, made by TE only inside a module's backward and freed after it: ``model.fp8_te``, so the base
+  holds 1 byte per element, not 2). TE takes a partial last block (``linear_kv_down_proj``'s 576 rows);
+  a weight TE kept dense gets the dequantized stored values.
 
 Fused and sharded tensors keep whole blocks: Megatron's ``linear_fc1`` is ``cat[gate; up]`` (gate rows a
 multiple of b), and a TP shard of a split dimension must be a multiple of b (vLLM asks the same,
@@ -339,31 +338,6 @@ def load_block_fp8_(param: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block
             param._create_columnwise()  # the exact transpose of data and scales (2-D blocks)
         return
     param.copy_(dequantize_fp8_blocks(q, s, block).to(param.dtype))
-
-
-def drop_columnwise_after_backward(model: torch.nn.Module) -> int:
-    """TE: free each FP8 weight's column-wise (transposed) copy when its module's backward is done, so the
-    frozen base holds 1 byte per element between layers (TE makes the copy again from the row-wise data,
-    exactly, in the next backward). Returns #modules hooked."""
-    n = 0
-    for mod in model.modules():
-        ws = [p for p in mod.parameters(recurse=False) if is_te_quantized(p) and not p.requires_grad]
-        if not ws:
-            continue
-
-        def drop(_m, _gi, _go, ws=ws):
-            for w in ws:
-                if w._rowwise_data is not None:
-                    w.update_usage(rowwise_usage=True, columnwise_usage=False)
-
-        mod.register_full_backward_hook(drop)
-        n += 1
-    return n
-
-
-def te_fp8_overrides() -> dict:
-    """Megatron-Core config for TE's blockwise FP8 with FP8 primary weights (``trainer.backend=te``)."""
-    return {"fp8": "e4m3", "fp8_recipe": "blockwise", "fp8_param": True}
 
 
 def check_base_dtype(base_dtype: Optional[str], trains_base: bool, field: str = "model.base_dtype") -> None:

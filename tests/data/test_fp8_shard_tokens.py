@@ -11,7 +11,7 @@ import torch
 
 from glm5_mcore.config import glm5_744b
 from glm5_mcore.mcore_settings import ParallelConfig, token_multiple
-from glm5_mcore.model.fp8_linear import te_fp8_overrides
+from glm5_mcore.model.fp8_te import te_fp8_overrides
 from tests.support.te_stand_in import te_version
 
 TP, CP = 8, 2

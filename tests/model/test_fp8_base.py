@@ -118,7 +118,8 @@ def test_te_fp8_linears_are_exactly_the_release_fp8_weights(single_rank):
     and in vLLM, are Megatron-Core's own linears there. (The layout is the 16 x H100 preset's.)"""
     from glm5_mcore.config import glm5_744b
     from glm5_mcore.mcore_settings import ParallelConfig
-    from glm5_mcore.model.fp8_linear import is_fp8_base_weight, te_fp8_overrides
+    from glm5_mcore.model.fp8_linear import is_fp8_base_weight
+    from glm5_mcore.model.fp8_te import te_fp8_overrides
     from glm5_mcore.model.layer_spec import get_backend, get_glm5_decoder_block_spec, get_glm5_mtp_block_spec
     from tests.support.te_stand_in import te_version
 

@@ -53,7 +53,8 @@ class FakeTEWeight(torch.nn.Parameter):
     fp32 per 128x128 block; ``_columnwise_data`` [N, M] and its scales while the column-wise usage is on."""
 
     def __new__(cls, M: int, N: int, columnwise: bool):
-        self = super().__new__(cls, torch.empty(0), requires_grad=False)
+        # the logical shape [M, N] over one element (TE's reports it without a dense copy)
+        self = super().__new__(cls, torch.zeros(1, dtype=torch.bfloat16).expand(M, N), requires_grad=False)
         self._rowwise_data = torch.randint(0, 255, (M, N), dtype=torch.uint8)
         self._rowwise_scale_inv = torch.rand(-(-M // 128), -(-N // 128))
         self._columnwise_data = self._columnwise_scale_inv = None
