@@ -244,7 +244,9 @@ class HFCheckpoint:
         return t, None
 
     def info(self, name: str) -> tuple[Path, torch.dtype, tuple[int, ...], int]:
-        """(file, stored dtype, shape of ``get(name)``, bytes read) from the headers, reading no data."""
+        """(file, stored dtype, shape of ``get(name)``, bytes read) from the headers, reading no data. An FP8
+        tensor without its ``weight_scale_inv`` is the ValueError ``get_stored`` raises, here from the headers:
+        before a converter writes anything."""
         loc = self.locate(name)
         if loc is None:
             raise KeyError(f"{self.dir}: tensor {name} is missing from the checkpoint")
@@ -252,6 +254,8 @@ class HFCheckpoint:
         path = self.files[stored]
         f = self._file(path)
         dtype, shape, start, end = f.tensors[stored]
+        if dtype in FP8 and (stored + "_scale_inv" not in self.files or expert is not None):
+            raise ValueError(f"{path}: FP8 tensor {stored} has no {stored}_scale_inv block scale")
         nbytes = end - start
         if expert is not None:
             if expert >= shape[0]:

@@ -229,6 +229,34 @@ def test_bad_fp8_scales_are_named_before_anything_is_written(folders, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_missing_block_scale_is_one_line_before_anything_is_written(folders, tmp_path, capfd):
+    """``glm5 convert hf-to-mcore`` of a folder missing one ``weight_scale_inv``: the console's one line naming the
+    file and tensor, exit 2, no output folder; the scale was found missing in the DCP writer's thread, after two
+    tracebacks of it."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from recipes.main import main
+
+    fp8, _ = folders
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(fp8 / f, bad / f)
+    sd = _stored(fp8)
+    del sd["model.layers.1.self_attn.o_proj.weight_scale_inv"]
+    save_file(sd, str(bad / "model.safetensors"))
+    capfd.readouterr()
+    rc = main(["convert", "hf-to-mcore", "--hf-dir", str(bad), "--out", str(tmp_path / "out"), "--no-progress"])
+    err = capfd.readouterr().err
+    print(err)
+    lines = [ln for ln in err.splitlines() if ln.startswith("glm5 convert: error:")]
+    assert rc == 2 and lines == [f"glm5 convert: error: {bad / 'model.safetensors'}: FP8 tensor model.layers.1.self_attn."
+                                 "o_proj.weight has no model.layers.1.self_attn.o_proj.weight_scale_inv block scale"]
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
 def test_megatron_export_of_an_fp8_checkpoint_is_refused(converted, tmp_path):
     from glm5_mcore.convert.megatron_export import export_megatron
 
