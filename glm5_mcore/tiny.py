@@ -26,6 +26,8 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<unk>", "<|endoftext|>", "<pad>", "[gMASK]", "<sop>", "<|system|>", "<|user|>",
                   "<|assistant|>", "<|observation|>"]
+MAX_VOCAB = 1 << 20
+"""``--vocab-size`` at most: 2^20 ids (GLM-5 has 154,880), whose embedding and output layer take 512 MiB in fp32."""
 
 
 def _layer_tensors(cfg: GLM5Config, prefix: str, moe: bool, indexer: bool, g: torch.Generator) -> dict:
@@ -151,6 +153,10 @@ def write_tiny(out: str | Path, mtp: bool = False, index_share: bool | str = Fal
     if vocab_size <= len(SPECIAL_TOKENS):
         raise ValueError(f"--vocab-size {vocab_size}: must exceed the {len(SPECIAL_TOKENS)} special tokens")
     cfg = glm5_tiny(mtp=mtp, index_share=index_share, vocab_size=vocab_size)
+    if vocab_size > MAX_VOCAB:
+        gib = 2 * vocab_size * cfg.hidden_size * 4 / 2 ** 30
+        raise ValueError(f"--vocab-size {vocab_size}: at most {MAX_VOCAB} for a tiny model (its embedding and output "
+                         f"layer alone would take {gib:,.0f} GiB in fp32)")
     if mla_576:
         cfg = mla576(cfg)
     return write_hf_checkpoint(cfg, random_hf_state_dict(cfg, seed), out, overwrite=overwrite, fp8_block=fp8_block)

@@ -89,3 +89,10 @@ def test_glm5_tiny_writes_an_odd_vocabulary(tmp_path, capsys):
     assert main(["tiny", "--out", str(tmp_path / "u"), "--vocab-size", "9"]) == 2
     assert "--vocab-size 9: must exceed the 9 special tokens" in capsys.readouterr().err
     assert not (tmp_path / "u").exists()
+    # an absurd size: one line (it ended in the allocator's traceback), nothing written
+    assert main(["tiny", "--out", str(tmp_path / "u"), "--vocab-size", "1099511627776"]) == 2
+    err = capsys.readouterr().err
+    print(err)
+    assert err.splitlines() == ["glm5 tiny: error: --vocab-size 1099511627776: at most 1048576 for a tiny model (its "
+                                "embedding and output layer alone would take 524,288 GiB in fp32)"], err
+    assert not (tmp_path / "u").exists()
