@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -74,13 +74,25 @@ class HostCopy:
     """The storages of ``tensors`` moved to host memory (their accelerator storage resized to 0, every view
     kept) and back, bit-identical. Storages shared by several tensors move once.
 
-    Host memory is ONE arena for all of them (each storage at a ``HOST_ALIGN``-aligned offset), made at the first
-    offload and kept, so every step reuses the same pages. Under CUDA it is pinned with ``cudaHostRegister`` on
-    exactly its size, outside PyTorch's pinned caching allocator: that allocator rounds each request up to a
-    power of two and caches the block (``CachingHostAllocator.h:300-309``), up to twice the frozen base when
-    every storage has its own pinned buffer. ``host_bytes`` is what the arena holds."""
+    ``tensors`` is a fixed collection, or a callable giving them at each offload: what a parameter stores can change
+    between steps (a TE FP8 weight's column-wise copy is dropped and made again as new tensors), so a snapshot taken
+    once would keep a dead copy (moved back to the device at every restore) and miss the live one.
 
-    def __init__(self, tensors: Iterable[torch.Tensor]):
+    Host memory is ONE arena for all of them (each storage at a ``HOST_ALIGN``-aligned offset), made at the first
+    offload and kept (made anew only if the tensors outgrow it), so every step reuses the same pages. Under CUDA it
+    is pinned with ``cudaHostRegister`` on exactly its size, outside PyTorch's pinned caching allocator: that
+    allocator rounds each request up to a power of two and caches the block (``CachingHostAllocator.h:300-309``),
+    up to twice the frozen base when every storage has its own pinned buffer. ``host_bytes`` is what the arena
+    holds."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]]):
+        self._resolve = tensors if callable(tensors) else None
+        self.arena: Optional[torch.Tensor] = None
+        self._registered = False
+        self._out = False
+        self._plan(tensors() if callable(tensors) else tensors)
+
+    def _plan(self, tensors: Iterable[torch.Tensor]) -> None:
         seen, self.tensors = set(), []
         for t in tensors:
             key = t.untyped_storage().data_ptr()
@@ -93,9 +105,6 @@ class HostCopy:
             self.offsets.append(off)
             off += -(-n // HOST_ALIGN) * HOST_ALIGN
         self.host_bytes = off
-        self.arena: Optional[torch.Tensor] = None
-        self._registered = False
-        self._out = False
 
     @property
     def offloaded(self) -> bool:
@@ -115,7 +124,10 @@ class HostCopy:
         """Bytes moved to the host."""
         if self._out:
             raise RuntimeError("HostCopy.offload: already offloaded")
-        if self.arena is None:
+        if self._resolve is not None:
+            self._plan(self._resolve())
+        if self.arena is None or self.arena.numel() < self.host_bytes:
+            self._free_arena()
             self.arena = self._make_arena()
         for t, off, n in zip(self.tensors, self.offsets, self.sizes):
             st = t.untyped_storage()
@@ -142,9 +154,13 @@ class HostCopy:
         self._out = False
         return sum(self.sizes)
 
-    def __del__(self):
+    def _free_arena(self) -> None:
         if self._registered and self.arena is not None:
             torch.cuda.cudart().cudaHostUnregister(self.arena.data_ptr())
+        self.arena, self._registered = None, False
+
+    def __del__(self):
+        self._free_arena()
 
 
 def device_memory() -> dict:

@@ -191,7 +191,7 @@ _HANDLERS = {
 def stored_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors a parameter's bytes live in: a ``BlockFP8Weight``'s e4m3 data and scales, a TE
     quantized weight's row- and column-wise data and scales, else the parameter itself (what an offload
-    moves, ``rl.train.offload.HostCopy``)."""
+    moves, ``glm5_mcore.device.HostCopy``)."""
     if isinstance(t, BlockFP8Weight):
         return [t.data_fp8, t.scale_inv]
     if is_te_quantized(t):

@@ -10,7 +10,9 @@ the trainer does not touch during generation goes to host memory (pinned under C
 - the frozen base weights, when the planner says the generation phase needs their memory
   (``rollout.offload_weights``): ``glm5_mcore.device.HostCopy``, the same storage trick as Megatron's
   ``_ParamAndGradBuffer.offload_to_cpu`` (param_and_grad_buffer.py:1619) for parameters outside DDP's
-  buffers (frozen ones have no buffer there).
+  buffers (frozen ones have no buffer there). What each parameter stores is looked up at every offload, after
+  a TE FP8 weight's column-wise copy is dropped (``model.fp8_te.drop_columnwise``: TE makes it again in the next
+  backward): the row-wise bytes and scales move, and nothing the parameter no longer holds.
 
 Activations need nothing: none live between passes. On CPU every step still runs (the grad buffers and
 weights are really freed and restored, so a wrong restore shows in the losses), only nothing is pinned.
@@ -25,6 +27,7 @@ import torch
 from glm5_mcore.cpu_compat import optimizer_offload
 from glm5_mcore.device import HostCopy, device_memory
 from glm5_mcore.model.fp8_linear import stored_tensors
+from glm5_mcore.model.fp8_te import drop_columnwise
 
 
 class TrainerOffload:
@@ -33,8 +36,9 @@ class TrainerOffload:
 
     def __init__(self, ddp, optimizer, model: torch.nn.Module, weights: bool):
         self.ddp, self.opt = ddp, optimizer
-        self.weights = HostCopy(t for p in model.parameters() if not p.requires_grad
-                                for t in stored_tensors(p)) if weights else None  # an FP8 base: its bytes + scales
+        self.frozen = [p for p in model.parameters() if not p.requires_grad]
+        # an FP8 base: its bytes + scales, as the parameters hold them at each offload
+        self.weights = HostCopy(lambda: [t for p in self.frozen for t in stored_tensors(p)]) if weights else None
         self.active = False
 
     def _grad_bytes(self) -> int:
@@ -48,7 +52,11 @@ class TrainerOffload:
         grads = self._grad_bytes()
         self.ddp.offload_grad_buffers(synchronize=torch.cuda.is_available(), empty_cache=False)
         optimizer_offload(self.opt, restore=False)
-        moved = self.weights.offload() if self.weights is not None else 0
+        moved = 0
+        if self.weights is not None:
+            for p in self.frozen:
+                drop_columnwise(p)
+            moved = self.weights.offload()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         self.active = True
