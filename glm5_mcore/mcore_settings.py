@@ -99,12 +99,21 @@ class ParallelConfig:
 
 
 def check_model_split(model, *, tp: int, ep: int, etp: int, pp: int) -> None:
-    """ValueError naming the field where ``model`` (a ``GLM5Config``) does not split over the layout: heads
-    over TP, routed experts over EP, the expert FFN width over ETP, layers over PP (the vocabulary rows are
-    padded to a multiple of TP: ``padded_vocab_size``). ``ParallelConfig`` (the run) and the planner's
-    ``Layout`` both call it."""
+    """ValueError naming the field where ``model`` (a ``GLM5Config``) does not split over the layout: heads, the
+    dense MLP's width and the shared expert's over TP, routed experts over EP, the expert FFN width over ETP,
+    layers over PP (the vocabulary rows are padded to a multiple of TP: ``padded_vocab_size``). From the config,
+    before any rank builds (Megatron-Core's own ``ensure_divisibility`` asserts inside each rank's MLP build).
+    ``ParallelConfig`` (the run) and the planner's ``Layout`` both call it; the message starts with the layout
+    field (``tp: ...``), which callers prefix with their section (``parallel.``, ``trainer.``)."""
     if model.num_attention_heads % tp:
         raise ValueError(f"tp: num_attention_heads={model.num_attention_heads} is not divisible by tp={tp}")
+    if "dense" in model.mlp_layer_types and model.intermediate_size % tp:
+        raise ValueError(f"tp: intermediate_size={model.intermediate_size} (the dense MLP's width, split over TP) "
+                         f"is not divisible by tp={tp}")
+    if model.n_shared_experts and model.shared_expert_intermediate_size % tp:
+        raise ValueError(f"tp: moe_intermediate_size={model.moe_intermediate_size} x n_shared_experts="
+                         f"{model.n_shared_experts} (the shared expert's width, split over TP) is not divisible by "
+                         f"tp={tp}")
     if model.n_routed_experts % ep:
         raise ValueError(f"ep: n_routed_experts={model.n_routed_experts} is not divisible by ep={ep}")
     if model.moe_intermediate_size % etp:

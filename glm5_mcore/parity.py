@@ -251,9 +251,14 @@ def main(args) -> int:
     if args.save_logits:
         check_output_file(args.save_logits, SAVE_LOGITS_KIND, _logits_file_kind, [args.input_ids],
                           getattr(args, "overwrite", False), what="--save-logits")
-    ids = load_input_ids(args.input_ids, GLM5Config.from_hf_dir(hf_dir).vocab_size, args.batch, args.seq_len, args.seed)
+    glm5 = GLM5Config.from_hf_dir(hf_dir)
     parallel = ParallelConfig(tp=args.tp, ep=args.ep, cp=args.cp,
                               make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", 1))
+    try:
+        parallel.validate(glm5)  # from the config, before any rank builds
+    except ValueError as e:
+        raise ValueError(f"--{e}") from None
+    ids = load_input_ids(args.input_ids, glm5.vocab_size, args.batch, args.seq_len, args.seed)
     report = run_parity(hf_dir, ids, parallel, args.dtype, args.atol, args.save_logits, ckpt,
                         getattr(args, "adapter", None))
     code = 0

@@ -102,7 +102,11 @@ def run_settings(cfg: SFTConfig, world: int) -> dict:
 def validate(cfg: SFTConfig, glm5: GLM5Config, world: int) -> tuple[ParallelConfig, int]:
     """The parallel layout and gradient-accumulation count; ValueErrors name the field."""
     parallel = cfg.parallel
-    glm5.to_mcore_config(parallel)  # heads % tp, experts % ep, ...: ValueError naming the field
+    try:
+        parallel.validate(glm5)  # heads, MLP widths % tp, experts % ep, ...: from the config, before any build
+    except ValueError as e:
+        raise ValueError(f"parallel.{e}") from None
+    glm5.to_mcore_config(parallel)
     if parallel.pp > 1 and glm5.num_hidden_layers % parallel.pp:
         raise ValueError(f"parallel.pp={parallel.pp} does not divide num_hidden_layers={glm5.num_hidden_layers}")
     if world % (parallel.tp * parallel.cp * parallel.pp):

@@ -62,6 +62,35 @@ def test_impossible_layout_names_the_field(kw, field):
         glm5_tiny().to_mcore_config(ParallelConfig(**kw))
 
 
+def test_tp_not_dividing_an_mlp_width_is_one_line_from_the_config(tmp_path, capfd):
+    """TP 2 on a model whose dense MLP is 37 wide (transformers' ``GlmMoeDsaModelTester``'s intermediate_size), or
+    whose shared expert is 13: ``glm5 parity --tp 2`` says so in one line before any rank builds, and the SFT
+    recipe's checks name ``parallel.tp`` and the field (it was Megatron-Core's ``ensure_divisibility`` traceback
+    on every rank)."""
+    import dataclasses
+
+    from glm5_mcore.tiny import random_hf_state_dict, write_hf_checkpoint
+    from recipes.main import main
+    from recipes.sft import validate
+
+    from tests.support.sft_setup import sft_cfg
+
+    for field, cfg, why in (
+            ("intermediate_size", dataclasses.replace(glm5_tiny(), intermediate_size=37),
+             "intermediate_size=37 (the dense MLP's width, split over TP)"),
+            ("moe_intermediate_size", dataclasses.replace(glm5_tiny(), moe_intermediate_size=13),
+             "moe_intermediate_size=13 x n_shared_experts=1 (the shared expert's width, split over TP)")):
+        hf = write_hf_checkpoint(cfg, random_hf_state_dict(cfg), tmp_path / field)
+        capfd.readouterr()
+        assert main(["parity", "--hf-dir", str(hf), "--tp", "2"]) == 2
+        err = capfd.readouterr().err
+        print(err)
+        assert err.splitlines() == [f"glm5 parity: error: --tp: {why} is not divisible by tp=2"], err
+        with pytest.raises(ValueError) as e:
+            validate(sft_cfg(str(hf), tmp_path / f"sft_{field}", parallel={"tp": 2}), cfg, 2)
+        assert str(e.value) == f"parallel.tp: {why} is not divisible by tp=2", e.value
+
+
 def test_missing_and_malformed_config_json(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         GLM5Config.from_hf_dir(tmp_path)
