@@ -91,8 +91,8 @@ def check_config(c) -> None:
     if check is not None:
         check(dict(c.rollout.engine_kwargs))
     check_targets = getattr(engine, "check_lora_targets", None)
-    if check_targets is not None:  # e.g. vLLM's LoRA mode cannot serve routed-expert adapters
-        check_targets(dict(c.rollout.engine_kwargs), c.lora.targets)
+    if check_targets is not None:  # e.g. vLLM's LoRA mode: max_lora_rank, expert parallelism, MoE kernels
+        check_targets(dict(c.rollout.engine_kwargs), c.lora)
 
 
 def preflight(c, tokenizer, prompt_sets: dict) -> tuple[int, ...]:
@@ -297,6 +297,10 @@ def validate(c) -> None:
             raise ValueError(f"rollout.colocate.engine_fraction={co.engine_fraction}: must be in (0, 1)")
         if co.sleep_level not in (None, 1, 2):
             raise ValueError(f"rollout.colocate.sleep_level={co.sleep_level!r}: 1, 2 or null (by push kind)")
+        if co.sleep_level == 2 and r.engine.endswith("VLLMRolloutEngine") and not r.engine_kwargs.get("merge"):
+            raise ValueError("rollout.colocate.sleep_level=2 with vLLM's LoRA mode: after a level-2 sleep every weight "
+                             "is reloaded in place, and vLLM 0.32 cannot reload a module its LoRA layers wrap "
+                             "(deepseek_v2.py:1820 finds no '...weight' under '...base_layer'); use sleep_level 1")
         if r.gpus_per_actor:
             raise ValueError("rollout.gpus_per_actor: colocated engines take rollout.colocate.engine_fraction of "
                              "the trainer's bundles instead (set it to 0)")

@@ -355,7 +355,7 @@ weight back, so that path runs on CPU too."""
 
 VLLM_CPU_MOE_RELOAD = ("vLLM-CPU skips the routed experts' prepack on an in-place reload "
                        "(fused_moe/unquantized_fused_moe_method.py:188-205 _setup_kernel runs it only on the first "
-                       "load); rl.rollout.vllm_server.reprepack_cpu_experts_on_reload runs it again")
+                       "load); rl.rollout.vllm_reload.reprepack_cpu_experts_on_reload runs it again")
 """The one vLLM-CPU workaround that cannot live here: it runs in the vLLM interpreter (no Megatron-Core),
 inside ``rl.rollout.vllm_server``; named here so this file lists every CPU wall."""
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors.torch import save, save_file
 
 from glm5_mcore.lora.state import AdapterState
 from glm5_mcore.checkpoint.atomic import output_dir
@@ -46,13 +47,30 @@ def _target_parameter(hf_weight: str) -> str:
 
 def export_peft(state: AdapterState, num_hidden_layers: int, n_experts: int, out: str | Path,
                 base_model: str = "", inputs: tuple = (), overwrite: bool = False, include_mtp: bool = False) -> Path:
-    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (HF PEFT) for ``state``.
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (HF PEFT, ``peft_tensors``) for ``state``."""
+    tensors, config = peft_tensors(state, num_hidden_layers, n_experts, base_model, include_mtp)
+    with output_dir(out, "lora export", inputs, overwrite) as tmp:
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return Path(out)
+
+
+def peft_files(state: AdapterState, num_hidden_layers: int, n_experts: int, base_model: str = "",
+               include_mtp: bool = False) -> dict[str, bytes]:
+    """``export_peft``'s two files as bytes, in memory (what an RL push carries): {"adapter_config.json",
+    "adapter_model.safetensors"}."""
+    tensors, config = peft_tensors(state, num_hidden_layers, n_experts, base_model, include_mtp)
+    return {"adapter_config.json": json.dumps(config, indent=2).encode(),
+            "adapter_model.safetensors": save(tensors, metadata={"format": "pt"})}
+
+
+def peft_tensors(state: AdapterState, num_hidden_layers: int, n_experts: int, base_model: str = "",
+                 include_mtp: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+    """``state`` as HF PEFT: (tensors by PEFT key, ``adapter_config.json`` as a dict).
 
     MTP-layer adapters are left out (transformers builds no module for the MTP layer) unless
     ``include_mtp``: then they are written under the release's ``model.layers.{num_hidden_layers}.*``
     names, as a serving engine that loads the MTP layer as a draft model (vLLM, SGLang) names it."""
-    from safetensors.torch import save_file
-
     tensors: dict[str, torch.Tensor] = {}
     ranks: dict[str, tuple[int, float]] = {}  # peft key (module or param) -> (r, alpha)
     target_modules, target_params = set(), set()
@@ -120,10 +138,7 @@ def export_peft(state: AdapterState, num_hidden_layers: int, n_experts: int, out
         "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "modules_to_save": None,
         "layers_to_transform": None, "layers_pattern": None,
     }
-    with output_dir(out, "lora export", inputs, overwrite) as tmp:
-        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    return Path(out)
+    return tensors, config
 
 
 def _reverse_rules() -> dict[str, tuple[str, Optional[str]]]:
@@ -149,8 +164,15 @@ def _pattern_value(patterns: dict, key: str, default):
 
 
 def import_peft(peft_dir: str | Path, num_hidden_layers: int) -> AdapterState:
-    """An HF PEFT LoRA adapter for GLM-5 as an ``AdapterState`` (Megatron names, full tensors)."""
+    """An HF PEFT LoRA adapter folder for GLM-5 as an ``AdapterState`` (Megatron names, full tensors)."""
     cfg_path, st_path, cfg = adapter_files(peft_dir, "an HF PEFT adapter")
+    return peft_state(cfg, load_adapter_tensors(st_path), num_hidden_layers, cfg_path, st_path)
+
+
+def peft_state(cfg: dict, raw: dict[str, torch.Tensor], num_hidden_layers: int, cfg_path="adapter_config.json",
+               st_path="adapter_model.safetensors") -> AdapterState:
+    """An HF PEFT adapter in memory (its config, its tensors by PEFT key) as an ``AdapterState``; errors name
+    ``cfg_path`` / ``st_path``."""
     if not isinstance(cfg, dict) or "r" not in cfg or "lora_alpha" not in cfg:
         raise ValueError(f"{cfg_path}: not an HF PEFT LoRA config (needs 'r' and 'lora_alpha')")
     if cfg.get("peft_type", "LORA") != "LORA":
@@ -163,7 +185,6 @@ def import_peft(peft_dir: str | Path, num_hidden_layers: int) -> AdapterState:
     r0, alpha0 = int(cfg["r"]), float(cfg["lora_alpha"])
     rslora = bool(cfg.get("use_rslora"))
     targets = set(cfg.get("target_parameters") or [])
-    raw = load_adapter_tensors(st_path)
 
     def scale(key: str, r: int) -> float:
         alpha = float(_pattern_value(cfg.get("alpha_pattern") or {}, key, alpha0))

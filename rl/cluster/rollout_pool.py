@@ -82,6 +82,15 @@ class RolloutActor:
         return stash_routes(self.engine.stream_poll(timeout_s))
 
     @ray.method(concurrency_group="control")
+    def take_pushes(self) -> list[dict]:
+        """What the engine reported of each adapter push since the last call (``RolloutEngine.pushes``)."""
+        pushes = getattr(self.engine, "pushes", None)
+        if not pushes:
+            return []
+        out, pushes[:] = list(pushes), []
+        return out
+
+    @ray.method(concurrency_group="control")
     def take_occupancy(self) -> Optional[dict]:
         """The engine's time-averaged live rows / slots since the last call (None: it does not measure)."""
         take = getattr(self.engine, "take_occupancy", None)
@@ -164,6 +173,9 @@ class RolloutPool:
             opts, kwargs, _ = actor_setup(self.cfg, i, self.pg)
         else:
             opts = dict(num_cpus=1, num_gpus=r.gpus_per_actor)
+        job_kwargs = getattr(_load_class(r.engine), "job_kwargs", None)  # e.g. vLLM's LoRA targets and versions
+        if job_kwargs is not None:
+            kwargs = job_kwargs(kwargs, self.cfg.lora.targets, t.max_staleness)
         shared = (t.off_policy_steps > 0 or t.max_staleness > 0) and not r.gpus_per_actor and not t.gpus_per_rank
         return RolloutActor.options(max_concurrency=1, **opts).remote(
             r.engine, serving_dir(self.cfg.model.hf_dir, self.cfg.model.ckpt, self.cfg.rollout.hf_dir),
@@ -381,6 +393,16 @@ class RolloutPool:
                 pass
         got = [g["occupancy"] for g in got if g is not None]
         return sum(got) / len(got) if got else None
+
+    def pushes(self) -> list[dict]:
+        """Every engine's adapter pushes since the last call (``RolloutActor.take_pushes``)."""
+        out = []
+        for ref in [a.take_pushes.remote() for a in self.actors]:
+            try:
+                out += ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
+                pass
+        return out
 
     def shutdown(self) -> None:
         for a in self.actors:

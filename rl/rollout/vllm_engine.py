@@ -5,14 +5,23 @@ vLLM itself runs in ``rl.rollout.vllm_server``: in this process, or, with ``vllm
 process under that interpreter (an environment of its own: vLLM pins torch / transformers versions
 the trainer's need not share; ``setup_vllm_cpu.sh`` makes ``.venv-vllm`` so for the CPU tests).
 
-The adapter arrives as the same HF PEFT payload the embedded engine loads and is served as a
-``LoRARequest`` (a new id per version). Where vLLM's GLM-5 LoRA support falls short (its LoRA path
-forces the Triton fused-MoE backend: GPU only; routed-expert adapters, which LoRA mode refuses in one line
-naming ``merge: true``, at validation and at push), ``merge=True`` folds the adapter into the base weights on
-the host instead, pushing only the modules a non-zero adapter touches — ``rl.rollout.vllm_weights.merged_weights``: W + scale·B·A per adapted HF
-tensor, from the base shards (never cumulative, so a second push replaces the first), in the dtype the
-served folder stores, FP8 block-quantized (``glm5_mcore.checkpoint.fp8``) where it stores FP8 — written to a
-safetensors file that vLLM's workers ``reload_weights`` from.
+The adapter arrives as the same HF PEFT payload the embedded engine loads. In LoRA mode (the default,
+``rl.rollout.vllm_lora``) every family vLLM has a LoRA layer for — MLA, the dense and shared MLPs, the routed
+experts, the indexer's ``wq_b`` — is served as a ``LoRARequest`` built in the engine's workers from the pushed
+tensors (``rl.rollout.vllm_adapters``, no adapter file), one vLLM LoRA id per version
+(``rl.rollout.vllm_push.AdapterVersions``): a request runs under the version it was admitted with, so a push
+neither waits for the live requests nor changes what they sample, and a version leaves vLLM once no request uses
+it (``max_loras`` versions share a batch). The families vLLM cannot serve as LoRA (``kv_b_proj``, the indexer's
+``wk`` / ``weights_proj``, the MTP layer) are merged into the served weights as merged mode does; a push that
+changes the decoder's weights (a merged family) waits for the live stream requests, as every merged push does.
+
+``merge=True`` folds the whole adapter into the base weights on the host instead, pushing only the modules a
+non-zero adapter touches — ``rl.rollout.vllm_weights.iter_merged_weights``: W + scale·B·A per adapted HF tensor,
+from the base shards (never cumulative, so a second push replaces the first), in the dtype the served folder
+stores, FP8 block-quantized (``glm5_mcore.checkpoint.fp8``) where it stores FP8 — reloaded in place by vLLM's
+workers (``rl.rollout.vllm_push.ServedWeights``). Every merged push reports the fraction of the adapter's delta
+the served weights keep per family (``last_push()["merged_delta_kept"]``) and refuses an FP8 one that keeps
+under 90 %: a small adapter re-quantized to e4m3 is mostly rounded away.
 
 Log-probs are vLLM's ``processed_logprobs`` (after temperature, the distribution the token was drawn
 from): with ``top_p < 1`` vLLM renormalises over the nucleus, so this engine refuses ``top_p < 1``
@@ -31,7 +40,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -40,18 +48,26 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-import torch
-from safetensors import safe_open
+from safetensors.torch import load
 
-from rl.rollout import weight_sync
+from glm5_mcore.lora.peft import peft_state
 from rl.rollout.base import (AdapterPayload, Occupancy, Request, Result, RolloutEngine, SamplingParams,
                              check_sleep_level, check_wake_tags)
-from rl.rollout.draft import adapter_without_mtp, mtp_speculative_config
+from rl.rollout.draft import mtp_speculative_config
 from rl.rollout.routes import route_dtype
 from rl.rollout.vllm_client import LocalServer, RemoteServer
+from rl.rollout.vllm_lora import (VLLM_MODULES, check_lora_mode, lora_job_kwargs, lora_mode_part,
+                                  served_adapter)
+from rl.rollout.vllm_push import AdapterVersions, ServedWeights
 from rl.rollout.vllm_stream import EngineStream, to_result, vllm_sampling
-from rl.rollout.vllm_weights import (HF_LAYER, LORA_MODE_EXPERTS, MLA_UP_KV, ROUTED_ADAPTER, check_lora_targets,
-                                     default_push_threads, is_mla_up_kv, is_mtp_tensor, iter_merged_weights)
+from rl.rollout.vllm_weights import (KEPT_MIN, adapted_tensors, default_push_threads, iter_merged_weights,
+                                     merged_delta_kept, vllm_module_tensors)
+
+
+def check_lora_targets(kwargs: dict, lora) -> None:
+    """``rollout.engine_kwargs`` with the policy's ``lora`` section (``rank``, ``targets``), before Ray:
+    vLLM's limits on LoRA mode (``rl.rollout.vllm_lora.check_lora_mode``)."""
+    check_lora_mode(kwargs, int(lora.rank), lora.targets)
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -67,9 +83,10 @@ class VLLMRolloutEngine(RolloutEngine):
     of a merged push; default ``default_push_threads``), ``push_dir`` (where the merged files go: a folder every
     node of an engine spanning nodes sees; ``rl.cluster.engine_placement``), anything else goes to ``vllm.LLM``.
 
-    LoRA mode (``merge=False``) sends the adapter as a ``LoRARequest`` except for ``linear_kv_up_proj``
-    (``MLA_UP_KV``), which vLLM's MLA would silently ignore: that module is merged and reloaded as in
-    merged mode. Every reload drops vLLM's prefix cache (``vllm_server.Server.reload``).
+    LoRA mode (``merge=False``): ``max_lora_rank``, ``max_loras`` (adapter versions in one batch; the RL pool
+    sets ``trainer.max_staleness + 1``), ``server_imports`` (modules the vLLM process imports first: plugins; the
+    CPU tests' MoE-LoRA kernel shim). ``merged_delta_kept_min`` (default 0.9): the refusal of a merged FP8 push.
+    Every reload drops vLLM's prefix cache (``vllm_server.Server.reload``).
 
     The draft head follows the trained one: vLLM builds the MTP layer as a separate draft model that
     neither ``reload_weights`` (the decoder's loader skips ``model.layers.{num_hidden_layers}.*``) nor a
@@ -79,7 +96,8 @@ class VLLMRolloutEngine(RolloutEngine):
     LoRA mode alike; the LoRARequest carries the decoder's adapter only."""
 
     FORWARDS_KWARGS = True  # the rest go to vllm.LLM, whose EngineArgs refuses unknown keys
-    check_lora_targets = staticmethod(check_lora_targets)  # run by rl.validate with lora.targets
+    check_lora_targets = staticmethod(check_lora_targets)  # run by rl.validate with the lora section
+    job_kwargs = staticmethod(lora_job_kwargs)  # rl.cluster.rollout_pool: LoRA targets and versions of the job
     SPANS_BUNDLES = True  # distributed_executor_backend="ray" over the bundles rl.cluster.engine_placement names
     INTERRUPTIBLE = True
     STREAMS = True  # rl.rollout.vllm_stream: vLLM's scheduler loop kept running across calls
@@ -89,7 +107,8 @@ class VLLMRolloutEngine(RolloutEngine):
                  vllm_python: Optional[str] = None, dense_mla: bool = False, device: Optional[str] = None,
                  push_bytes: int = 2 << 30, return_routes: bool = False, mtp_draft_tokens: int = 0,
                  push_threads: Optional[int] = None, sleep_mode: bool = False, weight_transport: str = "file",
-                 push_dir: Optional[str] = None, stream: bool = True, **kwargs):
+                 push_dir: Optional[str] = None, stream: bool = True, server_imports: tuple = (),
+                 merged_delta_kept_min: float = KEPT_MIN, **kwargs):
         """``stream``: async RL uses continuous generation (``rl.cluster.rollout_pool.engine_streams``); the
         other keywords not named here go to ``vllm.LLM``."""
         super().__init__(hf_dir, deterministic_topk)
@@ -103,23 +122,13 @@ class VLLMRolloutEngine(RolloutEngine):
                                  f"index_topk ({topk}) >= max_model_len ({max_len})")
         elif deterministic_topk:
             warnings.warn("vLLM selects DSA top-k with its own kernel; the trainer's tie rule is not enforced")
-        self.merge = merge
-
+        self.merge, self.dense_mla, self.kept_min = merge, dense_mla, float(merged_delta_kept_min)
         self.route_dtype = route_dtype(int(config.get("n_routed_experts") or config.get("num_local_experts") or 256))
-        self.push_bytes = push_bytes
-        self.push_threads = int(push_threads or default_push_threads())
         self.num_hidden_layers = int(config["num_hidden_layers"])
         self.drafts = bool(mtp_draft_tokens)
         self.device = device
-        self.lora: Optional[tuple] = None
-        self._pushed: set[str] = set()
+        self.lora: Optional[tuple] = None  # the newest adapter version's LoRARequest tuple (LoRA mode)
         self.sleep_mode = sleep_mode and device != "cpu"  # cpu_compat.VLLM_CPU_NO_SLEEP
-        if weight_transport not in ("file", "handles"):
-            raise ValueError(f"weight_transport={weight_transport!r}: file (separate engines) or handles "
-                             "(colocated: rl.rollout.weight_sync buckets, CUDA IPC on GPUs)")
-        self.transport = weight_transport
-        self.n_experts = int(config.get("n_routed_experts") or 1)
-        self.sync_log: list[dict] = []  # per push: buckets and bytes (handles transport)
         self._call_lock = threading.Lock()  # generate's call number vs interrupt (another thread)
         self._calls, self._running, self._stop_after = 0, None, None
         self._discarded = False  # a level-2 sleep: the next push brings every weight back
@@ -127,6 +136,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.occupancy = Occupancy(int(kwargs.get("max_num_seqs") or 256))  # vLLM's default max_num_seqs
         self.payload_version = -1  # the AdapterPayload.version loaded (what a stream Result.version reports)
         self._deferred: Optional[tuple] = None  # (payload,): a push waiting for the live stream requests
+        self.pushes: list[dict] = []  # per push: what travelled and how long it took (``last_push``)
         env: dict = {}
         llm = dict(model=str(hf_dir), dtype=dtype, enable_lora=not merge, tensor_parallel_size=tensor_parallel_size,
                    logprobs_mode="processed_logprobs", enable_prefix_caching=False)
@@ -134,8 +144,9 @@ class VLLMRolloutEngine(RolloutEngine):
             llm.update(enable_return_routed_experts=True, enable_prefix_caching=True)
         if self.sleep_mode:  # colocated with the trainer (rl.schedule.colocate)
             llm["enable_sleep_mode"] = True
-        if not merge:
-            llm["max_lora_rank"] = max_lora_rank
+        if not merge:  # routed experts come in PEFT's fused 3D form; LoRA layers only where LoRA is served
+            llm.update(max_lora_rank=max_lora_rank, enable_mixed_moe_lora_format=True,
+                       lora_target_modules=sorted(set(VLLM_MODULES.values())))
         if device == "cpu":
             from glm5_mcore.cpu_compat import vllm_cpu_env, vllm_cpu_llm_kwargs
 
@@ -151,17 +162,22 @@ class VLLMRolloutEngine(RolloutEngine):
                 llm["speculative_config"].update(vllm_cpu_speculative_kwargs())
             llm["disable_log_stats"] = False  # vLLM's spec-decode counters (``spec_decode_counts``)
         llm.update(kwargs)
+        server_kwargs = {"dense_mla": dense_mla, "imports": tuple(server_imports)}
         if vllm_python:
-            self.server = RemoteServer(vllm_python, (llm,), {"dense_mla": dense_mla}, env)
+            self.server = RemoteServer(vllm_python, (llm,), server_kwargs, env)
         else:
             for k, v in env.items():
                 os.environ.setdefault(k, v)
             from rl.rollout.vllm_server import Server
 
-            self.server = LocalServer(Server(llm, dense_mla=dense_mla))
+            self.server = LocalServer(Server(llm, **server_kwargs))
         if push_dir is not None:  # an engine across nodes: its workers on every node read the merged files here
             Path(push_dir).mkdir(parents=True, exist_ok=True)
-        self._dir = tempfile.mkdtemp(prefix="glm5_vllm_", dir=push_dir)  # adapters and merged files, its own
+        self._dir = tempfile.mkdtemp(prefix="glm5_vllm_", dir=push_dir)  # merged files, its own
+        self.weights = ServedWeights(self.server, hf_dir, self.num_hidden_layers,
+                                     int(config.get("n_routed_experts") or 1), self.drafts, weight_transport,
+                                     push_bytes, int(push_threads or default_push_threads()), self._dir, device)
+        self.adapters = AdapterVersions(self.server)
 
     # ------------------------------------------------------------------ colocation (rl.schedule.colocate)
     def sleep(self, level: int) -> str:
@@ -187,135 +203,81 @@ class VLLMRolloutEngine(RolloutEngine):
         return f"VLLMRolloutEngine.wake_up(tags={list(tags)})"
 
     def last_push(self) -> dict:
-        """{"transport", "buckets": [[HF names] per bucket], "bytes"} of the last push (handles transport)."""
-        if self.transport != "handles" or not self.sync_log:
-            return {"transport": self.transport}
-        return {"transport": self.transport, **self.sync_log[-1]}
-
-    def _all_weights(self) -> tuple:
-        """Every HF tensor the served model loads (after a level-2 sleep all of them come back)."""
-        from glm5_mcore.checkpoint.hf_io import HFCheckpoint
-
-        out = []
-        for h in HFCheckpoint(self.hf_dir).keys():
-            if h.endswith("_scale_inv") or (not self.drafts and is_mtp_tensor(h, self.num_hidden_layers)):
-                continue
-            fused = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", h)
-            if fused:  # transformers' fused expert tensors: the per-expert names vLLM's loader takes
-                kinds = ("down_proj",) if fused.group(2) == "down_proj" else ("gate_proj", "up_proj")
-                out += [f"{fused.group(1)}.{e}.{k}.weight" for e in range(self.n_experts) for k in kinds]
-            else:
-                out.append(h)
-        return tuple(out)
+        """The last push: {"transport", "mode" ("lora" / "merged"), "lora_bytes" (the LoRARequest's tensors),
+        "merged_bytes" (merged tensors reloaded), "seconds", "merged_delta_kept" ({family: fraction}), "waited"
+        (whether it waited for live stream requests); with the handles transport, "buckets" and "bytes"}."""
+        return {"transport": self.weights.transport, **(self.pushes[-1] if self.pushes else {})}
 
     # ------------------------------------------------------------------ weights
     def load_adapter(self, payload: Optional[AdapterPayload]) -> None:
-        """Install ``payload``; while stream requests are live it waits for them (``stream_poll`` installs
-        it): a push reloads weights in place, under their KV cache."""
-        if self.stream.live:
-            self._deferred, self.stream.hold = (payload,), True
+        """Install ``payload``. A push that changes the served weights (merged mode, a merged family in LoRA
+        mode, the base restored) waits while stream requests are live (``stream_poll`` installs it): it reloads
+        weights in place, under their KV cache. A LoRA-mode push of served families only is installed at once:
+        the live requests keep their version."""
+        state = self._state(payload)
+        if self.stream.live and self._changes_weights(state):
+            self._deferred, self.stream.hold = (payload, state), True
             return
         self._deferred = None
-        self._load(payload)
+        self._load(payload, state, waited=False)
+
+    def _state(self, payload: Optional[AdapterPayload]):
+        """The payload's adapter as an ``AdapterState`` (in memory), or None for the base model."""
+        if payload is None or not payload.files:
+            return None
+        return peft_state(json.loads(payload.files["adapter_config.json"]),
+                          load(payload.files["adapter_model.safetensors"]), self.num_hidden_layers)
+
+    def _merged(self, hf_name: str) -> bool:
+        """Whether a push merges ``hf_name`` into the served weights (rather than a LoRARequest serving it)."""
+        part = lora_mode_part(hf_name, self.num_hidden_layers, self.dense_mla)
+        if part == "draft":
+            return self.drafts
+        return part != "dropped" and (self.merge or part == "merged")
+
+    def _changes_weights(self, state) -> bool:
+        """Whether installing ``state`` reloads a decoder weight in place."""
+        if self.merge or self._discarded or self.weights.decoder_pushed():
+            return True
+        merged = adapted_tensors(state, self.num_hidden_layers, self._merged) if state is not None else {}
+        return any(lora_mode_part(h, self.num_hidden_layers) != "draft" for h in merged)
 
     def _install_deferred(self) -> None:
         if self._deferred is not None and not self.stream.live:
-            (payload,), self._deferred = self._deferred, None
-            self._load(payload)
+            (payload, state), self._deferred = self._deferred, None
+            self._load(payload, state, waited=True)
             self.stream.hold = False
 
-    def _load(self, payload: Optional[AdapterPayload]) -> None:
-        self.payload_version = payload.version if payload is not None else -1
+    def _load(self, payload: Optional[AdapterPayload], state, waited: bool) -> None:
+        self.payload_version = payload.version if state is not None else -1
+        entry = {"mode": "merged" if self.merge else "lora", "waited": waited, "lora_bytes": 0, "merged_bytes": 0}
+        t0 = time.perf_counter()
         if self._discarded:  # level-2 sleep: the base of every tensor first, then this push as usual
             self._discarded = False
-            self._pushed = set(self._all_weights())
-            if not self.merge:  # a LoRARequest serves on the base: reload it (merged: the push below does)
-                self._push({})
-        if payload is None or not payload.files:
-            self.lora = None
-            if self._pushed:
-                self._push({})
-            return
-        path = Path(self._dir) / f"v{payload.version}"
-        path.mkdir(parents=True, exist_ok=True)
-        for name, data in payload.files.items():
-            (path / name).write_bytes(data)
-        if self.merge:
+            self.weights.pushed = set(self.weights.all_weights())
+        kept: dict = {}
+        merged = adapted_tensors(state, self.num_hidden_layers, self._merged) if state is not None else {}
+        if merged or self.weights.pushed:  # restores whatever an earlier push changed
             part = "all" if self.drafts else "decoder"
-            self._push(iter_merged_weights(self.hf_dir, path, tuple(self._pushed), self.push_bytes, part))
-            shutil.rmtree(path, ignore_errors=True)
-            return
-        with safe_open(str(path / "adapter_model.safetensors"), "pt") as f:
-            routed = sorted({k.split(".experts.")[0] for k in f.keys() if ROUTED_ADAPTER.search(k)})
-        if routed:
-            shutil.rmtree(path, ignore_errors=True)
-            raise ValueError("VLLMRolloutEngine: " + LORA_MODE_EXPERTS.format(what=f"{len(routed)} layers"))
-        # merged even in LoRA mode: the MTP layer (vLLM's LoRA does not reach the draft model) and the MLA
-        # up-projection (vLLM's MLA never applies its LoRA); restores whatever an earlier push changed
-        L = self.num_hidden_layers
-        self._push(iter_merged_weights(self.hf_dir, path, tuple(self._pushed), self.push_bytes, "all",
-                                       merged=lambda h: self.drafts if is_mtp_tensor(h, L) else is_mla_up_kv(h)))
+            chunks = iter_merged_weights(self.hf_dir, state, tuple(self.weights.pushed), self.weights.push_bytes,
+                                         part, merged=self._merged, kept=kept, kept_min=self.kept_min)
+            changed = {n for h in merged for n in vllm_module_tensors(h, self.weights.n_experts)}
+            entry.update({k: v for k, v in self.weights.push(chunks, changed).items() if k != "seconds"})
+        self.lora = None
+        if state is not None and not self.merge:
+            served = served_adapter(payload.files, self.num_hidden_layers, self.dense_mla)
+            if served is not None:
+                self.lora = self.adapters.add(payload.version, served)
+                entry["lora_bytes"] = served.nbytes
+        self._retire()
+        entry.update(seconds=time.perf_counter() - t0, merged_delta_kept=merged_delta_kept(kept))
+        self.pushes.append(entry)
 
-        for name, data in adapter_without_mtp(payload.files, L, drop_modules=(MLA_UP_KV,)).items():
-            (path / name).write_bytes(data)
-        self.lora = (f"policy_v{payload.version}", payload.version + 1, str(path))
-
-    def _push(self, chunks) -> None:
-        """Reload each dict of ``chunks`` (HF names → tensors) in vLLM, one safetensors file at a time:
-        the decoder's tensors in the served model, the MTP layer's in the draft model; ``{}``: every
-        tensor pushed before goes back to base. Remembers what now differs from base."""
-        from safetensors.torch import save_file
-
-        threads = torch.get_num_threads()
-        torch.set_num_threads(self.push_threads)
-        try:
-            self._push_chunks(chunks, save_file)
-        finally:
-            torch.set_num_threads(threads)
-
-    def _push_chunks(self, chunks, save_file) -> None:
-        if chunks == {}:  # base model again: every pushed tensor from the base shards
-            chunks = iter_merged_weights(self.hf_dir, None, tuple(self._pushed), self.push_bytes, "all")
-        pushed = set()
-        file = Path(self._dir) / "merged.safetensors"
-        buckets: list = []
-        for weights in chunks:
-            draft = {h: w for h, w in weights.items() if is_mtp_tensor(h, self.num_hidden_layers)}
-            for method, part in (("reload", {h: w for h, w in weights.items() if h not in draft}),
-                                 ("reload_draft", draft)):
-                if not part:
-                    continue
-                if self.transport == "handles":
-                    buckets += self._send_buckets(method, part)
-                    continue
-                save_file(part, str(file))
-                try:
-                    self.server.call(method, str(file))
-                finally:
-                    file.unlink(missing_ok=True)
-            names = {h for h in weights if not h.endswith("_scale_inv")}
-            pushed |= names
-            self._pushed |= names  # a failure mid-way still restores these with the next push
-        self._pushed = pushed
-        if self.transport == "handles":  # as ``Server.reload`` does per file: no KV of the old weights served
-            self.server.call("reset_prefix_cache")
-            self.sync_log.append({"buckets": [b["names"] for b in buckets], "bytes": sum(b["bytes"] for b in buckets)})
-
-    def _send_buckets(self, method: str, part: dict) -> list[dict]:
-        """``part`` to vLLM as ``rl.rollout.weight_sync`` buckets of whole decoder layers (at most ``push_bytes``
-        unless one layer is larger: the granularity the file path reloads), each handed over as a CUDA IPC handle on GPUs (the bucket built on the engine's GPU) or
-        the shared-file stand-in on the CPU."""
-
-        cuda = torch.cuda.is_available() and self.device != "cpu"
-        codec = weight_sync.codec("cuda_ipc" if cuda else "shared_file")
-
-        def group_of(h: str) -> str:  # whole decoder layers, as the file path's chunks (iter_merged_weights):
-            m = HF_LAYER.match(h)         # vLLM's MoE gate (weight + e_score_correction_bias) and MLA modules
-            return f"model.layers.{m.group(1)}" if m else h  # rebuild from what one reload brings
-
-        return weight_sync.send([part], self.push_bytes, codec,
-                                lambda handle, metas: self.server.call(method + "_handle", handle, metas, codec.name),
-                                group_of, torch.device("cuda", torch.cuda.current_device()) if cuda else None)
+    def _retire(self) -> None:
+        """LoRA versions neither the newest nor used by a live stream request leave vLLM."""
+        with self.stream.lock:
+            keep = {v for _, v in self.stream.live.values()}
+        self.adapters.retire(keep | ({self.payload_version} if self.lora is not None else set()))
 
     def generate(self, requests: list[Request], params: SamplingParams, batched: bool = True) -> list[Result]:
         """A request with ``prefix_ids`` (partial rollouts) goes to vLLM as prompt + prefix with
@@ -371,6 +333,8 @@ class VLLMRolloutEngine(RolloutEngine):
 
         out = self.stream.poll(step, self.lora, self.payload_version, timeout_s, self.route_dtype)
         self._install_deferred()
+        if out and self.adapters.by_version:
+            self._retire()
         return out
 
     def interrupt(self) -> bool:

@@ -1,15 +1,17 @@
 """The vLLM side of ``VLLMRolloutEngine``: with ``rl.rollout.vllm_stream``, the only modules that import vLLM (0.32).
 
-It runs where vLLM is installed (``rl.rollout.vllm_stream`` holds its continuous-generation half): in the
-engine's own process when the rollout environment has vLLM,
+It runs where vLLM is installed (``rl.rollout.vllm_stream`` holds its continuous-generation half,
+``rl.rollout.vllm_reload`` what runs on the workers for a weight push, ``rl.rollout.vllm_adapters`` the
+in-memory LoRA adapters): in the engine's own process when the rollout environment has vLLM,
 or as ``python -m rl.rollout.vllm_server`` under another interpreter (``vllm_python``: vLLM pins
 torch / transformers versions the trainer's environment need not share), answering the engine over
 a ``multiprocessing.connection`` socket. It imports nothing of the project but this file,
-``rl.rollout.vllm_stream`` and ``rl.rollout.weight_sync`` (torch only), and what crosses the socket is plain data (token ids, floats, file paths,
-bucket handles): weights travel as safetensors files, or (colocated engines) as weight-sync buckets.
+those modules and ``rl.rollout.weight_sync`` (torch only), and what crosses the socket is plain data (token ids,
+floats, file paths, bucket handles, an adapter's safetensors bytes): merged weights travel as safetensors files, or
+(colocated engines) as weight-sync buckets; a LoRA adapter as bytes in memory (``add_adapter``).
 
 - ``generate``: ``TokensPrompt`` in, token ids + ``processed_logprobs`` out (token-in/token-out, no
-  detokenisation); an adapter as a ``LoRARequest``. ``interrupt`` (partial rollouts) ends it at a step
+  detokenisation); an adapter as a ``LoRARequest`` of an adapter ``add_adapter`` holds on the workers. ``interrupt`` (partial rollouts) ends it at a step
   boundary: the unfinished requests are aborted and return what they sampled so far.
 - ``reload_draft``: the MTP layer's tensors into the speculative draft model (which ``reload`` never
   reaches), ``draft_weights`` reads them back, ``spec_decode_counts`` gives the draft's acceptance.
@@ -32,6 +34,9 @@ import sys
 import traceback
 from typing import Optional
 
+from rl.rollout import vllm_adapters
+from rl.rollout.vllm_reload import (_draft_weights, _reload_draft_from_file, _reload_from_file,  # noqa: F401
+                                    _reload_from_handle, reprepack_cpu_experts_on_reload)
 from rl.rollout.vllm_stream import ServerStream, absorb, add_requests
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -76,140 +81,15 @@ def _dense_mla_mtp_class():
     return GLM5DenseMLAMTPModel
 
 
-def reprepack_cpu_experts_on_reload(model) -> int:
-    """vLLM-CPU workaround, installed on ``model`` before each in-place reload; returns the MoE layers patched.
-
-    Wall: ``UnquantizedFusedMoEMethod._setup_kernel`` (vllm/model_executor/layers/fused_moe/
-    unquantized_fused_moe_method.py:188-205) runs the experts' own ``process_weights_after_loading`` only
-    while ``moe_kernel is None`` (the first load); on vLLM-CPU that is the prepack of ``w13_weight`` /
-    ``w2_weight`` [E, 2I, H] / [E, H, I] into the grouped-GEMM layout (experts/cpu_moe.py:208-218,
-    ``cpu_prepack_moe_weight``: same shape, other order). An in-place reload
-    (``model_loader/reload/layerwise.py:_layerwise_process``) re-runs the method, which copies the reloaded
-    checkpoint-layout experts into the prepacked storage and skips the prepack: the CPU kernel then reads
-    them as packed, and every routed expert of a reloaded layer is wrong (a full push after a level-2
-    sleep, or any adapter on experts: log-probs ~3 off). The patch makes the method, per layer instance,
-    prepack again after it ran on a weight update; it runs exactly for the layers a reload brought.
-    Other platforms: nothing (0)."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return 0
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-
-    n = 0
-    for layer in model.modules():
-        method = getattr(layer, "quant_method", None)
-        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
-        if not isinstance(experts, CPUUnquantizedExperts) or getattr(method, "_glm5_reprepack", False):
-            continue
-
-        def after_loading(layer_, _run=method.process_weights_after_loading, _experts=experts):
-            size = _experts.moe_config.intermediate_size_per_partition
-            if _experts._padded_intermediate_size(_experts.moe_config) != size:
-                raise NotImplementedError(f"vLLM-CPU: in-place reload of MoE experts with a padded intermediate "
-                                          f"size ({size}) is not supported (experts/cpu_moe.py:220)")
-            _run(layer_)
-            _experts.process_weights_after_loading(layer_)
-
-        method.process_weights_after_loading = after_loading
-        method._glm5_reprepack = True
-        n += 1
-    return n
-
-
-def _reload(worker, tensors) -> None:
-    """``worker.reload_weights`` of checkpoint-format (HF name, tensor) pairs, the CPU MoE prepack restored."""
-    reprepack_cpu_experts_on_reload(worker.model_runner.get_model())
-    worker.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
-
-
-def _reload_from_file(worker, path: str) -> int:
-    """Run on every vLLM worker: reload the checkpoint-format tensors of one safetensors file."""
-    from safetensors.torch import load_file
-
-    tensors = load_file(path)
-    _reload(worker, tensors.items())
-    return len(tensors)
-
-
-def _reload_from_handle(worker, handle, metas, codec: str, draft: bool = False) -> int:
-    """Run on every vLLM worker: reload the tensors of one weight-sync bucket (``rl.rollout.weight_sync``: CUDA IPC
-    on GPUs, the shared-file stand-in on CPU) as views of the sender's memory, no file in between."""
-    from rl.rollout.weight_sync import receive
-
-    tensors = receive(handle, metas, codec)
-    if draft:
-        return _reload_draft(worker, tensors)
-    _reload(worker, tensors)
-    return len(tensors)
-
-
-def _draft_model(worker):
-    """The speculative-decoding draft model of a vLLM worker: ``model_runner.get_draft_model()``, which
-    both of vLLM 0.32's runners have — V1 (``gpu_model_runner.py:3122``, ``self.drafter``; the CPU build's)
-    and Model Runner V2 (``gpu/model_runner.py:562``, ``self.speculator``; CUDA's default, and what
-    ``enable_return_routed_experts`` requires). A runner without it: V1's ``drafter.model``."""
-    runner = worker.model_runner
-    get = getattr(runner, "get_draft_model", None)
-    model = get() if get is not None else getattr(getattr(runner, "drafter", None), "model", None)
-    if model is None:
-        raise RuntimeError("this vLLM engine has no draft model (speculative_config method 'mtp' not set)")
-    return model
-
-
-def _reload_draft_from_file(worker, path: str) -> int:
-    """Run on every vLLM worker: reload the MTP layer's checkpoint-format tensors (HF names
-    ``model.layers.{num_hidden_layers}.*``) of one safetensors file into the draft model, with vLLM's
-    in-place reload (``model_loader/reload/inplace.py``: the draft's own ``load_weights`` name mapping —
-    ``mtp_block.``, fused q_a/kv_a, gate/up, FusedMoE experts — then ``process_weights_after_loading``
-    for the modules it touched, e.g. MLA's ``W_UK_T`` / ``W_UV`` from ``kv_b_proj``), under the draft's
-    model config."""
-    from safetensors.torch import load_file
-
-    return _reload_draft(worker, list(load_file(path).items()))
-
-
-def _reload_draft(worker, tensors: list) -> int:
-    """(HF name, tensor) pairs of the MTP layer into the draft model (see ``_reload_draft_from_file``)."""
-    from types import SimpleNamespace
-
-    from vllm.model_executor.model_loader.reload.inplace import reload_weights
-
-    runner = worker.model_runner
-    cfg = SimpleNamespace(model_config=runner.vllm_config.speculative_config.draft_model_config,
-                          load_config=runner.vllm_config.load_config, lora_config=None)
-    reprepack_cpu_experts_on_reload(_draft_model(worker))
-    reload_weights(cfg, _draft_model(worker), weights_iterator=iter(tensors), weights_path=None,
-                   is_checkpoint_format=True)
-    return len(tensors)
-
-
-def _draft_weights(worker, names=None) -> dict:
-    """Run on a vLLM worker: the draft model's parameters (vLLM names → numpy float32 arrays). vLLM's CPU
-    build prepacks linear weights for its GEMM kernels and leaves ``weight`` empty
-    (model_executor/layers/utils.py:470 ``dispatch_cpu_unquantized_gemm``); such a weight is read back
-    as the layer computes it: its ``cpu_linear`` applied to the identity, transposed."""
-    import torch
-
-    out = {}
-    with torch.no_grad():
-        for mod_name, mod in _draft_model(worker).named_modules():
-            for n, p in mod.named_parameters(recurse=False):
-                name = f"{mod_name}.{n}" if mod_name else n
-                if names is not None and name not in names:
-                    continue
-                k = next((getattr(mod, a) for a in ("input_size_per_partition", "input_size", "in_features")
-                          if hasattr(mod, a)), None)
-                if n == "weight" and p.numel() == 0 and hasattr(mod, "cpu_linear") and k:
-                    p = mod.cpu_linear(torch.eye(k, dtype=p.dtype), p, None).t()
-                out[name] = p.detach().float().cpu().numpy()
-    return out
-
-
 class Server:
     """One ``vllm.LLM`` and the three things the engine asks of it."""
 
-    def __init__(self, llm_kwargs: dict, dense_mla: bool = False):
+    def __init__(self, llm_kwargs: dict, dense_mla: bool = False, imports: tuple = ()):
+        """``imports``: modules imported before the engine is built (vLLM plugins: a registered model, kernels)."""
+        import importlib
+
+        for name in imports:
+            importlib.import_module(name)
         from vllm import LLM
 
         kw = dict(llm_kwargs)
@@ -227,7 +107,7 @@ class Server:
     def generate(self, prompts: list[list[int]], params: list[dict], lora: Optional[tuple] = None,
                  call: Optional[int] = None, stop_after: Optional[int] = None) -> list:
         """[(token ids, log-probs of those tokens, finish reason, routed experts or None)] per prompt; ``params`` are
-        ``vllm.SamplingParams`` keyword dicts, ``lora`` = (name, int id, path) or None.
+        ``vllm.SamplingParams`` keyword dicts, ``lora`` = (name, int id, 3D experts) or None.
 
         vLLM's own loop (``LLM._run_engine``, entrypoints/common/offline.py:589: ``LLMEngine.step`` while
         requests are unfinished), with DELTA outputs so the tokens and log-probs sampled so far are known
@@ -283,6 +163,19 @@ class Server:
         n = sum(self.llm.collective_rpc(_reload_from_file, kwargs={"path": path}))
         self.reset_prefix_cache()
         return n
+
+    def add_adapter(self, name: str, lora_id: int, config: dict, data: bytes, is_3d: bool) -> list[str]:
+        """The PEFT adapter ``data`` (safetensors bytes, in memory) held by every worker as LoRA ``lora_id``
+        (``rl.rollout.vllm_adapters``) and loaded now; the vLLM modules it adapts."""
+        from safetensors.torch import load
+
+        tensors = load(data)
+        return self.llm.collective_rpc(vllm_adapters.add, kwargs={"name": name, "lora_id": lora_id, "config": config,
+                                                                  "tensors": tensors, "is_3d": is_3d})[0]
+
+    def remove_adapter(self, lora_id: int) -> None:
+        """LoRA ``lora_id`` out of every worker (no request may use it any more)."""
+        self.llm.collective_rpc(vllm_adapters.remove, kwargs={"lora_id": lora_id})
 
     def reload_handle(self, handle, metas: list, codec: str) -> int:
         """Reload one weight-sync bucket (``rl.rollout.weight_sync``) on every worker; the engine drops the prefix

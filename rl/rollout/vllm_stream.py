@@ -65,7 +65,8 @@ def vllm_sampling(requests: list, params, spec_on_cpu: bool = False) -> list[dic
 
 def add_requests(llm, rids: list[str], prompts: list[list[int]], params: list[dict], lora: Optional[tuple]) -> None:
     """``prompts`` (token ids) into ``llm``'s engine as requests ``rids`` with ``vllm.SamplingParams(**p)``,
-    DELTA outputs (what each step sampled), ``lora`` = (name, int id, path) or None."""
+    DELTA outputs (what each step sampled), ``lora`` = (name, int id, routed experts in 3D) of an adapter
+    the workers hold (``rl.rollout.vllm_adapters``) or None."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.renderers.inputs.preprocess import parse_model_prompt
@@ -73,9 +74,9 @@ def add_requests(llm, rids: list[str], prompts: list[list[int]], params: list[di
 
     request = None
     if lora is not None:
-        from vllm.lora.request import LoRARequest
+        from rl.rollout.vllm_adapters import lora_request
 
-        request = LoRARequest(lora_name=lora[0], lora_int_id=lora[1], lora_path=lora[2])
+        request = lora_request(*lora)
     engine, renderer = llm.llm_engine, llm.renderer
     inputs = renderer.render_cmpl([parse_model_prompt(llm.model_config, TokensPrompt(prompt_token_ids=list(p)))
                                    for p in prompts], renderer.default_cmpl_tok_params)

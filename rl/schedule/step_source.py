@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from rl.metrics import push_metrics
 from rl.rollout.base import Request, sample_seed
 from rl.schedule.shaping import GroupFilter, shape_scores
 from rl.tasks.prompts import next_prompts
@@ -49,9 +50,11 @@ class StepSamples:
 
 def engine_metrics(rollouts) -> dict:
     """``rollout/engine_occupancy``: the engines' live rows / slots, time-averaged since the last step
-    (``RolloutPool.occupancy``); {} for a pool or engine that does not measure it."""
+    (``RolloutPool.occupancy``), and ``rollout/push_*`` of the adapter pushes since then (``rl.metrics.push_metrics``);
+    {} for a pool or engine that does not measure them."""
     occ = rollouts.occupancy() if hasattr(rollouts, "occupancy") else None
-    return {} if occ is None else {"rollout/engine_occupancy": float(occ)}
+    out = push_metrics(rollouts.pushes()) if hasattr(rollouts, "pushes") else {}
+    return out if occ is None else {**out, "rollout/engine_occupancy": float(occ)}
 
 
 class StepSource:

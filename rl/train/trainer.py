@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -41,7 +40,7 @@ from glm5_mcore.checkpoint.layout import latest_iteration
 from glm5_mcore.mcore_settings import recompute_overrides, token_multiple
 from glm5_mcore.device import training_device
 from glm5_mcore.lora.apply import apply_lora, disable_adapters, set_adapter
-from glm5_mcore.lora.peft import export_peft
+from glm5_mcore.lora.peft import peft_files
 from glm5_mcore.lora.state import gather_adapter
 from glm5_mcore.model.build import build_model
 from glm5_mcore.model.dsa import keeping_topk
@@ -361,11 +360,8 @@ class PolicyTrainer:
             state = gather_adapter(self.model, "default")
         if state is None:
             return None
-        with tempfile.TemporaryDirectory() as d:
-            out = export_peft(state, self.glm5.num_hidden_layers, self.glm5.n_routed_experts, Path(d) / "a",
-                              base_model=self.cfg.model.hf_dir,
-                              include_mtp=include_mtp)
-            return AdapterPayload(version, {p.name: p.read_bytes() for p in out.iterdir()})
+        return AdapterPayload(version, peft_files(state, self.glm5.num_hidden_layers, self.glm5.n_routed_experts,
+                                                  base_model=self.cfg.model.hf_dir, include_mtp=include_mtp))
 
     def save(self, root: str, step: int, trainer_state: dict, rollout_adapter=None) -> None:
         """``rollout_adapter``: the adapter payload an in-flight (one-step-off-policy) batch is being

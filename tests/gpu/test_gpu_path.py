@@ -77,7 +77,7 @@ class _Draft(torch.nn.Module):
 def test_draft_model_is_found_on_model_runner_v2():
     """vLLM 0.32's Model Runner V2 (CUDA's default) keeps the draft as ``speculator`` and answers
     ``get_draft_model()``; it has no ``drafter``."""
-    from rl.rollout.vllm_server import _draft_model, _draft_weights
+    from rl.rollout.vllm_reload import _draft_model, _draft_weights
 
     draft = _Draft()
     runner = SimpleNamespace(speculator=SimpleNamespace(model=draft), get_draft_model=lambda: draft)
@@ -143,16 +143,16 @@ def test_lora_mode_merges_the_mla_up_projection(tiny_dir, tmp_path, perturbed_pa
     """vLLM's MLA never applies a LoRA adapter on ``kv_b_proj`` (decode uses W_UK_T / W_UV split once
     from the base weight): LoRA mode reloads that module merged — the trainer's W + B·A — and the
     LoRARequest's adapter carries every other target but no kv_b_proj tensor."""
-    from safetensors.torch import load_file
-
     payload, want = perturbed_payload
     e = recording_engine(tiny_dir, tmp_path / "e", merge=False)
     e.load_adapter(payload)
     sent = {h: t for m, ts in e.server.calls if m == "reload" for h, t in ts.items()}
     assert want and set(sent) == set(want)
     assert max(float((sent[h].float() - w).abs().max()) for h, w in want.items()) <= 1e-6
-    keys = load_file(str(Path(e.lora[2]) / "adapter_model.safetensors"))
+    (added,) = [a for m, a in e.server.calls if m == "add_adapter"]  # the LoRARequest's tensors, in memory
+    keys = added["tensors"]
     assert keys and not any(".kv_b_proj." in k for k in keys) and any(".q_b_proj." in k for k in keys)
+    assert added["id"] == e.lora[1] and e.last_push()["waited"] is False and e.last_push()["lora_bytes"] > 0
     e.server.calls.clear()
     e.load_adapter(None)  # base again: the merged kv_b_proj back to the base weights
     from glm5_mcore.checkpoint.hf_io import HFCheckpoint

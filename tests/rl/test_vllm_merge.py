@@ -109,12 +109,3 @@ def test_engine_bad_settings_name_what_is_wrong(tiny_dir, tmp_path):
         VLLMRolloutEngine(tiny_dir, vllm_python=str(tmp_path / "no-such-python"), dense_mla=True, max_model_len=8)
     with pytest.raises(ValueError, match=r"index_topk \(8\) >= max_model_len \(256\)"):
         VLLMRolloutEngine(tiny_dir, vllm_python=str(tmp_path / "no-such-python"), dense_mla=True, max_model_len=256)
-
-
-def test_lora_mode_refuses_routed_expert_targets_merged_mode_takes_them():
-    from rl.rollout.vllm_engine import VLLMRolloutEngine
-
-    VLLMRolloutEngine.check_lora_targets({"merge": True}, ["experts.linear_fc1", "linear_proj"])
-    VLLMRolloutEngine.check_lora_targets({}, ["linear_fc1", "linear_proj"])  # shared/dense MLP: LoRA mode serves
-    with pytest.raises(ValueError, match=r"experts.linear_fc2\) .*set rollout.engine_kwargs.merge: true$"):
-        VLLMRolloutEngine.check_lora_targets({"merge": False}, ["experts.linear_fc2"])
