@@ -75,8 +75,16 @@ def data_fingerprint(path: Optional[str]):
     return {"idx": file_fingerprint(f"{prefix}.idx"), "bin_size": Path(f"{prefix}.bin").stat().st_size}
 
 
+SCHEDULE_NOTES = {"train.steps": "the length of the optim.decay_style LR schedule; resumed anyway, the schedule "
+                                  "is recomputed over the new length from the saved step"}
+"""What a changed schedule setting does to a resumed run (``resume.guard_resume``'s notes)."""
+
+
 def run_settings(cfg: SFTConfig, world: int) -> dict:
-    """What a resume must keep (``glm5_mcore.training.resume``): data, batch sizes, LoRA, model, layout."""
+    """What a resume must keep (``glm5_mcore.training.resume``): data, batch sizes, LoRA, model, layout, and
+    ``train.steps`` where the LR schedule decays over it (any ``optim.decay_style`` but constant): the saved
+    scheduler state holds the old length, which Megatron's scheduler keeps on load
+    (``use_checkpoint_opt_param_scheduler``), so a longer run would silently continue at ``min_lr`` past it."""
     d, lo = cfg.data, cfg.lora
     data = {"train": data_fingerprint(d.train), "valid": data_fingerprint(d.valid),
             "blend": [data_fingerprint(x) for x in data_inputs(d)], "split": d.split,
@@ -93,6 +101,7 @@ def run_settings(cfg: SFTConfig, world: int) -> dict:
                    **({"etp": cfg.parallel.etp} if cfg.parallel.etp > 1 else {}),
                    **({"make_vocab_size_divisible_by": cfg.parallel.make_vocab_size_divisible_by}
                       if cfg.parallel.make_vocab_size_divisible_by > 1 else {})},
+        **({"train": {"steps": cfg.train.steps}} if cfg.optim.decay_style != "constant" else {}),
     }
 
 
@@ -203,7 +212,7 @@ def claim(cfg: SFTConfig, settings: dict, rank0: bool, record: Optional[Callable
         claim_run_dir(cfg.train.out, "sft", [cfg.model.hf_dir, cfg.model.ckpt, cfg.data.train, cfg.data.valid,
                                              *data_inputs(cfg.data)])
     if cfg.train.resume:  # refuse changed settings before any work
-        guard_resume(cfg.train.out, settings, cfg.train.allow_resume_mismatch, "train")
+        guard_resume(cfg.train.out, settings, cfg.train.allow_resume_mismatch, "train", SCHEDULE_NOTES)
     else:
         refuse_restart_over(cfg.train.out, "train")
     if record is not None and rank0:
@@ -256,9 +265,12 @@ def restore(cfg: SFTConfig, model, opt, sched, settings: dict) -> dict:
     """The state to start from: ``train.out``'s latest iteration if it was saved with the same ``settings``
     (or ``train.allow_resume_mismatch``), weights/adapters in place, optimizer, scheduler, RNG and data
     position; else step 0."""
-    it = guard_resume(cfg.train.out, settings, cfg.train.allow_resume_mismatch, "train") if cfg.train.resume else None
+    it = guard_resume(cfg.train.out, settings, cfg.train.allow_resume_mismatch, "train",
+                      SCHEDULE_NOTES) if cfg.train.resume else None
     if it is None:
         return {"step": 0, "epoch": 0, "cursor": 0, "sample": 0, "tokens": 0, "settings": settings}
+    # told to resume anyway: this run's schedule (optim.*, train.steps) from the saved step, not the saved one's
+    sched.override_opt_param_scheduler = cfg.train.allow_resume_mismatch
     lora = (cfg.lora.name,) if cfg.lora.enabled else ()
     state, _ = restore_run(cfg.train.out, it, model, opt, sched, adapters=lora, load_base=not cfg.lora.enabled)
     state["settings"] = settings

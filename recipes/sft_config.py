@@ -72,7 +72,9 @@ class TrainCfg:
     Logged as ``indexer/loss`` (mean KL per query row) and ``indexer/recall``."""
     resume: bool = True
     allow_resume_mismatch: bool = False
-    """Resume even if data files, batch sizes, LoRA or model settings differ from the run's."""
+    """Resume even if data files, batch sizes, LoRA, model settings or the LR schedule's length (``train.steps``
+    under a decaying ``optim.decay_style``) differ from the run's; the schedule is then this run's, from the
+    saved step."""
     progress: bool = True
 
 

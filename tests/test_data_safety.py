@@ -348,6 +348,33 @@ def test_sft_resume_with_changed_settings_is_refused_naming_each_field(tiny_lora
         sft(lora_step_cfg(tiny_dir, root, train={"out": str(root)}))
 
 
+def test_sft_resume_with_a_longer_cosine_schedule_is_refused_then_recomputed(tiny_dir, tmp_path):
+    """``train.steps`` 2 -> 4 on resuming a cosine-decay run: refused in one line naming ``train.steps`` and the
+    switch, nothing on disk changed (it continued silently under the saved 2-step schedule: learning rate
+    ``min_lr`` from step 3 on); with ``train.allow_resume_mismatch`` steps 3 and 4 run at the 4-step schedule's
+    learning rates. A constant schedule does not depend on the length: extending it is not refused
+    (``test_resume_continues_with_identical_losses``)."""
+    from recipes.sft import run as sft
+
+    count_rows(tmp_path / "train.jsonl")
+
+    def cfg(out, steps, **train):
+        return lora_step_cfg(tiny_dir, tmp_path, optim={"decay_style": "cosine", "lr": 1e-2},
+                             train={"steps": steps, "save_every": 2, "out": str(tmp_path / out), **train})
+
+    full = [h["lr"] for h in sft(cfg("full", 4))["history"]]
+    sft(cfg("run", 2))
+    before = _tree(tmp_path / "run")
+    with pytest.raises(ValueError) as e:
+        sft(cfg("run", 4))
+    print(e.value)
+    assert "train.steps: 2 -> 4 (the length of the optim.decay_style LR schedule" in str(e.value) and \
+        "set train.allow_resume_mismatch=true" in str(e.value) and "\n" not in str(e.value)
+    assert _tree(tmp_path / "run") == before
+    resumed = [h["lr"] for h in sft(cfg("run", 4, allow_resume_mismatch=True))["history"]]
+    assert resumed == full[2:] and resumed[0] > 0, (resumed, full)  # the saved schedule: min_lr (0) by then
+
+
 def _mc_copy(tmp_path):
     from glm5_mcore.checkpoint.atomic import write_marker
 

@@ -58,16 +58,19 @@ def _flat(d: Any, prefix: str = "") -> dict:
     return {prefix[:-1]: d}
 
 
-def compare(recorded: dict, current: dict) -> list[str]:
-    """``field: old -> new`` for every setting that differs (a field only one side has counts)."""
+def compare(recorded: dict, current: dict, notes: Optional[dict] = None) -> list[str]:
+    """``field: old -> new`` for every setting that differs (a field only one side has counts), followed by
+    ``(notes[field])`` where ``notes`` says what the change does."""
     a, b = _flat(json.loads(json.dumps(recorded))), _flat(json.loads(json.dumps(current)))
-    return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
+    notes = notes or {}
+    return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" + (f" ({notes[k]})" if k in notes else "")
             for k in sorted(set(a) | set(b)) if a.get(k, "<absent>") != b.get(k, "<absent>")]
 
 
-def guard_resume(root: str | Path, current: dict, proceed: bool, section: str) -> Optional[int]:
-    """Before resuming from ``root``'s latest iteration: refuse (``ValueError`` naming each field)
-    if its recorded settings differ from ``current``, unless ``proceed`` (then print them). Returns
+def guard_resume(root: str | Path, current: dict, proceed: bool, section: str,
+                 notes: Optional[dict] = None) -> Optional[int]:
+    """Before resuming from ``root``'s latest iteration: refuse (``ValueError`` naming each field, with its
+    ``notes``) if its recorded settings differ from ``current``, unless ``proceed`` (then print them). Returns
     the iteration to resume, or None when ``root`` has no checkpoint."""
     from glm5_mcore.checkpoint.dist import read_trainer_state  # here: dist imports Megatron (cpu_compat)
 
@@ -78,7 +81,7 @@ def guard_resume(root: str | Path, current: dict, proceed: bool, section: str) -
     recorded = state.get("settings")
     if recorded is None:
         return it  # a checkpoint from before settings were recorded
-    diffs = compare(recorded, current)
+    diffs = compare(recorded, current, notes)
     if diffs and not proceed:
         raise ValueError(f"{Path(root) / 'latest'}: resuming iteration {it} with settings that differ from "
                          f"the run's: {'; '.join(diffs)} (set {section}.{SWITCH}=true to resume anyway, "
