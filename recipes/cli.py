@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from recipes.hydra_app import CONFIG_DIR, compose, job_dict, run_app, save_job_config  # noqa: F401
+from recipes.hydra_app import CONFIG_DIR, compose, job_dict, run_app, save_job_config, shipped_config  # noqa: F401
 
 
 def plan_gate(kind: str, cfg, hf_dir: str) -> None:

@@ -125,17 +125,38 @@ def _settings(kind: str) -> list[str]:
             f"hydra.searchpath=['file://{CONFIG_DIR}']"]
 
 
+def shipped_config(name: str, kind: str | None = None) -> str:
+    """A shipped config's name as ``compose`` takes it: ``rl/NAME`` for an RL preset (``configs/rl/NAME.yaml``),
+    ``NAME`` for an SFT one (``configs/NAME.yaml``), whether ``--config`` said ``rl/NAME`` or ``NAME`` (and with
+    or without ``.yaml``): ``glm5 rl`` and ``glm5 plan`` take both spellings. ``kind`` ("rl" for ``glm5 rl``,
+    ``glm5 plan --kind``) decides a bare name; without it a bare name is SFT's where ``configs/NAME.yaml`` is
+    there, else RL's where ``configs/rl/NAME.yaml`` is. A name of neither is left for ``compose`` to name."""
+    name = name[:-5] if name.endswith(".yaml") else name
+    bare = name[3:] if name.startswith("rl/") else name
+    if name.startswith("rl/") or kind == "rl":
+        return f"rl/{bare}"
+    if kind is None and not (CONFIG_DIR / f"{bare}.yaml").is_file() and (CONFIG_DIR / "rl" / f"{bare}.yaml").is_file():
+        return f"rl/{bare}"
+    return bare
+
+
 def _argv(kind: str, argv: list[str]) -> tuple[list[str], list[str]]:
-    """(Hydra flags, overrides) of ``argv``: ``--config NAME`` is ``--config-name NAME``; ``--config-path``
-    is taken relative to the working directory; ``--cfg`` / ``--help`` print the resolved config."""
+    """(Hydra flags, overrides) of ``argv``: ``--config NAME`` is ``--config-name NAME`` (``glm5 rl``: ``rl/NAME``
+    too, ``shipped_config``, unless ``--config-path`` names another folder); ``--config-path`` is taken relative to
+    the working directory; ``--cfg`` / ``--help`` print the resolved config."""
     from hydra._internal.utils import get_args_parser
 
     argv = list(argv)
+    own_folder = not any(a in ("--config-path", "-cp") or a.startswith("--config-path=") for a in argv)
+
+    def name(value: str) -> str:
+        return shipped_config(value, "rl")[3:] if kind == "rl" and own_folder else value
+
     for i, a in enumerate(argv):
         if a == "--config" and i + 1 < len(argv):
-            argv[i] = "--config-name"
+            argv[i], argv[i + 1] = "--config-name", name(argv[i + 1])
         elif a.startswith("--config="):
-            argv[i] = "--config-name=" + a.split("=", 1)[1]
+            argv[i] = "--config-name=" + name(a.split("=", 1)[1])
     ns = get_args_parser().parse_intermixed_args(argv)
     flags = list(argv)
     for o in ns.overrides:

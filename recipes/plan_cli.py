@@ -21,8 +21,9 @@ MODELS = {"744b": glm5_744b}
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="744b", help=f"preset: {sorted(MODELS)} (ignored with --hf-dir)")
     p.add_argument("--hf-dir", help="an HF GLM-5 folder: its config.json")
-    p.add_argument("--config", help="a shipped recipe config: sft_..., or rl/NAME")
-    p.add_argument("--kind", choices=["sft", "rl"], help="without --config: the job kind (default sft)")
+    p.add_argument("--config", help="a shipped recipe config: sft_..., or an RL one as rl/NAME or NAME")
+    p.add_argument("--kind", choices=["sft", "rl"], help="the job kind (default sft; with --config, of a bare NAME "
+                                                          "both configs/ and configs/rl/ hold)")
     p.add_argument("--cluster", help="preset[:nodes], e.g. h100:16 or h200:8 (default: the config's plan.cluster)")
     p.add_argument("--nodes", type=int)
     p.add_argument("--gpus-per-node", type=int)
@@ -66,9 +67,9 @@ def _job_from_args(args):
     d = {}
     kind = args.kind or "sft"
     if args.config:
-        from recipes.cli import compose  # the configs are the recipes'; Hydra stays at the entry point
+        from recipes.cli import compose, shipped_config  # the configs are the recipes'; Hydra stays at the entry point
 
-        name = args.config[:-5] if args.config.endswith(".yaml") else args.config
+        name = shipped_config(args.config, args.kind)  # rl/NAME or NAME
         kind = "rl" if name.startswith("rl/") else "sft"
         d = compose(name, list(args.overrides), require_all=False)
     elif args.overrides:

@@ -65,6 +65,9 @@ def test_cfg_job_prints_the_resolved_config_and_writes_nothing(capsys, tmp_path,
     kw = d["rollout"]["engine_kwargs"]
     assert "merge" not in kw and kw["max_num_seqs"] == 64 and kw["tensor_parallel_size"] == 8
     assert d["model"]["hf_dir"] == "ckpt/glm5/hf" and d["actor"]["lr"] == 2e-5 and d["trainer"]["ep"] == 64
+    # glm5 plan's spelling rl/NAME names the same config
+    assert _glm5(capsys, "rl", "--config", "rl/glm5_744b", "--cfg", "job", "~rollout.engine_kwargs.merge",
+                 "+rollout.engine_kwargs.max_num_seqs=64", "actor.lr=2e-5") == (0, out, err)
     rc, out, _ = _glm5(capsys, "rl", "--cfg", "job")
     d = yaml.safe_load(out)
     assert rc == 0 and d["model"]["hf_dir"] == "runs/tiny" and d["algorithm"]["adv_estimator"] == "grpo"
