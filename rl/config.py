@@ -295,10 +295,12 @@ class TrainerCfg:
     previous adapter while the trainer updates on step n; the trainer's old log-probs and IcePop / TIS
     correct the staleness. 0: synchronous."""
     max_staleness: int = 0
-    """K >= 1: fully asynchronous (``rl.schedule.async_source``): the engines generate without pause into a buffer of
-    at most K steps' prompt groups; the trainer takes a step's batch as soon as that many groups are complete;
-    a group holding a token sampled more than K adapter versions before the trainer's is dropped (counted in
-    ``rollout/dropped_stale``). 0: ``off_policy_steps`` decides (today's loop)."""
+    """K >= 1: fully asynchronous (``rl.schedule.async_source``): the engines generate without pause; a prompt group
+    is admitted while the samples ahead of it (unfinished, or complete and not trained) are at most K steps' worth,
+    so a group of typical lengths is trained within K adapter versions; the trainer takes a step's batch as soon as
+    that many groups are complete. Nothing is dropped for staleness: a long response that outlives K versions is
+    trained with each token's behaviour log-prob (``rollout/over_staleness_samples``). 0: ``off_policy_steps``
+    decides (today's loop)."""
     partial_rollout: bool = True
     """With ``max_staleness``: a weight push interrupts the requests in flight at a token boundary and
     continues them under the new adapter (each token keeps its behaviour log-prob and version); false: they

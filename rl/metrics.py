@@ -38,16 +38,13 @@ class StepDone:
 
 
 def step_notes(cfg, step: int, done: StepDone, source, rollouts, rewards) -> list[str]:
-    """The log lines of step ``step`` (counted from 1): non-finite rollout log-probs, prompt groups dropped for
-    staleness, skipped updates (``skip_reasons`` leaves the metrics), then the engines' and the reward
-    function's events since the last step (each list taken and emptied)."""
+    """The log lines of step ``step`` (counted from 1): non-finite rollout log-probs, skipped updates
+    (``skip_reasons`` leaves the metrics), then the engines' and the reward function's events since the last step
+    (each list taken and emptied)."""
     notes = []
     if frac := done.metrics["rollout/nonfinite_logprob_fraction"]:
         notes.append(f"step {step}: {frac:.1%} of the response tokens have non-finite rollout log-probs "
                      "(masked out of the loss)")
-    for g, index in getattr(source, "last_dropped", []):
-        notes.append(f"step {step}: prompt {index} (generation batch {g}) dropped: a sample held a token more than "
-                     f"trainer.max_staleness={cfg.trainer.max_staleness} versions old")
     notes += [f"step {step}: update skipped ({why})" for why in done.metrics.pop("skip_reasons", [])]
     events, rollouts.events = rollouts.events, []  # a gather in flight may add more
     events, rewards.events = events + rewards.events, []

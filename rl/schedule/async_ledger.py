@@ -1,11 +1,44 @@
-"""What async RL books about its samples (``rl.schedule.async_source``): the checkpoint ledger's slot ranges,
-the staleness of a batch, the re-prefilled tokens of continued requests."""
+"""What async RL books about its samples (``rl.schedule.async_source``): a prompt group as it is generated, the
+samples ahead of a new one (what admission bounds), the checkpoint ledger's slot ranges, the staleness of a
+batch, the re-prefilled tokens of continued requests."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
 
 import torch
 
 from rl.rollout.base import Request, Result
+
+
+@dataclass
+class Group:
+    """One prompt's ``n`` samples as they are generated."""
+    g: int
+    """Generation batch (the synchronous step whose prompts and seeds these are)."""
+    order: int
+    """Position of the prompt in its generation batch."""
+    prompt: object
+    done: dict = field(default_factory=dict)
+    """sample index → finished ``Result`` (with ``versions``)."""
+    partial: dict = field(default_factory=dict)
+    """sample index → interrupted ``Result`` (prefix so far, with ``versions``)."""
+    interrupts: int = 0
+    raw: Optional[torch.Tensor] = None
+    """[n] rewards once every sample is done and scored."""
+
+    @property
+    def key(self) -> tuple:
+        return (self.g, self.order)
+
+
+def samples_ahead(groups: Iterable[Group], n: int) -> int:
+    """The samples a newly admitted group waits behind before the trainer takes it: every unfinished sample (to
+    generate, in the engines' queue or slots) and every sample of a complete group (waiting for a take). The
+    finished samples of an incomplete group do not count: they wait for their group's long sample, which
+    finishes after a new group's typical one."""
+    return sum(n if len(grp.done) == n else n - len(grp.done) for grp in groups)
 
 
 def prefill_tokens(reqs: list[Request]) -> int:

@@ -4,11 +4,15 @@ bounded buffer of prompt groups while the trainer works, and hands the driver a 
 ``data.prompts_per_step`` groups are complete (a group's ``rollout.n`` samples always travel together,
 GRPO normalises within it).
 
-- **Admission.** Prompts come from the epoch stream in units of one step's prompts (generation batch
-  ``g`` holds exactly the prompts step ``g`` of a synchronous run draws, with the same seeds:
-  ``sample_seed(trainer.seed, g, prompt, sample)``). A unit is admitted while at most ``(K - 1) ·
-  prompts_per_step`` groups are admitted and not yet taken, so at most K steps' groups are ahead of the
-  trainer.
+- **Admission** (AReaL's staleness control, counted in samples). Prompts are drawn from the epoch stream one
+  step's prompts at a time (generation batch ``g`` holds exactly the prompts step ``g`` of a synchronous run
+  draws, with the same seeds: ``sample_seed(trainer.seed, g, prompt, sample)``) and admitted one group at a
+  time, while the samples ahead of the next group (``async_ledger.samples_ahead``: every unfinished sample,
+  and every sample of a complete group not yet taken) leave room for its ``n`` within ``K · prompts_per_step
+  · n``: K steps of samples, what the trainer takes in K steps, so a group of typical lengths is trained within
+  K versions of its admission. The finished samples of a group still waiting for its long one do not count,
+  so a long response holds one slot's worth of admission, not its group's: the engines stay fed while it
+  finishes (``rollout/engine_occupancy``).
 - **Partial rollouts.** ``push`` (after each update) interrupts the generation in flight at a token
   boundary (``RolloutPool.interrupt``), queues the new adapter, and the unfinished responses go back to
   the engines as ``Request.prefix_ids`` (+ their behaviour log-probs) with the rest of the token budget,
@@ -20,27 +24,36 @@ GRPO normalises within it).
   waits for the generation in flight, whose responses finish under the adapter they started with; booking
   asserts that no sample mixes versions.
 - **Continuous generation.** With an engine that streams (``RolloutEngine.STREAMS``: the HF engine's slots,
-  ``rl.rollout.hf_slots``) every sample not done and not in flight is submitted as soon as its group is
-  admitted (``RolloutPool.stream_submit``), each finished sample is booked as it comes back
-  (``stream_poll``), so a group is complete as soon as its own samples are and the trainer takes a batch the
-  moment ``prompts_per_step`` groups are; engines that do not stream (vLLM, tool episodes) run one
-  ``submit`` / ``collect`` job at a time, which returns when its longest response is done.
-  ``rollout/reprefill_tokens``: prompt + prefix tokens of continued requests (re-prefilled by the engine).
-- **Staleness.** A sample's staleness is the trainer's version minus the oldest version among its
-  tokens. A group with a sample staler than K when the trainer would take it is dropped (not
-  regenerated: a response longer than K updates' worth of generation would otherwise never finish),
-  counted in ``rollout/dropped_stale`` (samples) and named in the log. ``rollout/staleness`` (mean over
-  the batch's samples), ``_min``, ``_max`` and ``rollout/staleness_tokens/<d>`` (the fraction of response
-  tokens d versions old) describe the batch.
-- **Resume.** ``snapshot()`` (saved in the checkpoint's state) lists every group admitted and not taken
-  by the trainer (buffered or in flight) and the stream position after them; a resumed run regenerates
-  those groups first, from their seeds, under the resumed adapter, then continues the stream: no prompt
-  is lost or trained twice. Their tokens are regenerated, not restored (the versions they were sampled
+  ``rl.rollout.hf_slots``; vLLM's scheduler, ``rl.rollout.vllm_stream``) every sample not done and not in
+  flight is submitted as soon as its group is admitted (``RolloutPool.stream_submit``), each finished sample
+  is booked as it comes back (``stream_poll``), so a group is complete as soon as its own samples are and the
+  trainer takes a batch the moment ``prompts_per_step`` groups are; without a stream (tool episodes,
+  ``rollout.engine_kwargs.stream=false``) one ``submit`` / ``collect`` job runs at a time, which returns when
+  its longest response is done. ``rollout/reprefill_tokens``: prompt + prefix tokens of continued requests
+  (re-prefilled by the engine).
+- **Staleness: bounded at admission, never by discarding.** A sample's staleness is the trainer's version
+  minus the oldest version among its tokens. A response longer than K updates' worth of decoding cannot be
+  trained within K versions at any admission that keeps the engines busy: its age is its length over the decode
+  rate, and the only way to bound it is to slow the steps down (measured on the long-tailed bench: the engines
+  idle at 24 % occupancy). Dropping it instead trains a length-biased sample (the long responses are the ones
+  dropped; tinker-cookbook #822's starvation). So a complete group is always trained, whatever its age: with
+  partial rollouts an over-age response was continued under each newer adapter (every push interrupts it), so
+  only its first tokens are old, and every token carries the behaviour log-prob and version of the policy that
+  sampled it (``Result.logprobs``, ``Result.versions``): IcePop / TIS weight each token by π_old / π_behaviour
+  of its own sampler, and IcePop masks a token whose ratio has left [α, β] — the token, not the response, is
+  what is too stale. ``rollout/over_staleness_samples`` counts the batch's samples older than K,
+  ``rollout/staleness`` (mean over the batch's samples), ``_min``, ``_max`` and ``rollout/staleness_tokens/<d>``
+  (the fraction of response tokens d versions old) describe the batch, and ``rollout/length_trained/*`` against
+  ``rollout/length_generated/*`` (mean, p90) shows whether what is trained is shorter than what is generated.
+- **Resume.** ``snapshot()`` (saved in the checkpoint's state) lists every group drawn and not taken by the
+  trainer (buffered, in flight, or drawn and waiting for admission) and the stream position after them; a
+  resumed run admits those groups first, from their seeds, under the resumed adapter, then continues the
+  stream: no prompt is lost or trained twice. Their tokens are regenerated, not restored (the versions they were sampled
   with are gone with the killed engines).
 
 Timing-dependent (and only this): which complete groups make a batch (the oldest complete ones, by
-generation batch then stream position), where an interruption falls (so which version each token
-has), and hence which groups are dropped as stale. Prompts, seeds and the per-token randomness are not.
+generation batch then stream position), when a group is admitted, and where an interruption falls (so which
+version each token has). Prompts, seeds and the per-token randomness are not.
 """
 
 from __future__ import annotations
@@ -48,38 +61,17 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from dataclasses import dataclass, field
+from collections import deque
 from typing import Optional
 
 import torch
 
-from rl.schedule.step_source import StepSamples, engine_metrics
+from rl.schedule.step_source import StepSamples, engine_metrics, length_metrics
 from rl.rollout.base import Request, Result, sample_seed
 from rl.rollout.routes import continue_routes
-from rl.schedule.async_ledger import expand, prefill_tokens, ranges, staleness_metrics
+from rl.schedule.async_ledger import Group, expand, prefill_tokens, ranges, samples_ahead, staleness_metrics
 from rl.schedule.shaping import shape_scores, uniform_groups
 from rl.tasks.prompts import next_prompts
-
-
-@dataclass
-class Group:
-    """One prompt's ``n`` samples as they are generated."""
-    g: int
-    """Generation batch (the synchronous step whose prompts and seeds these are)."""
-    order: int
-    """Position of the prompt in its generation batch."""
-    prompt: object
-    done: dict = field(default_factory=dict)
-    """sample index → finished ``Result`` (with ``versions``)."""
-    partial: dict = field(default_factory=dict)
-    """sample index → interrupted ``Result`` (prefix so far, with ``versions``)."""
-    interrupts: int = 0
-    raw: Optional[torch.Tensor] = None
-    """[n] rewards once every sample is done and scored."""
-
-    @property
-    def key(self) -> tuple:
-        return (self.g, self.order)
 
 
 class AsyncSource:
@@ -102,17 +94,18 @@ class AsyncSource:
             self.pos, self.next_batch, todo = {"epoch": state["epoch"], "cursor": state["cursor"]}, state["step"], []
         self.resumed = len(todo)
         self.ledger = {k: set(expand(saved.get(k, []))) if saved else set() for k in ("trained", "dropped")}
-        """Generation-batch slots ``g · prompts_per_step + j`` trained / dropped so far (saved as ranges):
-        with the pending groups they account for every prompt the stream handed out, each once."""
-        self.groups: dict[tuple, Group] = {(g, j): Group(g, j, p) for g, j, p in todo}  # admitted, not taken
-        self._order = {(g, p.index): j for g, j, p in todo}  # (generation batch, prompt index) → position
+        """Generation-batch slots ``g · prompts_per_step + j`` trained / dropped (by DAPO's filter: nothing is
+        dropped for staleness) so far, saved as ranges: with the pending groups they account for every prompt
+        the stream handed out, each once."""
+        self.staged = deque(sorted(todo, key=lambda t: t[:2]))  # drawn, not admitted yet: (g, j, prompt)
+        self.groups: dict[tuple, Group] = {}  # admitted, not taken
+        self._order: dict = {}  # (generation batch, prompt index) → position, of the admitted groups
         self.version: Optional[int] = None
-        self.dropped: list[Group] = []
         self.busy = self.paused = self.closing = False
         self.error: Optional[BaseException] = None
         self.cv = threading.Condition()
         self.thread: Optional[threading.Thread] = None
-        self.last_dropped: list[tuple] = []
+        self.generated: list[int] = []  # lengths of the samples finished since the last take
         self.gen_s = 0.0  # engine time (generation + scoring) since the last take
         self.reprefill = 0  # prompt + prefix tokens of continued requests submitted since the last take
         self.streams = bool(getattr(rollouts, "streams", False))
@@ -124,7 +117,7 @@ class AsyncSource:
 
     # ------------------------------------------------------------------ the driver's calls
     def take(self, step: int, state: dict) -> StepSamples:
-        """The next batch: the ``prompts_per_step`` oldest complete groups, stale ones dropped first."""
+        """The next batch: the ``prompts_per_step`` oldest complete groups, whatever their age."""
         t0 = time.perf_counter()
         with self.cv:
             if self.thread is None:
@@ -136,7 +129,6 @@ class AsyncSource:
             while True:
                 if self.error is not None:
                     raise self.error
-                self._drop_stale()
                 ready = sorted(k for k, grp in self.groups.items() if grp.raw is not None)
                 if len(ready) >= self.P:
                     break
@@ -144,14 +136,14 @@ class AsyncSource:
             groups = [self.groups.pop(k) for k in ready[: self.P]]
             for grp in groups:
                 del self._order[(grp.g, grp.prompt.index)]
-            dropped, self.dropped = self.dropped, []
             filtered, self.filtered = self.filtered, []
+            generated, self.generated = self.generated, []
             slots = [g * self.P + j for g, j in ready[: self.P]]
             twice = self.ledger["trained"].intersection(slots)
             if twice:
                 raise RuntimeError(f"generation-batch slots {sorted(twice)[:3]} handed to the trainer twice")
             self.ledger["trained"].update(slots)
-            self.ledger["dropped"].update(grp.g * self.P + grp.order for grp in dropped + filtered)
+            self.ledger["dropped"].update(grp.g * self.P + grp.order for grp in filtered)
             version = self.version
             state["async"] = self.snapshot()
             state["epoch"], state["cursor"] = self.pos["epoch"], self.pos["cursor"]
@@ -169,7 +161,9 @@ class AsyncSource:
             metrics.update(self.rewards.take_metrics())
         oldest = torch.tensor([min(r.versions) for r in results], dtype=torch.float32)
         metrics.update(staleness_metrics(results, version))
-        metrics.update({"rollout/dropped_stale": float(sum(self.n for _ in dropped)),
+        metrics.update(length_metrics(lengths.tolist(), generated))
+        metrics.update({"rollout/over_staleness_samples": float(sum(version - min(r.versions) > self.K
+                                                                    for r in results)),
                         "rollout/interrupted": float(sum(grp.interrupts for grp in groups)),
                         "rollout/buffer_groups": float(buffered), "rollout/reprefill_tokens": float(reprefill),
                         **engine_metrics(self.rollouts)})
@@ -178,7 +172,6 @@ class AsyncSource:
             metrics.update({"filter_groups/kept_groups": float(self.P - uniform),
                             "filter_groups/dropped_groups": float(len(filtered)),
                             "filter_groups/filled_with_uniform": float(uniform)})
-        self.last_dropped = [(grp.g, grp.prompt.index) for grp in dropped]
         t1 = time.perf_counter()
         batch = self.build(prompts, results) if self.build is not None else None
         metrics.update({"timing_s/pack": time.perf_counter() - t1, "timing_s/gen": gen_s, "timing_s/gen_wait": wait_s})
@@ -217,16 +210,17 @@ class AsyncSource:
             self.thread.join()
 
     def snapshot(self) -> dict:
-        """Every group admitted and not taken ([generation batch, position, prompt index]) and the stream
-        position after them: what a resumed run regenerates first."""
+        """Every group drawn and not taken, admitted or not ([generation batch, position, prompt index]), and the
+        stream position after them: what a resumed run regenerates first."""
         with self.cv:
-            return {"pos": dict(self.pos), "next_batch": self.next_batch,
-                    "pending": [[g, j, grp.prompt.index] for (g, j), grp in sorted(self.groups.items())],
+            pending = sorted([[g, j, grp.prompt.index] for (g, j), grp in self.groups.items()]
+                             + [[g, j, p.index] for g, j, p in self.staged])
+            return {"pos": dict(self.pos), "next_batch": self.next_batch, "pending": pending,
                     **{k: ranges(v) for k, v in self.ledger.items()}}
 
     def outstanding(self) -> int:
         with self.cv:
-            return len(self.groups)
+            return len(self.groups) + len(self.staged)
 
     # ------------------------------------------------------------------ the generation thread
     def _payload_version(self) -> int:
@@ -234,12 +228,17 @@ class AsyncSource:
         return p.version if p is not None else -1
 
     def _admit(self) -> None:
-        while len(self.groups) <= (self.K - 1) * self.P:
-            g = self.next_batch
-            for j, p in enumerate(next_prompts(self.train, self.P, self.cfg.data.seed, self.pos)):
-                self.groups[(g, j)] = Group(g, j, p)
-                self._order[(g, p.index)] = j
-            self.next_batch += 1
+        """Admit drawn groups, in stream order, while the samples ahead leave room for one more group within
+        K steps of samples (module docstring); draw the next generation batch when none is waiting."""
+        while samples_ahead(self.groups.values(), self.n) + self.n <= self.K * self.P * self.n:
+            if not self.staged:
+                g = self.next_batch
+                self.staged.extend((g, j, p) for j, p in
+                                   enumerate(next_prompts(self.train, self.P, self.cfg.data.seed, self.pos)))
+                self.next_batch += 1
+            g, j, p = self.staged.popleft()
+            self.groups[(g, j)] = Group(g, j, p)
+            self._order[(g, p.index)] = j
 
     def _requests(self) -> list[Request]:
         out = []
@@ -349,6 +348,7 @@ class AsyncSource:
                     grp.interrupts += 1
                 else:
                     grp.done[k] = res
+                    self.generated.append(len(res.response_ids))
                 if len(grp.done) == self.n and grp.raw is None and grp not in complete:
                     complete.append(grp)
         if complete:
@@ -386,10 +386,3 @@ class AsyncSource:
                 "step is then topped up with uniform groups) or check reward.fn")
         self.filtered.append(self.groups.pop(grp.key))
         del self._order[(grp.g, grp.prompt.index)]
-
-    def _drop_stale(self) -> None:
-        """Complete groups holding a token more than K versions older than the trainer's: dropped."""
-        for k, grp in list(self.groups.items()):
-            if grp.raw is not None and min(min(r.versions) for r in grp.done.values()) < self.version - self.K:
-                self.dropped.append(self.groups.pop(k))
-                del self._order[(grp.g, grp.prompt.index)]

@@ -48,6 +48,20 @@ class StepSamples:
     """What ``build(prompts, results)`` made in the gather (the driver's padded ``RolloutBatch``)."""
 
 
+def length_metrics(trained: list[int], generated: list[int]) -> dict:
+    """Response lengths (tokens) of the batch, ``rollout/length_trained/{mean,p90}``, and of every response the
+    engines finished since the previous step, ``rollout/length_generated/{mean,p90}`` (DAPO's filtered groups
+    included; async: every finished sample, its group complete or still waiting for its long one). A trained
+    distribution shorter than the generated one is a length bias of what is trained. An empty side is left out."""
+    out = {}
+    for side, lengths in (("trained", trained), ("generated", generated)):
+        if lengths:
+            t = torch.tensor(lengths, dtype=torch.float32)
+            out.update({f"rollout/length_{side}/mean": float(t.mean()),
+                        f"rollout/length_{side}/p90": float(torch.quantile(t, 0.9))})
+    return out
+
+
 def engine_metrics(rollouts) -> dict:
     """``rollout/engine_occupancy``: the engines' live rows / slots, time-averaged since the last step
     (``RolloutPool.occupancy``), and ``rollout/push_*`` of the adapter pushes since then (``rl.metrics.push_metrics``);
@@ -186,7 +200,7 @@ class StepSource:
         n = self.cfg.rollout.n
         fg = self.cfg.algorithm.filter_groups
         filt = GroupFilter(self.cfg.data.prompts_per_step, n, fg.metric, fg.enable)
-        versions, t_reward, rnd, shape_m = {}, 0.0, 0, {}
+        versions, t_reward, rnd, shape_m, generated = {}, 0.0, 0, {}, []
         while True:
             prompts = next_prompts(self.train, self.cfg.data.prompts_per_step, self.cfg.data.seed, self.pos)
             results, version = self._generate(self._requests(prompts, step, rnd))
@@ -194,6 +208,7 @@ class StepSource:
             for res in results:
                 versions[(rnd, res.key)] = version
                 res.round = rnd
+                generated.append(len(res.response_ids))
             raw = self.rewards(prompts, results, n)
             lengths = torch.tensor([len(r.response_ids) for r in results])
             shaped, shape_m = shape_scores(self.cfg, raw, lengths)
@@ -219,6 +234,7 @@ class StepSource:
         t0 = time.perf_counter()
         batch = self.build(prompts, results) if self.build is not None else None
         t_build = time.perf_counter() - t0
+        metrics.update(length_metrics([len(r.response_ids) for r in results], generated))
         metrics.update({"rollout/staleness": float(stale.mean()), "rollout/staleness_max": float(stale.max()),
                         "timing_s/reward": t_reward, "timing_s/pack": t_build,
                         "timing_s/gen": time.perf_counter() - t_start - t_reward - t_build})

@@ -204,7 +204,7 @@ def _stream(cfg, batches):
 def test_buffer_hands_out_the_stream_with_sync_seeds_and_token_versions(pool_cls):
     """Every group taken is a prompt of generation batch g with the synchronous step g's seeds; each token's
     version is the adapter it was sampled under (its fake log-prob says so); interrupted responses were
-    continued, never restarted; staleness stays <= K. Static jobs and the stream alike."""
+    continued, never restarted; a sample older than K is counted, not dropped. Static jobs and the stream alike."""
     cfg = _cfg(trainer={"max_staleness": 2})
     taken, snap, pool, _ = _run(cfg, 5, pool_cls(tick=0.002), train_s=0.01)
     stream = _stream(cfg, snap["next_batch"])
@@ -217,9 +217,9 @@ def test_buffer_hands_out_the_stream_with_sync_seeds_and_token_versions(pool_cls
             seed = sample_seed(cfg.trainer.seed, g, p.index, res.key[1])
             assert res.response_ids == [token_seed(seed, t) % 1000 for t in range(fake_length(seed))]
             assert res.logprobs == [-(v + 1.0) for v in res.versions] and len(res.versions) == len(res.response_ids)
-            assert res.versions == sorted(res.versions) and step - 2 <= min(res.versions) <= max(res.versions) <= step
+            assert res.versions == sorted(res.versions) and max(res.versions) <= step
             seen.append((g, p.index, res.key[1]))
-        assert got.metrics["rollout/staleness_max"] <= 2
+        assert got.metrics["rollout/over_staleness_samples"] == sum(step - min(r.versions) > 2 for r in got.results)
     assert len(seen) == len(set(seen))
     assert pool.interrupts > 0 and any(got.metrics["rollout/interrupted"] for got in taken)
     assert any(got.metrics["rollout/mixed_version_fraction"] > 0 for got in taken)
@@ -368,31 +368,75 @@ def test_stream_books_groups_as_they_finish_and_keeps_the_slots_fed():
 
 
 @pytest.mark.parametrize("pool_cls", POOLS)
-def test_stale_groups_are_dropped_and_counted(pool_cls):
+def test_stale_groups_are_trained_not_dropped(pool_cls):
     """Two pushes with no take in between: the groups generated under version 0 are 2 > K=1 versions old at
-    the take, so they are dropped (counted, ledgered), and the batch comes from the next generation batch."""
+    the take. They are trained (was: dropped, ``rollout/dropped_stale``, a long response never trained),
+    counted in ``rollout/over_staleness_samples``, each token with the log-prob of the version that sampled
+    it; the ledger drops nothing."""
     cfg = _cfg(trainer={"max_staleness": 1})
     state = {"step": 0, "epoch": 0, "cursor": 0}
     pool = pool_cls()
     src = AsyncSource(cfg, _prompts(), pool, SamplingParams(max_new_tokens=12), _score, state)
     try:
-        first = src.take(0, state)
+        src.take(0, state)
         deadline = time.time() + 10
-        while not (len(src.groups) == P and all(grp.raw is not None for grp in src.groups.values())) \
-                and time.time() < deadline:
-            time.sleep(0.01)  # batch 1 finished under version 0
+        while time.time() < deadline:  # a step's groups complete under version 0, admission full
+            with src.cv:
+                if not src.busy and sum(grp.raw is not None for grp in src.groups.values()) >= P:
+                    break
+            time.sleep(0.01)
         src.push(AdapterPayload(1))
         src.push(AdapterPayload(2))
         got = src.take(1, state)
         snap = src.snapshot()
     finally:
         src.close()
-    assert {r.round for r in first.results} == {0}
-    assert got.metrics["rollout/dropped_stale"] == P * N and {r.round for r in got.results} == {2}
-    assert set(min(r.versions) for r in got.results) == {2} and got.metrics["rollout/staleness"] == 0
-    assert sorted(expand(snap["dropped"])) == list(range(P, 2 * P))
-    assert {g for g, _, _ in snap["pending"]} <= {3}  # batch 3 is admitted after the take (or not yet)
-    assert src.last_dropped and all(g == 1 for g, _ in src.last_dropped)
+    assert set(min(r.versions) for r in got.results) == {0} and got.metrics["rollout/staleness"] == 2
+    assert got.metrics["rollout/over_staleness_samples"] == P * N and "rollout/dropped_stale" not in got.metrics
+    assert all(r.logprobs == [-1.0] * len(r.response_ids) for r in got.results)  # version 0's behaviour log-probs
+    trained = expand(snap["trained"])
+    assert snap["dropped"] == [] and len(trained) == len(set(trained)) == 2 * P
+
+
+def _done(grp, k, length=1):
+    grp.done[k] = Result((grp.prompt.index, k), [7] * length, [-1.0] * length, "length")
+
+
+def test_admission_counts_samples_ahead_not_groups():
+    """A group is admitted while the samples ahead of it (unfinished, and complete groups not taken) leave room
+    for its n within K steps' worth; the finished samples of a group waiting for its long one do not count, so
+    a long response holds one sample's worth of admission (the engines stay fed), and complete groups waiting
+    for the trainer hold all of theirs. The old rule (at most K steps of groups admitted) admitted nothing while
+    the long responses of K steps' groups were out."""
+    from rl.schedule.async_ledger import samples_ahead
+
+    cfg = _cfg(trainer={"max_staleness": 2})
+    src = AsyncSource(cfg, _prompts(), StreamTokenPool(), SamplingParams(max_new_tokens=12), _score,
+                      {"step": 0, "epoch": 0, "cursor": 0})
+    src._admit()
+    first = list(src.groups.values())
+    assert len(first) == 2 * P and samples_ahead(first, N) == 2 * P * N  # K steps of samples, none done
+    for grp in first:
+        _done(grp, 0)  # every group waits for its sample 1 (a long one)
+    src._admit()
+    assert len(src.groups) == 2 * P + P  # the N - 1 finished samples of 2P groups freed P groups' worth
+    assert samples_ahead(src.groups.values(), N) == 2 * P * N
+    for grp in first:
+        _done(grp, 1)  # complete: waiting for the trainer, every sample of them counts again
+    src._admit()
+    assert len(src.groups) == 3 * P and samples_ahead(src.groups.values(), N) == 3 * P * N  # nothing admitted
+    stream = _stream(cfg, 3)
+    assert [(g, j, grp.prompt) for (g, j), grp in sorted(src.groups.items())] == \
+        [(g, j, p) for g in range(3) for j, p in enumerate(stream[g])]  # admitted in stream order, batch g = step g's
+
+
+def test_length_metrics_show_a_length_bias():
+    from rl.schedule.step_source import length_metrics
+
+    m = length_metrics([1, 2, 3, 4], [1, 2, 3, 4, 10, 20])
+    assert m["rollout/length_trained/mean"] == 2.5 and m["rollout/length_generated/mean"] == pytest.approx(40 / 6)
+    assert m["rollout/length_trained/p90"] == pytest.approx(3.7) and m["rollout/length_generated/p90"] == 15.0
+    assert length_metrics([3], []) == {"rollout/length_trained/mean": 3.0, "rollout/length_trained/p90": 3.0}
 
 
 @pytest.mark.parametrize("pool_cls", POOLS)
