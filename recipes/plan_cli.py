@@ -28,6 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int)
     p.add_argument("--gpus-per-node", type=int)
     p.add_argument("--gpu-mem-gib", type=float)
+    p.add_argument("--host-mem-gib", type=float, help="a node's RAM (default: the cluster preset's, 2048)")
     p.add_argument("--world", type=int, help="trainer ranks (SFT: default nodes x GPUs per node)")
     for dim in ("tp", "ep", "etp", "pp", "cp"):
         p.add_argument(f"--{dim}", type=int)
@@ -36,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
 
 
-SIZES = ("nodes", "gpus_per_node", "gpu_mem_gib", "world", "tp", "ep", "etp", "pp", "cp", "micro_batch_tokens")
+SIZES = ("nodes", "gpus_per_node", "gpu_mem_gib", "host_mem_gib", "world", "tp", "ep", "etp", "pp", "cp",
+         "micro_batch_tokens")
 """Sizes given on the command line: each must be >= 1 when given (0 is refused, not read as "not given")."""
 
 
@@ -44,7 +46,7 @@ def _check_sizes(args) -> None:
     for name in SIZES:
         v = getattr(args, name, None)
         if v is not None and v <= 0:
-            raise ValueError(f"--{name.replace('_', '-')}={v}: must be >= 1")
+            raise ValueError(f"--{name.replace('_', '-')}={v:g}: must be >= 1")
 
 
 def plan_config(kind: str, d: dict):
@@ -77,7 +79,7 @@ def _job_from_args(args):
     from glm5_mcore.plan.cluster import cluster_from
 
     cluster = cluster_from(args.cluster or (d.get("plan") or {}).get("cluster"), args.nodes, args.gpus_per_node,
-                           args.gpu_mem_gib)
+                           args.gpu_mem_gib, args.host_mem_gib)
     if kind == "rl":
         if args.world is not None:
             d.setdefault("trainer", {})["world_size"] = args.world

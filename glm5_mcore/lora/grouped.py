@@ -76,9 +76,10 @@ class GroupedLoRA(torch.nn.Module):
         names = [lora.applied() if lora is not None else None for lora in layers]
         if all(n is None for n in names):
             return None
-        if x.device.type in GROUPED_MM_DEVICES and None not in names and len({(lo.A[n].shape, lo.scale[n], lo.dropout[n])
-                                                      for lo, n in zip(layers, names)}) == 1 and \
-                grouped_fits(x, layers[0].A[names[0]], layers[0].B[names[0]]):
+        alike = None not in names and len({(lo.A[n].shape, lo.scale[n], lo.dropout[n])
+                                           for lo, n in zip(layers, names)}) == 1
+        a0, b0 = (layers[0].A[names[0]], layers[0].B[names[0]]) if alike else (None, None)
+        if alike and x.device.type in GROUPED_MM_DEVICES and grouped_fits(x, a0, b0):
             return _stacked_delta(x, m_splits, layers, names)
         out_f = next(lo for lo in layers if lo is not None).out_features
         outs = [lora.delta(xi, name) if name is not None else xi.new_zeros(xi.shape[0], out_f)

@@ -78,13 +78,16 @@ def check_job(m: GLM5Config, job: Job, cluster: Cluster, check: bool = True) -> 
 
 
 def local_cluster(world: int) -> Cluster:
-    """The GPUs this run finds: the first card's memory, ``world`` cards (8 per node)."""
+    """The GPUs this run finds: the first card's memory, ``world`` cards (8 per node), this node's RAM."""
+    import os
+
     import torch
 
     mem = torch.cuda.get_device_properties(0).total_memory / GIB
     per_node = min(world, torch.cuda.device_count() or 1)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     return Cluster(gpu=torch.cuda.get_device_name(0), gpu_mem_gib=mem, nodes=-(-world // per_node),
-                   gpus_per_node=per_node)
+                   gpus_per_node=per_node, host_mem_gib=ram)
 
 
 def gate(m: GLM5Config, job: Job, cluster_spec: Optional[str], check: bool) -> Optional[Plan]:

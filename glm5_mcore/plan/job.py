@@ -57,6 +57,9 @@ class Job:
     freeze_indexer: bool = True
     base_fp8: bool = False
     """``model.base_dtype=fp8``: the frozen base in the release's FP8 blocks (LoRA only)."""
+    backend: str = "local"
+    """The trainer's layer-spec backend (``trainer.backend``; SFT runs the local spec): with ``te`` an FP8 base's
+    module makes its column-wise copy inside its backward (``model.fp8_te``)."""
     mtp: bool = True
     dsa_stage: str = "sparse"
     """The DSA indexer's training stage (``plan.activations.DSA_STAGES``): ``sparse`` (frozen), ``sparse_loss``
@@ -117,4 +120,5 @@ def rl_job(cfg) -> Job:
     return Job(kind="rl", layout=layout, micro_batch_tokens=a.micro_batch_tokens, bf16=t.bf16,
                recompute=t.recompute or False,
                lora=(tuple(cfg.lora.targets), cfg.lora.rank), freeze_indexer=t.freeze_indexer,
-               base_fp8=cfg.model.base_dtype == "fp8", mtp=a.mtp_loss_scale > 0 or a.mtp_accept, rollout=ro, cluster=cfg.plan.cluster, fixed=("pp",))
+               base_fp8=cfg.model.base_dtype == "fp8", backend=t.backend, mtp=a.mtp_loss_scale > 0 or a.mtp_accept,
+               rollout=ro, cluster=cfg.plan.cluster, fixed=("pp",))

@@ -8,7 +8,10 @@ Megatron-Core's rules, as ``glm5_mcore.training.loop.build_trainer`` sets them u
 - bf16: Megatron's mixed-precision optimizer keeps an fp32 main copy of each trainable bf16 parameter;
 - Adam: two fp32 moments per trainable parameter;
 - the distributed optimizer shards main copies and moments over the data-parallel group a parameter is
-  reduced over (``dp × cp`` for dense parameters, the expert-data-parallel group for routed experts).
+  reduced over (``dp × cp`` for dense parameters, the expert-data-parallel group for routed experts);
+- an FP8 base on Transformer Engine holds its 1 byte per element outside backward; inside one module's backward
+  TE makes that module's column-wise copy (``model.fp8_te``): ``te_dgrad_copy``, the largest such module (a
+  layer's grouped routed experts, all local experts at once).
 """
 
 from __future__ import annotations
@@ -77,3 +80,10 @@ def state_bytes(base: list[TensorGroup], lora: list[TensorGroup], *, bf16: bool,
                       grads=grads, main_params=main, optimizer=ADAM_STATE_BYTES * trainable,
                       main_params_dist=main_dist, optimizer_dist=opt_dist,
                       grad_buffers=sorted((e, b, n) for (e, b), n in bufs.items()))
+
+
+def te_dgrad_copy(base: list[TensorGroup], local_experts: int) -> int:
+    """Bytes of the column-wise copy TE makes inside one FP8 module's backward, for the largest module of ``base``
+    (routed experts: one grouped linear holds the layer's ``local_experts``); freed after that backward."""
+    per_module = [g.fp8_bytes // g.count * (local_experts if g.expert else 1) for g in base if g.fp8 and g.count]
+    return max(per_module, default=0)

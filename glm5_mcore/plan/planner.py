@@ -9,9 +9,10 @@ from glm5_mcore.config import GLM5Config
 from glm5_mcore.plan.activations import DSA_STAGES, ActivationBytes, dsa_core_peak, stage_activations
 from glm5_mcore.plan.cluster import GIB, Cluster
 from glm5_mcore.plan.colocate import PhasePlan, engine_plan_of, plan_phases
+from glm5_mcore.plan.host import HostPlan, host_problem, plan_host
 from glm5_mcore.plan.job import Job
 from glm5_mcore.plan.layout import RankKind, rank_kinds
-from glm5_mcore.plan.memory import StateBytes, state_bytes
+from glm5_mcore.plan.memory import StateBytes, state_bytes, te_dgrad_copy
 from glm5_mcore.plan.params import lora_tensors, stage_tensors
 from glm5_mcore.plan.push import merged_push_bytes
 from glm5_mcore.plan.rollout import EnginePlan, plan_engine
@@ -28,12 +29,14 @@ class RankPlan:
     capacity: int
     dsa_layer: dict = field(default_factory=dict)
     """One DSA layer's peak (``dsa_core_peak``) in each indexer training stage; the job's is in ``act``."""
+    te_copy: int = 0
+    """An FP8 base on TE: the column-wise copy one module makes inside its backward (``memory.te_dgrad_copy``)."""
 
     @property
     def total(self) -> int:
         s = self.state
         opt = (s.main_params_dist + s.optimizer_dist) if self.dist_opt else (s.main_params + s.optimizer)
-        return s.weights + s.buffers + s.grads + opt + self.act.peak
+        return s.weights + s.buffers + s.grads + opt + self.act.peak + self.te_copy
 
     @property
     def fits(self) -> bool:
@@ -50,6 +53,7 @@ class RankPlan:
                 "indexer_scores_gib": g(self.act.indexer_scores), "dsa_backward_gib": g(self.act.dsa_backward),
                 "moe_dispatch_gib": g(self.act.dispatch),
                 "dsa_layer_peak_gib": {k: g(v) for k, v in self.dsa_layer.items()},
+                "te_fp8_dgrad_copy_gib": g(self.te_copy),
                 "total_gib": g(self.total), "capacity_gib": g(self.capacity), "fits": self.fits}
 
 
@@ -64,6 +68,8 @@ class Plan:
     """Colocated RL: the training and generation phases of one GPU (``plan.colocate``)."""
     push: dict = field(default_factory=dict)
     """RL with a merged push: {family: bytes} one engine receives per step (``plan.push``)."""
+    host: Optional[HostPlan] = None
+    """Host memory per node in each phase (``plan.host``)."""
 
     @property
     def fits(self) -> bool:
@@ -84,6 +90,8 @@ class Plan:
             d["colocated_per_gpu"] = self.phases.as_dict()
         if self.push:
             d["push_bytes_per_engine_step"] = sum(self.push.values())
+        if self.host is not None:
+            d["host_per_node"] = self.host.as_dict()
         return d
 
 
@@ -100,7 +108,9 @@ def plan_rank(m: GLM5Config, job: Job, kind: RankKind, capacity: int) -> RankPla
     if any(t == "full" for t in m.indexer_types):
         dsa = {stage: dsa_core_peak(m, L, job.micro_batch_tokens, 2 if job.bf16 else 4, stage=stage)
                for stage in DSA_STAGES}
-    return RankPlan(kind, st, acts[job.recompute or False], acts[False], acts[True], job.dist_opt, capacity, dsa)
+    te_copy = te_dgrad_copy(base, m.n_routed_experts // L.ep) if job.base_fp8 and job.backend == "te" else 0
+    return RankPlan(kind, st, acts[job.recompute or False], acts[False], acts[True], job.dist_opt, capacity, dsa,
+                    te_copy)
 
 
 def plan_job(m: GLM5Config, job: Job, cluster: Cluster) -> Plan:
@@ -143,6 +153,9 @@ def plan_job(m: GLM5Config, job: Job, cluster: Cluster) -> Plan:
                                  f"(weights {plan.engine.weights / GIB:.1f} GiB per GPU)")
     if job.rollout is not None and job.rollout.merge and job.lora:
         plan.push = merged_push_bytes(m, job.lora[0], job.rollout.engine.fp8)
+    plan.host = plan_host(job, plan.phases, cluster, job.rollout_gpus)
+    if (why := host_problem(plan.host, cluster)) is not None:
+        plan.problems.append(why)
     need = job.trainer_gpus + job.rollout_gpus
     if need > cluster.num_gpus:
         plan.problems.append(f"the job needs {need} GPUs ({job.trainer_gpus} trainer + {job.rollout_gpus} rollout), "

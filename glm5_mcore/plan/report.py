@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from glm5_mcore.plan.cluster import GIB
 from glm5_mcore.plan.colocate import ENGINE_ASLEEP, ENGINE_CONTEXT, PCIE_GBPS, SYNC_BUCKET
+from glm5_mcore.plan.host import format_host
 from glm5_mcore.plan.rollout import ACTIVATION_RESERVE
 from glm5_mcore.plan.planner import Plan
 
@@ -52,6 +53,8 @@ def format_plan(plan: Plan) -> str:
             row(f"  DSA layer: {label}{mark}", lambda r, st=stage: _g(r.dsa_layer.get(st, 0)).strip())
     row("  MoE dispatch buffers", lambda r: _g(r.act.dispatch).strip())
     row("  micro-batches in flight", lambda r: str(r.act.in_flight))
+    if any(r.te_copy for r in plan.ranks):
+        row("FP8 base's copy inside a backward", lambda r: _g(r.te_copy).strip())
     row("TOTAL (this job)", lambda r: _g(r.total).strip())
     row("capacity", lambda r: _g(r.capacity).strip())
     row("fits", lambda r: "yes" if r.fits else "NO")
@@ -73,6 +76,8 @@ def format_plan(plan: Plan) -> str:
         routed = sum(v for k, v in plan.push.items() if k.startswith("experts."))
         lines.append(f"adapter push (merged): {sum(plan.push.values()) / 1e9:.1f} GB per engine per step, "
                      f"{routed / 1e9:.1f} GB of it routed experts (every expert of an adapted layer: vLLM's FusedMoE)")
+    if plan.host is not None:
+        lines += [""] + format_host(plan.host, plan.cluster, job.base_fp8 and job.backend == "te")
     lines.append("")
     need = job.trainer_gpus + job.rollout_gpus
     if plan.fits:

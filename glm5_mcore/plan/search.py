@@ -51,7 +51,7 @@ def search_layouts(m: GLM5Config, job: Job, cluster: Cluster, limit: int = 8, mi
     found: list[Plan] = []
     step = cluster.gpus_per_node
     worlds = [w for w in (1, 2, 4) if w < step] + list(range(step, 64 * step + 1, step))
-    big = Cluster(cluster.gpu, cluster.gpu_mem_gib, nodes=10 ** 6, gpus_per_node=step, reserve_gib=cluster.reserve_gib)
+    big = replace(cluster, nodes=10 ** 6, gpus_per_node=step)
     for world in worlds:
         if world < min_world:
             continue
@@ -111,7 +111,7 @@ def search_rl(m: GLM5Config, job: Job, cluster: Cluster, limit: int = 8) -> list
             used = engine.weights + ACTIVATION_RESERVE + engine.kv_budget
             found.append(RLLayout("separate", p, engine.spec, 1, gpus, max(p.worst.total, used)))
     step = cluster.gpus_per_node
-    big = Cluster(cluster.gpu, cluster.gpu_mem_gib, nodes=10 ** 6, gpus_per_node=step, reserve_gib=cluster.reserve_gib)
+    big = replace(cluster, nodes=10 ** 6, gpus_per_node=step)
     colocated = 0
     for world in range(step, cluster.num_gpus + 1, step):
         for L in candidate_layouts(m, job, world, step):

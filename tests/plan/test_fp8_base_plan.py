@@ -66,6 +66,10 @@ def test_fp8_preset_header_is_the_planners_table(preset):
     assert f"{p.kv_budget / GIB:.2f}" in head and f"{p.kv_group / GIB:.2f}" in head
     _, bf16 = _plan("model.base_dtype=null")
     assert f"needs {bf16.phases.training / GIB:.1f} GiB per GPU in the training phase" in head
+    h = plan.host
+    assert f"training phase {h.total('training') / GIB:.2f}" in head
+    assert f"generation phase\n# {h.total('generation') / GIB:.2f}" in head
+    assert f"copy of one FP8 module inside its backward: {plan.worst.te_copy / GIB:.2f}" in head
 
 
 def test_full_fine_tuning_with_an_fp8_base_is_refused_by_the_planner():

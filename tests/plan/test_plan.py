@@ -189,7 +189,7 @@ def test_glm5_plan_cli_bad_input(capsys):
 
 
 @pytest.mark.parametrize("flag", ["--world=0", "--tp=0", "--ep=0", "--micro-batch-tokens=0",
-                                  "--micro-batch-tokens=-5", "--gpus-per-node=0"])
+                                  "--micro-batch-tokens=-5", "--gpus-per-node=0", "--host-mem-gib=0"])
 def test_glm5_plan_refuses_zero_and_negative_sizes(capsys, flag):
     """Issue 34 class 10: a size of 0 was read as "not given" (``if getattr(args, dim)``) and -5 planned as
     "fits"; each is now one line naming the flag, exit 2."""
