@@ -10,16 +10,19 @@ Stages (``--dry-run`` prints this plan with each budget, touching no GPU):
 3. ``rl_step``: the RL trainer's log-prob pass and one update on the device, its collectives on the
    device, and the bf16 log-prob figure (fp32 output layer vs bf16 logits against a float64 projection).
    verl's math runs without Ray (``rl.train.verl_import``): the lent image has none.
-4. ``dsa`` — ``bench/gpu_check_dsa.py`` (the DSA issue's stage: fused DSA, scaling at real widths), when present.
-5. ``resume``: SFT 4 steps vs 2 + resume + 2 under ``torch.use_deterministic_algorithms(True)`` with
+4. ``grouped_lora`` — ``bench/gpu_check_grouped.py``: LoRA on grouped routed experts (``moe_grouped_gemm=true``,
+   ``experts.*`` targets), the stacked ``grouped_mm`` path against the per-expert one (logits and adapter
+   gradients), no host sync from the adapters' path.
+5. ``dsa`` — ``bench/gpu_check_dsa.py`` (the DSA issue's stage: fused DSA, scaling at real widths), when present.
+6. ``resume``: SFT 4 steps vs 2 + resume + 2 under ``torch.use_deterministic_algorithms(True)`` with
    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (the DSA backward's ``index_add_`` is non-deterministic otherwise)
    and LoRA dropout on (the CUDA / Megatron RNG state must travel with the checkpoint): losses and every
    optimizer tensor bitwise equal. The distributed optimizer when DP >= 2 (torchrun), else Megatron's
    ``Float16Optimizer``.
-6. ``colocate`` — ``bench/gpu_check_colocate.py`` (the colocation stage), when present.
-7. ``fp8_base`` — ``bench/gpu_check_fp8.py`` (the FP8-base issue's stage: TE's blockwise GEMM holding the release's
-   FP8 bytes vs the CPU reference GEMM on the GPU), when present.
-8. ``te_vllm``: prints what only a machine with Transformer Engine and vLLM can check, with the exact
+7. ``colocate`` — ``bench/gpu_check_colocate.py`` (the colocation stage), when present.
+8. ``fp8_base`` — ``bench/gpu_check_fp8.py`` (the FP8-base issue's stage: TE's blockwise GEMM holding the release's
+   FP8 bytes vs the CPU reference GEMM on the GPU; the weight's bytes outside and inside its backward), when present.
+9. ``te_vllm``: prints what only a machine with Transformer Engine and vLLM can check, with the exact
    commands (also in ``docs/gpu.md``); runs them when both import.
 
 **Stage contract** (for ``bench/gpu_check_<name>.py``): the module exposes ``BUDGET_S: int`` (seconds on one
@@ -310,8 +313,9 @@ def stage_te_vllm(ctx: dict) -> dict:
     return {"runs": res, "ok": all(isinstance(v, dict) and v["rc"] == 0 for v in res.values())}
 
 
-STAGES = [("env", 20, stage_env), ("model_sft", 90, stage_model_sft), ("rl_step", 60, stage_rl_step),
-          ("dsa", "gpu_check_dsa.py", None), ("resume", 120, stage_resume),
+STAGES = [("env", 20, stage_env), ("model_sft", 70, stage_model_sft), ("rl_step", 60, stage_rl_step),
+          ("grouped_lora", "gpu_check_grouped.py", None), ("dsa", "gpu_check_dsa.py", None),
+          ("resume", 120, stage_resume),
           ("colocate", "gpu_check_colocate.py", None), ("fp8_base", "gpu_check_fp8.py", None),
           ("te_vllm", 20, stage_te_vllm)]
 """(name, budget seconds or the file of another helper's stage, function), in order of value."""
