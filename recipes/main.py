@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--base", help="with --merged: the base weights to merge onto, a checkpoint or HF folder "
                                    "(default: what the run records: its base checkpoint or HF origin; a "
                                    "Megatron-Bridge PEFT checkpoint's run_config.yaml checkpoint.pretrained_checkpoint)")
+    ex.add_argument("--allow-other-base", action="store_true",
+                    help="with --base: merge onto weights other than the HF origin the run recorded (refused "
+                         "otherwise: the adapter was not trained on them)")
     da = sub.add_parser("data", help="datasets")
     dasub = da.add_subparsers(dest="action", required=True)
     pre = dasub.add_parser("preprocess", help="jsonl -> Megatron-Core indexed dataset folder (tokens + loss mask)")
@@ -158,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             out = export_checkpoint_adapter(args.ckpt, args.out, args.adapter, args.iteration, args.merged,
                                             args.max_shard_size, progress=not args.no_progress,
                                             overwrite=args.overwrite, allow_nonfinite=args.allow_nonfinite,
-                                            base=args.base)
+                                            base=args.base, allow_other_base=args.allow_other_base)
             print(f"wrote {out}")
             return 0
         if args.cmd == "checkpoint" and args.action == "export":

@@ -32,6 +32,8 @@ from typing import Optional
 from glm5_mcore.checkpoint import manifest, megatron_lm
 from glm5_mcore.checkpoint.atomic import atomic_write_text
 from glm5_mcore.checkpoint.dtypes import DTYPES_FILE, record_dtypes
+from glm5_mcore.checkpoint.origin import KEY as ORIGIN_KEY
+from glm5_mcore.checkpoint.origin import recorded_fingerprint, weights_fingerprint
 
 HF_META_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "chat_template.jinja", "tokenizer.model")
@@ -122,8 +124,9 @@ def write_hf_meta(dst: Path, hf_dir: str | Path, config: Optional[dict] = None,
                   base_ckpt: Optional[str | Path] = None) -> None:
     """Fill ``DIR/hf``: the HF config (``config`` when given), tokenizer files, where they came from
     (``base_ckpt``: the checkpoint a run's base weights are loaded from, for runs that save adapters only),
-    and the dtype each HF tensor is stored in (``dtypes.DTYPES_FILE``: copied from a checkpoint's
-    ``hf/``, or read from the weights' headers)."""
+    the fingerprint of the HF origin's weights (``origin``: of ``hf_dir``'s weights, or the one a checkpoint's
+    ``hf/`` records), and the dtype each HF tensor is stored in (``dtypes.DTYPES_FILE``: copied from a
+    checkpoint's ``hf/``, or read from the weights' headers)."""
     dst.mkdir(parents=True, exist_ok=True)
     src = Path(hf_dir)
     for name in HF_META_FILES + (DTYPES_FILE,):
@@ -135,6 +138,9 @@ def write_hf_meta(dst: Path, hf_dir: str | Path, config: Optional[dict] = None,
     if config is not None:
         (dst / "config.json").write_text(json.dumps(config, indent=2))
     source = {"hf_dir": str(src.resolve())}
+    fingerprint = weights_fingerprint(src) if has_hf_weights(src) else recorded_fingerprint(src)
+    if fingerprint is not None:
+        source[ORIGIN_KEY] = fingerprint
     if base_ckpt is not None:
         source["base_ckpt"] = str(Path(base_ckpt).resolve())
     (dst / "source.json").write_text(json.dumps(source, indent=2))

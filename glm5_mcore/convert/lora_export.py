@@ -24,11 +24,12 @@ def export_checkpoint_adapter(ckpt: str | Path, out: str | Path, adapter: str = 
                               iteration: Optional[int] = None, merged: bool = False,
                               max_shard_size: str = "5GB", progress: bool = True,
                               overwrite: bool = False, allow_nonfinite: bool = False,
-                              base: Optional[str | Path] = None) -> Path:
+                              base: Optional[str | Path] = None, allow_other_base: bool = False) -> Path:
     """``glm5 lora export``: the checkpoint's adapter as an HF PEFT folder, or (``merged``) a full HF
     checkpoint of the base weights with the adapter merged in (before experts are split per expert).
     Our runs' base weights for ``merged``: ``base`` when given, else what the run records
-    (``glm5_mcore.convert.merge_base``: saved base weights, its base checkpoint, or its HF origin). A
+    (``glm5_mcore.convert.merge_base``: saved base weights, its base checkpoint, or its HF origin; a ``base``
+    of other weights than the run's recorded origin is refused unless ``allow_other_base``). A
     Megatron-Bridge PEFT checkpoint (``glm5_mcore.lora.bridge_peft``) is read too; its base weights for
     ``merged`` are ``base``, else the ``checkpoint.pretrained_checkpoint`` its run_config.yaml names."""
     root = Path(ckpt)
@@ -43,7 +44,7 @@ def export_checkpoint_adapter(ckpt: str | Path, out: str | Path, adapter: str = 
     if merged:
         work = scratch_dir(Path(out).absolute().parent, ".glm5-export-")  # a killed run's is removed by the next
         try:
-            src, it = base_checkpoint(root, iteration, work, base)
+            src, it = base_checkpoint(root, iteration, work, base, allow_other_base)
             return mcore_to_hf(src, out, max_shard_size, it, progress, merge_adapter=state,
                                overwrite=overwrite, kind="lora export", allow_nonfinite=allow_nonfinite)
         finally:

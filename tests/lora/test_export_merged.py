@@ -65,7 +65,22 @@ def test_lora_export_merged_of_a_run_from_its_hf_origin(lora_run, tiny_dir, tmp_
                      str(tmp_path / name), "--no-progress"]) == 0, capsys.readouterr().err
         got = _tensors(tmp_path / name)
         assert all(torch.equal(got[k], merged[k]) for k in merged), name
+    # --base of other weights of the same shapes (another seed): refused by the run's recorded origin fingerprint,
+    # in one line naming the flag that merges anyway (it merged onto any model of the right shapes)
+    from glm5_mcore.tiny import write_tiny
+
+    other = write_tiny(tmp_path / "other", seed=1)
     capsys.readouterr()
+    argv = ["lora", "export", "--ckpt", str(lora_run), "--merged", "--base", str(other), "--out",
+            str(tmp_path / "mo"), "--no-progress"]
+    assert glm5(argv) == 2
+    err = capsys.readouterr().err
+    print(err)
+    assert err.count("\n") == 1 and err.startswith(f"glm5 lora: error: --base {other}: not the weights the run ") and \
+        "weights sha256" in err and "pass --allow-other-base to merge onto it anyway" in err, err
+    assert not (tmp_path / "mo").exists()
+    assert glm5([*argv, "--allow-other-base"]) == 0 and (tmp_path / "mo" / "config.json").is_file()
+    assert "glm5: notice: --base" in capsys.readouterr().err
     assert glm5(["lora", "export", "--ckpt", str(lora_run), "--base", str(tiny_dir), "--out",
                  str(tmp_path / "p")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -229,8 +229,10 @@ def test_fp8_merged_export_of_a_grouped_run_requantizes_each_merged_expert(group
     bytes; the dense-base export of the same values gives those merged weights."""
     state = grouped_run[3]
     fp8, dense = fp8_folders(tmp_path / "f", block=FP8_BLOCK)
-    out8 = export_checkpoint_adapter(grouped_run[0], tmp_path / "m8", merged=True, progress=False, base=fp8)
-    ref = export_checkpoint_adapter(grouped_run[0], tmp_path / "m32", merged=True, progress=False, base=dense)
+    out8 = export_checkpoint_adapter(grouped_run[0], tmp_path / "m8", merged=True, progress=False, base=fp8,
+                                     allow_other_base=True)  # not the run's origin (tiny_dir): said, merged
+    ref = export_checkpoint_adapter(grouped_run[0], tmp_path / "m32", merged=True, progress=False, base=dense,
+                                    allow_other_base=True)
     got, want, base = HFCheckpoint(out8), HFCheckpoint(ref), HFCheckpoint(fp8)
     n = 0
     for k in base.keys():
