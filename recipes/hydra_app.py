@@ -6,7 +6,8 @@
   Hydra settings our runs use (``hydra/output=glm5_<kind>``, ``hydra/help=glm5_<kind>``: the help lists the
   preset groups and every field with its doc).
 - ``run_app(kind, argv, task)``: Hydra's command line (``--help``, ``--cfg job``, ``-m``, ``--config-path`` /
-  ``--config-name``, ``key=value``, ``+key=value``, ``~key``), with the project's ``--config NAME`` kept; a
+  ``--config-name``, ``key=value``, ``+key=value``, ``~key``; ``key=value`` also adds a key to a free-form
+  mapping, ``plain_adds``), with the project's ``--config NAME`` kept; a
   bad config raises a one-line ValueError naming the key (``glm5 sft: error: config: ...``, exit 2).
 - Run folders. Hydra itself writes nothing (``hydra.run.dir`` is ``.``, ``output_subdir`` null, no log
   files): the run folder is the recipe's ``train.out`` / ``trainer.out``, which the recipe checks with the
@@ -21,9 +22,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
+import types
+import typing
 from pathlib import Path
 from typing import Callable
 
@@ -75,7 +79,8 @@ def _help_template(kind: str) -> str:
         "shows the result):",
         "\n".join(_groups_text(kind)).replace("$", "$$"),
         "",
-        "Fields (KEY=VALUE sets one, +KEY=VALUE adds a key to a free-form mapping, ~KEY deletes one; values are",
+        "Fields (KEY=VALUE sets one, also a key of a free-form mapping such as rollout.engine_kwargs (+KEY=VALUE "
+        "too), ~KEY deletes one; values are",
         "checked against the schema, impossible settings refused before any work):",
         fields,
         "",
@@ -140,6 +145,31 @@ def shipped_config(name: str, kind: str | None = None) -> str:
     return bare
 
 
+def _in_free_form(schema, key: str) -> bool:
+    """Whether the dotted ``key`` names an entry inside a free-form mapping field of the dataclass ``schema``
+    (``rollout.engine_kwargs.stream``: ``engine_kwargs`` is a ``dict``), not a field or the mapping itself."""
+    t, parts = schema, key.split(".")
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(t):
+            return False
+        t = typing.get_type_hints(t).get(part)
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        if typing.get_origin(t) in (typing.Union, types.UnionType) and len(args) == 1:  # Optional[X]
+            t = args[0]
+        if t is dict or typing.get_origin(t) is dict:
+            return i < len(parts) - 1
+    return False
+
+
+def plain_adds(kind: str, overrides: list[str]) -> list[str]:
+    """``overrides`` with ``KEY=VALUE`` inside a free-form mapping as Hydra's ``++KEY=VALUE`` (add the key, or set
+    it where a preset has it): ``rollout.engine_kwargs.stream=false`` works as typed, where Hydra wants ``+`` for
+    a key the composed config lacks and refuses it otherwise ("unknown field")."""
+    schema = _schema(kind)
+    return [f"++{o}" if "=" in o and not o.startswith(("+", "~")) and _in_free_form(schema, o.split("=", 1)[0])
+            else o for o in overrides]
+
+
 def _argv(kind: str, argv: list[str]) -> tuple[list[str], list[str]]:
     """(Hydra flags, overrides) of ``argv``: ``--config NAME`` is ``--config-name NAME`` (``glm5 rl``: ``rl/NAME``
     too, ``shipped_config``, unless ``--config-path`` names another folder); ``--config-path`` is taken relative to
@@ -168,7 +198,7 @@ def _argv(kind: str, argv: list[str]) -> tuple[list[str], list[str]]:
             flags[i] = "--config-path=" + os.path.abspath(a.split("=", 1)[1])
     if (ns.cfg in ("job", "all") or ns.help) and not ns.resolve:
         flags.append("--resolve")
-    return flags, list(ns.overrides)
+    return flags, plain_adds(kind, list(ns.overrides))
 
 
 def _one_line(kind: str, e: BaseException) -> str:
@@ -355,7 +385,7 @@ def compose(name: str, overrides: list[str], require_all: bool = True) -> dict:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-            cfg = hydra_compose(config_name=short, overrides=[_settings(kind)[-1], *overrides])
+            cfg = hydra_compose(config_name=short, overrides=[_settings(kind)[-1], *plain_adds(kind, overrides)])
         return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=require_all)
     except (HydraException, OmegaConfBaseException) as e:
         raise ValueError(f"configs/{name}.yaml + overrides: {_one_line(kind, e)}") from None

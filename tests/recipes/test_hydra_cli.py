@@ -65,6 +65,11 @@ def test_cfg_job_prints_the_resolved_config_and_writes_nothing(capsys, tmp_path,
     kw = d["rollout"]["engine_kwargs"]
     assert "merge" not in kw and kw["max_num_seqs"] == 64 and kw["tensor_parallel_size"] == 8
     assert d["model"]["hf_dir"] == "ckpt/glm5/hf" and d["actor"]["lr"] == 2e-5 and d["trainer"]["ep"] == 64
+    # a free-form mapping's key as typed, without Hydra's +: added (stream), or set where the preset has it
+    rc, out2, err2 = _glm5(capsys, "rl", "--config", "glm5_744b", "--cfg", "job", "rollout.engine_kwargs.stream=false",
+                           "rollout.engine_kwargs.tensor_parallel_size=4")
+    kw2 = yaml.safe_load(out2)["rollout"]["engine_kwargs"]
+    assert rc == 0 and kw2["stream"] is False and kw2["tensor_parallel_size"] == 4 and kw2["merge"], err2
     # glm5 plan's spelling rl/NAME names the same config
     assert _glm5(capsys, "rl", "--config", "rl/glm5_744b", "--cfg", "job", "~rollout.engine_kwargs.merge",
                  "+rollout.engine_kwargs.max_num_seqs=64", "actor.lr=2e-5") == (0, out, err)
