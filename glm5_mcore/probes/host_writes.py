@@ -38,7 +38,9 @@ class HostWrites:
             return
         if func is aten._to_copy.default:
             src = args[0]
-            if fake_device._is_meta_arg(kwargs.get("device")) and not isinstance(src, OnDevice) and src.dim() > 0:
+            to = kwargs.get("device")
+            if to is not None and torch.device(to) == fake_device.META and not isinstance(src, OnDevice) \
+                    and src.dim() > 0:
                 self._hit(str(func), not kwargs.get("non_blocking", False))
             return
         if func is aten.copy_.default and isinstance(args[0], OnDevice):
