@@ -75,21 +75,3 @@ def trainer_idle_fraction(timing: dict) -> float:
     step = timing.get("timing_s/step", 0.0)
     busy = timing.get("timing_s/old_log_prob", 0.0) + timing.get("timing_s/update_actor", 0.0)
     return max(0.0, 1.0 - busy / step) if step > 0 else 0.0
-
-
-def push_metrics(pushes: list[dict]) -> dict:
-    """``rollout/push_*`` of the adapter pushes the engines reported since the last step (``RolloutEngine.pushes``,
-    each ``VLLMRolloutEngine.last_push``-shaped): bytes per push that travelled as a LoRA adapter and as merged
-    weights, seconds per push, how many waited for live requests, and per family the smallest fraction of the
-    adapter's delta a merged push kept (``rollout/merged_delta_kept/<family>``). {} without pushes."""
-    if not pushes:
-        return {}
-    out = {"rollout/push_lora_bytes": max(p.get("lora_bytes", 0) for p in pushes),
-           "rollout/push_merged_bytes": max(p.get("merged_bytes", 0) for p in pushes),
-           "rollout/push_s": max(p.get("seconds", 0.0) for p in pushes),
-           "rollout/push_waited": sum(bool(p.get("waited")) for p in pushes)}
-    for p in pushes:
-        for fam, frac in (p.get("merged_delta_kept") or {}).items():
-            key = f"rollout/merged_delta_kept/{fam}"
-            out[key] = min(out.get(key, 1.0), float(frac))
-    return out

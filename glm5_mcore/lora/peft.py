@@ -56,10 +56,13 @@ def export_peft(state: AdapterState, num_hidden_layers: int, n_experts: int, out
 
 
 def peft_files(state: AdapterState, num_hidden_layers: int, n_experts: int, base_model: str = "",
-               include_mtp: bool = False) -> dict[str, bytes]:
+               include_mtp: bool = False, dtype: Optional[torch.dtype] = None) -> dict[str, bytes]:
     """``export_peft``'s two files as bytes, in memory (what an RL push carries): {"adapter_config.json",
-    "adapter_model.safetensors"}."""
+    "adapter_model.safetensors"}; ``dtype``: the tensors cast to it (bf16: what a bf16 engine computes with,
+    half the bytes of the fp32 master copy)."""
     tensors, config = peft_tensors(state, num_hidden_layers, n_experts, base_model, include_mtp)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
     return {"adapter_config.json": json.dumps(config, indent=2).encode(),
             "adapter_model.safetensors": save(tensors, metadata={"format": "pt"})}
 

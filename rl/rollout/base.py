@@ -193,6 +193,10 @@ class RolloutEngine(ABC):
         """How the last ``load_adapter`` reached the engine ({} when there is nothing to say)."""
         return {}
 
+    pushes: Optional[list] = None
+    """An engine that reports its pushes: one ``last_push()``-shaped dict per ``load_adapter`` since they were
+    last taken (``rl.cluster.rollout_pool.RolloutActor.take_pushes``; ``push_metrics``)."""
+
     def sleep(self, level: int) -> str:
         """Free this engine's accelerator memory until ``wake_up``; returns a one-line account."""
         check_sleep_level(level)
@@ -217,3 +221,22 @@ def check_wake_tags(tags) -> None:
     bad = [t for t in tags if t not in WAKE_TAGS]
     if bad or not tags:
         raise ValueError(f"wake_up tags {list(tags)!r}: a non-empty subset of {WAKE_TAGS}")
+
+
+def push_metrics(pushes: list[dict]) -> dict:
+    """``rollout/push_*`` of the adapter pushes the engines reported since the last step (``RolloutEngine.pushes``):
+    bytes per push that travelled as a LoRA adapter and as merged weights, seconds per push, how many waited for
+    live requests, and per family the smallest fraction of the adapter's delta a merged push kept
+    (``rollout/merged_delta_kept/<family>``). {} without pushes."""
+    if not pushes:
+        return {}
+    out = {"rollout/push_lora_bytes": max(p.get("lora_bytes", 0) for p in pushes),
+           "rollout/push_merged_bytes": max(p.get("merged_bytes", 0) for p in pushes),
+           "rollout/push_s": max(p.get("seconds", 0.0) for p in pushes),
+           "rollout/push_waited": sum(bool(p.get("waited")) for p in pushes)}
+    for p in pushes:
+        for fam, frac in (p.get("merged_delta_kept") or {}).items():
+            key = f"rollout/merged_delta_kept/{fam}"
+            out[key] = min(out.get(key, 1.0), float(frac))
+    return out
+

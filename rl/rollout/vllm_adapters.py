@@ -6,8 +6,10 @@ vLLM loads an adapter from a folder (``LoRARequest.lora_path``, ``WorkerLoRAMana
 tensors under the adapter's id and its manager's ``_load_adapter`` builds the ``LoRAModel`` from them with vLLM's
 own ``LoRAModel.from_lora_tensors`` (``lora_model.py:120``) whenever the path is ``MEMORY`` + name, with the same
 steps as the folder path: ``PEFTHelper`` validation against the engine's ``LoRAConfig`` (``max_lora_rank``), the
-model's weights mapper and skip prefixes, the MoE layout check (``_validate_moe_lora_format``). The tensors stay
-on the worker until the engine removes the version, so vLLM's LRU may evict and reload an adapter freely.
+model's weights mapper and skip prefixes, the MoE layout check (``_validate_moe_lora_format``). Once loaded, the
+pushed tensors are let go: vLLM's ``LoRAModel`` keeps what this worker serves (its own experts under expert
+parallelism, ``model_manager.py:838-944``), and the engine keeps ``max_cpu_loras`` above the versions in flight,
+so vLLM's CPU cache never evicts one a request still needs.
 
 ``add`` loads the adapter at once (errors surface at the push, not at the first request) and checks that every
 module it carries reached a LoRA layer of the model (vLLM's folder path refuses unexpected modules before
@@ -22,7 +24,7 @@ from __future__ import annotations
 MEMORY = "glm5-memory://"
 """``LoRARequest.lora_path`` of an adapter whose tensors the workers hold (never a folder)."""
 
-_HELD: dict[int, tuple[dict, dict]] = {}  # in each worker process: lora_int_id -> (PEFT config, tensors)
+_HELD: dict[int, tuple[dict, dict]] = {}  # in each worker process, while one loads: lora_int_id -> (config, tensors)
 
 
 def lora_request(name: str, lora_id: int, is_3d: bool):
@@ -37,7 +39,8 @@ def _load_from_memory(manager, request):
     from vllm.lora.peft_helper import PEFTHelper
 
     if request.lora_int_id not in _HELD:
-        raise ValueError(f"vLLM LoRA {request.lora_name} (id {request.lora_int_id}): its tensors were removed")
+        raise ValueError(f"vLLM LoRA {request.lora_name} (id {request.lora_int_id}) left vLLM's CPU cache while a "
+                         "request needed it: max_cpu_loras must exceed the adapter versions in flight (max_loras)")
     config, tensors = _HELD[request.lora_int_id]
     peft = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": manager.max_position_embeddings})
     peft.validate_legal(manager.lora_config)
@@ -69,9 +72,9 @@ def _install(manager) -> None:
 
 
 def add(worker, name: str, lora_id: int, config: dict, tensors: dict, is_3d: bool) -> list[str]:
-    """Run on every vLLM worker: hold ``tensors`` (PEFT names → tensors) under ``lora_id`` and load them as the
-    adapter ``name``; returns the vLLM modules it adapts. A module of the adapter that reaches no LoRA layer of
-    the model is an error naming it."""
+    """Run on every vLLM worker: load ``tensors`` (PEFT names → tensors) as the adapter ``name``, LoRA ``lora_id``;
+    returns the vLLM modules it adapts. A module of the adapter that reaches no LoRA layer of the model is an error
+    naming it."""
     manager = worker.model_runner.lora_manager
     _install(manager)
     _HELD[lora_id] = (dict(config), {k: v.clone() if v.is_shared() else v for k, v in tensors.items()})
@@ -85,6 +88,8 @@ def add(worker, name: str, lora_id: int, config: dict, tensors: dict, is_3d: boo
     except BaseException:
         remove(worker, lora_id)
         raise
+    finally:
+        _HELD.pop(lora_id, None)  # vLLM's LoRAModel holds what it serves (this rank's experts); not twice
     return sorted(loaded.loras)
 
 

@@ -56,7 +56,7 @@ from rl.rollout.base import (AdapterPayload, Occupancy, Request, Result, Rollout
 from rl.rollout.draft import mtp_speculative_config
 from rl.rollout.routes import route_dtype
 from rl.rollout.vllm_client import LocalServer, RemoteServer
-from rl.rollout.vllm_lora import (VLLM_MODULES, check_lora_mode, lora_job_kwargs, lora_mode_part,
+from rl.rollout.vllm_lora import (VLLM_MODULES, check_lora_mode, cpu_loras, lora_job_kwargs, lora_mode_part,
                                   served_adapter)
 from rl.rollout.vllm_push import AdapterVersions, ServedWeights
 from rl.rollout.vllm_stream import EngineStream, to_result, vllm_sampling
@@ -146,7 +146,7 @@ class VLLMRolloutEngine(RolloutEngine):
             llm["enable_sleep_mode"] = True
         if not merge:  # routed experts come in PEFT's fused 3D form; LoRA layers only where LoRA is served
             llm.update(max_lora_rank=max_lora_rank, enable_mixed_moe_lora_format=True,
-                       lora_target_modules=sorted(set(VLLM_MODULES.values())))
+                       lora_target_modules=sorted(set(VLLM_MODULES.values())), max_cpu_loras=cpu_loras(kwargs))
         if device == "cpu":
             from glm5_mcore.cpu_compat import vllm_cpu_env, vllm_cpu_llm_kwargs
 

@@ -181,3 +181,10 @@ def lora_job_kwargs(kwargs: dict, targets, max_staleness: int) -> dict:
     if kwargs.get("merge", False):
         return dict(kwargs)
     return {"lora_target_modules": vllm_target_modules(targets), "max_loras": int(max_staleness) + 1, **kwargs}
+
+
+def cpu_loras(kwargs: dict) -> int:
+    """vLLM's ``max_cpu_loras`` for LoRA mode: the user's, else ``max_loras + 1`` — the versions live requests hold
+    plus the one a push adds, so vLLM's CPU cache never evicts an adapter a request still needs (the pushed tensors
+    are not kept to reload it from: ``rl.rollout.vllm_adapters``)."""
+    return int(kwargs.get("max_cpu_loras") or int(kwargs.get("max_loras", 1)) + 1)

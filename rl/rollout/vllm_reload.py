@@ -1,6 +1,6 @@
 """What runs on each vLLM worker for a weight push (``rl.rollout.vllm_server`` sends these functions through
 ``LLM.collective_rpc``, pickled by module name): checkpoint-format tensors reloaded in place into the served model
-(``_reload_from_file``: a safetensors file; ``_reload_from_handle``: a ``rl.rollout.weight_sync`` bucket) or into
+(``reload_from_file``: a safetensors file; ``reload_from_handle``: a ``rl.rollout.weight_sync`` bucket) or into
 the speculative draft model (the MTP layer), the draft's parameters read back, and the vLLM-CPU routed-expert
 prepack an in-place reload skips (``reprepack_cpu_experts_on_reload``). It runs in the vLLM process and imports
 vLLM, torch and ``rl.rollout.weight_sync`` only."""
@@ -49,34 +49,34 @@ def reprepack_cpu_experts_on_reload(model) -> int:
     return n
 
 
-def _reload(worker, tensors) -> None:
+def reload(worker, tensors) -> None:
     """``worker.reload_weights`` of checkpoint-format (HF name, tensor) pairs, the CPU MoE prepack restored."""
     reprepack_cpu_experts_on_reload(worker.model_runner.get_model())
     worker.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
 
 
-def _reload_from_file(worker, path: str) -> int:
+def reload_from_file(worker, path: str) -> int:
     """Run on every vLLM worker: reload the checkpoint-format tensors of one safetensors file."""
     from safetensors.torch import load_file
 
     tensors = load_file(path)
-    _reload(worker, tensors.items())
+    reload(worker, tensors.items())
     return len(tensors)
 
 
-def _reload_from_handle(worker, handle, metas, codec: str, draft: bool = False) -> int:
+def reload_from_handle(worker, handle, metas, codec: str, draft: bool = False) -> int:
     """Run on every vLLM worker: reload the tensors of one weight-sync bucket (``rl.rollout.weight_sync``: CUDA IPC
     on GPUs, the shared-file stand-in on CPU) as views of the sender's memory, no file in between."""
     from rl.rollout.weight_sync import receive
 
     tensors = receive(handle, metas, codec)
     if draft:
-        return _reload_draft(worker, tensors)
-    _reload(worker, tensors)
+        return reload_draft(worker, tensors)
+    reload(worker, tensors)
     return len(tensors)
 
 
-def _draft_model(worker):
+def draft_model(worker):
     """The speculative-decoding draft model of a vLLM worker: ``model_runner.get_draft_model()``, which
     both of vLLM 0.32's runners have — V1 (``gpu_model_runner.py:3122``, ``self.drafter``; the CPU build's)
     and Model Runner V2 (``gpu/model_runner.py:562``, ``self.speculator``; CUDA's default, and what
@@ -89,7 +89,7 @@ def _draft_model(worker):
     return model
 
 
-def _reload_draft_from_file(worker, path: str) -> int:
+def reload_draft_from_file(worker, path: str) -> int:
     """Run on every vLLM worker: reload the MTP layer's checkpoint-format tensors (HF names
     ``model.layers.{num_hidden_layers}.*``) of one safetensors file into the draft model, with vLLM's
     in-place reload (``model_loader/reload/inplace.py``: the draft's own ``load_weights`` name mapping —
@@ -98,11 +98,11 @@ def _reload_draft_from_file(worker, path: str) -> int:
     model config."""
     from safetensors.torch import load_file
 
-    return _reload_draft(worker, list(load_file(path).items()))
+    return reload_draft(worker, list(load_file(path).items()))
 
 
-def _reload_draft(worker, tensors: list) -> int:
-    """(HF name, tensor) pairs of the MTP layer into the draft model (see ``_reload_draft_from_file``)."""
+def reload_draft(worker, tensors: list) -> int:
+    """(HF name, tensor) pairs of the MTP layer into the draft model (see ``reload_draft_from_file``)."""
     from types import SimpleNamespace
 
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
@@ -110,13 +110,13 @@ def _reload_draft(worker, tensors: list) -> int:
     runner = worker.model_runner
     cfg = SimpleNamespace(model_config=runner.vllm_config.speculative_config.draft_model_config,
                           load_config=runner.vllm_config.load_config, lora_config=None)
-    reprepack_cpu_experts_on_reload(_draft_model(worker))
-    reload_weights(cfg, _draft_model(worker), weights_iterator=iter(tensors), weights_path=None,
+    reprepack_cpu_experts_on_reload(draft_model(worker))
+    reload_weights(cfg, draft_model(worker), weights_iterator=iter(tensors), weights_path=None,
                    is_checkpoint_format=True)
     return len(tensors)
 
 
-def _draft_weights(worker, names=None) -> dict:
+def draft_weights(worker, names=None) -> dict:
     """Run on a vLLM worker: the draft model's parameters (vLLM names → numpy float32 arrays). vLLM's CPU
     build prepacks linear weights for its GEMM kernels and leaves ``weight`` empty
     (model_executor/layers/utils.py:470 ``dispatch_cpu_unquantized_gemm``); such a weight is read back
@@ -125,7 +125,7 @@ def _draft_weights(worker, names=None) -> dict:
 
     out = {}
     with torch.no_grad():
-        for mod_name, mod in _draft_model(worker).named_modules():
+        for mod_name, mod in draft_model(worker).named_modules():
             for n, p in mod.named_parameters(recurse=False):
                 name = f"{mod_name}.{n}" if mod_name else n
                 if names is not None and name not in names:

@@ -34,9 +34,7 @@ import sys
 import traceback
 from typing import Optional
 
-from rl.rollout import vllm_adapters
-from rl.rollout.vllm_reload import (_draft_weights, _reload_draft_from_file, _reload_from_file,  # noqa: F401
-                                    _reload_from_handle, reprepack_cpu_experts_on_reload)
+from rl.rollout import vllm_adapters, vllm_reload
 from rl.rollout.vllm_stream import ServerStream, absorb, add_requests
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -160,7 +158,7 @@ class Server:
         prefix cache: an in-place reload resets only the LoRA / encoder caches (``gpu/model_runner.py:568``)
         and block hashes change only for LoRA requests, so cached KV (and R3 routes) of the old weights
         would be served for any prompt seen before."""
-        n = sum(self.llm.collective_rpc(_reload_from_file, kwargs={"path": path}))
+        n = sum(self.llm.collective_rpc(vllm_reload.reload_from_file, kwargs={"path": path}))
         self.reset_prefix_cache()
         return n
 
@@ -180,17 +178,17 @@ class Server:
     def reload_handle(self, handle, metas: list, codec: str) -> int:
         """Reload one weight-sync bucket (``rl.rollout.weight_sync``) on every worker; the engine drops the prefix
         cache once the last bucket of a push is in (``reset_prefix_cache``)."""
-        return sum(self.llm.collective_rpc(_reload_from_handle, kwargs={"handle": handle, "metas": metas,
+        return sum(self.llm.collective_rpc(vllm_reload.reload_from_handle, kwargs={"handle": handle, "metas": metas,
                                                                         "codec": codec}))
 
     def reload_draft_handle(self, handle, metas: list, codec: str) -> int:
-        return sum(self.llm.collective_rpc(_reload_from_handle, kwargs={"handle": handle, "metas": metas,
+        return sum(self.llm.collective_rpc(vllm_reload.reload_from_handle, kwargs={"handle": handle, "metas": metas,
                                                                         "codec": codec, "draft": True}))
 
     def reload_draft(self, path: str) -> int:
         """Reload the MTP-layer tensors of the safetensors file ``path`` (HF names) into the draft model
         (and drop the prefix cache, as ``reload``)."""
-        n = sum(self.llm.collective_rpc(_reload_draft_from_file, kwargs={"path": path}))
+        n = sum(self.llm.collective_rpc(vllm_reload.reload_draft_from_file, kwargs={"path": path}))
         self.reset_prefix_cache()
         return n
 
@@ -201,7 +199,7 @@ class Server:
 
     def draft_weights(self, names: Optional[list] = None) -> dict:
         """The draft model's parameters on the first worker (vLLM names → numpy arrays)."""
-        return self.llm.collective_rpc(_draft_weights, kwargs={"names": names})[0]
+        return self.llm.collective_rpc(vllm_reload.draft_weights, kwargs={"names": names})[0]
 
     def spec_decode_counts(self) -> dict:
         """Cumulative speculative-decoding counters: draft tokens proposed and accepted."""

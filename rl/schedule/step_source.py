@@ -29,8 +29,7 @@ from typing import Optional
 
 import torch
 
-from rl.metrics import push_metrics
-from rl.rollout.base import Request, sample_seed
+from rl.rollout.base import Request, push_metrics, sample_seed
 from rl.schedule.shaping import GroupFilter, shape_scores
 from rl.tasks.prompts import next_prompts
 
@@ -64,7 +63,7 @@ def length_metrics(trained: list[int], generated: list[int]) -> dict:
 
 def engine_metrics(rollouts) -> dict:
     """``rollout/engine_occupancy``: the engines' live rows / slots, time-averaged since the last step
-    (``RolloutPool.occupancy``), and ``rollout/push_*`` of the adapter pushes since then (``rl.metrics.push_metrics``);
+    (``RolloutPool.occupancy``), and ``rollout/push_*`` of the adapter pushes since then (``rollout.base.push_metrics``);
     {} for a pool or engine that does not measure them."""
     occ = rollouts.occupancy() if hasattr(rollouts, "occupancy") else None
     out = push_metrics(rollouts.pushes()) if hasattr(rollouts, "pushes") else {}

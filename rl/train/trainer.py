@@ -351,7 +351,8 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------------ weights, checkpoints
     def export_adapter(self, version: int, include_mtp: Optional[bool] = None):
-        """The policy adapter as an HF PEFT payload (rank 0; None elsewhere); ``include_mtp``: with the
+        """The policy adapter as an HF PEFT payload (rank 0; None elsewhere), in memory, bf16 with
+        ``trainer.bf16`` (the engines' dtype) else fp32; ``include_mtp``: with the
         MTP layer's adapter under ``model.layers.{num_hidden_layers}.*`` (for a draft-model engine);
         None: when it is trained (``actor.mtp_loss_scale > 0``), so the engines' draft head follows it."""
         if include_mtp is None:
@@ -360,8 +361,10 @@ class PolicyTrainer:
             state = gather_adapter(self.model, "default")
         if state is None:
             return None
+        dtype = torch.bfloat16 if self.cfg.trainer.bf16 else None  # what the engines compute with
         return AdapterPayload(version, peft_files(state, self.glm5.num_hidden_layers, self.glm5.n_routed_experts,
-                                                  base_model=self.cfg.model.hf_dir, include_mtp=include_mtp))
+                                                  base_model=self.cfg.model.hf_dir, include_mtp=include_mtp,
+                                                  dtype=dtype))
 
     def save(self, root: str, step: int, trainer_state: dict, rollout_adapter=None) -> None:
         """``rollout_adapter``: the adapter payload an in-flight (one-step-off-policy) batch is being

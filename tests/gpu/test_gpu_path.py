@@ -77,19 +77,19 @@ class _Draft(torch.nn.Module):
 def test_draft_model_is_found_on_model_runner_v2():
     """vLLM 0.32's Model Runner V2 (CUDA's default) keeps the draft as ``speculator`` and answers
     ``get_draft_model()``; it has no ``drafter``."""
-    from rl.rollout.vllm_reload import _draft_model, _draft_weights
+    from rl.rollout.vllm_reload import draft_model, draft_weights
 
     draft = _Draft()
     runner = SimpleNamespace(speculator=SimpleNamespace(model=draft), get_draft_model=lambda: draft)
     worker = SimpleNamespace(model_runner=runner)
-    assert _draft_model(worker) is draft
-    got = _draft_weights(worker)
+    assert draft_model(worker) is draft
+    got = draft_weights(worker)
     assert set(got) == {"proj.weight", "proj.bias"}
     assert np.array_equal(got["proj.weight"], draft.proj.weight.detach().numpy())
     v1 = SimpleNamespace(model_runner=SimpleNamespace(drafter=SimpleNamespace(model=draft)))
-    assert _draft_model(v1) is draft  # a runner without get_draft_model: V1's drafter
+    assert draft_model(v1) is draft  # a runner without get_draft_model: V1's drafter
     with pytest.raises(RuntimeError, match="no draft model"):
-        _draft_model(SimpleNamespace(model_runner=SimpleNamespace(get_draft_model=lambda: None)))
+        draft_model(SimpleNamespace(model_runner=SimpleNamespace(get_draft_model=lambda: None)))
 
 
 # ---------------------------------------------------------------- B2: prefix cache after a reload
@@ -112,8 +112,8 @@ def test_every_reload_resets_the_prefix_cache():
     server = Server.__new__(Server)
     server.llm = _FakeLLM()
     assert server.reload("x.safetensors") == 3 and server.reload_draft("y.safetensors") == 3
-    assert server.llm.calls == ["_reload_from_file", "reset_prefix_cache",
-                                "_reload_draft_from_file", "reset_prefix_cache"]
+    assert server.llm.calls == ["reload_from_file", "reset_prefix_cache",
+                                "reload_draft_from_file", "reset_prefix_cache"]
     server.llm.reset_prefix_cache = lambda: False
     with pytest.raises(RuntimeError, match="reset_prefix_cache"):
         server.reload("x.safetensors")

@@ -50,9 +50,15 @@ CODE_TOOL = {"enable": True, "env": "rl.tasks.code_env.python_tool", "tool_call_
     ({"rollout": {"multi_turn": {**CODE_TOOL, "tool_timeout_s": float("inf")}}},
      "rollout.multi_turn.tool_timeout_s=inf: a timeout must be a finite number"),
     ({"ray": {"wait_timeout_s": float("nan")}}, "ray.wait_timeout_s=nan: a timeout must be a finite number"),
-    ({"rollout": {"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine", "engine_kwargs": {"merge": False}},
+    ({"rollout": {"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine",
+                  "engine_kwargs": {"enable_expert_parallel": True}},
       "lora": {"targets": ["linear_proj", "experts.linear_fc1"]}},
-     "lora.targets: adapters on the routed experts (experts.linear_fc1) cannot be served in vLLM's LoRA mode"),
+     "rollout.engine_kwargs.all2all_backend=None: vLLM serves routed-expert LoRA under expert parallelism only"),
+    ({"rollout": {"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine", "engine_kwargs": {"max_lora_rank": 8}}},
+     "rollout.engine_kwargs.max_lora_rank=8 is below the adapter's rank 16"),
+    ({"rollout": {"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine", "engine_kwargs": {},
+                  "colocate": {"enable": True, "sleep_level": 2}}},
+     "rollout.colocate.sleep_level=2 with vLLM's LoRA mode"),
 ])
 def test_config_refusals_name_the_field(tiny_dir, tmp_path, sections, msg):
     """Was: the typo found at the first update; R3 + tool episodes run; a negative factor rewarded overlong

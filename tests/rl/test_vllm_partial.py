@@ -224,22 +224,34 @@ def test_weights_change_mid_response_continued_tokens_are_the_new_weights(engine
     assert inside.any() and torch.allclose(w[:, :4][inside], ratio[inside], atol=1e-5), (w[:, :4], ratio)
 
 
-def test_async_rl_with_vllm_partial_rollouts_runs_three_steps(tiny576, tmp_path):  # noqa: F811
-    """``trainer.max_staleness=2`` with the vLLM engine, its stream and partial rollouts: three steps
-    complete, every token carries its version, staleness stays within K."""
+def async_vllm_cfg(tiny576, out, lora_mode: bool, steps: int = 3):  # noqa: F811
+    """``trainer.max_staleness=2`` with the vLLM engine's stream, ``partial_rollout=false`` (a response finishes
+    under the adapter it started with); ``lora_mode``: every version a LoRARequest (the MoE-LoRA shim on vLLM-CPU),
+    adapters on every family vLLM serves as LoRA (MLA but kv_b_proj, the MLPs, the routed experts); else merged."""
+    from glm5_mcore.lora.config import EXPERTS, MLA, MLP
     from rl.config import RLConfig
-    from rl.driver import run
+    from tests.rl.test_vllm_certificate import lora_engine_kwargs
 
-    cfg = RLConfig.from_dict({
+    kw = lora_engine_kwargs() if lora_mode else engine_kwargs()
+    return RLConfig.from_dict({
         "model": {"hf_dir": tiny576}, "wandb": {"mode": "disabled"},
+        "lora": {"targets": [t for t in MLA + MLP + EXPERTS if t != "linear_kv_up_proj"]},
         "rollout": {"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine", "num_actors": 1, "n": 2,
                     "temperature": T, "max_new_tokens": 64,
-                    "engine_kwargs": {**engine_kwargs(), "max_num_seqs": 2}},  # generation outlasts a step
-        "data": {"prompts_per_step": 4, "val": None}, "actor": {"ppo_mini_batch_size": 4},
-        "trainer": {"steps": 3, "max_staleness": 2, "partial_rollout": True, "out": str(tmp_path / "run"),
+                    "engine_kwargs": {**kw, "max_num_seqs": 2}},  # generation outlasts a step
+        "data": {"prompts_per_step": 4, "val": None}, "actor": {"ppo_mini_batch_size": 4, "lr": 1e-2},
+        "trainer": {"steps": steps, "max_staleness": 2, "partial_rollout": False, "out": str(out),
                     "save_every": 0, "eval_every": 0, "progress": False}})
-    from rl.cluster.rollout_pool import engine_streams
 
+
+def test_async_rl_on_vllm_lora_mode_never_waits_for_live_requests(tiny576, tmp_path):  # noqa: F811
+    """Async RL (``max_staleness=2``) on the vLLM engine in LoRA mode: each push becomes a new LoRA version at once
+    while the stream's requests run on under theirs (``rollout/push_waited`` 0, the adapter's tensors in memory,
+    no merged bytes), no sample mixes versions, staleness stays within K; three steps."""
+    from rl.cluster.rollout_pool import engine_streams
+    from rl.driver import run
+
+    cfg = async_vllm_cfg(tiny576, tmp_path / "run", lora_mode=True)
     assert engine_streams(cfg)  # continuous generation: the server's stream (rl.rollout.vllm_stream)
     t0 = time.perf_counter()
     with local_ray():  # Ray workers import rl
@@ -247,13 +259,16 @@ def test_async_rl_with_vllm_partial_rollouts_runs_three_steps(tiny576, tmp_path)
     h = out["history"]
     assert len(h) == 3 and out["state"]["step"] == 3
     for m in h:
-        assert m["rollout/staleness_max"] <= 2, m
+        assert m["rollout/staleness_max"] <= 2 and m["rollout/mixed_version_fraction"] == 0.0, m
         assert 0.0 < m["rollout/engine_occupancy"] <= 1.0, m  # live requests / max_num_seqs
+        assert m.get("rollout/push_waited", 0) == 0 and m.get("rollout/push_merged_bytes", 0) == 0, m
         assert all(v == v for k, v in m.items() if isinstance(v, float) and not k.startswith("rollout_corr/")), m
-    print("\nvllm async:", json.dumps({"s": round(time.perf_counter() - t0, 1),
-                                       "interrupted": [m["rollout/interrupted"] for m in h],
-                                       "mixed": [m["rollout/mixed_version_fraction"] for m in h],
-                                       "staleness": [m["rollout/staleness"] for m in h]}))
+    assert max(m.get("rollout/push_lora_bytes", 0) for m in h) > 0  # the updates reached vLLM as LoRA versions
+    print("\nvllm async, LoRA mode:", json.dumps({
+        "s": round(time.perf_counter() - t0, 1), "occupancy": [round(m["rollout/engine_occupancy"], 3) for m in h],
+        "trainer_idle": [round(m["perf/trainer_idle_fraction"], 3) for m in h],
+        "push_lora_bytes": [m.get("rollout/push_lora_bytes", 0) for m in h],
+        "staleness": [m["rollout/staleness"] for m in h]}))
 
 
 def test_sigkill_mid_stream_then_resume_loses_and_repeats_no_prompt(tiny576, tmp_path):  # noqa: F811
