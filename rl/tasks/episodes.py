@@ -142,7 +142,7 @@ def observation_parts(tokenizer, text: str, role: str, prev_id: int) -> tuple[li
     user = [{"role": "user", "content": "x"}]
     base = render(user, False)
     head, found, tail = render(user + [{"role": role, "content": CONTENT_MARK}], True).partition(CONTENT_MARK)
-    full = render(user + [{"role": role, "content": text}], True)
+    full = render(user + [{"role": role, "content": text}], True) if text else head + tail  # empty: the shell
     if not found or CONTENT_MARK in tail or not head.startswith(base) or not full.startswith(head) or \
             not full.endswith(tail) or len(full) < len(head) + len(tail):
         raise ValueError(f"chat template: the {role!r} message's content is not rendered between a fixed header "
