@@ -165,8 +165,9 @@ def test_glm5_plan_search(capsys):
     assert main(["plan", "--config", "rl/glm5_744b", "trainer.ep=8"]) == 1  # the old trainer layout
     out = capsys.readouterr().out
     assert "verdict: does not fit" in out and "(weights 190.0 GB)" in out
-    assert main(["plan", "--config", "glm5_744b", "trainer.ep=8"]) == 1  # glm5 rl's spelling: the same RL config
-    assert capsys.readouterr().out == out
+    spelled = main(["plan", "--config", "glm5_744b", "trainer.ep=8"]), capsys.readouterr().out  # glm5 rl's spelling
+    assert spelled == (main(["plan", "--config", "rl/glm5_744b", "trainer.ep=8"]), capsys.readouterr().out)
+    assert spelled[1].startswith("rl job on ")
 
     rc = main(["plan", "--kind", "sft", "--cluster", "h100:8", "--tp", "8", "--ep", "8", "--micro-batch-tokens",
                "4096", "--search"])
