@@ -26,6 +26,13 @@ FAMILIES = MLA + MLP + EXPERTS + INDEXER
 DEFAULT_TARGETS = MLA + MLP
 
 
+VLLM_LORA = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_proj") + MLP + EXPERTS + (
+    "linear_wq_b",)
+"""The families vLLM 0.32 serves as a LoRA adapter (``rl.rollout.vllm_lora``); it merges the others
+(``linear_kv_up_proj``: its MLA decodes with ``W_UK`` / ``W_UV``; the indexer's ``linear_wk`` /
+``linear_weights_proj``: fused into one module no LoRA layer wraps)."""
+
+
 @dataclass
 class LoRAConfig:
     """Adapter hyper-parameters. ``scale = alpha / rank`` (as ``peft`` without rsLoRA)."""

@@ -133,8 +133,7 @@ def engine_options(world: int, cluster: Cluster, base: EngineSpec):
             for tp in (8, 4, 2, 1):
                 if tp > cluster.gpus_per_node or g % tp or (g > tp and tp < min(g, cluster.gpus_per_node)):
                     continue
-                yield EngineSpec(tp=tp, pp=g // tp, dp=1, expert_parallel=True, fp8=fp8, kv_fp8=base.kv_fp8,
-                                 gpu_memory_utilization=base.gpu_memory_utilization)
+                yield replace(base, tp=tp, pp=g // tp, dp=1, expert_parallel=True, fp8=fp8)
 
 
 def best_colocated(m: GLM5Config, rank, world: int, cluster: Cluster, n: int, prompt: int, response: int,

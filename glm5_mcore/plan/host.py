@@ -11,7 +11,9 @@ Per GPU of a node (one trainer rank, and in colocated RL one engine shard beside
 - colocated RL, training phase, the engine asleep at level 1: vLLM's pinned copy of its weights (level 2 discards
   them; they come back through the push); freed when it wakes;
 - Transformer Engine's host copies of an FP8 base's initial values: none, the base is built without them
-  (``glm5_mcore.model.fp8_te``; Megatron-Core would otherwise keep 2 bytes a parameter per rank).
+  (``glm5_mcore.model.fp8_te``; Megatron-Core would otherwise keep 2 bytes a parameter per rank);
+- vLLM's LoRA mode, every engine worker: the pushed adapter while it loads and vLLM's CPU cache of adapter
+  versions (``lora_host_bytes``).
 
 Separate engines get nodes of their own (their processes only). ``host_reserve_gib`` of each node is held back for
 the OS, the page cache of checkpoint reads and Ray's object store.
@@ -67,9 +69,10 @@ class HostPlan:
         return out
 
 
-def plan_host(job, phases, cluster: Cluster, engine_gpus: int = 0) -> HostPlan:
+def plan_host(job, phases, cluster: Cluster, engine_gpus: int = 0, lora_host: int = 0) -> HostPlan:
     """Host bytes per node of ``job`` on ``cluster``: ``phases`` the fullest GPU's
-    colocated ``colocate.PhasePlan`` (None: not colocated), ``engine_gpus`` the GPUs of separate engines."""
+    colocated ``colocate.PhasePlan`` (None: not colocated), ``engine_gpus`` the GPUs of separate engines,
+    ``lora_host`` what vLLM's LoRA mode holds in one engine worker's host memory (``lora_host_bytes``)."""
     g = min(cluster.gpus_per_node, job.layout.world)
     h = HostPlan(capacity=cluster.host_usable_bytes, phases=PHASES if job.rollout is not None else PHASES[:1])
     both = dict.fromkeys(PHASES, HOST_PROCESS)
@@ -82,9 +85,18 @@ def plan_host(job, phases, cluster: Cluster, engine_gpus: int = 0) -> HostPlan:
         h.add("optimizer state, offloaded", {"generation": phases.optimizer}, g)
         if phases.sleep_level == 1:
             h.add("engine weights, asleep (level 1)", {"training": phases.engine_weights}, g, pinned=True)
+        if lora_host:
+            h.add("engine LoRA adapters (push + vLLM's CPU cache)", {"generation": lora_host}, g)
     elif engine_gpus:
-        h.engine_node = HOST_PROCESS * min(cluster.gpus_per_node, engine_gpus)
+        h.engine_node = (HOST_PROCESS + lora_host) * min(cluster.gpus_per_node, engine_gpus)
     return h
+
+
+def lora_host_bytes(push_bytes: int, buffers: int, max_loras: int) -> int:
+    """One engine worker's host memory in vLLM's LoRA mode: the pushed adapter while vLLM builds its ``LoRAModel``
+    from it (every worker gets all of it: ``rl.rollout.vllm_adapters``) and vLLM's CPU cache of ``max_loras + 1``
+    versions (``max_cpu_loras``), each what the worker serves (its experts; at most its share of ``buffers``)."""
+    return push_bytes + (max_loras + 1) * buffers // max(1, max_loras)
 
 
 def host_problem(h: HostPlan, cluster: Cluster) -> Optional[str]:

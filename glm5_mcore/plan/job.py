@@ -7,9 +7,10 @@ and the switch that lets a run start although the planner says it does not fit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
+from glm5_mcore.lora.config import VLLM_LORA
 from glm5_mcore.plan.layout import Layout
 from glm5_mcore.plan.rollout import EngineSpec
 
@@ -37,7 +38,9 @@ class RolloutJob:
     offload_weights: bool = False
     sleep_level: int = 1
     merge: bool = False
-    """The engines take merged weights (``rollout.engine_kwargs.merge``): the push is ``plan.push``'s bytes."""
+    """The engines take merged weights (``rollout.engine_kwargs.merge``); else LoRA mode (``plan.push``'s bytes)."""
+    payload_bytes: int = 4
+    """Bytes per adapter number in a push: 2 with ``trainer.bf16`` (the trainer exports bf16), else 4."""
 
 
 @dataclass(frozen=True)
@@ -111,12 +114,16 @@ def rl_job(cfg) -> Job:
                     make_vocab_size_divisible_by=t.make_vocab_size_divisible_by)
     kw = dict(r.engine_kwargs or {})
     engine = EngineSpec.from_engine_kwargs(kw)
+    if not kw.get("merge"):  # LoRA mode: vLLM's LoRA buffers (the defaults ``rl.rollout.vllm_lora`` fills)
+        engine = replace(engine, lora_families=tuple(f for f in cfg.lora.targets if f in VLLM_LORA),
+                         max_lora_rank=int(kw.get("max_lora_rank", 64)),
+                         max_loras=int(kw.get("max_loras", t.max_staleness + 1)))
     co = r.colocate
     level = co.sleep_level if co.sleep_level is not None else (2 if kw.get("merge") else 1)
     ro = RolloutJob(engines=r.num_actors, engine=engine, n=r.n, prompt_tokens=cfg.data.max_prompt_tokens,
                     response_tokens=r.max_new_tokens, gpus_per_engine=float(r.gpus_per_actor),
                     colocate=co.enable, offload_weights=co.offload_weights, sleep_level=int(level),
-                    merge=bool(kw.get("merge")))
+                    merge=bool(kw.get("merge")), payload_bytes=2 if t.bf16 else 4)
     return Job(kind="rl", layout=layout, micro_batch_tokens=a.micro_batch_tokens, bf16=t.bf16,
                recompute=t.recompute or False,
                lora=(tuple(cfg.lora.targets), cfg.lora.rank), freeze_indexer=t.freeze_indexer,

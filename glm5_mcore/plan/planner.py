@@ -9,13 +9,13 @@ from glm5_mcore.config import GLM5Config
 from glm5_mcore.plan.activations import DSA_STAGES, ActivationBytes, dsa_core_peak, stage_activations
 from glm5_mcore.plan.cluster import GIB, Cluster
 from glm5_mcore.plan.colocate import PhasePlan, engine_plan_of, plan_phases
-from glm5_mcore.plan.host import HostPlan, host_problem, plan_host
+from glm5_mcore.plan.host import HostPlan, host_problem, lora_host_bytes, plan_host
 from glm5_mcore.plan.job import Job
 from glm5_mcore.plan.layout import RankKind, rank_kinds
 from glm5_mcore.plan.memory import StateBytes, state_bytes, te_dgrad_copy
 from glm5_mcore.plan.params import lora_tensors, stage_tensors
-from glm5_mcore.plan.push import merged_push_bytes
-from glm5_mcore.plan.rollout import EnginePlan, plan_engine
+from glm5_mcore.plan.push import lora_push_bytes, merged_push_bytes
+from glm5_mcore.plan.rollout import EnginePlan, lora_buffers, plan_engine
 
 
 @dataclass
@@ -67,9 +67,12 @@ class Plan:
     phases: Optional[PhasePlan] = None
     """Colocated RL: the training and generation phases of one GPU (``plan.colocate``)."""
     push: dict = field(default_factory=dict)
-    """RL with a merged push: {family: bytes} one engine receives per step (``plan.push``)."""
+    """RL: {family: bytes} one engine receives per step (``plan.push``; LoRA mode's merged families as
+    ``merged:<family>``)."""
     host: Optional[HostPlan] = None
     """Host memory per node in each phase (``plan.host``)."""
+    lora_buffers: int = 0
+    """LoRA mode: vLLM's LoRA buffers per engine GPU (``plan.rollout.lora_buffers``; in the engine's weights)."""
 
     @property
     def fits(self) -> bool:
@@ -90,6 +93,9 @@ class Plan:
             d["colocated_per_gpu"] = self.phases.as_dict()
         if self.push:
             d["push_bytes_per_engine_step"] = sum(self.push.values())
+            d["push_mode"] = "merged" if self.job.rollout.merge else "lora"
+        if self.lora_buffers:
+            d["engine_lora_buffers_gib"] = round(self.lora_buffers / GIB, 2)
         if self.host is not None:
             d["host_per_node"] = self.host.as_dict()
         return d
@@ -151,9 +157,16 @@ def plan_job(m: GLM5Config, job: Job, cluster: Cluster) -> Plan:
         if not plan.engine.fits:
             plan.problems.append(f"rollout engine ({ro.engine.gpus} GPUs): {plan.engine.why} "
                                  f"(weights {plan.engine.weights / GIB:.1f} GiB per GPU)")
-    if job.rollout is not None and job.rollout.merge and job.lora:
-        plan.push = merged_push_bytes(m, job.lora[0], job.rollout.engine.fp8)
-    plan.host = plan_host(job, plan.phases, cluster, job.rollout_gpus)
+    if job.rollout is not None and job.lora:
+        ro = job.rollout
+        plan.push = (merged_push_bytes(m, job.lora[0], ro.engine.fp8) if ro.merge else
+                     lora_push_bytes(m, job.lora[0], job.lora[1], ro.engine.fp8, ro.payload_bytes))
+        plan.lora_buffers = lora_buffers(m, plan.engine.spec if plan.engine is not None else ro.engine)
+    lora_host = 0
+    if plan.lora_buffers:
+        served = sum(v for k, v in plan.push.items() if not k.startswith("merged:"))
+        lora_host = lora_host_bytes(served, plan.lora_buffers, job.rollout.engine.max_loras)
+    plan.host = plan_host(job, plan.phases, cluster, job.rollout_gpus, lora_host)
     if (why := host_problem(plan.host, cluster)) is not None:
         plan.problems.append(why)
     need = job.trainer_gpus + job.rollout_gpus

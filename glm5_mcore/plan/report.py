@@ -73,9 +73,7 @@ def format_plan(plan: Plan) -> str:
                   f"{ro.prompt_tokens}+{ro.response_tokens} tokens at once per engine (a group is n={ro.n}): "
                   f"{'fits' if e.fits else 'DOES NOT FIT: ' + e.why}"]
     if plan.push:
-        routed = sum(v for k, v in plan.push.items() if k.startswith("experts."))
-        lines.append(f"adapter push (merged): {sum(plan.push.values()) / 1e9:.1f} GB per engine per step, "
-                     f"{routed / 1e9:.1f} GB of it routed experts (every expert of an adapted layer: vLLM's FusedMoE)")
+        lines += format_push(plan)
     if plan.host is not None:
         lines += [""] + format_host(plan.host, plan.cluster, job.base_fp8 and job.backend == "te")
     lines.append("")
@@ -141,3 +139,21 @@ def format_rl_row(x) -> str:
                  f"gpu_memory_utilization={e.gpu_memory_utilization:g}, "
                  f"{'offload weights, ' if p.offload_weights else ''}{p.move_seconds:.1f} s offload per step)")
     return head
+
+
+def format_push(plan: Plan) -> list[str]:
+    """The adapter push per engine per step, and (LoRA mode) vLLM's LoRA buffers per GPU."""
+    ro, push = plan.job.rollout, plan.push
+    routed = sum(v for k, v in push.items() if k.startswith("experts."))
+    if ro.merge:
+        return [f"adapter push (merged): {sum(push.values()) / 1e9:.1f} GB per engine per step, {routed / 1e9:.1f} GB "
+                "of it routed experts (every expert of an adapted layer: vLLM's FusedMoE)"]
+    merged = {k.removeprefix("merged:"): v for k, v in push.items() if k.startswith("merged:")}
+    lora = sum(v for k, v in push.items() if not k.startswith("merged:"))
+    e = ro.engine
+    out = [f"adapter push (LoRA mode): {lora / 1e9:.2f} GB of adapter per engine per step ({routed / 1e9:.2f} GB routed "
+           f"experts){'' if not merged else f' + {sum(merged.values()) / 1e9:.2f} GB merged ' + ', '.join(merged)}"]
+    if plan.lora_buffers:
+        out.append(f"engine LoRA buffers: {plan.lora_buffers / GIB:.2f} GiB per GPU (max_loras {e.max_loras} x "
+                   f"max_lora_rank {e.max_lora_rank}, every local routed expert; in the engine weights above)")
+    return out

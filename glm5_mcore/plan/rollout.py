@@ -5,7 +5,9 @@ An engine of ``tp × pp × dp`` GPUs (vLLM's ``tensor_parallel_size``, ``pipelin
 otherwise each DP replica holds them sharded over TP) holds, per GPU:
 
 - weights: the decoder (no MTP layer) in bf16, or FP8 block-quantized linears (1 byte per element plus
-  one fp32 scale per 128×128 block; embeddings, output layer, norms, router stay bf16/fp32);
+  one fp32 scale per 128×128 block; embeddings, output layer, norms, router stay bf16/fp32); in LoRA mode vLLM's
+  LoRA buffers besides (``lora_buffers``: ``max_loras`` slots at ``max_lora_rank`` for every served linear, every
+  local routed expert included);
 - the KV cache: MLA's latent ``kv_lora_rank + qk_rope_head_dim`` per token per layer (replicated over
   TP ranks, split over PP stages) plus the DSA indexer's key cache (``index_head_dim`` bytes in FP8 and
   one fp32 scale per token per layer that has an indexer).
@@ -16,7 +18,7 @@ holds the cache; it says how many sequences of ``prompt + response`` tokens fit 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from glm5_mcore.config import GLM5Config
 from glm5_mcore.plan.cluster import GIB, Cluster
@@ -37,6 +39,10 @@ class EngineSpec:
     fp8: bool = False
     kv_fp8: bool = False
     gpu_memory_utilization: float = 0.9
+    lora_families: tuple = ()
+    """LoRA mode: the families vLLM serves as LoRA layers (``lora.targets`` ∩ ``VLLM_LORA``); () merged / none."""
+    max_lora_rank: int = 0
+    max_loras: int = 1
 
     @property
     def gpus(self) -> int:
@@ -73,8 +79,26 @@ class EnginePlan:
                 "group_size": self.needed, "fits": self.fits}
 
 
+def lora_buffers(m: GLM5Config, e: EngineSpec) -> int:
+    """Bytes of vLLM's LoRA buffers on the fullest GPU (LoRA mode; 0 otherwise): for every served linear, ``max_loras``
+    slots of A ``[max_lora_rank, in]`` and B ``[out, max_lora_rank]`` in bf16, each split as the base weight is
+    (``lora/layers``: column-parallel B by rows, row-parallel A by columns); for the routed experts every local
+    expert's w1, w3 (each its own A) and w2 (``lora/layers/fused_moe.py:162-222``): 3·r·(H + I) per expert."""
+    if not e.lora_families:
+        return 0
+    r, total = e.max_lora_rank, 0
+    expert_shards = e.tp * e.dp if e.expert_parallel else e.tp
+    for g in stage_tensors(m, Layout(world=e.tp, tp=e.tp), 0, mtp=False):
+        if g.lora_mode is None or g.name not in e.lora_families:
+            continue
+        o, i = g.shape
+        n = r * (o + i) + (r * i if g.name == "experts.linear_fc1" else 0)  # w1 and w3 each have an A
+        total += n * (g.count // expert_shards if g.expert else g.count)
+    return -(-2 * e.max_loras * total // e.pp)
+
+
 def engine_weights(m: GLM5Config, e: EngineSpec) -> int:
-    """Weight bytes on the fullest GPU of the engine."""
+    """Weight bytes on the fullest GPU of the engine (LoRA mode: with vLLM's LoRA buffers, ``lora_buffers``)."""
     groups = stage_tensors(m, Layout(world=e.tp, tp=e.tp), 0, mtp=False)
     expert_shards = e.tp * e.dp if e.expert_parallel else e.tp
     total = 0
@@ -88,7 +112,7 @@ def engine_weights(m: GLM5Config, e: EngineSpec) -> int:
             total += n + 4 * -(-n // FP8_BLOCK)
         else:
             total += 2 * n
-    return -(-total // e.pp)
+    return -(-total // e.pp) + lora_buffers(m, e)
 
 
 def kv_bytes_per_token(m: GLM5Config, e: EngineSpec) -> int:
@@ -122,8 +146,7 @@ def smallest_engine(m: GLM5Config, cluster: Cluster, n: int, prompt: int, respon
             for tp in (1, 2, 4, 8, 16):
                 if tp > cluster.gpus_per_node:
                     continue
-                e = EngineSpec(tp=tp, pp=pp, dp=1, expert_parallel=True, fp8=fp8 or base.fp8, kv_fp8=base.kv_fp8,
-                               gpu_memory_utilization=base.gpu_memory_utilization)
+                e = replace(base, tp=tp, pp=pp, dp=1, expert_parallel=True, fp8=fp8 or base.fp8)
                 p = plan_engine(m, e, cluster, n, prompt, response)
                 if p.fits:
                     return p

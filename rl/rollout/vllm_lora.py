@@ -35,7 +35,7 @@ from typing import Optional
 
 from safetensors.torch import load, save
 
-from glm5_mcore.lora.config import routed_expert_targets
+from glm5_mcore.lora.config import FAMILIES, VLLM_LORA, routed_expert_targets
 from rl.rollout.vllm_weights import KEPT_MIN
 
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -48,7 +48,8 @@ VLLM_MODULES = {"linear_q_down_proj": "fused_qkv_a_proj", "linear_kv_down_proj":
                 "linear_q_up_proj": "q_b_proj", "linear_proj": "o_proj", "linear_fc1": "gate_up_proj",
                 "linear_fc2": "down_proj", "experts.linear_fc1": "experts", "experts.linear_fc2": "experts",
                 "linear_wq_b": "wq_b"}
-"""LoRA family (Megatron) → the vLLM module that serves it as LoRA (``lora_target_modules``: only those get LoRA
+"""LoRA family (Megatron, ``glm5_mcore.lora.config.VLLM_LORA``) → the vLLM module that serves it as LoRA
+(``lora_target_modules``: only those get LoRA
 layers, so vLLM allocates no LoRA buffers for a family the policy does not train, and a merged family's module —
 ``kv_b_proj`` — stays unwrapped: vLLM 0.32 cannot reload a wrapped module in place, ``deepseek_v2.py:1820``)."""
 
@@ -56,8 +57,9 @@ LORA_MOE_BACKENDS = ("auto", "triton", "marlin")
 """vLLM's ``moe_backend`` values whose experts take LoRA (``auto`` picks Triton when LoRA is on:
 ``fused_moe/oracle/unquantized.py:234-248``; FP8 128-block weights too, ``experts/triton_moe.py:157-169``)."""
 
-MERGED_FAMILIES = ("linear_kv_up_proj", "linear_wk", "linear_weights_proj")
-"""The LoRA families (Megatron) whose HF modules LoRA mode merges (``MERGED``)."""
+MERGED_FAMILIES = tuple(f for f in FAMILIES if f not in VLLM_LORA)
+"""The LoRA families (Megatron) whose HF modules LoRA mode merges (``MERGED``): ``linear_kv_up_proj`` and the
+indexer's ``linear_wk`` / ``linear_weights_proj``."""
 
 PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(.+?)\.lora_[AB](?:\.[^.]+)?\.weight$")
 
@@ -154,7 +156,7 @@ def check_lora_mode(kwargs: dict, lora_rank: int, targets) -> None:
     if not routed_expert_targets(targets):
         return
     if kwargs.get("enable_expert_parallel"):
-        a2a = kwargs.get("all2all_backend")
+        a2a = kwargs.get("all2all_backend", "allgather_reducescatter")  # vLLM's default (config/parallel.py:219)
         if a2a != "allgather_reducescatter":
             raise ValueError(f"rollout.engine_kwargs.all2all_backend={a2a!r}: vLLM serves routed-expert LoRA under "
                              "expert parallelism only with all2all_backend: allgather_reducescatter "

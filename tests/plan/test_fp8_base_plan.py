@@ -13,7 +13,7 @@ GIB = 1 << 30
 PRESET = "rl/glm5_744b_h100_fp8"
 
 
-def _plan(*overrides):
+def _plan(*overrides, preset=PRESET):
     from glm5_mcore.config import glm5_744b
     from glm5_mcore.plan.cluster import cluster_from
     from glm5_mcore.plan.job import rl_job
@@ -21,7 +21,7 @@ def _plan(*overrides):
     from recipes.cli import compose
     from recipes.plan_cli import plan_config
 
-    d = plan_config("rl", compose(PRESET, list(overrides), require_all=False))
+    d = plan_config("rl", compose(preset, list(overrides), require_all=False))
     job = rl_job(d)
     return job, plan_job(glm5_744b(), job, cluster_from(d.plan.cluster))
 
@@ -77,3 +77,20 @@ def test_full_fine_tuning_with_an_fp8_base_is_refused_by_the_planner():
 
     with pytest.raises(ValueError, match="model.base_dtype=fp8: the frozen FP8 base is for LoRA"):
         state_bytes([], [], bf16=True, full_ft=True, freeze_indexer=True, dp_cp=1, expert_dp=1, base_fp8=True)
+
+
+def test_744b_full_stack_lora_rl_fits_one_h200_node_and_its_header_is_the_plan():
+    """``configs/rl/glm5_744b_h200_1node.yaml``: every family vLLM serves as LoRA (the routed experts included) on
+    one 8 x H200 node with 2 TB of RAM, colocated, FP8 base: both phases fit per GPU and per node (host memory
+    counted); the header is the planner's table; a bf16 base does not fit."""
+    job, plan = _plan(preset="rl/glm5_744b_h200_1node")
+    assert plan.fits and job.trainer_gpus == 8 and plan.cluster.num_gpus == 8, plan.problems
+    assert "experts.linear_fc1" in job.rollout.engine.lora_families and not job.rollout.merge
+    p, h = plan.phases, plan.host
+    head = (ROOT / "configs" / "rl" / "glm5_744b_h200_1node.yaml").read_text()
+    total = re.search(r"#\s+TOTAL\s+([\d.]+)\s+([\d.]+)", head)
+    assert (float(total[1]), float(total[2])) == (round(p.training / GIB, 2), round(p.generation / GIB, 2))
+    assert f"{p.sequences} sequences" in head and f"{p.move_bytes / GIB:.1f} GiB per GPU" in head
+    assert f"{plan.lora_buffers / GIB:.2f} of it LoRA buffers" in head
+    assert f"training phase {h.total('training') / GIB:.2f}" in head and h.fits
+    assert not _plan("model.base_dtype=null", preset="rl/glm5_744b_h200_1node")[1].fits

@@ -33,12 +33,16 @@ def test_host_memory_per_node_of_the_fp8_preset_in_both_phases(preset):
     gpus = preset.cluster.gpus_per_node
     frozen = s.weights - 2 * s.trainable  # the FP8 base HostCopy moves: every frozen weight (bf16 adapters stay)
     opt = s.main_params_dist + s.optimizer_dist
+    served = sum(v for k, v in preset.push.items() if not k.startswith("merged:"))  # LoRA mode: the adapter,
+    lora = served + 2 * preset.lora_buffers  # and vLLM's CPU cache of max_loras + 1 = 2 versions, each <= a slot
     want = {"trainer processes": (HOST_PROCESS, HOST_PROCESS), "engine workers": (HOST_PROCESS, HOST_PROCESS),
             "frozen base, offloaded (HostCopy arena)": (frozen, frozen),
-            "optimizer state, offloaded": (0, opt), "engine weights, asleep (level 1)": (p.engine_weights, 0)}
+            "optimizer state, offloaded": (0, opt), "engine weights, asleep (level 1)": (p.engine_weights, 0),
+            "engine LoRA adapters (push + vLLM's CPU cache)": (0, lora)}
     assert h.rows == {k: {"training": a * gpus, "generation": b * gpus} for k, (a, b) in want.items()}
     assert h.pinned == {"training": gpus * (frozen + p.engine_weights), "generation": gpus * frozen}
-    assert 790 * GIB < h.total("training") < 800 * GIB and 435 * GIB < h.total("generation") < 445 * GIB
+    assert 11e9 < served < 12e9 and 0.9 * GIB < preset.lora_buffers < 1.0 * GIB  # rank 16, every expert's adapter
+    assert 795 * GIB < h.total("training") < 805 * GIB and 565 * GIB < h.total("generation") < 580 * GIB
     assert h.fits and preset.fits and preset.cluster.host_mem_gib == 2048
     level2 = _plan("rollout.colocate.sleep_level=2").host  # vLLM discards its weights: nothing asleep on the host
     assert "engine weights, asleep (level 1)" not in level2.rows
@@ -55,7 +59,7 @@ def test_a_node_without_the_ram_is_refused_naming_the_phase(capsys):
     add_arguments(ap)
     assert run(ap.parse_args(["--config", PRESET, "--host-mem-gib", "512"])) == 1
     out = capsys.readouterr().out
-    assert ("verdict: does not fit\n  - host memory: the training phase needs 793 GiB per node, a node has 448 GiB "
+    assert ("verdict: does not fit\n  - host memory: the training phase needs 801 GiB per node, a node has 448 GiB "
             "usable (512 GiB less 64 reserved; --host-mem-gib sets a node's RAM)") in out, out[-1500:]
 
 

@@ -164,7 +164,7 @@ def test_glm5_plan_search(capsys):
 
     assert main(["plan", "--config", "rl/glm5_744b", "trainer.ep=8"]) == 1  # the old trainer layout
     out = capsys.readouterr().out
-    assert "verdict: does not fit" in out and "(weights 190.0 GB)" in out
+    assert "verdict: does not fit" in out and "(weights 191.4 GB)" in out  # the base 190.0 + the full-stack adapters
     spelled = main(["plan", "--config", "glm5_744b", "trainer.ep=8"]), capsys.readouterr().out  # glm5 rl's spelling
     assert spelled == (main(["plan", "--config", "rl/glm5_744b", "trainer.ep=8"]), capsys.readouterr().out)
     assert spelled[1].startswith("rl job on ")

@@ -58,12 +58,12 @@ def test_cfg_job_prints_the_resolved_config_and_writes_nothing(capsys, tmp_path,
     assert rc == 0 and d["model"]["ckpt"] == "ckpt/glm5" and (d["parallel"]["tp"], d["parallel"]["ep"]) == (8, 64)
     assert d["optim"]["warmup_steps"] == 20 and d["plan"]["cluster"] == "h100:8"
     # RL: ~key deletes a key a preset set, +key adds one to a free-form mapping
-    rc, out, err = _glm5(capsys, "rl", "--config", "glm5_744b", "--cfg", "job", "~rollout.engine_kwargs.merge",
+    rc, out, err = _glm5(capsys, "rl", "--config", "glm5_744b", "--cfg", "job", "~rollout.engine_kwargs.max_lora_rank",
                          "+rollout.engine_kwargs.max_num_seqs=64", "actor.lr=2e-5")
     assert rc == 0, err
     d = yaml.safe_load(out)
     kw = d["rollout"]["engine_kwargs"]
-    assert "merge" not in kw and kw["max_num_seqs"] == 64 and kw["tensor_parallel_size"] == 8
+    assert "max_lora_rank" not in kw and kw["max_num_seqs"] == 64 and kw["tensor_parallel_size"] == 8
     assert d["model"]["hf_dir"] == "ckpt/glm5/hf" and d["actor"]["lr"] == 2e-5 and d["trainer"]["ep"] == 64
     # a free-form mapping's key as typed, without Hydra's +: added (stream), or set where the preset has it
     rc, out2, err2 = _glm5(capsys, "rl", "--config", "glm5_744b", "--cfg", "job", "rollout.engine_kwargs.stream=false",

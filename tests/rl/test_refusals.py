@@ -51,9 +51,10 @@ CODE_TOOL = {"enable": True, "env": "rl.tasks.code_env.python_tool", "tool_call_
      "rollout.multi_turn.tool_timeout_s=inf: a timeout must be a finite number"),
     ({"ray": {"wait_timeout_s": float("nan")}}, "ray.wait_timeout_s=nan: a timeout must be a finite number"),
     ({"rollout": {"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine",
-                  "engine_kwargs": {"enable_expert_parallel": True}},
+                  "engine_kwargs": {"enable_expert_parallel": True, "all2all_backend": "deepep_high_throughput"}},
       "lora": {"targets": ["linear_proj", "experts.linear_fc1"]}},
-     "rollout.engine_kwargs.all2all_backend=None: vLLM serves routed-expert LoRA under expert parallelism only"),
+     "rollout.engine_kwargs.all2all_backend='deepep_high_throughput': vLLM serves routed-expert LoRA under expert "
+     "parallelism only"),
     ({"rollout": {"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine", "engine_kwargs": {"max_lora_rank": 8}}},
      "rollout.engine_kwargs.max_lora_rank=8 is below the adapter's rank 16"),
     ({"rollout": {"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine", "engine_kwargs": {},

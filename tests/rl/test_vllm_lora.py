@@ -69,17 +69,21 @@ def test_lora_mode_serves_every_family_vllm_has_a_lora_layer_for(full_stack):
 
 
 def test_vllm_limits_on_lora_mode_are_refused_in_one_line():
-    from rl.rollout.vllm_lora import check_lora_mode, lora_job_kwargs
+    from glm5_mcore.lora.config import VLLM_LORA
+    from rl.rollout.vllm_lora import MERGED_FAMILIES, VLLM_MODULES, check_lora_mode, lora_job_kwargs
 
+    assert set(VLLM_MODULES) == set(VLLM_LORA) and MERGED_FAMILIES == ("linear_kv_up_proj", "linear_wk",
+                                                                         "linear_weights_proj")
     routed = ["linear_proj", "experts.linear_fc1"]
     check_lora_mode({"max_lora_rank": 16}, 16, routed)
     check_lora_mode({"merge": True, "max_lora_rank": 24}, 16, routed)  # merged mode: no LoRA limits
-    check_lora_mode({"enable_expert_parallel": True, "all2all_backend": "allgather_reducescatter"}, 16, routed)
-    check_lora_mode({"enable_expert_parallel": True}, 16, ["linear_proj"])  # no routed adapter: any all-to-all
+    check_lora_mode({"enable_expert_parallel": True}, 16, routed)  # vLLM's default all-to-all
+    check_lora_mode({"enable_expert_parallel": True, "all2all_backend": "deepep_low_latency"}, 16, ["linear_proj"])
     check_lora_mode({"quantization": "fp8"}, 16, routed)  # LoRA mode on an FP8 engine: the delta stays exact
     bad = [({"max_lora_rank": 24}, 16, r"max_lora_rank=24: vLLM 0.32 takes one of \[1, 8, 16"),
            ({"max_lora_rank": 8}, 16, r"max_lora_rank=8 is below the adapter's rank 16"),
-           ({"enable_expert_parallel": True}, 16, r"all2all_backend=None: .*allgather_reducescatter"),
+           ({"enable_expert_parallel": True, "all2all_backend": "deepep_low_latency"}, 16,
+            r"all2all_backend='deepep_low_latency': .*allgather_reducescatter"),
            ({"enable_expert_parallel": True, "all2all_backend": "allgather_reducescatter",
              "fully_sharded_loras": True}, 16, r"fully_sharded_loras=true: vLLM refuses it with expert parallelism"),
            ({"moe_backend": "deep_gemm"}, 16, r"moe_backend='deep_gemm': .*only the MoE kernels that take LoRA"),
