@@ -102,20 +102,25 @@ def test_a_bad_batch_skips_the_update_naming_why(setup, spoil, reason):
 
 
 def test_gae_critic_value_loss_falls(tiny_dir):
+    """The shipped ``ppo_gae_tiny`` preset's algorithm, actor (KL loss) and critic sections (docs/rl.md's
+    ``glm5 rl --config ppo_gae_tiny``), 8 steps of 8 prompts x 4 samples."""
     from transformers import AutoTokenizer
 
+    from recipes.cli import compose
     from rl.rollout.hf_engine import HFRolloutEngine
     from rl.train.trainer import PolicyTrainer
 
-    cfg = rl_cfg(tiny_dir, algorithm={"adv_estimator": "gae", "gamma": 1.0, "lam": 0.95},
-               rollout={"n": 4, "max_new_tokens": 4}, actor={"lr": 5e-3, "ppo_mini_batch_size": 8},
-               data={"prompts_per_step": 8})
+    preset = compose("rl/ppo_gae_tiny", [])
+    assert preset["algorithm"]["adv_estimator"] == "gae" and preset["actor"]["use_kl_loss"]
+    cfg = rl_cfg(tiny_dir, algorithm=preset["algorithm"], critic=preset["critic"],
+                 actor={**preset["actor"], "lr": 5e-3, "ppo_mini_batch_size": 8},
+                 rollout={"n": 4, "max_new_tokens": 4}, data={"prompts_per_step": 8})
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     trainer = PolicyTrainer(cfg)
     vf = []
     for batch, m in rl_steps(cfg, trainer, HFRolloutEngine(tiny_dir), tok, 8, 256):
         assert batch.values is not None
-        assert np.isfinite(m["actor/pg_loss"])
+        assert np.isfinite(m["actor/pg_loss"]) and np.isfinite(m["actor/kl_loss"])  # the preset's KL loss
         vf.append(m["critic/vf_loss"])
     # rewards are Bernoulli(~0.5): the floor is 0.5·Var ≈ 0.125; from a zero value head it starts above
     assert np.mean(vf[:2]) > 0.15 and np.mean(vf[-3:]) < 0.8 * np.mean(vf[:2]), vf
