@@ -22,7 +22,9 @@ Stages (``--dry-run`` prints this plan with each budget, touching no GPU):
 7. ``colocate`` — ``bench/gpu_check_colocate.py`` (the colocation stage), when present.
 8. ``fp8_base`` — ``bench/gpu_check_fp8.py`` (the FP8-base issue's stage: TE's blockwise GEMM holding the release's
    FP8 bytes vs the CPU reference GEMM on the GPU; the weight's bytes outside and inside its backward), when present.
-9. ``te_vllm``: prints what only a machine with Transformer Engine and vLLM can check, with the exact
+9. ``vllm_lora`` — ``bench/gpu_check_vllm_lora.py``: vLLM's real MoE-LoRA kernels serving the full-stack adapter in
+   LoRA mode (routed experts in PEFT's 3D form, pushed in memory) against transformers + PEFT, where vLLM imports.
+10. ``te_vllm``: prints what only a machine with Transformer Engine and vLLM can check, with the exact
    commands (also in ``docs/gpu.md``); runs them when both import.
 
 **Stage contract** (for ``bench/gpu_check_<name>.py``): the module exposes ``BUDGET_S: int`` (seconds on one
@@ -315,9 +317,9 @@ def stage_te_vllm(ctx: dict) -> dict:
 
 STAGES = [("env", 20, stage_env), ("model_sft", 70, stage_model_sft), ("rl_step", 60, stage_rl_step),
           ("grouped_lora", "gpu_check_grouped.py", None), ("dsa", "gpu_check_dsa.py", None),
-          ("resume", 120, stage_resume),
+          ("resume", 90, stage_resume),
           ("colocate", "gpu_check_colocate.py", None), ("fp8_base", "gpu_check_fp8.py", None),
-          ("te_vllm", 20, stage_te_vllm)]
+          ("vllm_lora", "gpu_check_vllm_lora.py", None), ("te_vllm", 20, stage_te_vllm)]
 """(name, budget seconds or the file of another helper's stage, function), in order of value."""
 
 

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-BUDGET_S = 120
+BUDGET_S = 90
 STEPS = 3
 MIB = float(1 << 20)
 
