@@ -1,4 +1,5 @@
-"""Long-tailed responses: how close each RL mode comes to its own ideal step, max(rollout, train) (issue 32).
+"""Long-tailed responses: each RL mode's steps/s, against its own ideal max(rollout, train) and against the
+synchronous run on the same continuous-batching engine.
 
 The real Ray driver (``rl.driver.run``) on the quickstart shape (``configs/rl/grpo_tiny``: 16 prompts x 8
 samples, 2 rollout actors, 1 trainer rank), tiny GLM-5, in this process. Response lengths are forced by the
@@ -6,14 +7,15 @@ bench's sampling settings (``LongTailEngine``): each request's length is drawn f
 ``--long-fraction`` (10 %) of the responses up to ``rollout.max_new_tokens`` (``--long``), the rest of
 1..``--short`` tokens, stop tokens ignored — so every run generates the same number of tokens per step
 (checked for the modes whose batches do not depend on timing). The issue's shape is 90 % <= 64 tokens,
-10 % up to 1,024; the default here is that scaled down 8x (8 / 128) for 2 CPU cores, so that the nine runs
-fit ~12 minutes: a synchronous step then takes ~9 s, and the rollout is ~4x the training (as it is, and
-more, with reasoning-length responses). The engine decodes a batch until its longest response (static batching, as the
-HF engine's ``generate`` does) in the synchronous and one-step-off modes, and in fully async on the
-static-batch jobs (``fully_async_static``: ``rollout.engine_kwargs.stream=false``): the slowest response sets
-the rollout time. ``fully_async`` runs the engine's stream (the default: ``HFRolloutEngine.stream_*``,
-continuous decoding over ``max_num_seqs`` slots, every live row in one forward per token): each response
-returns the token it reaches its forced length, its slot refilled.
+10 % up to 1,024; the default here is that scaled down 8x (8 / 128) for 2 CPU cores.
+
+The modes (``MODES``): ``sync_stream``, ``one_step_off`` and ``fully_async`` decode on the HF engine's stream
+(the default in every mode: ``HFRolloutEngine.stream_*``, continuous decoding over ``max_num_seqs`` slots, each
+response returned the token it reaches its forced length, its slot refilled), as a vLLM user's engine batches
+in every mode; ``sync`` and ``fully_async_static`` on the static-batch ``generate``
+(``rollout.engine_kwargs.stream=false``: a batch decodes until its longest response, then each is cut to its
+own). So ``fully_async`` against ``sync_stream`` is what asynchrony buys on a continuous-batching engine, and
+against ``sync`` what a user of the static engine gains in all.
 
 **Each mode's ideal is measured in that mode** (three runs of the driver per mode, back to back):
 
@@ -26,18 +28,23 @@ returns the token it reaches its forced length, its slot refilled.
   responses of the forced lengths at once, no model) — the steps/s the training side alone allows.
 
 ideal steps/s = min(rollout_alone, train_alone) = 1 / max(rollout, train) per step. ``both`` does all of
-that work at once, so achieved / ideal <= 100 % up to the noise of the runs (asserted after the figures are
-printed, with ``BOUND_SLACK``: a figure past it is a bench bug, e.g. an ideal taken under another mode's
-batching or another machine load; a mode whose trainer hides entirely behind its rollout sits at ~100 %). Rates are totals over the steps after ``--warmup`` (steps
-over the sum of their wall times: an async run alternates waiting steps with buffered ones, so a median
-would not do). Passes (``--repeats``) run the (mode, phase) sequence forwards then backwards (ABBA), so a
-drifting machine load falls on every figure alike; each figure pools its runs of every pass.
+that work at once, so achieved / ideal <= 100 % up to the noise of the runs; a mode above it by more than
+``BOUND_SLACK`` is reported in the JSON (``above_ideal``: the ideal did not bound it, e.g. a load change
+between its runs), never an exit code. Rates are totals over the steps after ``--warmup`` (steps over the
+sum of their wall times: an async run alternates waiting steps with buffered ones, so a median would not
+do). Passes (``--repeats``) run the (mode, phase) sequence forwards then backwards (ABBA), so a drifting
+machine load falls on every figure alike; each figure pools its runs of every pass, and ``spread`` is the
+range of a mode's passes over their mean.
 
-Also per mode: the trainer's idle fraction in ``both`` (1 - (old log-probs + update) / step). The JSON
-line at the end carries every figure and ``target_met`` (fully async >= 85 % of its ideal).
+Also per mode: the trainer's idle fraction in ``both`` (1 - (old log-probs + update) / step), the engines'
+occupancy (``rollout/engine_occupancy``), the samples generated and never trained (``dropped``: the async
+runs' ledger), the samples trained more than ``trainer.max_staleness`` versions old, and the response lengths
+trained against generated (mean and p90 per step, averaged over the steps: a length bias shows as a trained
+mean below the generated one). The JSON line at the end carries every figure, ``SPEEDUPS`` as measured and
+``target_met`` (fully async >= 85 % of its ideal).
 
 Usage: .venv/bin/python bench/rl_async.py [--steps 6] [--warmup 2] [--short 8] [--long 128]
-       [--long-fraction 0.1] [--repeats 1] [--modes sync,one_step_off,fully_async]
+       [--long-fraction 0.1] [--repeats 1] [--modes sync,sync_stream,one_step_off,fully_async,fully_async_static]
 """
 
 from __future__ import annotations
@@ -63,11 +70,13 @@ if ROOT not in sys.path:  # ``bench.rl_async.LongTailEngine`` importable here an
 import rl.cluster.trainer_group
 from rl.rollout.base import AdapterPayload, Request, Result, RolloutEngine, SamplingParams
 from rl.rollout.hf_engine import HFRolloutEngine
+from rl.schedule.async_ledger import expand
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 MODES = [
-    ("sync", ["trainer.off_policy_steps=0"]),
+    ("sync", ["trainer.off_policy_steps=0", "+rollout.engine_kwargs.stream=false"]),
+    ("sync_stream", ["trainer.off_policy_steps=0"]),
     ("one_step_off", ["trainer.off_policy_steps=1"]),
     ("fully_async", ["trainer.max_staleness=2", "trainer.partial_rollout=true"]),
     ("fully_async_static", ["trainer.max_staleness=2", "trainer.partial_rollout=true",
@@ -80,8 +89,8 @@ PHASES = ("both", "rollout_alone", "train_alone")
 """The three runs of a mode (module docstring)."""
 
 TARGETS = {"fully_async_of_ideal_ge": 0.85}
-SPEEDUPS = {("fully_async", "sync"): 1.5, ("fully_async", "one_step_off"): 1.2}
-"""(mode, against): the least steps/s ratio wanted (issue 41)."""
+SPEEDUPS = {("fully_async", "sync_stream"): 1.5, ("fully_async", "sync"): 2.0, ("fully_async", "one_step_off"): 1.2}
+"""(mode, against): the least steps/s ratio wanted; ``sync_stream`` is the baseline on the same engine."""
 
 
 def forced_length(seed: int, short: int, long: int, long_fraction: float) -> int:
@@ -189,8 +198,9 @@ class FreeTrainerGroup(rl.cluster.trainer_group.TrainerGroup):
         return super().call(method, *args, **kwargs)
 
 
-def run_mode(hf: str, out: str, overrides: list[str], phase: str, a) -> list[dict]:
-    """The history of one ``rl.driver.run`` of a mode in ``phase`` (the steps after ``a.warmup``)."""
+def run_mode(hf: str, out: str, overrides: list[str], phase: str, a) -> tuple[list[dict], int]:
+    """One ``rl.driver.run`` of a mode in ``phase``: its history (the steps after ``a.warmup``) and the samples it
+    generated and never trained (the async ledger's dropped slots x ``rollout.n``; 0 without one)."""
     from recipes.cli import compose
     from rl.config import RLConfig
     from rl.driver import run
@@ -203,8 +213,11 @@ def run_mode(hf: str, out: str, overrides: list[str], phase: str, a) -> list[dic
         f"+rollout.engine_kwargs.short={a.short}", f"+rollout.engine_kwargs.long_fraction={a.long_fraction}",
         *overrides])
     free = mock.patch.object(rl.cluster.trainer_group, "TrainerGroup", FreeTrainerGroup) if phase == "rollout_alone" else nullcontext()
+    cfg = RLConfig.from_dict(d)
     with free:
-        return run(RLConfig.from_dict(d))["history"][a.warmup:]
+        res = run(cfg)
+    ledger = res["state"].get("async") or {}
+    return res["history"][a.warmup:], len(expand(ledger.get("dropped", []))) * cfg.rollout.n
 
 
 def steps_per_s(history: list[dict]) -> float:
@@ -214,8 +227,8 @@ def steps_per_s(history: list[dict]) -> float:
 
 def mode_figures(runs: dict[str, list[dict]]) -> dict:
     """One mode's figures from its three phases' histories (``PHASES`` → per-step metrics, every pass
-    pooled): achieved and ideal steps/s, achieved / ideal (asserted <= 1), which side bounds the ideal,
-    and the trainer's idle fraction in ``both``."""
+    pooled): achieved and ideal steps/s, achieved / ideal, which side bounds the ideal, the trainer's idle
+    fraction, occupancy, staleness and the response lengths trained and generated in ``both``."""
     both = runs["both"]
     achieved, rollout, train = steps_per_s(both), steps_per_s(runs["rollout_alone"]), steps_per_s(runs["train_alone"])
     ideal = min(rollout, train)
@@ -229,7 +242,10 @@ def mode_figures(runs: dict[str, list[dict]]) -> dict:
            "engine_occupancy": mean_of(both, "rollout/engine_occupancy"),
            "rollout_alone_occupancy": mean_of(runs["rollout_alone"], "rollout/engine_occupancy"),
            "reprefill_tokens": mean_of(both, "rollout/reprefill_tokens"),
-           "dropped_stale": sum(h.get("rollout/dropped_stale", 0.0) for h in both)}
+           "over_staleness_samples": sum(h.get("rollout/over_staleness_samples", 0.0) for h in both),
+           "staleness_max": max(h.get("rollout/staleness_max", 0.0) for h in both),
+           "lengths": {f"{side}_{stat}": mean_of(both, f"rollout/length_{side}/{stat}")
+                       for side in ("trained", "generated") for stat in ("mean", "p90")}}
     return out
 
 
@@ -251,20 +267,26 @@ def speedups(res: dict) -> dict:
 
 
 BOUND_SLACK = 0.05
-"""How far past its ideal a mode may measure before the ideal counts as not bounding it. A mode whose trainer
-hides entirely behind its rollout (fully async, streamed: trainer idle 40 %) runs at its rollout-alone rate,
-and two runs of 6 steps at one rate differ by their noise: measured 102.3 % pooled, its passes' rollout alone
-0.42 and 0.51 steps/s. The invalid figure this check exists for was 143 %."""
+"""How far past its ideal a mode may measure and still count as bounded by it. A mode whose trainer hides
+entirely behind its rollout (fully async, streamed) runs at its rollout-alone rate, and two runs at one rate
+differ by their noise: measured 102.3 % pooled, its passes' rollout alone 0.42 and 0.51 steps/s; on a loaded
+machine a run of one mode measured 110 % (0.2380 > 0.2171). The invalid figure the check was made for was 143 %
+(another mode's ideal)."""
 
 
-def check_bounded(figures: dict[str, dict], slack: float = BOUND_SLACK) -> None:
-    """Achieved / ideal <= 1 + ``slack`` for every mode: a mode faster than its own ideal means the ideal was
-    not that mode's bound (another mode's batching, another load), i.e. a bench bug, not a result."""
-    over = {m: f for m, f in figures.items() if f["of_ideal"] > 1.0 + slack}
-    assert not over, "; ".join(
-        f"{m}: achieved {f['steps_per_s']:.4f} steps/s > ideal {f['ideal_steps_per_s']:.4f} (rollout alone "
-        f"{f['rollout_alone_steps_per_s']:.4f}, train alone {f['train_alone_steps_per_s']:.4f})" for m, f in over.items()
-    ) + ": the ideal does not bound the mode, a bench bug"
+def above_ideal(figures: dict[str, dict], slack: float = BOUND_SLACK) -> dict:
+    """The modes measured faster than their own ideal by more than ``slack``, each with its figures: the ideal
+    did not bound that mode in these runs (noise, a load change between its runs, or an ideal taken under
+    another mode's batching). Reported in the JSON, never raised: a noisy run still gives its figures."""
+    return {m: {"of_ideal": f["of_ideal"], "steps_per_s": f["steps_per_s"], "ideal_steps_per_s": f["ideal_steps_per_s"],
+                "rollout_alone_steps_per_s": f["rollout_alone_steps_per_s"],
+                "train_alone_steps_per_s": f["train_alone_steps_per_s"]}
+            for m, f in figures.items() if f["of_ideal"] > 1.0 + slack}
+
+
+def spread(passes: list[float]) -> float:
+    """(max - min) / mean of a mode's per-pass steps/s (0 for one pass)."""
+    return (max(passes) - min(passes)) / (sum(passes) / len(passes)) if passes else float("nan")
 
 
 def tokens_per_step(history: list[dict]) -> list[int]:
@@ -291,52 +313,70 @@ def main() -> None:
     load0 = os.getloadavg()
     hist: dict[str, dict[str, list[dict]]] = {m: {ph: [] for ph in PHASES} for m, _ in modes}
     passes: dict[str, list[float]] = {m: [] for m, _ in modes}  # the spread between the passes
+    dropped = {m: 0 for m, _ in modes}  # samples generated and never trained, every run of the mode
     for r in range(a.repeats):
         for i, (m, o, ph) in enumerate(runs if r % 2 == 0 else runs[::-1]):
             t0 = time.perf_counter()
-            got = run_mode(hf, f"{tmp}/rl{r}_{i}", o, ph, a)
+            got, lost = run_mode(hf, f"{tmp}/rl{r}_{i}", o, ph, a)
             hist[m][ph] += got
+            dropped[m] += lost
             if ph == "both":
                 passes[m].append(steps_per_s(got))
             print(f"pass {r} {m} {ph}: {time.perf_counter() - t0:.0f} s, {steps_per_s(got):.4f} steps/s "
                   f"(load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
     load1 = os.getloadavg()
-    res = {m: mode_figures(h) for m, h in hist.items()}
+    res = {m: {**mode_figures(h), "dropped_stale": dropped[m], "passes": passes[m], "spread": spread(passes[m])}
+           for m, h in hist.items()}
     tokens = {m: {ph: tokens_per_step(h[ph]) for ph in PHASES} for m, h in hist.items()}
     fixed = [m for m, o in modes if not any(x.startswith("trainer.max_staleness=") and not x.endswith("=0") for x in o)]
     same = len({tuple(tokens[m][ph]) for m in fixed for ph in PHASES}) <= 1  # async: whichever groups complete first
-    ref = modes[0][0]
+    ref = "sync_stream" if "sync_stream" in res else modes[0][0]
     print(f"\nlong-tailed responses ({1 - a.long_fraction:.0%} of 1..{a.short} tokens, {a.long_fraction:.0%} up to "
           f"{a.long}), {a.actors} rollout actor(s) + 1 trainer rank, {os.cpu_count()} cores, {a.steps} steps per run "
           f"({a.warmup} warm-up), {a.repeats} pass(es); load average {load0[0]:.2f} -> {load1[0]:.2f}")
-    print(f"tokens generated per step {tokens[ref]['both']} ({'the same' if same else 'NOT the same'} in every run "
-          f"of {', '.join(fixed)}; fully async trains whichever groups complete first: "
+    print(f"tokens generated per step {tokens[modes[0][0]]['both']} ({'the same' if same else 'NOT the same'} in every "
+          f"run of {', '.join(fixed)}; fully async trains whichever groups complete first: "
           f"{ {m: t['both'] for m, t in tokens.items() if m not in fixed} })")
-    print(f"{'mode':<14} {'steps/s':>8} {'ideal':>8} {'of ideal':>9} {'bound':>8} {'rollout':>8} {'train':>8} "
-          f"{'idle':>6} {'wait s':>7} {'occ':>5} {'occ ro':>6} {'vs ' + ref:>8}")
+    print(f"{'mode':<18} {'steps/s':>8} {'ideal':>8} {'of ideal':>9} {'bound':>8} {'rollout':>8} {'train':>8} "
+          f"{'idle':>6} {'wait s':>7} {'occ':>5} {'occ ro':>6} {'spread':>7} {'vs ' + ref:>14}")
     for m, f in res.items():
-        print(f"{m:<14} {f['steps_per_s']:>8.4f} {f['ideal_steps_per_s']:>8.4f} {f['of_ideal']:>9.1%} {f['bound']:>8} "
+        print(f"{m:<18} {f['steps_per_s']:>8.4f} {f['ideal_steps_per_s']:>8.4f} {f['of_ideal']:>9.1%} {f['bound']:>8} "
               f"{f['rollout_alone_steps_per_s']:>8.4f} {f['train_alone_steps_per_s']:>8.4f} "
               f"{f['trainer_idle_fraction']:>6.0%} {f['gen_wait_s']:>7.2f} {f['engine_occupancy']:>5.0%} "
-              f"{f['rollout_alone_occupancy']:>6.0%} {f['steps_per_s'] / res[ref]['steps_per_s']:>7.2f}x")
+              f"{f['rollout_alone_occupancy']:>6.0%} {f['spread']:>7.1%} "
+              f"{f['steps_per_s'] / res[ref]['steps_per_s']:>13.2f}x")
     print("(steps/s: both; ideal = min(rollout alone, train alone), each measured in the mode itself; occ: engine "
-          "occupancy, live rows / slots time-averaged, in both and rollout alone)")
+          "occupancy, live rows / slots time-averaged, in both and rollout alone; spread: range of the passes over "
+          "their mean)")
+    print(f"{'mode':<18} {'dropped':>8} {'over K':>7} {'stale max':>9}  length trained mean / p90  "
+          "generated mean / p90")
+    for m, f in res.items():
+        n = f["lengths"]
+        print(f"{m:<18} {f['dropped_stale']:>8} {f['over_staleness_samples']:>7.0f} {f['staleness_max']:>9.0f}  "
+              f"{n['trained_mean']:>13.1f} / {n['trained_p90']:<6.1f}  {n['generated_mean']:>14.1f} / "
+              f"{n['generated_p90']:.1f}")
     ratios = speedups(res)
     for name, r in ratios.items():
-        print(f"{name}: {r['steps_per_s']:.2f}x steps/s (want >= {r['want_ge']}x), rollout alone {r['rollout_alone']:.2f}x")
+        print(f"{name}: {r['steps_per_s']:.2f}x steps/s (want >= {r['want_ge']}x), rollout alone "
+              f"{r['rollout_alone']:.2f}x")
     print("steps/s of each pass (both): " + ", ".join(f"{m} {[round(x, 4) for x in v]}" for m, v in passes.items()))
+    over = above_ideal(res)
+    for m, f in over.items():
+        print(f"note: {m} measured {f['of_ideal']:.1%} of its ideal ({f['steps_per_s']:.4f} > "
+              f"{f['ideal_steps_per_s']:.4f} steps/s): its runs did not bound each other (noise or a load change); "
+              "reported, not failed")
     targets = {k: v for k, v in TARGETS.items() if k.rsplit("_of_ideal", 1)[0] in res}
-    bounded = all(f["of_ideal"] <= 1.0 + BOUND_SLACK for f in res.values())
-    met = same and bounded and bool(targets) and all(
+    met = same and not over and bool(targets) and all(
         res[k.rsplit("_of_ideal", 1)[0]]["of_ideal"] >= v for k, v in targets.items())
-    print(json.dumps({"modes": res, "same_tokens": same, "ideal_bounds_every_mode": bounded, "tokens_per_step": tokens[ref]["both"],
+    print(json.dumps({"modes": res, "same_tokens": same, "ideal_bounds_every_mode": not over, "above_ideal": over,
+                      "bound_slack": BOUND_SLACK, "tokens_per_step": tokens[modes[0][0]]["both"],
                       "lengths": {"short": a.short, "long": a.long, "long_fraction": a.long_fraction,
                                   "scale_vs_issue": 1024 / a.long},
                       "steps": a.steps, "warmup": a.warmup, "repeats": a.repeats,
                       "loadavg": [round(load0[0], 2), round(load1[0], 2)], "cores": os.cpu_count(),
                       "targets": targets, "target_met": met, "speedups": ratios, "passes": passes,
+                      "dropped_stale": sum(dropped.values()),
                       "speedups_met": bool(ratios) and all(r["steps_per_s"] >= r["want_ge"] for r in ratios.values())}))
-    check_bounded(res)  # after the figures are out, so a failing run still shows them
 
 
 if __name__ == "__main__":

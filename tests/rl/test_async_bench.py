@@ -1,6 +1,6 @@
 """``bench/rl_async.py``'s bookkeeping: each mode's ideal comes from that mode's own rollout-alone and
-train-alone runs, achieved / ideal is bounded by 1 (an ideal that does not bound the mode is refused), rates
-are totals (not medians of alternating async steps); and the two stand-ins the alone runs use —
+train-alone runs, a mode above its ideal past the slack is reported (never raised), rates are totals (not
+medians of alternating async steps), lengths and staleness per mode; and the two stand-ins the alone runs use —
 ``InstantEngine`` (the real engine's lengths, no model) and ``FreeTrainerGroup`` (no trainer work) — give
 the driver what it needs."""
 
@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from bench.rl_async import FreeTrainerGroup, InstantEngine, check_bounded, forced_length, mode_figures, steps_per_s
+from bench.rl_async import (FreeTrainerGroup, InstantEngine, above_ideal, forced_length, mode_figures, spread,
+                             steps_per_s)
 from rl.train.batch import fill_log_probs, make_batch
 from rl.rollout.base import AdapterPayload, Request, SamplingParams
 from rl.tasks.prompts import Prompt
@@ -48,20 +49,35 @@ def test_each_mode_is_measured_against_its_own_ideal():
     assert tb["of_ideal"] == pytest.approx(3.0 / 3.3)
 
 
-def test_an_ideal_that_does_not_bound_the_mode_is_a_bench_bug():
-    # "rollout alone" slower than the mode itself (e.g. measured under another mode's batching)
+def test_a_mode_above_its_ideal_is_reported_not_raised():
+    """A mode faster than its own ideal by more than the slack (its runs did not bound each other: noise, a load
+    change, or another mode's ideal) is named in the JSON's ``above_ideal`` with its figures; the bench never
+    fails a run for it (was: an AssertionError, exit 1, on a loaded machine at 110 %)."""
     ok = mode_figures(runs(history(6, 5.0, 1.0), history(6, 4.0, 0.0), history(6, 1.0, 1.0)))
     bad = mode_figures(runs(history(6, 2.8, 1.0), history(6, 4.0, 0.0), history(6, 1.0, 1.0)))
-    check_bounded({"sync": ok})
-    with pytest.raises(AssertionError, match="fully_async: achieved .* does not bound the mode"):
-        check_bounded({"sync": ok, "fully_async": bad})
-    # a mode at its rollout-alone rate measures around 100 %: two runs' noise is not a bench bug (BOUND_SLACK)
+    assert above_ideal({"sync": ok}) == {}
+    over = above_ideal({"sync": ok, "fully_async": bad})
+    assert list(over) == ["fully_async"] and over["fully_async"]["of_ideal"] == pytest.approx(4.0 / 2.8)
+    assert over["fully_async"]["rollout_alone_steps_per_s"] == pytest.approx(1 / 4.0)
+    # a mode at its rollout-alone rate measures around 100 %: two runs' noise is within BOUND_SLACK
     hidden = mode_figures(runs(history(6, 2.05, 1.0), history(6, 2.1, 0.0), history(6, 1.0, 1.0)))
-    assert 1.0 < hidden["of_ideal"] < 1.05
-    check_bounded({"fully_async": hidden})
-    with pytest.raises(AssertionError):
-        check_bounded({"fully_async": mode_figures(runs(history(6, 1.9, 1.0), history(6, 2.1, 0.0),
-                                                        history(6, 1.0, 1.0)))})
+    assert 1.0 < hidden["of_ideal"] < 1.05 and above_ideal({"fully_async": hidden}) == {}
+    assert list(above_ideal({"fully_async": mode_figures(runs(history(6, 1.9, 1.0), history(6, 2.1, 0.0),
+                                                                 history(6, 1.0, 1.0)))})) == ["fully_async"]
+    assert spread([0.4, 0.5]) == pytest.approx(0.1 / 0.45) and spread([0.3]) == 0.0
+
+
+def test_mode_figures_report_lengths_and_staleness():
+    """Trained against generated response lengths (the per-step means and p90s, averaged), the samples trained
+    past ``max_staleness`` and the oldest: what shows a length bias or a stale tail in each mode."""
+    both = history(2, 2.0, 1.0)
+    for h, (tm, gm, over) in zip(both, [(3.0, 5.0, 1.0), (5.0, 5.0, 0.0)]):
+        h.update({"rollout/length_trained/mean": tm, "rollout/length_trained/p90": 2 * tm,
+                  "rollout/length_generated/mean": gm, "rollout/length_generated/p90": 2 * gm,
+                  "rollout/over_staleness_samples": over, "rollout/staleness_max": 3.0 + over})
+    f = mode_figures(runs(both, history(2, 2.0, 0.0), history(2, 1.0, 1.0)))
+    assert f["lengths"] == {"trained_mean": 4.0, "trained_p90": 8.0, "generated_mean": 5.0, "generated_p90": 10.0}
+    assert f["over_staleness_samples"] == 1.0 and f["staleness_max"] == 4.0
 
 
 def test_rates_are_totals_not_medians():
