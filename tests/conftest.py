@@ -14,7 +14,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 import pytest
 import torch
 
-from tests.support.launch import RL_COMMAND
+from tests.support.launch import starts_ray_in
 
 torch.set_num_threads(1)
 
@@ -100,7 +100,7 @@ def starts_ray(argv: list[str]) -> bool:
         return False
     return (bool(words) and words[0] in RAY_PROGRAMS) or "rl_driver.py" in words or \
         (("recipes.main" in words or words[:1] == ["glm5"]) and "rl" in words) or \
-        (words[:1] in (["bash"], ["sh"]) and bool(RL_COMMAND.search(" ".join(map(str, argv)))))
+        (words[:1] in (["bash"], ["sh"]) and starts_ray_in(" ".join(map(str, argv[1:]))))
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.launch import REPO, RL_COMMAND, child_env, copy_repo
+from tests.support.launch import REPO, child_env, copy_repo, starts_ray_in
 
 MARK = "<!-- runs-in-test -->"
 TIE = re.compile(r"<!-- runs-in-test: (.+?) -->")
@@ -237,6 +237,7 @@ def test_readme_keeps_the_two_commands_and_ci_runs_the_test_command():
     assert "\n./setup.sh\n" in ci and TEST_COMMAND.replace(SETUP, "").replace(" tests", " --durations=30 tests") in ci
     assert any("glm5 sft" in b.text for b in runnable_blocks())
     assert quick(MAIN_JOB) == ".venv/bin/glm5 tiny --out runs/tiny && .venv/bin/glm5 rl trainer.steps=2\n"
+    assert starts_ray_in(MAIN_JOB) and not starts_ray_in(".venv/bin/glm5 rl --config glm5_744b --cfg job  # print\n")
     assert "train.steps=2 train.eval_every" in quick(".venv/bin/glm5 sft a=1 \\\n  train.steps=60 train.eval_every=20\n")
 
 
@@ -289,11 +290,11 @@ def test_readme_main_job_learns_the_toy_task(fresh_copy, tmp_path):
 
 def block_params() -> list:
     """The ``<!-- runs-in-test -->`` blocks, each with what it assumes (``prerequisites`` from every command
-    block above it, marked any way); a block that runs ``glm5 rl`` marked ``ray``."""
+    block above it, marked any way); a block that starts Ray (``starts_ray_in``) marked ``ray``."""
     blocks = [b for b in doc_blocks() if b.lang not in NOT_COMMANDS]
     texts = [b.text for b in blocks]
     return [pytest.param(b.where, b.text, prerequisites(texts, i), id=b.where,
-                         marks=[pytest.mark.ray] if RL_COMMAND.search(b.text) else [])
+                         marks=[pytest.mark.ray] if starts_ray_in(b.text) else [])
             for i, b in enumerate(blocks) if b.mark == MARK]
 
 

@@ -22,6 +22,13 @@ RL_COMMAND = re.compile(r"(?:glm5|recipes\.main) rl\b")
 """A ``glm5 rl`` command in a command line or a doc block: it starts Ray (such tests are marked ``ray``)."""
 
 
+def starts_ray_in(command: str) -> bool:
+    """Whether a shell command (or a doc block) runs a ``glm5 rl`` that starts Ray: one not given ``--cfg`` or
+    ``--help`` (Hydra then prints the config or the help and nothing runs)."""
+    return any(RL_COMMAND.search(part) and not re.search(r"(?:^|\s)(?:--cfg|--help|-h)(?=\s|$)", part)
+               for part in re.split(r"&&|\|\||;|\n", command))
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """``os.environ`` without the pytest process's rendezvous, with ``OMP_NUM_THREADS=1`` and the
     checkout first on ``PYTHONPATH``; ``extra`` overrides (e.g. ``WANDB_SILENT="true"``)."""
