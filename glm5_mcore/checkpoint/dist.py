@@ -62,16 +62,17 @@ def base_sharded_state_dict(model) -> dict:
     return {k: v for k, v in model.sharded_state_dict().items() if ".lora." not in k}
 
 
-def save_sharded(sharded_state_dict: dict, path: str | Path) -> None:
+def save_sharded(sharded_state_dict: dict, path: str | Path, **kwargs) -> None:
     """``dist_checkpointing.save`` (every rank calls it), synchronous as every save here is, with its write
     results handed back through a thread queue. Megatron's synchronous torch_dist save is its async save run
     at once (``strategies/torch.py:725-729``), whose writer fetches ``get_write_results_queue()``
     (``filesystem_async.py:53-66``): a ``multiprocessing`` Manager queue, i.e. a spawned server process per
     rank that imports the main module again (seconds of CPU and a Python process's memory, at the first save of
-    every process), though its only reader is this process (``retrieve_write_results``: ``get_nowait``)."""
+    every process), though its only reader is this process (``retrieve_write_results``: ``get_nowait``).
+    ``kwargs``: ``dist_checkpointing.save``'s (``content_metadata``)."""
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
-    dist_checkpointing.save(sharded_state_dict, str(path))
+    dist_checkpointing.save(sharded_state_dict, str(path), **kwargs)
 
 
 def save_model(model, path: str | Path) -> None:

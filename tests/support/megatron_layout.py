@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from glm5_mcore.checkpoint.layout import HF_META_FILES
-from glm5_mcore.checkpoint.dist import base_sharded_state_dict
+from glm5_mcore.checkpoint.dist import base_sharded_state_dict, save_sharded
 from glm5_mcore.checkpoint.megatron_lm import RUN_CONFIG, TRACKER
 
 
@@ -39,8 +39,6 @@ def megatron_fields(model) -> dict:
 
 def write_megatron(root, model, iteration: int, *, flavour: str, drop_mtp: bool = False, hf_dir=None) -> Path:
     """Save ``model`` (one rank) as ``flavour`` ("megatron-lm" or "bridge") writes it under ``root``."""
-    from megatron.core import dist_checkpointing
-
     from glm5_mcore import cpu_compat
 
     cpu_compat.apply()
@@ -66,8 +64,8 @@ def write_megatron(root, model, iteration: int, *, flavour: str, drop_mtp: bool 
         state["args"] = argparse.Namespace(**args)
     path = root / f"iter_{iteration:07d}"
     path.mkdir(parents=True)
-    dist_checkpointing.save(state, str(path), content_metadata={"singleton_local_shards": False,
-                                                                "distrib_optim_sharding_type": "dp_reshardable"})
+    save_sharded(state, path, content_metadata={"singleton_local_shards": False,  # no Manager queue (dist.py)
+                                                "distrib_optim_sharding_type": "dp_reshardable"})
     (root / TRACKER).write_text(f"{iteration}\n")
     if flavour == "bridge":
         model_cfg = {"_target_": "megatron.bridge.models.mla_provider.MLAModelProvider", **fields}
@@ -109,7 +107,6 @@ def write_bridge_peft(root, state, model, iteration: int, *, alpha: float, pretr
     via the expert-axis factory), ``"legacy"`` (shared, 2-D); ``canonical_fc1``: CanonicalLoRA's
     ``adapter.adapter_gate`` / ``adapter_up`` on the dense and shared-expert fc1. ``extra``: more
     tensors (key -> tensor). ``run_config.yaml``: ``model``, ``peft``, ``checkpoint``, ``tokenizer``."""
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
@@ -169,7 +166,7 @@ def write_bridge_peft(root, state, model, iteration: int, *, alpha: float, pretr
                   "opt_param_scheduler": {"max_lr": 1e-4, "num_steps": iteration}}
     path = root / f"iter_{iteration:07d}"
     path.mkdir(parents=True)
-    dist_checkpointing.save(state_dict, str(path), content_metadata={"singleton_local_shards": False})
+    save_sharded(state_dict, path, content_metadata={"singleton_local_shards": False})
     (root / TRACKER).write_text(f"{iteration}\n")
     r = next(iter(state.A.values())).shape[0]
     run_config = {
