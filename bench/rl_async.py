@@ -38,7 +38,8 @@ range of a mode's passes over their mean.
 
 Also per mode: the trainer's idle fraction in ``both`` (1 - (old log-probs + update) / step), the engines'
 occupancy (``rollout/engine_occupancy``), the samples generated and never trained (``dropped``: the async
-runs' ledger), the samples trained more than ``trainer.max_staleness`` versions old, and the response lengths
+runs' ledger), the samples trained more than ``trainer.max_staleness`` versions old, the response tokens' mean
+staleness (``token``), and the response lengths
 trained against generated (mean and p90 per step, averaged over the steps: a length bias shows as a trained
 mean below the generated one). The JSON line at the end carries every figure, ``SPEEDUPS`` as measured and
 ``target_met`` (fully async >= 85 % of its ideal).
@@ -244,9 +245,18 @@ def mode_figures(runs: dict[str, list[dict]]) -> dict:
            "reprefill_tokens": mean_of(both, "rollout/reprefill_tokens"),
            "over_staleness_samples": sum(h.get("rollout/over_staleness_samples", 0.0) for h in both),
            "staleness_max": max(h.get("rollout/staleness_max", 0.0) for h in both),
+           "token_staleness": mean_of([{"t": token_staleness(h)} for h in both if token_staleness(h) is not None], "t"),
            "lengths": {f"{side}_{stat}": mean_of(both, f"rollout/length_{side}/{stat}")
                        for side in ("trained", "generated") for stat in ("mean", "p90")}}
     return out
+
+
+def token_staleness(h: dict):
+    """A step's mean response-token staleness, from its ``rollout/staleness_tokens/<d>`` fractions (None without
+    them: the synchronous modes)."""
+    pre = "rollout/staleness_tokens/"
+    fracs = {int(k[len(pre):]): v for k, v in h.items() if k.startswith(pre)}
+    return sum(d * f for d, f in fracs.items()) if fracs else None
 
 
 def mean_of(history: list[dict], key: str) -> float:
@@ -348,11 +358,12 @@ def main() -> None:
     print("(steps/s: both; ideal = min(rollout alone, train alone), each measured in the mode itself; occ: engine "
           "occupancy, live rows / slots time-averaged, in both and rollout alone; spread: range of the passes over "
           "their mean)")
-    print(f"{'mode':<18} {'dropped':>8} {'over K':>7} {'stale max':>9}  length trained mean / p90  "
+    print(f"{'mode':<18} {'dropped':>8} {'over K':>7} {'stale max':>9} {'token':>6}  length trained mean / p90  "
           "generated mean / p90")
     for m, f in res.items():
         n = f["lengths"]
-        print(f"{m:<18} {f['dropped_stale']:>8} {f['over_staleness_samples']:>7.0f} {f['staleness_max']:>9.0f}  "
+        print(f"{m:<18} {f['dropped_stale']:>8} {f['over_staleness_samples']:>7.0f} {f['staleness_max']:>9.0f} "
+              f"{f['token_staleness']:>6.2f}  "
               f"{n['trained_mean']:>13.1f} / {n['trained_p90']:<6.1f}  {n['generated_mean']:>14.1f} / "
               f"{n['generated_p90']:.1f}")
     ratios = speedups(res)

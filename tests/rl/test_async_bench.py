@@ -75,9 +75,10 @@ def test_mode_figures_report_lengths_and_staleness():
         h.update({"rollout/length_trained/mean": tm, "rollout/length_trained/p90": 2 * tm,
                   "rollout/length_generated/mean": gm, "rollout/length_generated/p90": 2 * gm,
                   "rollout/over_staleness_samples": over, "rollout/staleness_max": 3.0 + over})
+    both[0].update({"rollout/staleness_tokens/0": 0.5, "rollout/staleness_tokens/2": 0.5})  # 1 version on average
     f = mode_figures(runs(both, history(2, 2.0, 0.0), history(2, 1.0, 1.0)))
     assert f["lengths"] == {"trained_mean": 4.0, "trained_p90": 8.0, "generated_mean": 5.0, "generated_p90": 10.0}
-    assert f["over_staleness_samples"] == 1.0 and f["staleness_max"] == 4.0
+    assert f["over_staleness_samples"] == 1.0 and f["staleness_max"] == 4.0 and f["token_staleness"] == 1.0
 
 
 def test_rates_are_totals_not_medians():
