@@ -36,12 +36,14 @@ GRPO normalises within it).
   trained within K versions at any admission that keeps the engines busy: its age is its length over the decode
   rate, and the only way to bound it is to slow the steps down (measured on the long-tailed bench: the engines
   idle at 24 % occupancy). Dropping it instead trains a length-biased sample (the long responses are the ones
-  dropped; tinker-cookbook #822's starvation). So a complete group is always trained, whatever its age: with
-  partial rollouts an over-age response was continued under each newer adapter (every push interrupts it), so
-  only its first tokens are old, and every token carries the behaviour log-prob and version of the policy that
-  sampled it (``Result.logprobs``, ``Result.versions``): IcePop / TIS weight each token by π_old / π_behaviour
-  of its own sampler, and IcePop masks a token whose ratio has left [α, β] — the token, not the response, is
-  what is too stale. ``rollout/over_staleness_samples`` counts the batch's samples older than K,
+  dropped; tinker-cookbook #822's starvation). So a complete group is always trained, whatever its age. Its
+  short samples are as old as its admission (they waited for the long one: GRPO needs the group whole); with
+  partial rollouts the long one was continued under each newer adapter (every push interrupts it), so its later
+  tokens are recent. Every token carries the behaviour log-prob and version of the policy that sampled it
+  (``Result.logprobs``, ``Result.versions``): IcePop / TIS weight each token by π_old / π_behaviour of its own
+  sampler, and IcePop masks a token whose ratio has left [α, β] — the token, not the response, is what is too
+  stale. The cost is the age of what is trained (the bench: a third to a half of the tokens older than K=2 at
+  70 % occupancy), reported, not hidden. ``rollout/over_staleness_samples`` counts the batch's samples older than K,
   ``rollout/staleness`` (mean over the batch's samples), ``_min``, ``_max`` and ``rollout/staleness_tokens/<d>``
   (the fraction of response tokens d versions old) describe the batch, and ``rollout/length_trained/*`` against
   ``rollout/length_generated/*`` (mean, p90) shows whether what is trained is shorter than what is generated.
