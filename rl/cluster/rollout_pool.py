@@ -1,29 +1,20 @@
-"""The rollout engines on Ray: ``RolloutPool`` starts ``rollout.num_actors`` engine actors (``RolloutActor``,
-each holding the ``rollout.engine`` class). A step's prompts are split over them by prompt (a prompt's ``n``
+"""The rollout engines on Ray: ``RolloutPool`` starts ``rollout.num_actors`` engine actors
+(``rl.cluster.rollout_actor.RolloutActor``, each holding the ``rollout.engine`` class). A step's prompts are split over them by prompt (a prompt's ``n``
 samples stay on one actor); an actor that dies mid-step is replaced (base weights + the current adapter) and
 its prompts are redone, with the same per-sample seeds, so no sample is lost or counted twice.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
 from typing import Optional
 
 import ray
 
 from glm5_mcore.checkpoint.layout import serving_dir
 from rl.cluster.engine_placement import actor_setup
-from rl.cluster.ray_jobs import RayJobError, cause_line, error_line, node_id, wait_for
+from rl.cluster.ray_jobs import RayJobError, cause_line, error_line, wait_for
+from rl.cluster.rollout_actor import RolloutActor, load_class
 from rl.rollout.base import AdapterPayload, Request, Result, SamplingParams
-
-
-def _load_class(path: str):
-    mod, _, name = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(mod), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"rollout.engine={path!r}: cannot import ({e})") from None
 
 
 def engine_streams(cfg) -> bool:
@@ -34,86 +25,10 @@ def engine_streams(cfg) -> bool:
     a static batch (``STATIC_GENERATE``: the HF engine's; vLLM's ``generate`` batches continuously already). So
     every mode of the HF engine streams by default (docs/rl-async.md: the figures), and ``stream=false`` keeps
     the static-batch ``generate``."""
-    engine = _load_class(cfg.rollout.engine)
+    engine = load_class(cfg.rollout.engine)
     if not (engine.STREAMS and cfg.rollout.engine_kwargs.get("stream", True) and not cfg.rollout.multi_turn.enable):
         return False
     return bool(cfg.trainer.max_staleness or getattr(engine, "STATIC_GENERATE", False))
-
-
-@ray.remote(concurrency_groups={"control": 1})
-class RolloutActor:
-    def __init__(self, engine: str, hf_dir: str, deterministic_topk: bool, kwargs: dict, multi_turn=None,
-                 nice: int = 0):
-        if nice:
-            os.nice(nice)  # see RolloutPool.CPU_NICE
-        self.engine = _load_class(engine)(hf_dir, deterministic_topk=deterministic_topk, **kwargs)
-        self.multi_turn = multi_turn if multi_turn is not None and multi_turn.enable else None
-        if self.multi_turn is not None:
-            from transformers import AutoTokenizer
-
-            from rl.tasks.episodes import ToolRunner
-
-            self.tok = AutoTokenizer.from_pretrained(hf_dir)
-            self.env = ToolRunner.from_config(multi_turn)
-
-    def ready(self) -> bool:
-        """Returns once ``__init__`` (the engine's start-up) has finished."""
-        return True
-
-    @ray.method(concurrency_group="control")
-    def interrupt(self) -> bool:
-        """Runs beside a ``generate`` (its own concurrency group): the engine stops at the next token
-        boundary (``RolloutEngine.interrupt``); calls of the default group stay one at a time, in order."""
-        return self.engine.interrupt()
-
-    def load_adapter(self, payload: Optional[AdapterPayload]) -> dict:
-        self.engine.load_adapter(payload)
-        return self.engine.last_push()
-
-    @ray.method(concurrency_group="control")
-    def stream_submit(self, requests: list[Request], params: SamplingParams) -> None:
-        """Beside a running ``stream_poll`` (the control group): queued requests enter freed slots at the
-        next token boundary of the poll in flight."""
-        self.engine.stream_submit(requests, params)
-
-    def stream_poll(self, timeout_s: float) -> list[Result]:
-        from rl.rollout.routes import stash_routes  # routes by ObjectRef (R3)
-
-        return stash_routes(self.engine.stream_poll(timeout_s))
-
-    @ray.method(concurrency_group="control")
-    def take_pushes(self) -> list[dict]:
-        """What the engine reported of each adapter push since the last call (``RolloutEngine.pushes``)."""
-        pushes = getattr(self.engine, "pushes", None)
-        if not pushes:
-            return []
-        out, pushes[:] = list(pushes), []
-        return out
-
-    @ray.method(concurrency_group="control")
-    def take_occupancy(self) -> Optional[dict]:
-        """The engine's time-averaged live rows / slots since the last call (None: it does not measure)."""
-        take = getattr(self.engine, "take_occupancy", None)
-        return take() if take is not None else None
-
-    def sleep(self, level: int) -> str:
-        return self.engine.sleep(level)
-
-    def wake_up(self, tags: tuple) -> str:
-        return self.engine.wake_up(tuple(tags))
-
-    def node_id(self) -> str:
-        return node_id()
-
-    def generate(self, requests: list[Request], params: SamplingParams, batched: bool) -> list[Result]:
-        from rl.rollout.routes import stash_routes  # routes by ObjectRef (R3)
-
-        if self.multi_turn is not None:
-            from rl.tasks.episodes import run_episodes
-
-            return stash_routes(run_episodes(self.engine, self.tok, self.env, requests, params, self.multi_turn,
-                                             batched))
-        return stash_routes(self.engine.generate(requests, params, batched))
 
 
 class RolloutPool:
@@ -173,7 +88,7 @@ class RolloutPool:
             opts, kwargs, _ = actor_setup(self.cfg, i, self.pg)
         else:
             opts = dict(num_cpus=1, num_gpus=r.gpus_per_actor)
-        job_kwargs = getattr(_load_class(r.engine), "job_kwargs", None)  # e.g. vLLM's LoRA targets and versions
+        job_kwargs = getattr(load_class(r.engine), "job_kwargs", None)  # e.g. vLLM's LoRA targets and versions
         if job_kwargs is not None:
             kwargs = job_kwargs(kwargs, self.cfg.lora.targets, t.max_staleness)
         shared = (t.off_policy_steps > 0 or t.max_staleness > 0) and not r.gpus_per_actor and not t.gpus_per_rank

@@ -195,7 +195,7 @@ class RolloutEngine(ABC):
 
     pushes: Optional[list] = None
     """An engine that reports its pushes: one ``last_push()``-shaped dict per ``load_adapter`` since they were
-    last taken (``rl.cluster.rollout_pool.RolloutActor.take_pushes``; ``push_metrics``)."""
+    last taken (``rl.cluster.rollout_actor.RolloutActor.take_pushes``; ``push_metrics``)."""
 
     def sleep(self, level: int) -> str:
         """Free this engine's accelerator memory until ``wake_up``; returns a one-line account."""
