@@ -18,7 +18,7 @@ class _Recorder:
     """Stands in for ``vllm_server.Server``: keeps the ``vllm.LLM`` keyword arguments the engine built."""
     seen: list = []
 
-    def __init__(self, llm_kwargs, dense_mla=False):
+    def __init__(self, llm_kwargs, dense_mla=False, imports=()):
         _Recorder.seen.append(dict(llm_kwargs))
 
 
