@@ -209,22 +209,27 @@ def test_merged_export_on_fp8_requantizes_the_merged_weight(lora_runs, folders, 
     assert n_q >= 30 and late_fails == n_q, (n_q, late_fails)
 
 
-def test_bad_fp8_scales_are_named_before_anything_is_written(folders, tmp_path):
+def _folder_with(fp8, sd: dict, out):
+    """A copy of the FP8 folder ``fp8`` (config, tokenizer) whose weights are ``sd``."""
     import shutil
 
     from safetensors.torch import save_file
 
+    out.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(fp8 / f, out / f)
+    save_file(sd, str(out / "model.safetensors"))
+    return out
+
+
+def test_bad_fp8_scales_are_named_before_anything_is_written(folders, tmp_path):
     from glm5_mcore.convert.hf_to_mcore import hf_to_mcore
 
     fp8, _ = folders
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(fp8 / f, bad / f)
     sd = _stored(fp8)
     name = "model.layers.1.self_attn.o_proj.weight_scale_inv"
     sd[name] = sd[name][:-1].contiguous()  # a row of blocks short
-    save_file(sd, str(bad / "model.safetensors"))
+    bad = _folder_with(fp8, sd, tmp_path / "bad")
     with pytest.raises(ValueError, match=rf"model.safetensors: tensor {name} has shape \[3, 4\], which does not tile"):
         hf_to_mcore(bad, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
@@ -234,20 +239,12 @@ def test_a_missing_block_scale_is_one_line_before_anything_is_written(folders, t
     """``glm5 convert hf-to-mcore`` of a folder missing one ``weight_scale_inv``: the console's one line naming the
     file and tensor, exit 2, no output folder; the scale was found missing in the DCP writer's thread, after two
     tracebacks of it."""
-    import shutil
-
-    from safetensors.torch import save_file
-
     from recipes.main import main
 
     fp8, _ = folders
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(fp8 / f, bad / f)
     sd = _stored(fp8)
     del sd["model.layers.1.self_attn.o_proj.weight_scale_inv"]
-    save_file(sd, str(bad / "model.safetensors"))
+    bad = _folder_with(fp8, sd, tmp_path / "bad")
     capfd.readouterr()
     rc = main(["convert", "hf-to-mcore", "--hf-dir", str(bad), "--out", str(tmp_path / "out"), "--no-progress"])
     err = capfd.readouterr().err
