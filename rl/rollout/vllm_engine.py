@@ -222,11 +222,16 @@ class VLLMRolloutEngine(RolloutEngine):
         self._load(payload, state, waited=False)
 
     def _state(self, payload: Optional[AdapterPayload]):
-        """The payload's adapter as an ``AdapterState`` (in memory), or None for the base model."""
+        """The payload's adapter as an ``AdapterState`` (in memory), or None for the base model; in LoRA mode only
+        the tensors a push merges (the served ones travel as they are: ``served_adapter``), so the routed experts'
+        adapter is never unpacked here."""
         if payload is None or not payload.files:
             return None
-        return peft_state(json.loads(payload.files["adapter_config.json"]),
-                          load(payload.files["adapter_model.safetensors"]), self.num_hidden_layers)
+        tensors = load(payload.files["adapter_model.safetensors"])
+        if not self.merge:
+            tensors = {k: v for k, v in tensors.items()
+                       if lora_mode_part(k, self.num_hidden_layers, self.dense_mla) != "lora"}
+        return peft_state(json.loads(payload.files["adapter_config.json"]), tensors, self.num_hidden_layers)
 
     def _merged(self, hf_name: str) -> bool:
         """Whether a push merges ``hf_name`` into the served weights (rather than a LoRARequest serving it)."""
