@@ -2,8 +2,8 @@
 ``rl.train.mtp``).
 
 - ``mtp_speculative_config``: vLLM's ``speculative_config`` drafting with the checkpoint's own MTP layer.
-- ``adapter_without_mtp``: a pushed adapter without the MTP layer's tensors, for an engine (or a mode) that
-  has no MTP module to load them into.
+- ``adapter_without_mtp``: a pushed adapter without the MTP layer's tensors, for an engine that has no MTP
+  module to load them into.
 """
 
 from __future__ import annotations
@@ -25,20 +25,17 @@ def mtp_speculative_config(config: dict, num_tokens: int, source: str) -> dict:
     return {"method": "mtp", "num_speculative_tokens": int(num_tokens)}
 
 
-def adapter_without_mtp(files: dict, num_hidden_layers: int, drop_modules: tuple = ()) -> dict:
+def adapter_without_mtp(files: dict, num_hidden_layers: int) -> dict:
     """The PEFT payload ``files`` (adapter_config.json / adapter_model.safetensors bytes) without the MTP
-    layer's tensors (``model.layers.{>= num_hidden_layers}.*``): for a model that has no MTP module —
-    transformers' GLM-5, and vLLM's decoder under a ``LoRARequest`` (vLLM's LoRA never reaches the
-    speculative draft model; the engine merges the MTP layer's adapter into it instead) — and without
-    the tensors of the HF modules named in ``drop_modules`` (e.g. ``self_attn.kv_b_proj``, which the
-    vLLM engine merges instead). The same bytes back when there are none."""
+    layer's tensors (``model.layers.{>= num_hidden_layers}.*``): for a model that has no MTP module
+    (transformers' GLM-5; vLLM's LoRA mode leaves them out itself, ``rl.rollout.vllm_lora``). The same bytes
+    back when there are none."""
     name = "adapter_model.safetensors"
     if name not in files:
         return files
     tensors = load(files[name])
     layer = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.")
-    keep = {k: v for k, v in tensors.items() if not ((m := layer.search(k)) and int(m.group(1)) >= num_hidden_layers)
-            and not any(f".{d}." in k for d in drop_modules)}
+    keep = {k: v for k, v in tensors.items() if not ((m := layer.search(k)) and int(m.group(1)) >= num_hidden_layers)}
     if len(keep) == len(tensors):
         return files
     return {**files, name: save(keep, metadata={"format": "pt"})}

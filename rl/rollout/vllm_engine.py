@@ -135,7 +135,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.stream = EngineStream()
         self.occupancy = Occupancy(int(kwargs.get("max_num_seqs") or 256))  # vLLM's default max_num_seqs
         self.payload_version = -1  # the AdapterPayload.version loaded (what a stream Result.version reports)
-        self._deferred: Optional[tuple] = None  # (payload,): a push waiting for the live stream requests
+        self._deferred: Optional[tuple] = None  # (payload, parsed): a push waiting for the live stream requests
         self.pushes: list[dict] = []  # per push: what travelled and how long it took (``last_push``)
         env: dict = {}
         llm = dict(model=str(hf_dir), dtype=dtype, enable_lora=not merge, tensor_parallel_size=tensor_parallel_size,
@@ -214,24 +214,23 @@ class VLLMRolloutEngine(RolloutEngine):
         mode, the base restored) waits while stream requests are live (``stream_poll`` installs it): it reloads
         weights in place, under their KV cache. A LoRA-mode push of served families only is installed at once:
         the live requests keep their version."""
-        state = self._state(payload)
-        if self.stream.live and self._changes_weights(state):
-            self._deferred, self.stream.hold = (payload, state), True
+        parsed = self._parse(payload)
+        if self.stream.live and self._changes_weights(parsed[1]):
+            self._deferred, self.stream.hold = (payload, parsed), True
             return
         self._deferred = None
-        self._load(payload, state, waited=False)
+        self._load(payload, parsed, waited=False)
 
-    def _state(self, payload: Optional[AdapterPayload]):
-        """The payload's adapter as an ``AdapterState`` (in memory), or None for the base model; in LoRA mode only
-        the tensors a push merges (the served ones travel as they are: ``served_adapter``), so the routed experts'
-        adapter is never unpacked here."""
+    def _parse(self, payload: Optional[AdapterPayload]) -> tuple:
+        """(the payload's tensors, its adapter as an ``AdapterState``), in memory; (None, None) for the base model.
+        In LoRA mode the state holds only the tensors a push merges (the served ones travel as they are:
+        ``served_adapter``), so the routed experts' adapter is never unpacked here."""
         if payload is None or not payload.files:
-            return None
+            return None, None
         tensors = load(payload.files["adapter_model.safetensors"])
-        if not self.merge:
-            tensors = {k: v for k, v in tensors.items()
-                       if lora_mode_part(k, self.num_hidden_layers, self.dense_mla) != "lora"}
-        return peft_state(json.loads(payload.files["adapter_config.json"]), tensors, self.num_hidden_layers)
+        merged = tensors if self.merge else {k: v for k, v in tensors.items()
+                                             if lora_mode_part(k, self.num_hidden_layers, self.dense_mla) != "lora"}
+        return tensors, peft_state(json.loads(payload.files["adapter_config.json"]), merged, self.num_hidden_layers)
 
     def _merged(self, hf_name: str) -> bool:
         """Whether a push merges ``hf_name`` into the served weights (rather than a LoRARequest serving it)."""
@@ -249,11 +248,12 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def _install_deferred(self) -> None:
         if self._deferred is not None and not self.stream.live:
-            (payload, state), self._deferred = self._deferred, None
-            self._load(payload, state, waited=True)
+            (payload, parsed), self._deferred = self._deferred, None
+            self._load(payload, parsed, waited=True)
             self.stream.hold = False
 
-    def _load(self, payload: Optional[AdapterPayload], state, waited: bool) -> None:
+    def _load(self, payload: Optional[AdapterPayload], parsed: tuple, waited: bool) -> None:
+        tensors, state = parsed
         self.payload_version = payload.version if state is not None else -1
         entry = {"mode": "merged" if self.merge else "lora", "waited": waited, "lora_bytes": 0, "merged_bytes": 0}
         t0 = time.perf_counter()
@@ -270,7 +270,7 @@ class VLLMRolloutEngine(RolloutEngine):
             entry.update({k: v for k, v in self.weights.push(chunks, changed).items() if k != "seconds"})
         self.lora = None
         if state is not None and not self.merge:
-            served = served_adapter(payload.files, self.num_hidden_layers, self.dense_mla)
+            served = served_adapter(payload.files, self.num_hidden_layers, self.dense_mla, tensors)
             if served is not None:
                 self.lora = self.adapters.add(payload.version, served)
                 entry["lora_bytes"] = served.nbytes

@@ -93,13 +93,14 @@ class ServedAdapter:
         return len(self.data)
 
 
-def served_adapter(files: dict, num_hidden_layers: int, dense_mla: bool = False) -> Optional[ServedAdapter]:
+def served_adapter(files: dict, num_hidden_layers: int, dense_mla: bool = False,
+                   tensors: Optional[dict] = None) -> Optional[ServedAdapter]:
     """The tensors of the PEFT payload ``files`` (adapter_config.json / adapter_model.safetensors bytes) that
     vLLM serves as a LoRA adapter (``lora_mode_part`` "lora"; no-op modules, A or B all zero, left out), or None
     when there are none. The config keeps only the ``target_modules`` / ``target_parameters`` those tensors
-    carry."""
+    carry. ``tensors``: ``adapter_model.safetensors`` already loaded (not read again)."""
     config = json.loads(files["adapter_config.json"])
-    tensors = load(files["adapter_model.safetensors"])
+    tensors = load(files["adapter_model.safetensors"]) if tensors is None else tensors
     keep = {}
     for k, v in tensors.items():
         m = PEFT_KEY.match(k)
