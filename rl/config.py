@@ -100,6 +100,10 @@ class RolloutCfg:
     """The HF folder with weights the engines serve (and merged pushes read); None: found from ``model``
     (``glm5_mcore.checkpoint.layout.serving_dir``). A folder without weights is refused."""
     engine_kwargs: dict = field(default_factory=dict)
+    routes_inline_bytes: int = 16384
+    """A sample's R3 routes (``rl.rollout.routes``) up to this size travel in its result, larger ones by Ray
+    ``ObjectRef`` (never through the driver): a ``ray.put`` costs the engine about a millisecond whatever the
+    size; 16 KiB is 26 tokens' routes at 744B. 0: every sample's routes by reference."""
     multi_turn: MultiTurnCfg = field(default_factory=MultiTurnCfg)
     colocate: ColocateCfg = field(default_factory=ColocateCfg)
 

@@ -84,6 +84,9 @@ def check_config(c) -> None:
     if pf < 0:
         raise ValueError(f"reward.overlong_buffer.penalty_factor={pf} must be >= 0 (the penalty is "
                          "min(-excess / len · penalty_factor, 0): a negative factor would reward overlong answers)")
+    if isinstance(r.routes_inline_bytes, bool) or r.routes_inline_bytes < 0:
+        raise ValueError(f"rollout.routes_inline_bytes={r.routes_inline_bytes!r}: bytes >= 0 (0: every sample's "
+                         "routes by ObjectRef)")
     check_timeout(c.ray.wait_timeout_s, "ray.wait_timeout_s")
     mod, _, name = c.rollout.engine.rpartition(".")
     engine = getattr(importlib.import_module(mod), name)

@@ -27,7 +27,9 @@ def load_class(path: str):
 @ray.remote(concurrency_groups={"control": 1})
 class RolloutActor:
     def __init__(self, engine: str, hf_dir: str, deterministic_topk: bool, kwargs: dict, multi_turn=None,
-                 nice: int = 0):
+                 nice: int = 0, routes_inline_bytes: int = 0):
+        """``routes_inline_bytes``: ``rollout.routes_inline_bytes`` (``rl.rollout.routes.stash_routes``)."""
+        self.inline = routes_inline_bytes
         if nice:
             os.nice(nice)  # see RolloutPool.CPU_NICE
         self.engine = load_class(engine)(hf_dir, deterministic_topk=deterministic_topk, **kwargs)
@@ -63,7 +65,7 @@ class RolloutActor:
     def stream_poll(self, timeout_s: float) -> list[Result]:
         from rl.rollout.routes import stash_routes  # routes by ObjectRef (R3)
 
-        return stash_routes(self.engine.stream_poll(timeout_s))
+        return stash_routes(self.engine.stream_poll(timeout_s), self.inline)
 
     @ray.method(concurrency_group="control")
     def take_pushes(self) -> list[dict]:
@@ -96,5 +98,5 @@ class RolloutActor:
             from rl.tasks.episodes import run_episodes
 
             return stash_routes(run_episodes(self.engine, self.tok, self.env, requests, params, self.multi_turn,
-                                             batched))
-        return stash_routes(self.engine.generate(requests, params, batched))
+                                             batched), self.inline)
+        return stash_routes(self.engine.generate(requests, params, batched), self.inline)

@@ -95,7 +95,7 @@ class RolloutPool:
         return RolloutActor.options(max_concurrency=1, **opts).remote(
             r.engine, serving_dir(self.cfg.model.hf_dir, self.cfg.model.ckpt, self.cfg.rollout.hf_dir),
             r.deterministic_topk, kwargs, r.multi_turn,
-            self.CPU_NICE if shared else 0)
+            self.CPU_NICE if shared else 0, r.routes_inline_bytes)
 
     def sleep(self, level: int) -> list[str]:
         """Every engine's ``sleep(level)``; what each reported (an actor that died is replaced)."""

@@ -65,15 +65,17 @@ def test_actor_killed_mid_step_and_resume_gives_identical_next_step(tiny_dir, tm
 @pytest.mark.slow
 def test_trainer_ranks_form_one_group_any_layout(tiny_dir, tmp_path, ray_local):
     """Two trainer actors (gloo) at DP2×EP2 and at TP2 train like one rank: same losses and samples, with
-    rollout routing replay on (the engine's routes travel by ObjectRef, are packed per rank, sliced per TP
-    rank under sequence parallelism and replayed; one run per layout keeps this test's time)."""
+    rollout routing replay on (the engine's routes travel by ObjectRef — ``routes_inline_bytes=0``: the tiny
+    model's would travel inline — are packed per rank, sliced per TP rank under sequence parallelism and
+    replayed; one run per layout keeps this test's time)."""
     from rl.driver import run
 
     keys = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean", "actor/ref_kl",
             "rollout_corr/router_agree")
     hist = {}
     for name, tr in (("one", {}), ("dp2ep2", {"world_size": 2, "ep": 2}), ("tp2", {"world_size": 2, "tp": 2})):
-        res = run(_cfg(tiny_dir, tmp_path / name, trainer={"steps": 2, **tr}, rollout={"num_actors": 1},
+        res = run(_cfg(tiny_dir, tmp_path / name, trainer={"steps": 2, **tr},
+                       rollout={"num_actors": 1, "routes_inline_bytes": 0},
                        algorithm={"router_replay": True}))
         hist[name] = res["history"]
     for name in ("dp2ep2", "tp2"):

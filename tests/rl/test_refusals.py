@@ -50,6 +50,7 @@ CODE_TOOL = {"enable": True, "env": "rl.tasks.code_env.python_tool", "tool_call_
     ({"rollout": {"multi_turn": {**CODE_TOOL, "tool_timeout_s": float("inf")}}},
      "rollout.multi_turn.tool_timeout_s=inf: a timeout must be a finite number"),
     ({"ray": {"wait_timeout_s": float("nan")}}, "ray.wait_timeout_s=nan: a timeout must be a finite number"),
+    ({"rollout": {"routes_inline_bytes": -1}}, "rollout.routes_inline_bytes=-1: bytes >= 0"),
     ({"rollout": {"engine": "rl.rollout.vllm_engine.VLLMRolloutEngine",
                   "engine_kwargs": {"enable_expert_parallel": True, "all2all_backend": "deepep_high_throughput"}},
       "lora": {"targets": ["linear_proj", "experts.linear_fc1"]}},
