@@ -27,6 +27,7 @@ from glm5_mcore.device import HostCopy, device_memory
 from rl.rollout.base import (AdapterPayload, Occupancy, Request, Result, RolloutEngine, SamplingParams,
                              check_sleep_level, check_wake_tags, token_seed)
 from rl.rollout.draft import adapter_without_mtp
+from rl.rollout.hf_merge import MergedLoRA
 from rl.rollout.hf_slots import SlotDecoder, top_p_probs
 from rl.rollout.routes import HFIndexRecorder, HFRouteRecorder
 
@@ -76,10 +77,12 @@ class HFRolloutEngine(RolloutEngine):
     STATIC_GENERATE = True  # generate decodes each batch to its longest response: every mode streams by default
 
     def __init__(self, hf_dir: str, deterministic_topk: bool = True, dtype: str = "float32", threads: int = 1,
-                 index_row_stride: int = 1024, max_num_seqs: int = 64, stream: bool = True):
+                 index_row_stride: int = 1024, max_num_seqs: int = 64, stream: bool = True, merge_lora: bool = True):
+        """``merge_lora``: each adapter merged into the base weights as it loads (``rl.rollout.hf_merge``: a
+        decode forward 1.5x faster on the tiny model); false: PEFT's unmerged layers."""
         super().__init__(hf_dir, deterministic_topk)
         self.check_kwargs({"dtype": dtype, "threads": threads, "index_row_stride": index_row_stride,
-                           "max_num_seqs": max_num_seqs, "stream": stream})
+                           "max_num_seqs": max_num_seqs, "stream": stream, "merge_lora": merge_lora})
         from transformers import AutoModelForCausalLM
 
         from glm5_mcore.device import training_device
@@ -101,6 +104,8 @@ class HFRolloutEngine(RolloutEngine):
         self.routes = HFRouteRecorder(self.model)  # R3: each token's experts travel with its sample
         self.index_rows = HFIndexRecorder(self.model, index_row_stride)  # DSA top-k of sampled query rows
         self.peft = None
+        self.merge_lora = merge_lora
+        self.merged: Optional[MergedLoRA] = None  # the pristine base of the LoRA-targeted tensors, once loaded
         self.adapter_version: Optional[int] = None
         self._asleep: Optional[HostCopy] = None
         self._interrupt = threading.Event()
@@ -118,8 +123,9 @@ class HFRolloutEngine(RolloutEngine):
         super().check_kwargs(kwargs)
         if kwargs.get("dtype", "float32") not in cls.DTYPES:
             raise ValueError(f"rollout.engine_kwargs.dtype={kwargs['dtype']!r}: one of {cls.DTYPES}")
-        if not isinstance(kwargs.get("stream", True), bool):
-            raise ValueError(f"rollout.engine_kwargs.stream={kwargs['stream']!r} must be true or false")
+        for key in ("stream", "merge_lora"):
+            if not isinstance(kwargs.get(key, True), bool):
+                raise ValueError(f"rollout.engine_kwargs.{key}={kwargs[key]!r} must be true or false")
         for key in ("threads", "index_row_stride", "max_num_seqs"):
             v = kwargs.get(key, 1)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -204,8 +210,9 @@ class HFRolloutEngine(RolloutEngine):
         from peft import PeftModel, set_peft_model_state_dict
         from safetensors.torch import load as load_bytes
 
-
         self.payload_version = payload.version if payload is not None else -1
+        if self.merged is not None:
+            self.merged.restore()
         if payload is None or not payload.files:
             if self.peft is not None:
                 self.peft.base_model.disable_adapter_layers()
@@ -223,6 +230,10 @@ class HFRolloutEngine(RolloutEngine):
             res = set_peft_model_state_dict(self.peft, load_bytes(payload.files["adapter_model.safetensors"]))
             if getattr(res, "unexpected_keys", None):
                 raise ValueError(f"adapter v{payload.version}: unexpected keys {res.unexpected_keys[:3]}")
+        if self.merge_lora:
+            if self.merged is None:
+                self.merged = MergedLoRA(self.peft)
+            self.merged.merge()
         self.adapter_version = payload.version
 
     # ------------------------------------------------------------------ colocation (rl.schedule.colocate)
