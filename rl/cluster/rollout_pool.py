@@ -254,11 +254,11 @@ class RolloutPool:
     def stream_poll(self, timeout_s: float = 0.5) -> list[Result]:
         """The results finished since the last poll (at least one, unless ``timeout_s`` passes or nothing is in
         flight), each with ``Result.version``. An actor that died is replaced with the current adapter and its
-        requests in flight are submitted again, from the prefixes they were submitted with."""
+        requests in flight are submitted again, from the prefixes they were submitted with. Before returning, the
+        next poll of every engine with requests in flight is sent: it decodes while the caller books and scores
+        these (in the fully async bench an engine waiting for the driver's next poll idled 18 % of its time)."""
         self._check_submits()
-        busy = {i for i, _, _ in self.stream_live.values()}
-        for i in busy - set(self.polls):
-            self.polls[i] = self.actors[i].stream_poll.remote(min(timeout_s, 0.25))
+        self._poll_busy(timeout_s)
         if not self.polls:
             return []
         ready, _ = ray.wait(list(self.polls.values()), num_returns=1, timeout=timeout_s)
@@ -282,7 +282,14 @@ class RolloutPool:
                 if self.stream_live.pop(res.key, None) is None:
                     raise RuntimeError(f"sample {res.key} returned twice or never submitted")
                 out.append(res)
+        self._poll_busy(timeout_s)
         return out
+
+    def _poll_busy(self, timeout_s: float) -> None:
+        """A ``stream_poll`` in flight on every engine that holds requests and has none."""
+        busy = {i for i, _, _ in self.stream_live.values()}
+        for i in busy - set(self.polls):
+            self.polls[i] = self.actors[i].stream_poll.remote(min(timeout_s, 0.25))
 
     def _check_submits(self) -> None:
         """A submit the engine refused (a bad request) stops the run with its line."""
