@@ -256,7 +256,7 @@ class RolloutPool:
         flight), each with ``Result.version``. An actor that died is replaced with the current adapter and its
         requests in flight are submitted again, from the prefixes they were submitted with. Before returning, the
         next poll of every engine with requests in flight is sent: it decodes while the caller books and scores
-        these (in the fully async bench an engine waiting for the driver's next poll idled 18 % of its time)."""
+        these, instead of waiting for the caller's next call."""
         self._check_submits()
         self._poll_busy(timeout_s)
         if not self.polls:
