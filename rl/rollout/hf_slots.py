@@ -5,8 +5,9 @@ token it finishes — the engine never decodes a finished row, nor waits for a b
 **Cohorts, merged.** Requests admitted at one token boundary are prefilled in forwards of neighbouring
 lengths (``prefill_buckets``: the fewest padded tokens a forward's fixed cost is worth), each left-padded to
 its longest (no padding where they share a length: each row's prefill is then the batch engine's). Their KV
-cache (transformers' ``DynamicCache``, the DSA indexer's key cache with it) then joins the live rows' cache: the shorter side is left-padded along the sequence, so every live row decodes in **one
-forward per token** whatever its length.
+cache (transformers' ``DynamicCache``, the DSA indexer's key cache with it) then joins the live rows' cache:
+the shorter side is left-padded along the sequence, so every live row decodes in **one forward per token**
+whatever its length.
 A padded row's forward gets a 2-D attention mask (0 on its pad columns: the attention and the indexer both
 add it, so a pad key is never attended nor counted among the top-k of a row that has k real keys) and its
 own position id (RoPE sees the unpadded position). A row that finishes leaves at once
